@@ -1,0 +1,53 @@
+# Locate Python and LibTorch through the chosen interpreter (torch.utils.cmake_prefix_path), and
+# decide whether the CUDA kernels are built (OPTAMP_WITH_CUDA=AUTO/ON/OFF).
+if(OPTAMP_BUILD_PYTHON)
+  find_package(Python3 REQUIRED COMPONENTS Interpreter Development.Module)
+else()
+  find_package(Python3 REQUIRED COMPONENTS Interpreter)
+endif()
+
+execute_process(
+  COMMAND "${Python3_EXECUTABLE}" -c
+          "import torch, torch.utils; print(torch.utils.cmake_prefix_path); print(torch.version.cuda or '')"
+  OUTPUT_VARIABLE _optamp_torch_info OUTPUT_STRIP_TRAILING_WHITESPACE
+  RESULT_VARIABLE _optamp_torch_rc)
+if(NOT _optamp_torch_rc EQUAL 0)
+  message(FATAL_ERROR "optamp: ${Python3_EXECUTABLE} cannot import torch. Run scripts/bootstrap.sh "
+                      "or pass -DPython3_EXECUTABLE=<python with torch>.")
+endif()
+string(REPLACE "\n" ";" _optamp_torch_info "${_optamp_torch_info}")
+list(GET _optamp_torch_info 0 OPTAMP_TORCH_CMAKE_PREFIX)
+list(LENGTH _optamp_torch_info _len)
+set(OPTAMP_TORCH_CUDA_VERSION "")
+if(_len GREATER 1)
+  list(GET _optamp_torch_info 1 OPTAMP_TORCH_CUDA_VERSION)
+endif()
+list(APPEND CMAKE_PREFIX_PATH "${OPTAMP_TORCH_CMAKE_PREFIX}")
+
+# CUDA decision. AUTO: on when nvcc is found and torch itself was built with CUDA.
+set(OPTAMP_HAVE_CUDA OFF)
+if(NOT OPTAMP_WITH_CUDA STREQUAL "OFF")
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER AND OPTAMP_TORCH_CUDA_VERSION)
+    set(OPTAMP_HAVE_CUDA ON)
+  elseif(OPTAMP_WITH_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "optamp: OPTAMP_WITH_CUDA=ON but nvcc='${CMAKE_CUDA_COMPILER}' and "
+                        "torch CUDA='${OPTAMP_TORCH_CUDA_VERSION}'; both are needed")
+  endif()
+endif()
+if(OPTAMP_HAVE_CUDA)
+  # Hopper (H100/H200) and Ampere by default; one architecture per entry doubles compile time.
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES "80;90")
+  endif()
+  if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
+    set(ENV{TORCH_CUDA_ARCH_LIST} "8.0;9.0")
+  endif()
+  enable_language(CUDA)
+  set(CMAKE_CUDA_STANDARD 17)
+  set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+endif()
+
+find_package(Torch REQUIRED)
+message(STATUS "optamp: Torch ${Torch_VERSION} from ${Torch_DIR}; torch CUDA '${OPTAMP_TORCH_CUDA_VERSION}'")

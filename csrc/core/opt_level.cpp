@@ -1,0 +1,352 @@
+// Opt levels: the defaults table, override processing and Apex's validation rules.
+#include "optamp/opt_level.h"
+
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+namespace amp {
+namespace {
+
+using c10::ScalarType;
+constexpr ScalarType kNone = ScalarType::Undefined;
+
+constexpr std::array<const char*, 6> kLevelNames = {"O0", "O1", "O2", "O3", "O4", "O5"};
+
+struct LevelDefaults {
+  const char* brief;
+  ScalarType cast_model_type;
+  bool patch_torch_functions;
+  ScalarType patch_torch_functions_type;
+  int keep_batchnorm_fp32;  // -1 = None
+  int master_weights;       // -1 = None
+  bool dynamic_loss_scale;
+};
+
+// The opt-level table (ARCHITECTURE §3), as data. Apex's own values for O0-O3; O4/O5 are the
+// bf16 analogues of O1/O2, which need no loss scaling (bf16 has fp32's exponent range).
+constexpr std::array<LevelDefaults, 6> kLevelTable = {{
+    {"Pure FP32 training.", ScalarType::Float, false, kNone, -1, 0, false},
+    {"Insert automatic casts around Pytorch functions and Tensor methods.", kNone, true,
+     ScalarType::Half, -1, -1, true},
+    {"FP16 training with FP32 batchnorm and FP32 master weights.", ScalarType::Half, false, kNone,
+     1, 1, true},
+    {"Pure FP16 training.", ScalarType::Half, false, kNone, 0, 0, false},
+    {"Insert automatic BFloat16 casts around Pytorch functions and Tensor methods.", kNone, true,
+     ScalarType::BFloat16, -1, -1, false},
+    {"BFloat16 training with FP32 batchnorm and FP32 master weights.", ScalarType::BFloat16, false,
+     kNone, 1, 1, false},
+}};
+
+std::optional<bool> tristate(int value) {
+  if (value < 0) return std::nullopt;
+  return value != 0;
+}
+
+std::string bool_name(bool value) { return value ? "True" : "False"; }
+
+std::string optional_bool_name(const std::optional<bool>& value) {
+  return value ? bool_name(*value) : "None";
+}
+
+std::string number_name(double value) {
+  std::ostringstream out;
+  out << value;
+  return out.str();
+}
+
+bool is_reduced_float(ScalarType type) {
+  return type == ScalarType::Half || type == ScalarType::BFloat16;
+}
+
+// One line per option, aligned the way Apex prints them.
+std::string format_options(const Properties& p) {
+  std::ostringstream out;
+  auto row = [&out](const char* name, const std::string& value) {
+    const std::size_t length = std::string_view(name).size();
+    out << name << std::string(length < 23 ? 23 - length : 1, ' ') << ": " << value << "\n";
+  };
+  row("enabled", bool_name(p.enabled));
+  row("opt_level", to_string(p.opt_level));
+  row("cast_model_type", dtype_name(p.cast_model_type));
+  row("patch_torch_functions", bool_name(p.patch_torch_functions));
+  row("patch_torch_functions_type", dtype_name(p.patch_torch_functions_type));
+  row("keep_batchnorm_fp32", optional_bool_name(p.keep_batchnorm_fp32));
+  row("master_weights", optional_bool_name(p.master_weights));
+  row("loss_scale", p.loss_scale.to_string());
+  row("num_losses", std::to_string(p.num_losses));
+  row("min_loss_scale", p.min_loss_scale ? number_name(*p.min_loss_scale) : "None");
+  row("max_loss_scale", number_name(p.max_loss_scale));
+  row("verbosity", std::to_string(p.verbosity));
+  if (p.loss_scale.is_dynamic()) {
+    row("init_scale", number_name(p.init_scale));
+    row("growth_factor", number_name(p.growth_factor));
+    row("backoff_factor", number_name(p.backoff_factor));
+    row("growth_interval", std::to_string(p.growth_interval));
+    row("hysteresis", std::to_string(p.hysteresis));
+  }
+  return out.str();
+}
+
+// Records "name=value" for the overrides report.
+class OverrideLog {
+ public:
+  void add(const char* name, const std::string& value) {
+    out_ << (empty_ ? "" : ", ") << name << "=" << value;
+    empty_ = false;
+  }
+  std::string str() const { return empty_ ? "(none)" : out_.str(); }
+
+ private:
+  std::ostringstream out_;
+  bool empty_ = true;
+};
+
+void check_model_types(const Properties& p, const Options& o) {
+  const std::string level = to_string(p.opt_level);
+  if (o.cast_model_type) {
+    const ScalarType t = *o.cast_model_type;
+    TORCH_CHECK_VALUE(t == kNone || t == ScalarType::Float || is_reduced_float(t),
+                      "cast_model_type must be torch.float16, torch.bfloat16, torch.float32 or "
+                      "None, got ",
+                      dtype_name(t));
+    const bool op_level = p.opt_level == OptLevel::O1 || p.opt_level == OptLevel::O4;
+    TORCH_CHECK_VALUE(!op_level || t == kNone || t == ScalarType::Float, "opt_level ", level,
+                      " inserts casts around Torch functions rather than casting model weights, "
+                      "so the model weights themselves should remain FP32 (cast_model_type must "
+                      "be None or torch.float32, got ",
+                      dtype_name(t),
+                      "). To cast the model use opt_level='O2'/'O3' (fp16) or "
+                      "'O5' (bf16).");
+  }
+  if (o.patch_torch_functions_type) {
+    const ScalarType t = *o.patch_torch_functions_type;
+    TORCH_CHECK_VALUE(t == kNone || is_reduced_float(t),
+                      "patch_torch_functions_type must be torch.float16, torch.bfloat16 or None, "
+                      "got ",
+                      dtype_name(t));
+  }
+  if (is_bf16_level(p.opt_level)) {
+    TORCH_CHECK_VALUE(
+        p.cast_model_type != ScalarType::Half && p.patch_torch_functions_type != ScalarType::Half,
+        "opt_level ", level,
+        " is a bfloat16 level, but torch.float16 was requested "
+        "(cast_model_type=",
+        dtype_name(p.cast_model_type),
+        ", patch_torch_functions_type=", dtype_name(p.patch_torch_functions_type),
+        "). Use opt_level='O1'/'O2'/'O3' for float16, or torch.bfloat16 here.");
+  }
+}
+
+void check_level_conflicts(const Properties& p, const Options& o) {
+  const std::string level = to_string(p.opt_level);
+  const bool op_level = p.opt_level == OptLevel::O1 || p.opt_level == OptLevel::O4;
+  TORCH_CHECK_VALUE(!(o.patch_torch_functions.value_or(false) && !op_level),
+                    "patch_torch_functions=True is only valid with opt_level 'O1' or 'O4' (got "
+                    "opt_level ",
+                    level,
+                    "). Select opt_level='O1' (fp16) or 'O4' (bf16) instead "
+                    "of setting patch_torch_functions.");
+  TORCH_CHECK_VALUE(!(o.keep_batchnorm_fp32 && op_level), "With opt_level ", level,
+                    ", batchnorm functions are automatically run in FP32, so keep_batchnorm_fp32 "
+                    "should be None (got ",
+                    bool_name(*o.keep_batchnorm_fp32),
+                    "). Remove the override, or use opt_level 'O2'/'O3'/'O5'.");
+  TORCH_CHECK_VALUE(!(o.master_weights && op_level),
+                    "It doesn't make sense to use "
+                    "master_weights with opt_level ",
+                    level, " (got master_weights=", bool_name(*o.master_weights),
+                    "): the model weights themselves stay FP32. "
+                    "Remove the override, or use opt_level 'O2' or 'O5'.");
+  TORCH_CHECK_VALUE(!(p.patch_torch_functions && p.patch_torch_functions_type == kNone),
+                    "patch_torch_functions=True needs patch_torch_functions_type torch.float16 or "
+                    "torch.bfloat16, got None");
+}
+
+void check_scaler_knobs(const Properties& p, const Options& o) {
+  if (!p.loss_scale.is_dynamic()) {
+    const double v = p.loss_scale.value();
+    TORCH_CHECK_VALUE(std::isfinite(v) && v > 0,
+                      "loss_scale must be \"dynamic\" or a positive, "
+                      "finite number, got ",
+                      v);
+  }
+  TORCH_CHECK_VALUE(p.num_losses >= 1, "num_losses must be >= 1, got ", p.num_losses);
+  TORCH_CHECK_VALUE(p.verbosity >= 0 && p.verbosity <= 2, "verbosity must be 0, 1 or 2, got ",
+                    p.verbosity);
+  TORCH_CHECK_VALUE(std::isfinite(p.max_loss_scale) && p.max_loss_scale > 0,
+                    "max_loss_scale must be a positive, finite number, got ", p.max_loss_scale);
+  if (p.min_loss_scale) {
+    const double lo = *p.min_loss_scale;
+    TORCH_CHECK_VALUE(std::isfinite(lo) && lo > 0,
+                      "min_loss_scale must be a positive, finite number or None, got ", lo);
+    TORCH_CHECK_VALUE(lo <= p.max_loss_scale, "min_loss_scale (", lo,
+                      ") must not exceed max_loss_scale (", p.max_loss_scale, ")");
+  }
+  TORCH_CHECK_VALUE(std::isfinite(p.init_scale) && p.init_scale > 0,
+                    "init_scale must be a positive, finite number, got ", p.init_scale);
+  if (o.init_scale) {
+    TORCH_CHECK_VALUE(
+        p.init_scale <= p.max_loss_scale && p.init_scale >= p.min_loss_scale.value_or(0.0),
+        "init_scale (", p.init_scale,
+        ") must lie within [min_loss_scale, "
+        "max_loss_scale] = [",
+        p.min_loss_scale.value_or(0.0), ", ", p.max_loss_scale, "]");
+  }
+  TORCH_CHECK_VALUE(std::isfinite(p.growth_factor) && p.growth_factor > 1.0,
+                    "growth_factor must be a finite number > 1, got ", p.growth_factor);
+  TORCH_CHECK_VALUE(p.backoff_factor > 0.0 && p.backoff_factor < 1.0,
+                    "backoff_factor must lie in (0, 1), got ", p.backoff_factor);
+  TORCH_CHECK_VALUE(p.growth_interval >= 1, "growth_interval must be >= 1, got ",
+                    p.growth_interval);
+  TORCH_CHECK_VALUE(p.hysteresis >= 1, "hysteresis must be >= 1, got ", p.hysteresis);
+}
+
+// Applies each set override to `p` and logs it.
+void apply_overrides(Properties& p, const Options& o, OverrideLog& log) {
+  auto take = [&log](const char* name, auto& field, const auto& value, std::string shown) {
+    if (value) {
+      field = *value;
+      log.add(name, std::move(shown));
+    }
+  };
+  take("enabled", p.enabled, o.enabled, o.enabled ? bool_name(*o.enabled) : "");
+  take("cast_model_type", p.cast_model_type, o.cast_model_type,
+       o.cast_model_type ? dtype_name(*o.cast_model_type) : "");
+  take("patch_torch_functions", p.patch_torch_functions, o.patch_torch_functions,
+       o.patch_torch_functions ? bool_name(*o.patch_torch_functions) : "");
+  take("patch_torch_functions_type", p.patch_torch_functions_type, o.patch_torch_functions_type,
+       o.patch_torch_functions_type ? dtype_name(*o.patch_torch_functions_type) : "");
+  if (o.keep_batchnorm_fp32) {
+    p.keep_batchnorm_fp32 = o.keep_batchnorm_fp32;
+    log.add("keep_batchnorm_fp32", bool_name(*o.keep_batchnorm_fp32));
+  }
+  if (o.master_weights) {
+    p.master_weights = o.master_weights;
+    log.add("master_weights", bool_name(*o.master_weights));
+  }
+  take("loss_scale", p.loss_scale, o.loss_scale, o.loss_scale ? o.loss_scale->to_string() : "");
+  take("num_losses", p.num_losses, o.num_losses, o.num_losses ? std::to_string(*o.num_losses) : "");
+  if (o.min_loss_scale) {
+    p.min_loss_scale = o.min_loss_scale;
+    log.add("min_loss_scale", number_name(*o.min_loss_scale));
+  }
+  take("max_loss_scale", p.max_loss_scale, o.max_loss_scale,
+       o.max_loss_scale ? number_name(*o.max_loss_scale) : "");
+  take("verbosity", p.verbosity, o.verbosity, o.verbosity ? std::to_string(*o.verbosity) : "");
+  take("init_scale", p.init_scale, o.init_scale, o.init_scale ? number_name(*o.init_scale) : "");
+  take("growth_factor", p.growth_factor, o.growth_factor,
+       o.growth_factor ? number_name(*o.growth_factor) : "");
+  take("backoff_factor", p.backoff_factor, o.backoff_factor,
+       o.backoff_factor ? number_name(*o.backoff_factor) : "");
+  take("growth_interval", p.growth_interval, o.growth_interval,
+       o.growth_interval ? std::to_string(*o.growth_interval) : "");
+  take("hysteresis", p.hysteresis, o.hysteresis, o.hysteresis ? std::to_string(*o.hysteresis) : "");
+  // Apex: the initial scale never exceeds the ceiling unless the user asked for it explicitly.
+  if (!o.init_scale && p.init_scale > p.max_loss_scale) p.init_scale = p.max_loss_scale;
+}
+
+}  // namespace
+
+OptLevel parse_opt_level(std::string_view text) {
+  for (std::size_t i = 0; i < kLevelNames.size(); ++i) {
+    if (text == kLevelNames[i]) return static_cast<OptLevel>(i);
+  }
+  C10_THROW_ERROR(ValueError,
+                  c10::str("opt_level must be one of \"O0\", \"O1\", \"O2\", \"O3\", \"O4\", "
+                           "\"O5\" (the prefix is the capital letter O, not the number zero), "
+                           "got \"",
+                           std::string(text), "\""));
+}
+
+std::string to_string(OptLevel level) {
+  const auto index = static_cast<std::size_t>(level);
+  TORCH_INTERNAL_ASSERT(index < kLevelNames.size(), "invalid OptLevel ", index);
+  return kLevelNames[index];
+}
+
+bool is_bf16_level(OptLevel level) { return level == OptLevel::O4 || level == OptLevel::O5; }
+
+LossScale::LossScale(const std::string& text) : dynamic_(text == "dynamic"), value_(1.0) {
+  if (dynamic_) return;
+  char* end = nullptr;
+  value_ = std::strtod(text.c_str(), &end);
+  TORCH_CHECK_VALUE(!text.empty() && end == text.c_str() + text.size(),
+                    "loss_scale must be \"dynamic\" or a positive, finite number, got \"", text,
+                    "\"");
+}
+
+LossScale::LossScale(const char* text) : LossScale(std::string(text ? text : "")) {}
+
+std::string LossScale::to_string() const { return dynamic_ ? "dynamic" : number_name(value_); }
+
+std::string dtype_name(c10::ScalarType type) {
+  switch (type) {
+    case ScalarType::Undefined:
+      return "None";
+    case ScalarType::Half:
+      return "torch.float16";
+    case ScalarType::BFloat16:
+      return "torch.bfloat16";
+    case ScalarType::Float:
+      return "torch.float32";
+    case ScalarType::Double:
+      return "torch.float64";
+    default:
+      return std::string("torch.") + c10::toString(type);
+  }
+}
+
+c10::ScalarType Properties::low_dtype() const {
+  if (!enabled || opt_level == OptLevel::O0) return kNone;
+  if (patch_torch_functions_type != kNone) return patch_torch_functions_type;
+  if (is_reduced_float(cast_model_type)) return cast_model_type;
+  return is_bf16_level(opt_level) ? ScalarType::BFloat16 : ScalarType::Half;
+}
+
+std::string Properties::describe() const {
+  const auto& row = kLevelTable[static_cast<std::size_t>(opt_level)];
+  std::ostringstream out;
+  out << "Selected optimization level " << to_string(opt_level) << ":  " << row.brief << "\n\n"
+      << "Defaults for this optimization level are:\n"
+      << defaults_description
+      << "Processing user overrides (additional kwargs that are not None)...\n"
+      << "Overrides applied: " << overrides_description << "\n"
+      << "After processing overrides, optimization options are:\n"
+      << format_options(*this);
+  return out.str();
+}
+
+Properties level_defaults(OptLevel level) {
+  const auto& row = kLevelTable.at(static_cast<std::size_t>(level));
+  Properties p;
+  p.opt_level = level;
+  p.cast_model_type = row.cast_model_type;
+  p.patch_torch_functions = row.patch_torch_functions;
+  p.patch_torch_functions_type = row.patch_torch_functions_type;
+  p.keep_batchnorm_fp32 = tristate(row.keep_batchnorm_fp32);
+  p.master_weights = tristate(row.master_weights);
+  p.loss_scale = row.dynamic_loss_scale ? LossScale::dynamic() : LossScale::fixed(1.0);
+  p.defaults_description = format_options(p);
+  return p;
+}
+
+Properties resolve(OptLevel level, const Options& options) {
+  Properties p = level_defaults(level);
+  OverrideLog log;
+  apply_overrides(p, options, log);
+  p.overrides_description = log.str();
+  check_model_types(p, options);
+  check_level_conflicts(p, options);
+  check_scaler_knobs(p, options);
+  return p;
+}
+
+Properties resolve(std::string_view level, const Options& options) {
+  return resolve(parse_opt_level(level), options);
+}
+
+}  // namespace amp

@@ -1,0 +1,120 @@
+#pragma once
+// Opt levels and their properties: the Apex vocabulary (O0..O3) plus the bf16 levels O4/O5.
+//
+// resolve() turns an opt level and the user's overrides into the final Properties, with Apex's
+// validation rules. Every later component reads Properties, never the raw Options.
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace amp {
+
+enum class OptLevel : std::uint8_t { O0 = 0, O1, O2, O3, O4, O5 };
+
+// Accepts exactly "O0".."O5" (capital letter O). Anything else is a ValueError that lists the
+// valid levels.
+OptLevel parse_opt_level(std::string_view text);
+std::string to_string(OptLevel level);
+
+// True for the levels whose reduced type is bfloat16 (O4, O5).
+bool is_bf16_level(OptLevel level);
+
+// A loss scale setting: "dynamic" or a fixed positive, finite number.
+class LossScale {
+ public:
+  static LossScale dynamic() { return LossScale(true, 1.0); }
+  static LossScale fixed(double value) { return LossScale(false, value); }
+  LossScale(double value) : LossScale(false, value) {}  // NOLINT(google-explicit-constructor)
+  // "dynamic" or a decimal number such as "128.0"; validated by resolve().
+  LossScale(const char* text);         // NOLINT(google-explicit-constructor)
+  LossScale(const std::string& text);  // NOLINT(google-explicit-constructor)
+
+  bool is_dynamic() const { return dynamic_; }
+  double value() const { return value_; }  // the fixed scale; 1.0 when dynamic
+  std::string to_string() const;
+  bool operator==(const LossScale& other) const {
+    return dynamic_ == other.dynamic_ && (dynamic_ || value_ == other.value_);
+  }
+
+ private:
+  LossScale(bool dynamic, double value) : dynamic_(dynamic), value_(value) {}
+  bool dynamic_;
+  double value_;
+};
+
+// User overrides, Apex names. Unset fields take the level's default.
+//
+// For the two type fields, c10::ScalarType::Undefined stands for Python's `None`
+// ("do not cast the model" / "no patch type").
+struct Options {
+  std::optional<bool> enabled;
+  std::optional<c10::ScalarType> cast_model_type;
+  std::optional<bool> patch_torch_functions;
+  std::optional<c10::ScalarType> patch_torch_functions_type;
+  std::optional<bool> keep_batchnorm_fp32;
+  std::optional<bool> master_weights;
+  std::optional<LossScale> loss_scale;
+  std::optional<int> num_losses;
+  std::optional<double> min_loss_scale;
+  std::optional<double> max_loss_scale;
+  std::optional<int> verbosity;
+  // Beyond Apex: the dynamic scaler's knobs (torch.amp.GradScaler names).
+  std::optional<double> init_scale;
+  std::optional<double> growth_factor;
+  std::optional<double> backoff_factor;
+  std::optional<int> growth_interval;
+  std::optional<int> hysteresis;
+};
+
+// The resolved, validated settings for one initialize() call.
+struct Properties {
+  OptLevel opt_level = OptLevel::O0;
+  bool enabled = true;
+  // Undefined = None (model tensors keep their dtype).
+  c10::ScalarType cast_model_type = c10::ScalarType::Float;
+  bool patch_torch_functions = false;
+  // Undefined = None (no op-level casting).
+  c10::ScalarType patch_torch_functions_type = c10::ScalarType::Undefined;
+  // nullopt = None (not applicable at this level).
+  std::optional<bool> keep_batchnorm_fp32;
+  // nullopt = None.
+  std::optional<bool> master_weights;
+  LossScale loss_scale = LossScale::fixed(1.0);
+  int num_losses = 1;
+  std::optional<double> min_loss_scale;  // nullopt = no floor
+  double max_loss_scale = 16777216.0;    // 2^24
+  int verbosity = 1;
+  double init_scale = 65536.0;  // 2^16
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int growth_interval = 2000;
+  int hysteresis = 1;
+
+  // The reduced-precision type the dispatcher casts to at this level: Half (O1/O2/O3),
+  // BFloat16 (O4/O5), or Undefined (O0, or disabled).
+  c10::ScalarType low_dtype() const;
+
+  // Apex-style report: the level's defaults, the overrides applied, and the final options.
+  std::string describe() const;
+
+  // Filled by resolve(): the level's defaults and "name=value" for each override.
+  std::string defaults_description;
+  std::string overrides_description;
+};
+
+// The defaults of a level (the table in docs/opt_levels.md), without overrides.
+Properties level_defaults(OptLevel level);
+
+// Level defaults, then overrides, with Apex's validation. Throws c10::ValueError naming the
+// conflicting option and level and what to do instead; never returns partially applied state.
+Properties resolve(OptLevel level, const Options& options = {});
+Properties resolve(std::string_view level, const Options& options = {});
+
+// Human-readable names used in messages: "torch.float16", "None", "True", "dynamic".
+std::string dtype_name(c10::ScalarType type);
+
+}  // namespace amp

@@ -1,0 +1,11 @@
+#pragma once
+
+namespace amp {
+
+constexpr int kVersionMajor = 0;
+constexpr int kVersionMinor = 1;
+constexpr int kVersionPatch = 0;
+// "0.1.0"
+const char* version();
+
+}  // namespace amp

@@ -1,0 +1,29 @@
+# Sourced by the scripts: repository paths and the Python chosen by bootstrap.sh.
+OPTAMP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OPTAMP_PYTHON_FILE="$OPTAMP_ROOT/.venv/.optamp-python"
+
+# Prints the interpreter bootstrap.sh selected (and bootstraps first if it has not run).
+optamp_python() {
+  if [[ -n "${OPTAMP_PYTHON:-}" ]]; then
+    echo "$OPTAMP_PYTHON"
+  elif [[ -f "$OPTAMP_PYTHON_FILE" ]]; then
+    cat "$OPTAMP_PYTHON_FILE"
+  else
+    bash "$OPTAMP_ROOT/scripts/bootstrap.sh" >&2 && cat "$OPTAMP_PYTHON_FILE"
+  fi
+}
+
+optamp_build_dir() { echo "${OPTAMP_BUILD_DIR:-$OPTAMP_ROOT/build}"; }
+
+# Configures (once) and builds the project with the chosen Python.
+optamp_build() {
+  local py build gen=()
+  py="$(optamp_python)"
+  build="$(optamp_build_dir)"
+  command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
+  if [[ ! -f "$build/CMakeCache.txt" ]]; then
+    cmake -S "$OPTAMP_ROOT" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+      -DPython3_EXECUTABLE="$py" ${OPTAMP_CMAKE_ARGS:-}
+  fi
+  cmake --build "$build" -j "$(nproc)"
+}

@@ -1,0 +1,281 @@
+// Opt levels: parsing, each level's defaults, every validation rule, describe().
+#include "optamp/opt_level.h"
+
+#include "test_util.h"
+
+namespace amp {
+namespace {
+
+using c10::ScalarType;
+constexpr ScalarType kNone = ScalarType::Undefined;
+
+TEST(OptLevelParse, AcceptsExactlyTheSixLevels) {
+  EXPECT_EQ(parse_opt_level("O0"), OptLevel::O0);
+  EXPECT_EQ(parse_opt_level("O1"), OptLevel::O1);
+  EXPECT_EQ(parse_opt_level("O2"), OptLevel::O2);
+  EXPECT_EQ(parse_opt_level("O3"), OptLevel::O3);
+  EXPECT_EQ(parse_opt_level("O4"), OptLevel::O4);
+  EXPECT_EQ(parse_opt_level("O5"), OptLevel::O5);
+  for (int i = 0; i <= 5; ++i) {
+    const auto level = static_cast<OptLevel>(i);
+    EXPECT_EQ(parse_opt_level(to_string(level)), level);
+  }
+}
+
+TEST(OptLevelParse, RejectsLookalikesWithAValueErrorNamingTheLetterO) {
+  for (const char* bad : {"00", "01", "o1", "O6", "", "O", "O1 ", " O1", "O-1", "O10", "1"}) {
+    OPTAMP_EXPECT_THROW_WITH(parse_opt_level(bad), c10::ValueError, "capital letter O", "\"O5\"",
+                             (std::string("got \"") + bad + "\"").c_str());
+  }
+}
+
+struct Expected {
+  OptLevel level;
+  ScalarType cast_model_type;
+  bool patch;
+  ScalarType patch_type;
+  std::optional<bool> keep_bn;
+  std::optional<bool> master;
+  bool dynamic;
+  ScalarType low;
+};
+
+TEST(OptLevelDefaults, EveryLevelMatchesTheTable) {
+  const Expected table[] = {
+      {OptLevel::O0, ScalarType::Float, false, kNone, std::nullopt, false, false, kNone},
+      {OptLevel::O1, kNone, true, ScalarType::Half, std::nullopt, std::nullopt, true,
+       ScalarType::Half},
+      {OptLevel::O2, ScalarType::Half, false, kNone, true, true, true, ScalarType::Half},
+      {OptLevel::O3, ScalarType::Half, false, kNone, false, false, false, ScalarType::Half},
+      {OptLevel::O4, kNone, true, ScalarType::BFloat16, std::nullopt, std::nullopt, false,
+       ScalarType::BFloat16},
+      {OptLevel::O5, ScalarType::BFloat16, false, kNone, true, true, false, ScalarType::BFloat16},
+  };
+  for (const auto& row : table) {
+    SCOPED_TRACE(to_string(row.level));
+    const Properties p = resolve(row.level);
+    EXPECT_EQ(p.opt_level, row.level);
+    EXPECT_TRUE(p.enabled);
+    EXPECT_EQ(p.cast_model_type, row.cast_model_type);
+    EXPECT_EQ(p.patch_torch_functions, row.patch);
+    EXPECT_EQ(p.patch_torch_functions_type, row.patch_type);
+    EXPECT_EQ(p.keep_batchnorm_fp32, row.keep_bn);
+    EXPECT_EQ(p.master_weights, row.master);
+    EXPECT_EQ(p.loss_scale.is_dynamic(), row.dynamic);
+    if (!row.dynamic) EXPECT_EQ(p.loss_scale.value(), 1.0);
+    EXPECT_EQ(p.low_dtype(), row.low);
+    EXPECT_EQ(p.num_losses, 1);
+    EXPECT_FALSE(p.min_loss_scale.has_value());
+    EXPECT_EQ(p.max_loss_scale, 16777216.0);
+    EXPECT_EQ(p.verbosity, 1);
+    EXPECT_EQ(p.init_scale, 65536.0);
+    EXPECT_EQ(p.growth_factor, 2.0);
+    EXPECT_EQ(p.backoff_factor, 0.5);
+    EXPECT_EQ(p.growth_interval, 2000);
+    EXPECT_EQ(p.hysteresis, 1);
+    EXPECT_EQ(is_bf16_level(row.level), row.low == ScalarType::BFloat16);
+  }
+}
+
+TEST(OptLevelOverrides, AreAppliedAndReported) {
+  Options o;
+  o.loss_scale = 128.0;
+  o.keep_batchnorm_fp32 = false;
+  o.growth_interval = 10;
+  o.verbosity = 0;
+  const Properties p = resolve("O2", o);
+  EXPECT_FALSE(p.loss_scale.is_dynamic());
+  EXPECT_EQ(p.loss_scale.value(), 128.0);
+  EXPECT_EQ(p.keep_batchnorm_fp32, false);
+  EXPECT_EQ(p.growth_interval, 10);
+  EXPECT_EQ(p.verbosity, 0);
+  EXPECT_NE(p.overrides_description.find("loss_scale=128"), std::string::npos);
+  EXPECT_NE(p.overrides_description.find("keep_batchnorm_fp32=False"), std::string::npos);
+}
+
+TEST(OptLevelOverrides, LossScaleAcceptsDynamicAndNumericStrings) {
+  Options o;
+  o.loss_scale = "dynamic";
+  EXPECT_TRUE(resolve("O3", o).loss_scale.is_dynamic());
+  o.loss_scale = "512.0";
+  EXPECT_EQ(resolve("O1", o).loss_scale.value(), 512.0);
+  OPTAMP_EXPECT_THROW_WITH(LossScale("dynamc"), c10::ValueError, "loss_scale", "dynamc");
+}
+
+TEST(OptLevelOverrides, BF16TypeAtO1SelectsBF16Casting) {
+  Options o;
+  o.patch_torch_functions_type = ScalarType::BFloat16;
+  EXPECT_EQ(resolve("O1", o).low_dtype(), ScalarType::BFloat16);
+}
+
+TEST(OptLevelOverrides, DisabledMeansNoReducedType) {
+  Options o;
+  o.enabled = false;
+  EXPECT_EQ(resolve("O2", o).low_dtype(), kNone);
+}
+
+TEST(OptLevelOverrides, InitScaleIsCappedByMaxLossScaleUnlessExplicit) {
+  Options o;
+  o.max_loss_scale = 1024.0;
+  EXPECT_EQ(resolve("O1", o).init_scale, 1024.0);
+}
+
+// ---- one test per validation rule --------------------------------------------------------
+
+TEST(OptLevelValidation, CastModelTypeAtO1) {
+  Options o;
+  o.cast_model_type = ScalarType::Half;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "cast_model_type", "O1",
+                           "torch.float16", "opt_level='O2'");
+  o.cast_model_type = ScalarType::Float;  // allowed: weights stay fp32
+  EXPECT_NO_THROW(resolve("O1", o));
+}
+
+TEST(OptLevelValidation, CastModelTypeAtO4) {
+  Options o;
+  o.cast_model_type = ScalarType::BFloat16;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O4", o), c10::ValueError, "cast_model_type", "O4", "'O5'");
+}
+
+TEST(OptLevelValidation, CastModelTypeMustBeAFloatingType) {
+  Options o;
+  o.cast_model_type = ScalarType::Long;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O2", o), c10::ValueError, "cast_model_type", "torch.Long");
+}
+
+TEST(OptLevelValidation, PatchTypeMustBeReduced) {
+  Options o;
+  o.patch_torch_functions_type = ScalarType::Float;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "patch_torch_functions_type",
+                           "torch.float32");
+}
+
+TEST(OptLevelValidation, PatchTorchFunctionsOutsideO1O4) {
+  for (const char* level : {"O0", "O2", "O3", "O5"}) {
+    Options o;
+    o.patch_torch_functions = true;
+    OPTAMP_EXPECT_THROW_WITH(resolve(level, o), c10::ValueError, "patch_torch_functions=True",
+                             level, "'O1'");
+  }
+  Options off;
+  off.patch_torch_functions = false;  // turning it off is always allowed
+  EXPECT_NO_THROW(resolve("O2", off));
+}
+
+TEST(OptLevelValidation, KeepBatchnormAtO1) {
+  Options o;
+  o.keep_batchnorm_fp32 = true;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "keep_batchnorm_fp32", "O1",
+                           "should be None");
+  EXPECT_NO_THROW(resolve("O3", o));  // the documented "O3 with fp32 batchnorm" recipe
+}
+
+TEST(OptLevelValidation, MasterWeightsAtO1) {
+  Options o;
+  o.master_weights = true;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "master_weights", "O1");
+  OPTAMP_EXPECT_THROW_WITH(resolve("O4", o), c10::ValueError, "master_weights", "O4");
+}
+
+TEST(OptLevelValidation, LossScaleNonPositiveOrNonFinite) {
+  for (double bad : {0.0, -1.0, std::numeric_limits<double>::infinity(),
+                     std::numeric_limits<double>::quiet_NaN()}) {
+    Options o;
+    o.loss_scale = bad;
+    OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "loss_scale",
+                             "positive, finite number");
+  }
+}
+
+TEST(OptLevelValidation, MinAboveMax) {
+  Options o;
+  o.min_loss_scale = 1024.0;
+  o.max_loss_scale = 16.0;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "min_loss_scale (1024)",
+                           "max_loss_scale (16)");
+}
+
+TEST(OptLevelValidation, MinLossScaleNotPositive) {
+  Options o;
+  o.min_loss_scale = 0.0;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "min_loss_scale", "got 0");
+}
+
+TEST(OptLevelValidation, MaxLossScaleNotPositive) {
+  Options o;
+  o.max_loss_scale = -2.0;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "max_loss_scale", "got -2");
+}
+
+TEST(OptLevelValidation, NumLossesBelowOne) {
+  Options o;
+  o.num_losses = 0;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "num_losses must be >= 1, got 0");
+}
+
+TEST(OptLevelValidation, VerbosityOutOfRange) {
+  Options o;
+  o.verbosity = 3;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "verbosity must be 0, 1 or 2, got 3");
+}
+
+TEST(OptLevelValidation, BF16LevelsRejectFP16Types) {
+  Options o;
+  o.cast_model_type = ScalarType::Half;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O5", o), c10::ValueError, "O5", "bfloat16 level",
+                           "torch.float16");
+  Options p;
+  p.patch_torch_functions_type = ScalarType::Half;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O4", p), c10::ValueError, "O4", "bfloat16 level");
+}
+
+TEST(OptLevelValidation, InitScaleOutsideRange) {
+  Options o;
+  o.init_scale = 1e9;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "init_scale", "max_loss_scale");
+  o.init_scale = -1.0;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "init_scale", "positive");
+}
+
+TEST(OptLevelValidation, GrowthFactorNotAboveOne) {
+  Options o;
+  o.growth_factor = 1.0;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "growth_factor", "> 1");
+}
+
+TEST(OptLevelValidation, BackoffFactorOutsideUnitInterval) {
+  Options o;
+  o.backoff_factor = 1.5;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "backoff_factor", "(0, 1)");
+}
+
+TEST(OptLevelValidation, GrowthIntervalBelowOne) {
+  Options o;
+  o.growth_interval = 0;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "growth_interval");
+}
+
+TEST(OptLevelValidation, HysteresisBelowOne) {
+  Options o;
+  o.hysteresis = 0;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "hysteresis");
+}
+
+TEST(OptLevelDescribe, ShowsDefaultsOverridesAndFinalOptions) {
+  Options o;
+  o.loss_scale = 64.0;
+  const std::string text = resolve("O2", o).describe();
+  for (const char* needle :
+       {"Selected optimization level O2", "FP32 master weights", "Defaults for this optimization",
+        "loss_scale             : dynamic", "Overrides applied: loss_scale=64",
+        "After processing overrides", "loss_scale             : 64",
+        "keep_batchnorm_fp32    : True", "cast_model_type        : torch.float16"}) {
+    EXPECT_NE(text.find(needle), std::string::npos) << "missing \"" << needle << "\" in\n" << text;
+  }
+  const std::string o1 = resolve("O1").describe();
+  EXPECT_NE(o1.find("Overrides applied: (none)"), std::string::npos) << o1;
+  EXPECT_NE(o1.find("master_weights         : None"), std::string::npos) << o1;
+}
+
+}  // namespace
+}  // namespace amp

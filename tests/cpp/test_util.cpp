@@ -1,0 +1,64 @@
+#include "test_util.h"
+
+#include <c10/util/Exception.h>
+
+#include <fstream>
+#include <map>
+#include <sstream>
+
+namespace amp::testing {
+namespace {
+
+std::map<std::string, Tolerance> load_table() {
+  std::ifstream in(OPTAMP_TOLERANCE_FILE);
+  TORCH_CHECK(in, "cannot read tolerance table ", OPTAMP_TOLERANCE_FILE);
+  std::map<std::string, Tolerance> table;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream row(line);
+    std::string name;
+    Tolerance tol{};
+    if (row >> name >> tol.rtol >> tol.atol) table[name] = tol;
+  }
+  return table;
+}
+
+}  // namespace
+
+Tolerance tolerance(const std::string& name) {
+  static const auto table = load_table();
+  auto it = table.find(name);
+  TORCH_CHECK(it != table.end(), "no tolerance row named ", name);
+  return it->second;
+}
+
+Tolerance tolerance(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kHalf:
+      return tolerance("float16");
+    case at::kBFloat16:
+      return tolerance("bfloat16");
+    default:
+      return tolerance("float32");
+  }
+}
+
+::testing::AssertionResult all_close(const at::Tensor& actual, const at::Tensor& expected,
+                                     Tolerance tol) {
+  if (actual.sizes() != expected.sizes()) {
+    return ::testing::AssertionFailure()
+           << "shape " << actual.sizes() << " vs " << expected.sizes();
+  }
+  auto a = actual.to(at::kDouble).cpu();
+  auto e = expected.to(at::kDouble).cpu();
+  auto excess = (a - e).abs() - (e.abs() * tol.rtol + tol.atol);
+  if (excess.numel() == 0 || excess.max().item<double>() <= 0) return ::testing::AssertionSuccess();
+  auto worst = excess.flatten().argmax().item<int64_t>();
+  return ::testing::AssertionFailure()
+         << "not close (rtol=" << tol.rtol << ", atol=" << tol.atol << "): at flat index " << worst
+         << " actual " << a.flatten()[worst].item<double>() << " expected "
+         << e.flatten()[worst].item<double>();
+}
+
+}  // namespace amp::testing
