@@ -6,5 +6,8 @@
 //
 // This umbrella header pulls in the whole public API.
 
+#include "optamp/autocast.h"
+#include "optamp/cast_cache.h"
 #include "optamp/opt_level.h"
+#include "optamp/policy.h"
 #include "optamp/version.h"

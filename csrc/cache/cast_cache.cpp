@@ -1,0 +1,127 @@
+#include "cache/cast_cache.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+
+#include "core/step_events.h"
+#include "optamp/cast_cache.h"
+#include "optamp/policy.h"
+
+namespace amp::detail {
+namespace {
+
+struct Key {
+  const c10::TensorImpl* source;
+  c10::ScalarType dtype;
+  bool grad_mode;
+  bool operator==(const Key& other) const {
+    return source == other.source && dtype == other.dtype && grad_mode == other.grad_mode;
+  }
+};
+
+struct KeyHash {
+  std::size_t operator()(const Key& k) const {
+    return std::hash<const void*>()(k.source) ^ (static_cast<std::size_t>(k.dtype) << 1) ^
+           static_cast<std::size_t>(k.grad_mode);
+  }
+};
+
+struct Entry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> source;
+  std::uint32_t version;
+  at::Tensor cast;
+};
+
+class CastCache {
+ public:
+  CastResult get(const at::Tensor& source, c10::ScalarType dtype) {
+    const Key key{source.unsafeGetTensorImpl(), dtype, c10::GradMode::is_enabled()};
+    const std::uint32_t version = source._version();
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = entries_.find(key);
+    if (it != entries_.end() && !it->second.source.expired() && it->second.version == version) {
+      return {it->second.cast, false};
+    }
+    at::Tensor cast = source.to(dtype);
+    entries_.insert_or_assign(
+        key,
+        Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()), version, cast});
+    sweep_if_grown();
+    return {cast, true};
+  }
+
+  void clear() {
+    std::unordered_map<Key, Entry, KeyHash> dropped;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      dropped.swap(entries_);
+      live_after_sweep_ = 0;
+    }
+    // `dropped` releases the cached tensors here, outside the lock: freeing a tensor may run
+    // deleters that must not re-enter the cache while it is locked.
+  }
+
+  std::size_t size() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return entries_.size();
+  }
+
+ private:
+  // Entries whose source is gone are dropped once the map has doubled since the last sweep, so
+  // the size stays within twice the number of live parameters (amortized O(1) per insert).
+  // "Gone" includes "kept alive only by this entry": a cast made under autograd holds its source
+  // through ToCopyBackward -> AccumulateGrad, so a dropped parameter keeps one strong reference.
+  void sweep_if_grown() {
+    if (entries_.size() < 2 * live_after_sweep_ + 64) return;
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      it = it->second.source.use_count() <= 1 ? entries_.erase(it) : std::next(it);
+    }
+    live_after_sweep_ = entries_.size();
+  }
+
+  std::mutex mutex_;
+  std::unordered_map<Key, Entry, KeyHash> entries_;
+  std::size_t live_after_sweep_ = 0;
+};
+
+CastCache& cache() {
+  static auto* instance = new CastCache();  // leaked: used until process exit
+  return *instance;
+}
+
+std::atomic<std::int64_t> g_cast_count{0};
+
+bool is_cacheable(const at::Tensor& t) { return t.is_leaf() && t.requires_grad(); }
+
+const bool g_registered = [] {
+  add_weights_may_change_listener([] { cache().clear(); });
+  return true;
+}();
+
+}  // namespace
+
+CastResult cast_through_cache(const at::Tensor& source, c10::ScalarType dtype) {
+  if (!is_cacheable(source)) {
+    count_cast();
+    return {source.to(dtype), true};
+  }
+  CastResult result = cache().get(source, dtype);
+  if (result.performed_cast) count_cast();
+  return result;
+}
+
+void count_cast() { g_cast_count.fetch_add(1, std::memory_order_relaxed); }
+
+}  // namespace amp::detail
+
+namespace amp {
+
+void clear_cache() { detail::cache().clear(); }
+std::size_t cache_size() { return detail::cache().size(); }
+std::int64_t cast_count() { return detail::g_cast_count.load(std::memory_order_relaxed); }
+
+}  // namespace amp

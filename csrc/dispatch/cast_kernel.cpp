@@ -1,0 +1,191 @@
+// The casting kernel: read the schema once, then per call rewrite the Tensor / Tensor? /
+// Tensor[] / Tensor?[] slots of the boxed stack and redispatch below optamp's key.
+#include "dispatch/cast_kernel.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <iostream>
+#include <mutex>
+#include <optional>
+#include <unordered_set>
+
+#include "cache/cast_cache.h"
+#include "dispatch/cast_state.h"
+
+namespace amp::detail {
+namespace {
+
+using c10::ScalarType;
+
+bool is_reduced(ScalarType t) { return t == ScalarType::Half || t == ScalarType::BFloat16; }
+
+// A Python/C++ number passed where a Tensor is expected (`x + 0.5`): it has no width of its
+// own in type promotion, so it is neither cast nor counted when promoting.
+bool is_wrapped_number(const at::Tensor& t) { return t.unsafeGetTensorImpl()->is_wrapped_number(); }
+
+// Floating, not float64 (Apex never touches doubles), not a wrapped number.
+bool is_castable(const at::Tensor& t) {
+  return t.defined() && t.is_floating_point() && t.scalar_type() != ScalarType::Double &&
+         !is_wrapped_number(t);
+}
+
+// verbosity=2: each distinct (from, to, op) cast is logged once.
+void log_cast_once(ScalarType from, ScalarType to, const std::string& op) {
+  static std::mutex mutex;
+  static std::unordered_set<std::string> seen;
+  std::string line = std::string(c10::toString(from)) + "->" + c10::toString(to) + " " + op;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (seen.insert(line).second) std::cerr << "optamp: " << line << "\n";
+}
+
+bool category_applies(Category category, RuleSet rules) {
+  switch (rules) {
+    case RuleSet::kFullLists:
+      return true;
+    case RuleSet::kMasterWeights:
+      return category == Category::kLower || category == Category::kFp32Loss ||
+             category == Category::kBanned;
+    case RuleSet::kPureLow:
+      return category == Category::kLower;
+    default:
+      return false;
+  }
+}
+
+// Visits every tensor in the read-only slots; `fn(tensor) -> optional<replacement>`.
+template <typename Slots, typename Fn>
+void rewrite_tensors(const Slots& slots, torch::jit::Stack& stack, std::size_t base, Fn&& fn) {
+  for (const auto& slot : slots) {
+    c10::IValue& value = stack[base + slot.index];
+    if (value.isTensor()) {
+      if (auto replaced = fn(value.toTensor())) value = c10::IValue(std::move(*replaced));
+    } else if (value.isTensorList()) {
+      auto list = value.toTensorList();
+      for (std::size_t i = 0; i < list.size(); ++i) {
+        if (auto replaced = fn(list.get(i))) list.set(i, std::move(*replaced));
+      }
+    } else if (value.isList()) {  // Tensor?[]
+      auto list = c10::impl::toTypedList<std::optional<at::Tensor>>(value.toList());
+      for (std::size_t i = 0; i < list.size(); ++i) {
+        std::optional<at::Tensor> item = list.get(i);
+        if (!item) continue;
+        if (auto replaced = fn(*item)) list.set(i, std::optional<at::Tensor>(std::move(*replaced)));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+CastKernel::CastKernel(const c10::FunctionSchema& schema, Category category)
+    : category_(category), num_arguments_(schema.arguments().size()), name_(schema.name()) {
+  if (!schema.overload_name().empty()) name_ += "." + schema.overload_name();
+  const auto& args = schema.arguments();
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const auto& arg = args[i];
+    if (arg.alias_info() && arg.alias_info()->isWrite()) continue;  // in-place / out=
+    const c10::TypePtr& type = arg.type();
+    if (type->kind() == c10::TypeKind::TensorType) {
+      slots_.push_back({i, SlotKind::kTensor});
+    } else if (auto opt = type->cast<c10::OptionalType>()) {
+      if (opt->getElementType()->kind() == c10::TypeKind::TensorType) {
+        slots_.push_back({i, SlotKind::kOptionalTensor});
+      } else if (arg.name() == "dtype" &&
+                 opt->getElementType()->kind() == c10::TypeKind::ScalarTypeType) {
+        dtype_index_ = static_cast<int>(i);
+      }
+    } else if (auto list = type->cast<c10::ListType>()) {
+      const auto& elem = list->getElementType();
+      if (elem->kind() == c10::TypeKind::TensorType) {
+        slots_.push_back({i, SlotKind::kTensorList});
+      } else if (auto opt_elem = elem->cast<c10::OptionalType>()) {
+        if (opt_elem->getElementType()->kind() == c10::TypeKind::TensorType) {
+          slots_.push_back({i, SlotKind::kOptionalTensorList});
+        }
+      }
+    }
+  }
+}
+
+void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                            torch::jit::Stack* stack) {
+  const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kCastKey);
+  const std::size_t base = stack->size() - num_arguments_;
+
+  // The device decides whether native autocast owns this call.
+  std::optional<c10::DeviceType> device;
+  rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
+    if (!device && t.defined()) device = t.device().type();
+    return std::nullopt;
+  });
+  const CastDecision decision = device ? decide(*device) : CastDecision{};
+  const Category category = category_.load(std::memory_order_relaxed);
+  if (!category_applies(category, decision.rules)) {
+    std::optional<c10::impl::ExcludeDispatchKeyGuard> stay_out;
+    if (decision.native_owns) stay_out.emplace(kCastKey);
+    op.redispatchBoxed(below, stack);
+    return;
+  }
+  TORCH_CHECK(!(category == Category::kBanned && decision.rules == RuleSet::kFullLists),
+              banned_message(name_.c_str()));
+
+  // Casts must not come back into optamp's kernels (nor should composite ops' inner calls).
+  c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);
+  const bool verbose = verbosity() >= 2;
+  auto cast_to = [&](const at::Tensor& t, ScalarType target) -> std::optional<at::Tensor> {
+    if (verbose) log_cast_once(t.scalar_type(), target, name_);
+    return cast_through_cache(t, target).tensor;
+  };
+
+  ScalarType target = ScalarType::Undefined;
+  if (category == Category::kLower) {
+    target = decision.low;
+  } else if (category == Category::kPromote) {
+    // Widest floating width among the inputs; fp16 mixed with bf16 widens to fp32.
+    ScalarType widest = ScalarType::Undefined;
+    bool mixed = false;
+    rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
+      if (!t.defined() || !t.is_floating_point() || is_wrapped_number(t)) return std::nullopt;
+      const ScalarType s = t.scalar_type();
+      if (widest == ScalarType::Undefined) {
+        widest = s;
+      } else if (s != widest) {
+        mixed = true;
+        widest = (is_reduced(s) && is_reduced(widest)) ? ScalarType::Float
+                                                       : c10::promoteTypes(widest, s);
+      }
+      return std::nullopt;
+    });
+    if (!mixed) {
+      op.redispatchBoxed(below, stack);
+      return;
+    }
+    target = widest;
+  } else {  // fp32, fp32 losses, banned treated as a loss at O2/O5
+    target = ScalarType::Float;
+    if (dtype_index_ >= 0 && (*stack)[base + dtype_index_].isNone()) {
+      // Ops with a dtype argument compute in fp32 without a separate input cast.
+      bool any_reduced = false;
+      rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
+        any_reduced = any_reduced || (t.defined() && is_reduced(t.scalar_type()));
+        return std::nullopt;
+      });
+      if (any_reduced) (*stack)[base + dtype_index_] = c10::IValue(ScalarType::Float);
+      op.redispatchBoxed(below, stack);
+      return;
+    }
+  }
+
+  rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
+    if (!is_castable(t) || t.scalar_type() == target) return std::nullopt;
+    if (category != Category::kLower && category != Category::kPromote &&
+        !is_reduced(t.scalar_type())) {
+      return std::nullopt;  // fp32 policy: only reduced inputs are widened
+    }
+    return cast_to(t, target);
+  });
+  op.redispatchBoxed(below, stack);
+}
+
+}  // namespace amp::detail

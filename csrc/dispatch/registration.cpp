@@ -1,0 +1,195 @@
+// Kernels on optamp's key live in torch::Library objects created at run time (one per operator
+// namespace) and kept for the life of the process. The opt level is data the kernels read, and a
+// policy change (register_half_op and friends) updates the kernel in place, so nothing is ever
+// deregistered while other threads may be dispatching.
+#include "dispatch/registration.h"
+
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+#include "dispatch/cast_kernel.h"
+#include "dispatch/cast_state.h"
+#include "optamp/policy.h"
+
+namespace amp::detail {
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::map<std::string, std::unique_ptr<torch::Library>> libraries;  // by namespace
+  std::unordered_map<c10::OperatorName, CastKernel*> kernels;        // owned by the dispatcher
+  std::vector<std::string> skipped;                                  // table rows this build lacks
+  bool registered = false;
+};
+
+Registry& registry() {
+  static auto* instance = new Registry();  // leaked on purpose: kernels outlive static teardown
+  return *instance;
+}
+
+std::string qualified(const c10::OperatorName& name) {
+  return name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+}
+
+const char* category_name(Category c) {
+  switch (c) {
+    case Category::kLower:
+      return "lower";
+    case Category::kFp32:
+      return "fp32";
+    case Category::kFp32Loss:
+      return "fp32 (loss)";
+    case Category::kPromote:
+      return "promote";
+    case Category::kBanned:
+      return "banned";
+  }
+  return "?";
+}
+
+void check_key_is_free() {
+  TORCH_CHECK(!c10::Dispatcher::singleton().hasBackendFallbackForDispatchKey(kCastKey),
+              "optamp needs the dispatch key ", kCastKey,
+              " for its casting kernels, but another "
+              "library already registered a fallback on it (an out-of-tree PrivateUse1 device "
+              "backend with its own autocast is loaded in this process). optamp cannot share that "
+              "key; use that backend's autocast, or run optamp in a process without it.");
+}
+
+// Registers (or re-targets) the kernel for one existing operator. Caller holds the mutex.
+void set_policy_locked(Registry& r, const c10::OperatorHandle& op, Category category) {
+  const c10::OperatorName& name = op.operator_name();
+  if (auto it = r.kernels.find(name); it != r.kernels.end()) {
+    it->second->set_category(category);
+    return;
+  }
+  const std::string ns = name.name.substr(0, name.name.find("::"));
+  auto& library = r.libraries[ns];
+  if (!library) {
+    library =
+        std::make_unique<torch::Library>(torch::Library::IMPL, ns, kCastKey, __FILE__, __LINE__);
+  }
+  auto kernel = std::make_unique<CastKernel>(op.schema(), category);
+  r.kernels[name] = kernel.get();
+  library->impl(qualified(name).c_str(),
+                torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
+}
+
+void register_builtin_tables_locked(Registry& r) {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const TableEntry& entry : builtin_table()) {
+    auto op = dispatcher.findSchema({entry.name, entry.overload});
+    if (!op) {
+      r.skipped.push_back(qualified({entry.name, entry.overload}));
+      continue;
+    }
+    set_policy_locked(r, *op, entry.category);
+  }
+}
+
+// "ns::op" (all overloads) or "ns::op.overload" -> the operators it names.
+std::vector<c10::OperatorHandle> resolve_ops(std::string_view qualified_name) {
+  const std::string text(qualified_name);
+  const auto sep = text.find("::");
+  TORCH_CHECK_VALUE(sep != std::string::npos && sep > 0 && sep + 2 < text.size(),
+                    "op name must be qualified as \"namespace::op\" or "
+                    "\"namespace::op.overload\", got \"",
+                    text, "\"");
+  const auto dot = text.find('.', sep);
+  const std::string base = text.substr(0, dot);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  std::vector<c10::OperatorHandle> ops;
+  if (dot != std::string::npos) {
+    if (auto op = dispatcher.findSchema({base, text.substr(dot + 1)})) ops.push_back(*op);
+  } else {
+    for (const auto& name : dispatcher.getAllOpNames()) {
+      if (name.name != base) continue;
+      if (auto op = dispatcher.findSchema(name)) ops.push_back(*op);
+    }
+  }
+  TORCH_CHECK_VALUE(!ops.empty(), "no operator named \"", text,
+                    "\" is registered with the "
+                    "dispatcher (define it with TORCH_LIBRARY / torch.library first, and check "
+                    "the namespace and overload)");
+  return ops;
+}
+
+void register_user_op(std::string_view qualified_name, Category category) {
+  auto ops = resolve_ops(qualified_name);  // validate before touching anything
+  ensure_registered();
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const auto& op : ops) set_policy_locked(r, op, category);
+}
+
+}  // namespace
+
+void ensure_registered() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (r.registered) return;
+  check_key_is_free();
+  // Ops without a policy fall through at the cost of a table lookup.
+  static auto* fallback =
+      new torch::Library(torch::Library::IMPL, "_", kCastKey, __FILE__, __LINE__);
+  fallback->fallback(torch::CppFunction::makeFallthrough());
+  register_builtin_tables_locked(r);
+  r.registered = true;
+}
+
+void activate_thread(bool on) {
+  if (on) ensure_registered();
+  set_thread_key(on);
+}
+
+}  // namespace amp::detail
+
+namespace amp {
+
+const char* to_string(CastPolicy policy) {
+  switch (policy) {
+    case CastPolicy::kLower:
+      return "lower";
+    case CastPolicy::kFp32:
+      return "fp32";
+    case CastPolicy::kPromote:
+      return "promote";
+    case CastPolicy::kBanned:
+      return "banned";
+  }
+  return "?";
+}
+
+void register_half_op(std::string_view name) {
+  detail::register_user_op(name, detail::Category::kLower);
+}
+void register_float_op(std::string_view name) {
+  detail::register_user_op(name, detail::Category::kFp32);
+}
+void register_promote_op(std::string_view name) {
+  detail::register_user_op(name, detail::Category::kPromote);
+}
+
+std::string policy_report() {
+  detail::ensure_registered();
+  auto& r = detail::registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::map<std::string, std::string> rows;
+  for (const auto& [name, kernel] : r.kernels) {
+    rows[detail::qualified(name)] = detail::category_name(kernel->category());
+  }
+  std::ostringstream out;
+  out << "optamp casting policies (" << rows.size() << " operators):\n";
+  for (const auto& [name, category] : rows) out << "  " << name << ": " << category << "\n";
+  out << "skipped (not in this LibTorch): " << r.skipped.size() << "\n";
+  for (const auto& name : r.skipped) out << "  " << name << "\n";
+  return out.str();
+}
+
+}  // namespace amp

@@ -1,0 +1,711 @@
+// O1/O4 op-level casting on optamp's dispatch key (ARCHITECTURE §1-§2).
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/library.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include <functional>
+#include <thread>
+
+#include "cache/cast_cache.h"
+#include "core/step_events.h"
+#include "dispatch/cast_state.h"
+#include "dispatch/registration.h"
+#include "optamp/amp.h"
+#include "test_util.h"
+
+// A custom op library for the registration tests: a pure function and an in-place one.
+TORCH_LIBRARY(optamp_test, m) {
+  m.def("twice(Tensor x) -> Tensor");
+  m.def("accumulate_(Tensor(a!) self, Tensor other) -> Tensor(a!)");
+}
+TORCH_LIBRARY_IMPL(optamp_test, CompositeExplicitAutograd, m) {
+  m.impl("twice", [](const at::Tensor& x) { return x * 2; });
+  m.impl("accumulate_", [](at::Tensor& self, const at::Tensor& other) -> at::Tensor& {
+    return self.add_(other.to(self.scalar_type()));
+  });
+}
+
+namespace amp {
+namespace {
+
+using at::ScalarType;
+
+at::Tensor call_twice(const at::Tensor& x) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("optamp_test::twice", "")
+                       .typed<at::Tensor(const at::Tensor&)>();
+  return op.call(x);
+}
+
+class Casting : public ::testing::Test {
+ protected:
+  void enable(const char* level, Options options = {}) {
+    detail::set_level_rules(resolve(level, options));
+    detail::activate_thread(true);
+  }
+  void TearDown() override {
+    detail::activate_thread(false);
+    detail::clear_level_rules();
+    clear_cache();
+  }
+  static at::Tensor randn(at::IntArrayRef shape, ScalarType dtype = at::kFloat) {
+    return at::randn(shape, at::TensorOptions().dtype(dtype));
+  }
+};
+
+// ---- table-driven: representative inputs for every op in every list ----------------------
+
+struct OpCase {
+  const char* name;
+  std::function<at::Tensor(ScalarType)> run;  // builds inputs of the given dtype, runs the op
+};
+
+std::vector<OpCase> lower_cases() {
+  auto r = [](at::IntArrayRef s, ScalarType t) { return at::randn(s, at::dtype(t)); };
+  return {
+      {"conv1d",
+       [r](ScalarType t) {
+         return at::conv1d(r({1, 2, 8}, t), r({3, 2, 3}, t));
+       }},
+      {"conv2d",
+       [r](ScalarType t) {
+         return at::conv2d(r({1, 2, 6, 6}, t), r({3, 2, 3, 3}, t));
+       }},
+      {"conv3d",
+       [r](ScalarType t) {
+         return at::conv3d(r({1, 2, 4, 4, 4}, t), r({3, 2, 3, 3, 3}, t));
+       }},
+      {"conv_transpose1d",
+       [r](ScalarType t) {
+         return at::conv_transpose1d(r({1, 2, 5}, t), r({2, 3, 3}, t));
+       }},
+      {"conv_transpose2d",
+       [r](ScalarType t) {
+         return at::conv_transpose2d(r({1, 2, 4, 4}, t), r({2, 3, 3, 3}, t));
+       }},
+      {"conv_transpose3d",
+       [r](ScalarType t) {
+         return at::conv_transpose3d(r({1, 2, 3, 3, 3}, t), r({2, 3, 2, 2, 2}, t));
+       }},
+      {"conv_tbc",
+       [r](ScalarType t) {
+         return at::conv_tbc(r({5, 1, 2}, t), r({3, 2, 4}, t), r({4}, t));
+       }},
+      {"linear",
+       [r](ScalarType t) {
+         return at::linear(r({2, 4}, t), r({3, 4}, t), r({3}, t));
+       }},
+      {"prelu",
+       [r](ScalarType t) {
+         return at::prelu(r({2, 3}, t), r({1}, t));
+       }},
+      {"addmm",
+       [r](ScalarType t) {
+         return at::addmm(r({2, 2}, t), r({2, 3}, t), r({3, 2}, t));
+       }},
+      {"addmv",
+       [r](ScalarType t) {
+         return at::addmv(r({2}, t), r({2, 3}, t), r({3}, t));
+       }},
+      {"addr",
+       [r](ScalarType t) {
+         return at::addr(r({2, 3}, t), r({2}, t), r({3}, t));
+       }},
+      {"matmul",
+       [r](ScalarType t) {
+         return at::matmul(r({2, 3}, t), r({3, 2}, t));
+       }},
+      {"mm",
+       [r](ScalarType t) {
+         return at::mm(r({2, 3}, t), r({3, 2}, t));
+       }},
+      {"mv",
+       [r](ScalarType t) {
+         return at::mv(r({2, 3}, t), r({3}, t));
+       }},
+      {"addbmm",
+       [r](ScalarType t) {
+         return at::addbmm(r({2, 2}, t), r({3, 2, 4}, t), r({3, 4, 2}, t));
+       }},
+      {"baddbmm",
+       [r](ScalarType t) {
+         return at::baddbmm(r({3, 2, 2}, t), r({3, 2, 4}, t), r({3, 4, 2}, t));
+       }},
+      {"bmm",
+       [r](ScalarType t) {
+         return at::bmm(r({3, 2, 4}, t), r({3, 4, 2}, t));
+       }},
+      {"linalg_multi_dot",
+       [r](ScalarType t) {
+         return at::linalg_multi_dot({r({2, 3}, t), r({3, 4}, t), r({4, 2}, t)});
+       }},
+      {"einsum",
+       [r](ScalarType t) {
+         return at::einsum("ij,jk->ik", {r({2, 3}, t), r({3, 2}, t)});
+       }},
+      {"scaled_dot_product_attention",
+       [r](ScalarType t) {
+         return at::scaled_dot_product_attention(r({1, 2, 4, 8}, t), r({1, 2, 4, 8}, t),
+                                                 r({1, 2, 4, 8}, t));
+       }},
+      {"lstm_cell",
+       [r](ScalarType t) {
+         return std::get<0>(at::lstm_cell(r({2, 3}, t), {r({2, 4}, t), r({2, 4}, t)}, r({16, 3}, t),
+                                          r({16, 4}, t)));
+       }},
+      {"gru_cell",
+       [r](ScalarType t) {
+         return at::gru_cell(r({2, 3}, t), r({2, 4}, t), r({12, 3}, t), r({12, 4}, t));
+       }},
+      {"rnn_tanh_cell",
+       [r](ScalarType t) {
+         return at::rnn_tanh_cell(r({2, 3}, t), r({2, 4}, t), r({4, 3}, t), r({4, 4}, t));
+       }},
+  };
+}
+
+std::vector<OpCase> fp32_cases() {
+  auto r = [](at::IntArrayRef s, ScalarType t) { return at::rand(s, at::dtype(t)) + 0.5; };
+  auto u = [r](const char* name, at::Tensor (*fn)(const at::Tensor&)) {
+    return OpCase{name, [r, fn](ScalarType t) { return fn(r({2, 3}, t)); }};
+  };
+  return {
+      {"upsample_nearest2d",
+       [r](ScalarType t) {
+         return at::upsample_nearest2d(r({1, 1, 2, 2}, t), {4, 4});
+       }},
+      {"upsample_bilinear2d",
+       [r](ScalarType t) {
+         return at::upsample_bilinear2d(r({1, 1, 2, 2}, t), {4, 4}, false);
+       }},
+      {"grid_sampler",
+       [r](ScalarType t) {
+         return at::grid_sampler(r({1, 1, 3, 3}, t), r({1, 2, 2, 2}, t) - 1.0, 0, 0, false);
+       }},
+      {"softplus",
+       [r](ScalarType t) {
+         return at::softplus(r({2, 3}, t));
+       }},
+      {"softmax",
+       [r](ScalarType t) {
+         return at::softmax(r({2, 3}, t), 1);
+       }},
+      {"log_softmax",
+       [r](ScalarType t) {
+         return at::log_softmax(r({2, 3}, t), 1);
+       }},
+      {"gelu",
+       [r](ScalarType t) {
+         return at::gelu(r({2, 3}, t));
+       }},
+      {"layer_norm",
+       [r](ScalarType t) {
+         return at::layer_norm(r({2, 3}, t), {3});
+       }},
+      {"group_norm",
+       [r](ScalarType t) {
+         return at::group_norm(r({2, 4, 3}, t), 2);
+       }},
+      {"cosine_similarity",
+       [r](ScalarType t) {
+         return at::cosine_similarity(r({2, 3}, t), r({2, 3}, t));
+       }},
+      u("acos", [](const at::Tensor& x) { return at::acos(x - 1.0); }),
+      u("asin", [](const at::Tensor& x) { return at::asin(x - 1.0); }),
+      u("cosh", [](const at::Tensor& x) { return at::cosh(x); }),
+      u("erfinv", [](const at::Tensor& x) { return at::erfinv(x - 1.0); }),
+      u("exp", [](const at::Tensor& x) { return at::exp(x); }),
+      u("expm1", [](const at::Tensor& x) { return at::expm1(x); }),
+      u("log", [](const at::Tensor& x) { return at::log(x); }),
+      u("log10", [](const at::Tensor& x) { return at::log10(x); }),
+      u("log2", [](const at::Tensor& x) { return at::log2(x); }),
+      u("log1p", [](const at::Tensor& x) { return at::log1p(x); }),
+      u("reciprocal", [](const at::Tensor& x) { return at::reciprocal(x); }),
+      u("rsqrt", [](const at::Tensor& x) { return at::rsqrt(x); }),
+      u("sinh", [](const at::Tensor& x) { return at::sinh(x); }),
+      u("tan", [](const at::Tensor& x) { return at::tan(x); }),
+      u("pow.Tensor_Scalar", [](const at::Tensor& x) { return at::pow(x, 2); }),
+      u("pow.Tensor_Tensor", [](const at::Tensor& x) { return at::pow(x, x); }),
+      u("cumprod", [](const at::Tensor& x) { return at::cumprod(x, 1); }),
+      u("cumsum", [](const at::Tensor& x) { return at::cumsum(x, 1); }),
+      u("dist", [](const at::Tensor& x) { return at::dist(x, x * 2); }),
+      u("norm", [](const at::Tensor& x) { return at::norm(x); }),
+      u("prod", [](const at::Tensor& x) { return at::prod(x); }),
+      u("std", [](const at::Tensor& x) { return at::std(x); }),
+      u("sum", [](const at::Tensor& x) { return at::sum(x); }),
+      u("sum.dim_IntList", [](const at::Tensor& x) { return at::sum(x, {1}); }),
+      u("var", [](const at::Tensor& x) { return at::var(x); }),
+      u("renorm", [](const at::Tensor& x) { return at::renorm(x, 2, 0, 1); }),
+      // losses
+      {"nll_loss",
+       [r](ScalarType t) {
+         return at::nll_loss(r({4, 3}, t), at::tensor({0, 1, 2, 1}, at::kLong));
+       }},
+      {"cross_entropy_loss",
+       [r](ScalarType t) {
+         return at::cross_entropy_loss(r({4, 3}, t), at::tensor({0, 1, 2, 1}, at::kLong));
+       }},
+      {"mse_loss", [r](ScalarType t) { return at::mse_loss(r({4}, t), r({4}, t)); }},
+      {"l1_loss", [r](ScalarType t) { return at::l1_loss(r({4}, t), r({4}, t)); }},
+      {"smooth_l1_loss", [r](ScalarType t) { return at::smooth_l1_loss(r({4}, t), r({4}, t)); }},
+      {"kl_div", [r](ScalarType t) { return at::kl_div(r({4}, t), r({4}, t)); }},
+      {"binary_cross_entropy_with_logits",
+       [r](ScalarType t) {
+         return at::binary_cross_entropy_with_logits(r({4}, t), r({4}, t) - 0.5);
+       }},
+      {"soft_margin_loss",
+       [r](ScalarType t) { return at::soft_margin_loss(r({4}, t), r({4}, t)); }},
+  };
+}
+
+std::vector<OpCase> promote_cases() {
+  // Mixed widths: the first input in the low dtype, the second in fp32.
+  auto lo = [](at::IntArrayRef s, ScalarType t) { return at::rand(s, at::dtype(t)) + 0.5; };
+  auto hi = [](at::IntArrayRef s) { return at::rand(s) + 0.5; };
+  return {
+      {"addcdiv", [=](ScalarType t) { return at::addcdiv(lo({3}, t), hi({3}), lo({3}, t)); }},
+      {"addcmul", [=](ScalarType t) { return at::addcmul(lo({3}, t), hi({3}), lo({3}, t)); }},
+      {"atan2", [=](ScalarType t) { return at::atan2(lo({3}, t), hi({3})); }},
+      {"cross",
+       [=](ScalarType t) {
+         return at::cross(lo({2, 3}, t), hi({2, 3}), 1);
+       }},
+      {"bilinear",
+       [=](ScalarType t) {
+         return at::bilinear(lo({2, 3}, t), hi({2, 4}), hi({5, 3, 4}), {});
+       }},
+      {"dot", [=](ScalarType t) { return at::dot(lo({3}, t), hi({3})); }},
+      {"add", [=](ScalarType t) { return at::add(lo({3}, t), hi({3})); }},
+      {"mul", [=](ScalarType t) { return at::mul(lo({3}, t), hi({3})); }},
+      {"cat",
+       [=](ScalarType t) {
+         return at::cat({lo({3}, t), hi({3})});
+       }},
+      {"stack",
+       [=](ScalarType t) {
+         return at::stack({lo({3}, t), hi({3})});
+       }},
+      {"index_put",
+       [=](ScalarType t) {
+         return at::index_put(lo({4}, t),
+                              {std::optional<at::Tensor>(at::tensor({1, 2}, at::kLong))}, hi({2}));
+       }},
+  };
+}
+
+class CastingTable : public Casting, public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(CastingTable, LowerOpsRunInTheLevelsLowDtype) {
+  enable(GetParam());
+  const ScalarType low = detail::level_low_dtype();
+  for (const auto& c : lower_cases()) {
+    SCOPED_TRACE(c.name);
+    EXPECT_EQ(c.run(at::kFloat).scalar_type(), low);
+    EXPECT_EQ(c.run(low).scalar_type(), low);
+  }
+}
+
+TEST_P(CastingTable, Fp32OpsRunInFp32) {
+  enable(GetParam());
+  const ScalarType low = detail::level_low_dtype();
+  for (const auto& c : fp32_cases()) {
+    SCOPED_TRACE(c.name);
+    EXPECT_EQ(c.run(low).scalar_type(), at::kFloat);
+    EXPECT_EQ(c.run(at::kFloat).scalar_type(), at::kFloat);
+  }
+}
+
+TEST_P(CastingTable, PromoteOpsWidenMixedInputs) {
+  enable(GetParam());
+  const ScalarType low = detail::level_low_dtype();
+  for (const auto& c : promote_cases()) {
+    SCOPED_TRACE(c.name);
+    EXPECT_EQ(c.run(low).scalar_type(), at::kFloat);
+  }
+  // Same widths: left alone.
+  auto a = randn({3}, low);
+  EXPECT_EQ(at::add(a, a).scalar_type(), low);
+  EXPECT_EQ(at::cat({a, a}).scalar_type(), low);
+}
+
+TEST_P(CastingTable, BannedOpSaysWhatToUseInstead) {
+  enable(GetParam());
+  auto p = at::rand({4}).clamp(0.1, 0.9);
+  OPTAMP_EXPECT_THROW_WITH(at::binary_cross_entropy(p, p), c10::Error, "binary_cross_entropy",
+                           "binary_cross_entropy_with_logits", "BCEWithLogitsLoss");
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, CastingTable, ::testing::Values("O1", "O4"));
+
+TEST_F(Casting, PatchTypeBF16AtO1) {
+  Options o;
+  o.patch_torch_functions_type = at::kBFloat16;
+  enable("O1", o);
+  EXPECT_EQ(at::mm(randn({2, 3}), randn({3, 2})).scalar_type(), at::kBFloat16);
+}
+
+TEST_F(Casting, DoublesIntegersAndBoolsAreNeverCast) {
+  enable("O1");
+  EXPECT_EQ(at::mm(randn({2, 3}, at::kDouble), randn({3, 2}, at::kDouble)).scalar_type(),
+            at::kDouble);
+  auto ints = at::ones({2, 2}, at::kLong);
+  EXPECT_EQ(at::mm(ints, ints).scalar_type(), at::kLong);
+  EXPECT_EQ(at::sum(at::ones({3}, at::kBool)).scalar_type(), at::kLong);
+}
+
+// ---- autograd -------------------------------------------------------------------------------
+
+struct TinyNet {
+  at::Tensor w1, b1, w2, b2;
+  explicit TinyNet(int seed) {
+    at::manual_seed(seed);
+    w1 = (at::randn({16, 8}) * 0.3).requires_grad_();
+    b1 = at::zeros({16}).requires_grad_();
+    w2 = (at::randn({4, 16}) * 0.3).requires_grad_();
+    b2 = at::zeros({4}).requires_grad_();
+  }
+  at::Tensor loss(const at::Tensor& x, const at::Tensor& y) const {
+    auto h = at::relu(at::linear(x, w1, b1));
+    return at::nll_loss(at::log_softmax(at::linear(h, w2, b2), 1), y);
+  }
+  void sgd_step(double lr) {
+    c10::NoGradGuard no_grad;
+    for (auto* p : {&w1, &b1, &w2, &b2}) {
+      p->sub_(p->grad() * lr);
+      p->mutable_grad().reset();
+    }
+  }
+};
+
+TEST_F(Casting, TrainingUnderO1MatchesFp32WithFp32Grads) {
+  at::manual_seed(1);
+  auto x = at::randn({32, 8});
+  auto y = at::randint(0, 4, {32});
+  TinyNet reference(7), mixed(7);
+  for (int step = 0; step < 5; ++step) {
+    reference.loss(x, y).backward();
+    reference.sgd_step(0.1);
+  }
+  enable("O1");
+  for (int step = 0; step < 5; ++step) {
+    auto loss = mixed.loss(x, y);
+    EXPECT_EQ(loss.scalar_type(), at::kFloat);  // losses run in fp32
+    loss.backward();
+    for (auto* p : {&mixed.w1, &mixed.b1, &mixed.w2, &mixed.b2}) {
+      ASSERT_EQ(p->grad().scalar_type(), at::kFloat);  // grads flow back to the fp32 params
+    }
+    mixed.sgd_step(0.1);
+    detail::notify_weights_may_change();  // what scale_loss does after its unscale
+  }
+  const auto tol = testing::tolerance("train_float16");
+  EXPECT_TRUE(testing::all_close(mixed.w1, reference.w1, tol));
+  EXPECT_TRUE(testing::all_close(mixed.w2, reference.w2, tol));
+}
+
+TEST_F(Casting, CastsAreRecordedInTheGraph) {
+  enable("O1");
+  auto w = randn({3, 4}).requires_grad_();
+  auto out = at::mm(randn({2, 4}), w.t());
+  EXPECT_EQ(out.scalar_type(), at::kHalf);
+  ASSERT_TRUE(out.grad_fn());
+  bool found_cast = false;
+  std::function<void(const torch::autograd::Node*)> walk = [&](const torch::autograd::Node* n) {
+    if (!n || found_cast) return;
+    found_cast = n->name().find("ToCopyBackward") != std::string::npos;
+    for (const auto& edge : n->next_edges()) walk(edge.function.get());
+  };
+  walk(out.grad_fn().get());
+  EXPECT_TRUE(found_cast);
+}
+
+TEST_F(Casting, CompositeOpsCastOnceAndDoNotRecurse) {
+  enable("O1");
+  auto x = randn({2, 4});
+  auto w = randn({3, 4});
+  auto b = randn({3});
+  const auto before = cast_count();
+  auto out = at::linear(x, w, b);  // linear -> addmm/matmul inside: no second cast
+  EXPECT_EQ(out.scalar_type(), at::kHalf);
+  EXPECT_EQ(cast_count() - before, 3);
+  const auto before_einsum = cast_count();
+  at::einsum("ij,kj->ik", {x, w});  // einsum -> bmm/permute inside
+  EXPECT_EQ(cast_count() - before_einsum, 2);
+}
+
+// ---- off means off --------------------------------------------------------------------------
+
+TEST_F(Casting, OffMeansBitwiseFp32) {
+  auto x = randn({8, 16});
+  auto w = randn({4, 16});
+  auto reference = at::log_softmax(at::linear(x, w), 1);
+  detail::set_level_rules(resolve("O1"));  // rules set, but this thread never turned on
+  EXPECT_TRUE(at::equal(at::log_softmax(at::linear(x, w), 1), reference));
+  enable("O1");
+  {
+    disable_casts off;
+    auto out = at::log_softmax(at::linear(x, w), 1);
+    EXPECT_EQ(out.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(out, reference));
+  }
+  EXPECT_EQ(at::linear(x, w).scalar_type(), at::kHalf);  // back on after the scope
+  detail::set_level_rules(resolve("O0"));
+  EXPECT_TRUE(at::equal(at::log_softmax(at::linear(x, w), 1), reference));
+}
+
+TEST_F(Casting, ThreadsWithoutAmpSeeFp32) {
+  enable("O1");
+  auto a = randn({2, 3});
+  auto b = randn({3, 2});
+  ScalarType other_thread = ScalarType::Undefined;
+  std::thread([&] { other_thread = at::mm(a, b).scalar_type(); }).join();
+  EXPECT_EQ(other_thread, at::kFloat);
+  EXPECT_EQ(at::mm(a, b).scalar_type(), at::kHalf);
+  // The documented way to carry the state into a worker.
+  const auto state = ThreadState::capture();
+  ScalarType carried = ScalarType::Undefined;
+  std::thread([&] {
+    ThreadStateGuard guard(state);
+    carried = at::mm(a, b).scalar_type();
+  }).join();
+  EXPECT_EQ(carried, at::kHalf);
+}
+
+// ---- gate, regions, O3 ----------------------------------------------------------------------
+
+TEST_F(Casting, NoGradRunsInGivenDtypesUnlessInAnAutocastRegion) {
+  enable("O1");
+  auto a = randn({2, 3});
+  auto b = randn({3, 2});
+  c10::NoGradGuard no_grad;
+  EXPECT_EQ(at::mm(a, b).scalar_type(), at::kFloat);  // validation stays fp32
+  {
+    autocast region;
+    EXPECT_EQ(at::mm(a, b).scalar_type(), at::kHalf);  // explicit reduced-precision inference
+    autocast bf16(true, at::kBFloat16);
+    EXPECT_EQ(at::mm(a, b).scalar_type(), at::kBFloat16);
+  }
+  EXPECT_EQ(at::mm(a, b).scalar_type(), at::kFloat);
+}
+
+TEST_F(Casting, AutocastRegionWorksWithoutInitialize) {
+  auto a = randn({2, 3});
+  EXPECT_FALSE(is_casting_enabled());
+  {
+    autocast region(true, at::kBFloat16);
+    EXPECT_TRUE(is_casting_enabled());
+    EXPECT_EQ(at::mm(a, a.t()).scalar_type(), at::kBFloat16);
+    EXPECT_EQ(at::softmax(a.to(at::kBFloat16), 1).scalar_type(), at::kFloat);
+    autocast off(false);
+    EXPECT_EQ(at::mm(a, a.t()).scalar_type(), at::kFloat);
+  }
+  EXPECT_FALSE(is_casting_enabled());
+  EXPECT_EQ(at::mm(a, a.t()).scalar_type(), at::kFloat);
+  OPTAMP_EXPECT_THROW_WITH(autocast(true, at::kDouble), c10::ValueError, "torch.float64");
+}
+
+TEST_F(Casting, O3LowersAlwaysAndLeavesTheRestAlone) {
+  enable("O3");
+  auto a = randn({2, 3});
+  {
+    c10::NoGradGuard no_grad;
+    EXPECT_EQ(at::mm(a, a.t()).scalar_type(), at::kHalf);
+  }
+  EXPECT_EQ(at::softmax(a.to(at::kHalf), 1).scalar_type(), at::kHalf);  // no fp32 list at O3
+}
+
+TEST_F(Casting, O2AppliesLowerAndLossesOnly) {
+  enable("O2");
+  auto h = randn({4, 3}, at::kHalf);
+  EXPECT_EQ(at::mm(randn({2, 3}), randn({3, 2})).scalar_type(), at::kHalf);
+  EXPECT_EQ(at::exp(h).scalar_type(), at::kHalf);  // plain fp32-list op: normal promotion
+  EXPECT_EQ(at::log_softmax(h, 1).scalar_type(), at::kFloat);
+  EXPECT_EQ(at::nll_loss(at::log_softmax(h, 1), at::tensor({0, 1, 2, 0}, at::kLong)).scalar_type(),
+            at::kFloat);
+  // binary_cross_entropy is not banned at O2: it runs as an fp32 loss.
+  auto p = at::rand({4}, at::kHalf).clamp(0.1, 0.9);
+  EXPECT_EQ(at::binary_cross_entropy(p, p).scalar_type(), at::kFloat);
+}
+
+// ---- written arguments, user registration ---------------------------------------------------
+
+TEST_F(Casting, WrittenArgumentsAreNeverCast) {
+  register_half_op("optamp_test::accumulate_");
+  enable("O1");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("optamp_test::accumulate_", "")
+                       .typed<at::Tensor&(at::Tensor&, const at::Tensor&)>();
+  auto self = at::zeros({3});
+  auto other = at::full({3}, 1.00048828125);  // 1 + 2^-11: exact in fp32, rounds to 1 in fp16
+  const auto before = cast_count();
+  auto& result = op.call(self, other);
+  EXPECT_EQ(cast_count() - before, 1);  // only `other`
+  EXPECT_EQ(self.scalar_type(), at::kFloat);
+  EXPECT_TRUE(result.is_same(self));
+  EXPECT_TRUE(at::equal(self, at::full({3}, 1.0)));  // `other` went through fp16
+}
+
+TEST_F(Casting, UserRegisteredCustomOps) {
+  enable("O1");
+  auto x = randn({3});
+  EXPECT_EQ(call_twice(x).scalar_type(), at::kFloat);  // no policy yet
+  register_half_op("optamp_test::twice");
+  EXPECT_EQ(call_twice(x).scalar_type(), at::kHalf);
+  register_float_op("optamp_test::twice");  // the newest registration wins
+  EXPECT_EQ(call_twice(x.to(at::kHalf)).scalar_type(), at::kFloat);
+}
+
+TEST_F(Casting, RegistrationErrorsNameTheOp) {
+  OPTAMP_EXPECT_THROW_WITH(register_half_op("optamp_test::nope"), c10::ValueError,
+                           "optamp_test::nope", "TORCH_LIBRARY");
+  OPTAMP_EXPECT_THROW_WITH(register_float_op("twice"), c10::ValueError, "namespace::op",
+                           "\"twice\"");
+  OPTAMP_EXPECT_THROW_WITH(register_promote_op("aten::mm.no_such_overload"), c10::ValueError,
+                           "aten::mm.no_such_overload");
+}
+
+TEST_F(Casting, PolicyReportListsEntriesAndSkippedOverloads) {
+  const std::string report = policy_report();
+  EXPECT_NE(report.find("aten::mm: lower"), std::string::npos);
+  EXPECT_NE(report.find("aten::softmax.int: fp32 (loss)"), std::string::npos);
+  EXPECT_NE(report.find("aten::cat: promote"), std::string::npos);
+  EXPECT_NE(report.find("aten::binary_cross_entropy: banned"), std::string::npos);
+  EXPECT_NE(report.find("skipped (not in this LibTorch)"), std::string::npos);
+}
+
+// ---- coexistence with native autocast --------------------------------------------------------
+
+TEST_F(Casting, NativeAutocastOwnsTheCallWhenEnabled) {
+  enable("O1");  // optamp would pick fp16
+  auto a = randn({2, 3});
+  const bool was = at::autocast::is_autocast_enabled(at::kCPU);
+  at::autocast::set_autocast_enabled(at::kCPU, true);  // native CPU autocast: bf16
+  const auto before = cast_count();
+  const auto dtype = at::mm(a, a.t()).scalar_type();
+  at::autocast::set_autocast_enabled(at::kCPU, was);
+  at::autocast::clear_cache();
+  EXPECT_EQ(dtype, at::autocast::get_autocast_dtype(at::kCPU));
+  EXPECT_EQ(cast_count(), before);  // optamp deferred
+  EXPECT_EQ(at::mm(a, a.t()).scalar_type(), at::kHalf);
+}
+
+// ---- verbosity ------------------------------------------------------------------------------
+
+TEST_F(Casting, Verbosity2LogsEachDistinctCastOnce) {
+  Options o;
+  o.verbosity = 2;
+  enable("O1", o);
+  ::testing::internal::CaptureStderr();
+  auto a = randn({2, 3});
+  at::mm(a, a.t());
+  at::mm(a, a.t());
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  const std::string line = "Float->Half aten::mm";
+  ASSERT_NE(log.find(line), std::string::npos) << log;
+  EXPECT_EQ(log.find(line), log.rfind(line)) << "logged more than once:\n" << log;
+}
+
+// ---- the cast cache -------------------------------------------------------------------------
+
+TEST_F(Casting, CacheCastsEachWeightOncePerVersion) {
+  enable("O1");
+  auto w = randn({4, 3}).requires_grad_();
+  auto before = cast_count();
+  at::mm(randn({2, 3}), w.t());
+  at::mm(randn({2, 3}), w.t());  // t() is a view: a new TensorImpl, not cached, cast again
+  EXPECT_EQ(cast_count() - before, 4);
+  before = cast_count();
+  at::linear(randn({2, 3}), w);
+  at::linear(randn({2, 3}), w);
+  at::linear(randn({2, 3}), w);
+  EXPECT_EQ(cast_count() - before, 1 + 3);  // w once, each input once
+  EXPECT_EQ(cache_size(), 1u);
+}
+
+TEST_F(Casting, CacheRefreshesAfterInPlaceUpdates) {
+  enable("O1");
+  auto w = randn({4, 3}).requires_grad_();
+  auto x = randn({2, 3});
+  auto first = at::linear(x, w);
+  {
+    c10::NoGradGuard no_grad;
+    w.add_(1.0);  // bumps the version counter
+  }
+  auto second = at::linear(x, w);
+  auto expected = at::linear(x.to(at::kHalf), w.detach().to(at::kHalf));
+  EXPECT_TRUE(at::equal(second, expected));
+  EXPECT_FALSE(at::equal(first, second));
+  // Through .data() (LibTorch's optimizers): no version bump, so the step-boundary event.
+  w.data().mul_(2.0);
+  detail::notify_weights_may_change();
+  EXPECT_EQ(cache_size(), 0u);
+  auto third = at::linear(x, w);
+  EXPECT_TRUE(at::equal(third, at::linear(x.to(at::kHalf), w.detach().to(at::kHalf))));
+}
+
+TEST_F(Casting, CacheSeparatesNoGradFromGradEntries) {
+  enable("O1");
+  auto w = randn({4, 3}).requires_grad_();
+  auto x = randn({2, 3});
+  {
+    c10::NoGradGuard no_grad;
+    autocast region;
+    auto out = at::linear(x, w);
+    EXPECT_FALSE(out.requires_grad());
+    // Leaving the outermost region clears the cache.
+  }
+  {
+    c10::NoGradGuard no_grad;
+    autocast outer;
+    at::linear(x, w);
+    EXPECT_EQ(cache_size(), 1u);
+    c10::GradMode::set_enabled(true);
+    auto out = at::linear(x, w);  // must not reuse the history-free no_grad copy
+    c10::GradMode::set_enabled(false);
+    EXPECT_TRUE(out.requires_grad());
+    EXPECT_EQ(cache_size(), 2u);
+  }
+}
+
+TEST_F(Casting, CacheStaysBoundedOverManyIterations) {
+  enable("O1");
+  auto x = randn({2, 3});
+  std::size_t peak = 0;
+  for (int i = 0; i < 1000; ++i) {
+    auto w = randn({4, 3}).requires_grad_();  // a fresh parameter each iteration, then dropped
+    at::linear(x, w);
+    peak = std::max(peak, cache_size());
+  }
+  EXPECT_LE(peak, 200u);
+}
+
+TEST_F(Casting, RealOptimizerStepIsSeenByTheNextForward) {
+  // torch::optim updates through p.data(), which does not bump the version counter: the
+  // step-boundary event (raised by scale_loss after its unscale) must drop the stale copy.
+  enable("O1");
+  auto x = randn({2, 3});
+  auto w_sgd = randn({4, 3}).requires_grad_();
+  auto w_adam = randn({4, 3}).requires_grad_();
+  torch::optim::SGD sgd({w_sgd}, torch::optim::SGDOptions(0.5).momentum(0.9));
+  torch::optim::Adam adam({w_adam}, torch::optim::AdamOptions(0.1));
+  for (int step = 0; step < 3; ++step) {
+    (at::linear(x, w_sgd).to(at::kFloat).sum() + at::linear(x, w_adam).to(at::kFloat).sum())
+        .backward();
+    sgd.step();
+    adam.step();
+    sgd.zero_grad();
+    adam.zero_grad();
+    detail::notify_weights_may_change();
+    for (const auto& w : {w_sgd, w_adam}) {
+      EXPECT_TRUE(
+          at::equal(at::linear(x, w), at::linear(x.to(at::kHalf), w.detach().to(at::kHalf))))
+          << "stale working copy after step " << step;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace amp
