@@ -104,8 +104,8 @@ const bool g_registered = [] {
 
 }  // namespace
 
-CastResult cast_through_cache(const at::Tensor& source, c10::ScalarType dtype) {
-  if (!is_cacheable(source)) {
+CastResult cast_through_cache(const at::Tensor& source, c10::ScalarType dtype, bool always_cache) {
+  if (!always_cache && !is_cacheable(source)) {
     count_cast();
     return {source.to(dtype), true};
   }

@@ -25,7 +25,10 @@ struct CastResult {
 
 // `source` cast to `dtype`; cacheable sources go through the cache. The caller has excluded
 // optamp's dispatch key (the .to() must not re-enter the casting kernels).
-CastResult cast_through_cache(const at::Tensor& source, c10::ScalarType dtype);
+// `always_cache`: registered model tensors (O2/O5 working copies) are cached even when they
+// don't require grad (buffers).
+CastResult cast_through_cache(const at::Tensor& source, c10::ScalarType dtype,
+                              bool always_cache = false);
 
 // Counts a cast performed outside the cache (the public counter is amp::cast_count()).
 void count_cast();

@@ -1,0 +1,136 @@
+// The substitution fallback. Ops whose job is to hand back a tensor's own data (detach, alias,
+// clone, to/_to_copy, copy_, set_, item, autograd metadata) get fallthrough kernels on the key,
+// so `p.detach().clone()` stays fp32 and those ops pay nothing. View ops are substituted, so
+// `x @ w.t()` reuses the cached copy instead of casting a fresh view each call.
+#include "dispatch/substitution.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include "cache/cast_cache.h"
+#include "dispatch/cast_state.h"
+
+namespace amp::detail {
+namespace {
+
+using SourceMap =
+    std::unordered_map<const c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>>;
+
+// Read on every op at O2, written only by initialize/reset: an immutable snapshot swapped
+// atomically, so readers take no lock.
+std::shared_ptr<const SourceMap>& sources_slot() {
+  static auto* slot = new std::shared_ptr<const SourceMap>(std::make_shared<SourceMap>());
+  return *slot;
+}
+
+std::shared_ptr<const SourceMap> load_sources() { return std::atomic_load(&sources_slot()); }
+
+constexpr const char* kOwnDataOps[] = {
+    "aten::detach", "aten::detach_", "aten::alias", "aten::clone", "aten::_to_copy", "aten::to",
+    "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize", "aten::set_",
+    "aten::lift", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::item",
+    "aten::_local_scalar_dense", "aten::requires_grad_", "aten::retain_grad",
+    "aten::retains_grad", "aten::_version", "aten::output_nr", "aten::is_leaf", "aten::_base",
+    "aten::data", "aten::_fw_primal", "aten::_make_dual", "aten::_has_compatible_shallow_copy_type",
+    "aten::cpu", "aten::cuda", "aten::contiguous",
+};
+
+bool substitution_active(c10::ScalarType* dtype) {
+  const ThreadCastState& state = thread_cast_state();
+  if (state.mode == kDisabled) return false;
+  if (!c10::GradMode::is_enabled() && state.mode != kRegion) return false;
+  *dtype = state.mode == kRegion ? state.region_dtype : level_low_dtype();
+  return *dtype != c10::ScalarType::Undefined;
+}
+
+void substitute_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                         torch::jit::Stack* stack) {
+  const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kSubstituteKey);
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  const auto sources = load_sources();
+  if (sources->empty() || !substitution_active(&dtype)) {
+    op.redispatchBoxed(below, stack);
+    return;
+  }
+  const auto& args = op.schema().arguments();
+  const std::size_t base = stack->size() - args.size();
+  c10::impl::ExcludeDispatchKeyGuard no_recursion(kSubstituteKey);
+  auto working_copy = [&](const at::Tensor& t) -> std::optional<at::Tensor> {
+    if (!t.defined() || t.scalar_type() == dtype || !t.is_floating_point()) return std::nullopt;
+    if (sources->find(t.unsafeGetTensorImpl()) == sources->end()) return std::nullopt;
+    c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
+    return cast_through_cache(t, dtype, /*always_cache=*/true).tensor;
+  };
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    if (args[i].alias_info() && args[i].alias_info()->isWrite()) continue;
+    c10::IValue& value = (*stack)[base + i];
+    if (value.isTensor()) {
+      if (auto copy = working_copy(value.toTensor())) value = c10::IValue(std::move(*copy));
+    } else if (value.isTensorList()) {
+      auto list = value.toTensorList();
+      for (std::size_t j = 0; j < list.size(); ++j) {
+        if (auto copy = working_copy(list.get(j))) list.set(j, std::move(*copy));
+      }
+    }
+  }
+  op.redispatchBoxed(below, stack);
+}
+
+void ensure_substitution_registered() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    TORCH_CHECK(!c10::Dispatcher::singleton().hasBackendFallbackForDispatchKey(kSubstituteKey),
+                "optamp's O2/O5 need the dispatch key ", kSubstituteKey, " for parameter "
+                "substitution, but another library registered a fallback on it (a device backend "
+                "using that key is loaded). Use O1/O4, or run without that backend.");
+    static auto* fallback =
+        new torch::Library(torch::Library::IMPL, "_", kSubstituteKey, __FILE__, __LINE__);
+    fallback->fallback(torch::CppFunction::makeFromBoxedFunction<&substitute_fallback>());
+    static auto* own_data =
+        new torch::Library(torch::Library::IMPL, "aten", kSubstituteKey, __FILE__, __LINE__);
+    auto& dispatcher = c10::Dispatcher::singleton();
+    for (const auto& name : dispatcher.getAllOpNames()) {
+      for (const char* excluded : kOwnDataOps) {
+        if (name.name != excluded) continue;
+        const std::string qualified =
+            name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+        own_data->impl(qualified.c_str(), torch::CppFunction::makeFallthrough());
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void set_working_copy_sources(const std::vector<at::Tensor>& tensors) {
+  ensure_substitution_registered();
+  auto map = std::make_shared<SourceMap>();
+  for (const auto& t : tensors) {
+    map->emplace(t.unsafeGetTensorImpl(), c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+  }
+  std::atomic_store(&sources_slot(), std::shared_ptr<const SourceMap>(std::move(map)));
+}
+
+void clear_working_copy_sources() {
+  std::atomic_store(&sources_slot(), std::shared_ptr<const SourceMap>(std::make_shared<SourceMap>()));
+}
+
+bool is_working_copy_source(const at::Tensor& tensor) {
+  const auto sources = load_sources();
+  return sources->count(tensor.unsafeGetTensorImpl()) != 0;
+}
+
+void activate_substitution_thread(bool on) {
+  if (on) ensure_substitution_registered();
+  c10::impl::tls_set_dispatch_key_included(kSubstituteKey, on);
+  c10::impl::tls_set_dispatch_key_excluded(kSubstituteKey, !on);
+}
+
+}  // namespace amp::detail

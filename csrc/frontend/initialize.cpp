@@ -1,0 +1,150 @@
+// amp::initialize for LibTorch modules and optimizers: collects tensors, then the shared core.
+#include "optamp/initialize.h"
+
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/lbfgs.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <mutex>
+#include <unordered_set>
+
+#include "frontend/initialize_core.h"
+
+namespace amp {
+namespace {
+
+std::mutex g_marks_mutex;
+std::unordered_set<const torch::nn::Module*>& fp32_marks() {
+  static auto* marks = new std::unordered_set<const torch::nn::Module*>();
+  return *marks;
+}
+
+bool is_batchnorm(const torch::nn::Module& m) {
+  return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&m) != nullptr ||
+         dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&m) != nullptr ||
+         dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&m) != nullptr;
+}
+
+detail::ModelTensors collect_models(const std::vector<ModulePtr>& models, bool keep_batchnorm) {
+  TORCH_CHECK_VALUE(!models.empty(), "models must contain at least one module, got none");
+  detail::ModelTensors out;
+  std::lock_guard<std::mutex> lock(g_marks_mutex);
+  for (std::size_t i = 0; i < models.size(); ++i) {
+    TORCH_CHECK_VALUE(models[i] != nullptr, "models[", i, "] must be a module, got nullptr");
+    for (const auto& module : models[i]->modules(/*include_self=*/true)) {
+      const bool keep = (keep_batchnorm && is_batchnorm(*module)) || fp32_marks().count(module.get());
+      auto& target = keep ? out.keep_fp32 : out.reduced;
+      for (const auto& p : module->named_parameters(/*recurse=*/false)) {
+        target.push_back(p.value());
+        out.parameters.push_back(p.value());
+      }
+      for (const auto& b : module->named_buffers(/*recurse=*/false)) {
+        if (b.value().defined() && b.value().is_floating_point()) target.push_back(b.value());
+      }
+    }
+  }
+  return out;
+}
+
+// The state tensors of the built-in optimizers (for the device check) and their epsilon.
+template <typename State>
+void collect_state(const torch::optim::OptimizerParamState& s, const at::Tensor& param,
+                   detail::OptimizerTensors& out) {
+  const auto* typed = dynamic_cast<const State*>(&s);
+  if (!typed) return;
+  auto add = [&](const at::Tensor& t) {
+    if (!t.defined()) return;
+    out.state.push_back(t);
+    out.state_owners.push_back(param);
+  };
+  if constexpr (std::is_same_v<State, torch::optim::SGDParamState>) {
+    add(typed->momentum_buffer());
+  } else if constexpr (std::is_same_v<State, torch::optim::AdagradParamState>) {
+    add(typed->sum());
+  } else if constexpr (std::is_same_v<State, torch::optim::RMSpropParamState>) {
+    add(typed->square_avg());
+    add(typed->momentum_buffer());
+    add(typed->grad_avg());
+  } else {  // Adam / AdamW
+    add(typed->exp_avg());
+    add(typed->exp_avg_sq());
+    add(typed->max_exp_avg_sq());
+  }
+}
+
+double group_eps(const torch::optim::OptimizerOptions& options) {
+  if (auto* o = dynamic_cast<const torch::optim::AdamOptions*>(&options)) return o->eps();
+  if (auto* o = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) return o->eps();
+  if (auto* o = dynamic_cast<const torch::optim::RMSpropOptions*>(&options)) return o->eps();
+  if (auto* o = dynamic_cast<const torch::optim::AdagradOptions*>(&options)) return o->eps();
+  return 0.0;
+}
+
+std::vector<detail::OptimizerTensors> collect_optimizers(
+    const std::vector<torch::optim::Optimizer*>& optimizers) {
+  std::vector<detail::OptimizerTensors> out;
+  for (std::size_t i = 0; i < optimizers.size(); ++i) {
+    torch::optim::Optimizer* opt = optimizers[i];
+    TORCH_CHECK_VALUE(opt != nullptr, "optimizers[", i, "] must be an optimizer, got nullptr");
+    TORCH_CHECK_VALUE(dynamic_cast<torch::optim::LBFGS*>(opt) == nullptr, "optimizers[", i,
+                      "] is torch::optim::LBFGS, which is not supported: its step() re-evaluates "
+                      "the loss through a closure, outside scale_loss, so gradients would be "
+                      "unscaled twice or not at all. Use SGD/Adam/AdamW/RMSprop/Adagrad.");
+    detail::OptimizerTensors t;
+    t.identity = opt;
+    t.description = "optimizer " + std::to_string(i);
+    for (const auto& group : opt->param_groups()) {
+      const double eps = group_eps(group.options());
+      if (eps > 0 && (t.smallest_eps == 0 || eps < t.smallest_eps)) t.smallest_eps = eps;
+      for (const auto& p : group.params()) {
+        t.parameters.push_back(p);
+        auto it = opt->state().find(p.unsafeGetTensorImpl());
+        if (it == opt->state().end()) continue;
+        collect_state<torch::optim::SGDParamState>(*it->second, p, t);
+        collect_state<torch::optim::AdamParamState>(*it->second, p, t);
+        collect_state<torch::optim::AdamWParamState>(*it->second, p, t);
+        collect_state<torch::optim::RMSpropParamState>(*it->second, p, t);
+        collect_state<torch::optim::AdagradParamState>(*it->second, p, t);
+      }
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+}  // namespace
+
+Handle initialize(const std::vector<ModulePtr>& models,
+                  const std::vector<torch::optim::Optimizer*>& optimizers, OptLevel level,
+                  const Options& options) {
+  // keep_batchnorm_fp32 is resolved first so the split matches the final properties.
+  const Properties preview = resolve(level, options);
+  const auto model = collect_models(models, preview.keep_batchnorm_fp32.value_or(false));
+  const auto opts = collect_optimizers(optimizers);
+  return Handle(detail::initialize_core(model, opts, level, options));
+}
+
+Handle initialize(const std::vector<ModulePtr>& models,
+                  const std::vector<torch::optim::Optimizer*>& optimizers, std::string_view level,
+                  const Options& options) {
+  return initialize(models, optimizers, parse_opt_level(level), options);
+}
+
+void reset() {
+  detail::reset_core();
+  std::lock_guard<std::mutex> lock(g_marks_mutex);
+  fp32_marks().clear();
+}
+
+bool is_initialized() { return detail::initialized_core(); }
+
+void keep_in_fp32(const torch::nn::Module& module) {
+  std::lock_guard<std::mutex> lock(g_marks_mutex);
+  fp32_marks().insert(&module);
+}
+
+}  // namespace amp

@@ -1,0 +1,159 @@
+#include "frontend/initialize_core.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <iostream>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "dispatch/cast_state.h"
+#include "dispatch/registration.h"
+#include "dispatch/substitution.h"
+#include "optamp/cast_cache.h"
+#include "scaler/registry.h"
+
+namespace amp::detail {
+namespace {
+
+struct FrontendState {
+  std::mutex mutex;
+  bool initialized = false;
+  std::unordered_set<const void*> optimizers;
+};
+
+FrontendState& frontend() {
+  static auto* state = new FrontendState();
+  return *state;
+}
+
+std::string shape_of(const at::Tensor& t) {
+  std::ostringstream out;
+  out << t.scalar_type() << t.sizes();
+  return out.str();
+}
+
+void check_model(const ModelTensors& model) {
+  bool any_floating = false;
+  for (const auto& t : model.parameters) any_floating = any_floating || t.is_floating_point();
+  TORCH_CHECK_VALUE(any_floating, "models must have at least one floating-point parameter, got ",
+                    model.parameters.size(), " parameters and none floating: nothing to "
+                    "run in mixed precision");
+}
+
+void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTensors>& opts) {
+  std::unordered_set<const c10::TensorImpl*> in_model;
+  for (const auto& p : model.parameters) in_model.insert(p.unsafeGetTensorImpl());
+  std::unordered_map<const c10::TensorImpl*, std::string> owner;
+  std::unordered_set<const void*> seen;
+  auto& state = frontend();
+  for (const auto& opt : opts) {
+    TORCH_CHECK_VALUE(!state.optimizers.count(opt.identity) && !seen.count(opt.identity),
+                      opt.description, " was already passed to amp::initialize; call "
+                      "amp::reset() before initializing it again");
+    seen.insert(opt.identity);
+    TORCH_CHECK_VALUE(!opt.parameters.empty(), opt.description, " must have parameters, got "
+                      "none");
+    for (const auto i : c10::irange(opt.parameters.size())) {
+      const auto* impl = opt.parameters[i].unsafeGetTensorImpl();
+      TORCH_CHECK_VALUE(in_model.count(impl), opt.description, " parameter ", i, " (",
+                        shape_of(opt.parameters[i]), ") must be a parameter of the model(s) "
+                        "passed to amp::initialize, but it is not: pass every model whose "
+                        "parameters the optimizer updates");
+      auto [it, fresh] = owner.emplace(impl, opt.description);
+      TORCH_CHECK_VALUE(fresh || it->second == opt.description, "parameter ",
+                        shape_of(opt.parameters[i]), " must belong to one optimizer, but it is "
+                        "in both ", it->second, " and ", opt.description);
+    }
+    for (const auto i : c10::irange(opt.state.size())) {
+      const auto& param = opt.state_owners[i];
+      TORCH_CHECK_VALUE(opt.state[i].device() == param.device(), opt.description,
+                        " state must be on the device of its parameter (", param.device(),
+                        "), got a state tensor on ", opt.state[i].device(), ": move the model "
+                        "before creating/loading the optimizer state");
+    }
+  }
+}
+
+void warn_fp16_epsilon(const Properties& p, const std::vector<OptimizerTensors>& opts) {
+  if (p.opt_level != OptLevel::O3 || p.cast_model_type != c10::ScalarType::Half) return;
+  constexpr double kSmallestNormalHalf = 6.103515625e-05;  // 2^-14
+  for (const auto& opt : opts) {
+    if (opt.smallest_eps > 0 && opt.smallest_eps < kSmallestNormalHalf) {
+      TORCH_WARN("O3 (pure fp16): ", opt.description, " has eps=", opt.smallest_eps,
+                 ", below fp16's smallest normal number (6.1e-05); its denominator can "
+                 "underflow and steps blow up. Use eps >= 1e-4, or O2.");
+    }
+  }
+}
+
+// O3: the model's tensors become fp16/bf16 in place (set_data keeps the same Variable, so the
+// optimizer's references stay valid).
+void cast_model(const ModelTensors& model, c10::ScalarType dtype) {
+  for (const auto& t : model.reduced) {
+    if (!t.is_floating_point() || t.scalar_type() == dtype) continue;
+    at::Tensor alias = t;  // same TensorImpl
+    alias.set_data(t.detach().to(dtype));
+  }
+}
+
+}  // namespace
+
+Properties initialize_core(const ModelTensors& model, const std::vector<OptimizerTensors>& opts,
+                           OptLevel level, const Options& options) {
+  auto& state = frontend();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  // ---- validate: nothing changes before every check passed -----------------------------
+  Properties p = resolve(level, options);
+  TORCH_CHECK_VALUE(!state.initialized || opts.empty() ||
+                        !state.optimizers.count(opts.front().identity),
+                    opts.empty() ? "" : opts.front().description,
+                    " was already passed to amp::initialize; call amp::reset() first");
+  TORCH_CHECK_VALUE(!state.initialized, "amp::initialize was already called; call amp::reset() "
+                    "before initializing a new model/optimizer");
+  check_model(model);
+  check_optimizers(model, opts);
+  ensure_registered();  // key conflicts surface here, still before any change
+  warn_fp16_epsilon(p, opts);
+
+  // ---- apply ------------------------------------------------------------------------------
+  Properties scaler_properties = p;
+  if (!p.enabled) scaler_properties.loss_scale = LossScale::fixed(1.0);
+  configure_loss_scalers(scaler_properties);
+  if (p.enabled) {
+    if (p.opt_level == OptLevel::O3) cast_model(model, p.cast_model_type);
+    const bool master_weights = p.opt_level == OptLevel::O2 || p.opt_level == OptLevel::O5;
+    if (master_weights) {
+      set_working_copy_sources(model.reduced);
+      activate_substitution_thread(true);
+    }
+    set_level_rules(p);
+    activate_thread(p.opt_level != OptLevel::O0);
+  }
+  for (const auto& opt : opts) state.optimizers.insert(opt.identity);
+  state.initialized = true;
+  if (p.verbosity >= 1) std::cout << p.describe() << std::flush;
+  return p;
+}
+
+void reset_core() {
+  auto& state = frontend();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  activate_thread(false);
+  activate_substitution_thread(false);
+  clear_level_rules();
+  clear_working_copy_sources();
+  clear_cache();
+  reset_loss_scalers();
+  state.optimizers.clear();
+  state.initialized = false;
+}
+
+bool initialized_core() {
+  auto& state = frontend();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  return state.initialized;
+}
+
+}  // namespace amp::detail

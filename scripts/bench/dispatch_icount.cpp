@@ -1,0 +1,58 @@
+// Instruction-count twin of bench_dispatch, for run under callgrind (timings on a shared 2-core
+// machine are too noisy for a 3% target). Runs the same op loop for n and 2n calls in two
+// noinline functions; per-call cost = (Ir(loop_2n) - Ir(loop_n)) / n, which cancels set-up.
+//   valgrind --tool=callgrind dispatch_icount <noamp|native|optamp> <mm|relu> <n>
+// scripts/bench/dispatch_overhead.sh --icount runs every configuration and prints the ratios.
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+
+#include "dispatch/cast_state.h"
+#include "dispatch/registration.h"
+#include "optamp/opt_level.h"
+
+namespace {
+
+at::Tensor g_a, g_b;
+bool g_mm = true;
+
+void call_op() {
+  at::Tensor out = g_mm ? at::mm(g_a, g_b) : at::relu(g_a);
+  asm volatile("" : : "r"(out.unsafeGetTensorImpl()) : "memory");
+}
+
+__attribute__((noinline)) void loop_n(int n) {
+  for (int i = 0; i < n; ++i) call_op();
+}
+
+__attribute__((noinline)) void loop_2n(int n) {
+  for (int i = 0; i < 2 * n; ++i) call_op();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::cerr << "usage: dispatch_icount <noamp|native|optamp> <mm|relu> <n>\n";
+    return 2;
+  }
+  const std::string mode = argv[1];
+  g_mm = std::strcmp(argv[2], "mm") == 0;
+  const int n = std::atoi(argv[3]);
+  g_a = at::randn({8, 8});
+  g_b = at::randn({8, 8});
+  if (mode == "native") {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+  } else if (mode == "optamp") {
+    amp::detail::set_level_rules(amp::resolve("O4"));
+    amp::detail::activate_thread(true);
+  }
+  for (int i = 0; i < 50; ++i) call_op();  // warm caches and lazy initialization
+  loop_n(n);
+  loop_2n(n);
+  return 0;
+}
