@@ -6,5 +6,8 @@
 //
 // This umbrella header pulls in the whole public API.
 
+#include "optamp/loss_scaler.h"
 #include "optamp/opt_level.h"
+#include "optamp/scale_loss.h"
+#include "optamp/state_dict.h"
 #include "optamp/version.h"
