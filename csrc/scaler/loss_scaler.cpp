@@ -179,8 +179,8 @@ void LossScaler::check_state(const StateDict& from, const std::string& prefix) {
     const std::string key = prefix + name;
     const at::Tensor& t = from.at(key);
     TORCH_CHECK_VALUE(t.defined() && t.scalar_type() == dtype && t.numel() == 1, "state entry '",
-                      key, "' must be a one-element ", dtype, " tensor, got ",
-                      t.defined() ? std::string(c10::toString(t.scalar_type())) : "undefined",
+                      key, "' must be a one-element ", dtype_name(dtype), " tensor, got ",
+                      t.defined() ? dtype_name(t.scalar_type()) : "undefined",
                       t.defined() ? " with " + std::to_string(t.numel()) + " elements" : "");
   };
   check("scale", at::kFloat);
