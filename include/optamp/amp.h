@@ -8,6 +8,10 @@
 
 #include "optamp/autocast.h"
 #include "optamp/cast_cache.h"
+#include "optamp/initialize.h"
+#include "optamp/loss_scaler.h"
 #include "optamp/opt_level.h"
 #include "optamp/policy.h"
+#include "optamp/scale_loss.h"
+#include "optamp/state_dict.h"
 #include "optamp/version.h"

@@ -13,5 +13,6 @@ c10::ScalarType dtype_from_py(const py::handle& obj, const char* arg);
 py::object dtype_to_py(c10::ScalarType type);
 
 void bind_opt_level(py::module_& m);
+void bind_scaler(py::module_& m);
 
 }  // namespace amp::python

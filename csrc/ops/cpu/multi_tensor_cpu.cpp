@@ -1,0 +1,248 @@
+// CPU kernels of the optamp multi-tensor ops.
+//
+// The tensors of a call are cut into fixed-size chunks that at::parallel_for spreads over the
+// intra-op threads, so many small tensors and a few large ones balance alike. Each chunk is one
+// pass over memory: load, convert to fp32, multiply, check, convert back, store. On x86-64 an
+// AVX2/F16C/FMA variant is chosen at run time (the library itself is built for baseline x86-64).
+// The non-finite check is branch-free: acc += v * 0 stays 0 for finite v and becomes NaN for
+// inf/NaN.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#include "ops/multi_tensor.h"
+#include "ops/update_scale_math.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define OPTAMP_CPU_AVX2 1
+#endif
+
+namespace amp::ops::detail {
+namespace {
+
+constexpr int64_t kChunk = 1 << 16;  // elements per parallel work item
+
+// ---- scalar kernels (portable; also the tails of the vector kernels) ----------------------------
+
+template <typename T>
+bool unscale_scalar(T* p, int64_t n, float s) {
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(p[i]);
+    bad |= !std::isfinite(v);
+    p[i] = static_cast<T>(v * s);
+  }
+  return bad;
+}
+
+template <typename T>
+bool axpby_scalar(T* out, const T* x, const T* y, int64_t n, float a, float b) {
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float xv = static_cast<float>(x[i]);
+    const float r = a * xv + b * static_cast<float>(y[i]);
+    bad |= !std::isfinite(xv) || !std::isfinite(r);
+    out[i] = static_cast<T>(r);
+  }
+  return bad;
+}
+
+#ifdef OPTAMP_CPU_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// Round to nearest even, NaN -> 0x7fc0: the same bits as c10::BFloat16(float).
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline bool any_nan(__m256 acc) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(acc, acc, _CMP_UNORD_Q)) != 0;
+}
+
+template <typename T>
+bool unscale_avx2(T* p, int64_t n, float s) {
+  const __m256 vs = _mm256_set1_ps(s);
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 acc0 = zero, acc1 = zero;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 v0 = load8(p + i);
+    const __m256 v1 = load8(p + i + 8);
+    acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(v0, zero));
+    acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(v1, zero));
+    store8(p + i, _mm256_mul_ps(v0, vs));
+    store8(p + i + 8, _mm256_mul_ps(v1, vs));
+  }
+  const bool bad = any_nan(_mm256_add_ps(acc0, acc1));
+  return unscale_scalar(p + i, n - i, s) || bad;
+}
+
+template <typename T>
+bool axpby_avx2(T* out, const T* x, const T* y, int64_t n, float a, float b) {
+  const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 acc = zero;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 xv = load8(x + i);
+    const __m256 r = _mm256_add_ps(_mm256_mul_ps(va, xv), _mm256_mul_ps(vb, load8(y + i)));
+    acc = _mm256_add_ps(acc, _mm256_add_ps(_mm256_mul_ps(xv, zero), _mm256_mul_ps(r, zero)));
+    store8(out + i, r);
+  }
+  const bool bad = any_nan(acc);
+  return axpby_scalar(out + i, x + i, y + i, n - i, a, b) || bad;
+}
+
+#pragma GCC pop_options
+
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has;
+}
+#endif
+
+// float32/float16/bfloat16 only (validated by the shared op body).
+template <typename F>
+void dispatch_dtype(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat:
+      return f(float{});
+    case at::kHalf:
+      return f(c10::Half{});
+    case at::kBFloat16:
+      return f(c10::BFloat16{});
+    default:
+      TORCH_INTERNAL_ASSERT(false, "unsupported dtype ", t);
+  }
+}
+
+// ---- chunking ------------------------------------------------------------------------------
+
+struct Chunk {
+  int32_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+std::vector<Chunk> make_chunks(const std::vector<at::Tensor>& tensors) {
+  std::vector<Chunk> chunks;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const int64_t n = tensors[t].numel();
+    for (int64_t b = 0; b < n; b += kChunk) {
+      chunks.push_back({static_cast<int32_t>(t), b, std::min(n, b + kChunk)});
+    }
+  }
+  return chunks;
+}
+
+template <typename Body>
+bool for_each_chunk(const std::vector<at::Tensor>& tensors, Body body) {
+  const auto chunks = make_chunks(tensors);
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+    bool local = false;
+    for (int64_t c = lo; c < hi; ++c) local |= body(chunks[c]);
+    if (local) bad.store(true, std::memory_order_relaxed);
+  });
+  return bad.load();
+}
+
+void unscale_group_cpu(const std::vector<at::Tensor>& tensors, const at::Tensor& found_inf,
+                       const at::Tensor& inv_scale) {
+  const float s = inv_scale.item<float>();  // a CPU tensor: no device sync
+  bool bad = false;
+  dispatch_dtype(tensors[0].scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    std::vector<scalar_t*> ptrs;
+    for (const auto& t : tensors) ptrs.push_back(t.data_ptr<scalar_t>());
+    bad = for_each_chunk(tensors, [&](const Chunk& c) {
+      scalar_t* p = ptrs[c.tensor] + c.begin;
+#ifdef OPTAMP_CPU_AVX2
+      if (cpu_has_avx2()) return unscale_avx2(p, c.end - c.begin, s);
+#endif
+      return unscale_scalar(p, c.end - c.begin, s);
+    });
+  });
+  if (bad) found_inf.fill_(1.0);
+}
+
+void axpby_group_cpu(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& x,
+                     const std::vector<at::Tensor>& y, const at::Tensor& a, float b,
+                     const at::Tensor& found_inf) {
+  const float av = a.item<float>();
+  bool bad = false;
+  dispatch_dtype(out[0].scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    std::vector<scalar_t*> po;
+    std::vector<const scalar_t*> px, py;
+    for (size_t i = 0; i < out.size(); ++i) {
+      po.push_back(out[i].data_ptr<scalar_t>());
+      px.push_back(x[i].const_data_ptr<scalar_t>());
+      py.push_back(y[i].const_data_ptr<scalar_t>());
+    }
+    bad = for_each_chunk(out, [&](const Chunk& c) {
+      const int64_t n = c.end - c.begin;
+      scalar_t* o = po[c.tensor] + c.begin;
+      const scalar_t* xp = px[c.tensor] + c.begin;
+      const scalar_t* yp = py[c.tensor] + c.begin;
+#ifdef OPTAMP_CPU_AVX2
+      if (cpu_has_avx2()) return axpby_avx2(o, xp, yp, n, av, b);
+#endif
+      return axpby_scalar(o, xp, yp, n, av, b);
+    });
+  });
+  if (bad) found_inf.fill_(1.0);
+}
+
+void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                      const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+                      double growth_factor, double backoff_factor, int64_t growth_interval,
+                      int64_t hysteresis, double min_scale, double max_scale) {
+  update_scale_math(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
+                    hysteresis_tracker.data_ptr<int32_t>(), found_inf.item<float>(), growth_factor,
+                    backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
+}
+
+}  // namespace
+}  // namespace amp::ops::detail
+
+TORCH_LIBRARY_IMPL(optamp, CPU, m) {
+  using namespace amp::ops::detail;
+  m.impl("unscale_check_", [](at::TensorList t, const at::Tensor& f, const at::Tensor& s) {
+    unscale_check_impl(t, f, s, &unscale_group_cpu);
+  });
+  m.impl("axpby_check_",
+         [](at::TensorList o, at::TensorList x, at::TensorList y, const at::Tensor& a, double b,
+            const at::Tensor& f) { axpby_check_impl(o, x, y, a, b, f, &axpby_group_cpu); });
+  m.impl("update_scale_",
+         [](const at::Tensor& s, const at::Tensor& g, const at::Tensor& h, const at::Tensor& f,
+            double gf, double bf, int64_t gi, int64_t hy, double mn, double mx) {
+           update_scale_impl(s, g, h, f, gf, bf, gi, hy, mn, mx, &update_scale_cpu);
+         });
+}

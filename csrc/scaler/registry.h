@@ -1,0 +1,39 @@
+#pragma once
+// Internal: the process-wide loss scalers and the parameter-list form of scale_loss (used by
+// the optimizer overloads and by the Python binding).
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "optamp/opt_level.h"
+#include "optamp/scale_loss.h"
+
+namespace amp::detail {
+
+// Creates props.num_losses scalers (replacing any previous ones). Called by amp::initialize.
+void configure_loss_scalers(const Properties& props);
+// Drops every scaler (scale_loss then fails with "call amp::initialize first").
+void reset_loss_scalers();
+// Number of configured scalers (0 before configure).
+int num_loss_scalers();
+
+// scale_loss over an explicit parameter list. `labels[i]` names params[i] in error messages
+// (may be empty: then "param <i>"). Throws on bad input with nothing changed.
+ScaledLoss scale_loss_params(const at::Tensor& loss, std::vector<at::Tensor> params,
+                             std::vector<std::string> labels, ScaleLossOptions options,
+                             const char* owner_kind);
+
+// Ends a guard explicitly (the Python context manager's __exit__). `unwinding`: an exception is
+// in flight (restore and don't throw). Idempotent.
+void finish_scaled_loss(ScaledLoss& guard, bool unwinding);
+
+// Optional: a better name for a parameter in the floor error (e.g. "fc.weight"), installed by
+// the frontend that knows the model. Returns nullopt when unknown.
+using ParamNamer = std::function<std::optional<std::string>(const at::Tensor&)>;
+void set_param_namer(ParamNamer namer);
+
+}  // namespace amp::detail

@@ -1,0 +1,339 @@
+// amp::scale_loss: the RAII guard, stashing for gradient accumulation, overflow handling.
+#include "optamp/scale_loss.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/optim/optimizer.h>
+
+#include <exception>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "core/step_events.h"
+#include "optamp/loss_scaler.h"
+#include "scaler/registry.h"
+
+namespace amp {
+namespace detail {
+namespace {
+
+// Per-parameter bookkeeping shared by all guards.
+//  - active: parameters inside a live guard (nesting on the same optimizer is an error).
+//  - pending: parameters whose .grad currently holds *scaled* gradients (between a guard's entry
+//    and the non-delayed unscale), with the already-unscaled gradient stashed at entry.
+struct Pending {
+  c10::weak_intrusive_ptr<c10::TensorImpl> param;
+  at::Tensor stash;  // undefined when the param had no gradient at entry
+};
+
+struct Book {
+  std::mutex mutex;
+  std::unordered_set<c10::TensorImpl*> active;
+  std::unordered_map<c10::TensorImpl*, Pending> pending;
+
+  // The live record for `p` (drops a record whose parameter died and whose address was reused).
+  Pending* find(const at::Tensor& p) {
+    auto it = pending.find(p.unsafeGetTensorImpl());
+    if (it == pending.end()) return nullptr;
+    if (it->second.param.lock().get() != p.unsafeGetTensorImpl()) {
+      pending.erase(it);
+      return nullptr;
+    }
+    return &it->second;
+  }
+};
+
+Book& book() {
+  static Book instance;
+  return instance;
+}
+
+std::mutex& namer_mutex() {
+  static std::mutex m;
+  return m;
+}
+ParamNamer& namer() {
+  static ParamNamer n;
+  return n;
+}
+
+}  // namespace
+
+struct ScaleLossState {
+  LossScaler* scaler = nullptr;
+  ScaleLossOptions options;
+  at::Tensor scaled_loss;
+  std::vector<at::Tensor> params;
+  std::vector<std::string> labels;
+  std::vector<bool> created_record;  // this guard stashed params[i] (and may restore it)
+  int uncaught_at_entry = 0;
+  bool finished = false;
+};
+
+struct ScaledLossAccess {
+  static ScaledLoss make(std::unique_ptr<ScaleLossState> s) { return ScaledLoss(std::move(s)); }
+  static ScaleLossState* state(ScaledLoss& g) { return g.state_.get(); }
+};
+
+void set_param_namer(ParamNamer n) {
+  std::lock_guard<std::mutex> lock(namer_mutex());
+  namer() = std::move(n);
+}
+
+namespace {
+
+std::string describe_param(const ScaleLossState& s, size_t i) {
+  std::string name;
+  {
+    std::lock_guard<std::mutex> lock(namer_mutex());
+    if (namer()) {
+      if (auto n = namer()(s.params[i])) name = *n + " ";
+    }
+  }
+  std::ostringstream out;
+  out << name << "(" << s.labels[i] << ", shape " << s.params[i].sizes() << ")";
+  return out.str();
+}
+
+// Unwinding (or an explicit abort): grads stay as they are, except that parameters this guard
+// stashed get their stashed (already unscaled) gradient back; no unscale, no throw.
+void restore(ScaleLossState& s) {
+  auto& b = book();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (!s.created_record[i]) continue;
+    if (Pending* rec = b.find(s.params[i])) {
+      s.params[i].mutable_grad() = rec->stash;
+      b.pending.erase(s.params[i].unsafeGetTensorImpl());
+    }
+  }
+}
+
+void release_active(ScaleLossState& s) {
+  auto& b = book();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  for (const auto& p : s.params) b.active.erase(p.unsafeGetTensorImpl());
+}
+
+void finish_normally(ScaleLossState& s) {
+  if (s.options.delay_unscale) return;  // grads stay scaled; the records carry the stashes
+  LossScaler& scaler = *s.scaler;
+
+  // Gather grads and stashes (records stay until the unscale succeeded).
+  std::vector<at::Tensor> grads, stashes;
+  std::vector<size_t> grad_param;
+  std::vector<std::pair<size_t, at::Tensor>> stash_only;
+  bool any_stash = false;
+  {
+    auto& b = book();
+    std::lock_guard<std::mutex> lock(b.mutex);
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      const Pending* rec = b.find(s.params[i]);
+      at::Tensor stash = rec ? rec->stash : at::Tensor();
+      const at::Tensor& g = s.params[i].grad();
+      if (g.defined()) {
+        grads.push_back(g);
+        stashes.push_back(stash);
+        grad_param.push_back(i);
+        any_stash |= stash.defined();
+      } else if (stash.defined()) {
+        stash_only.emplace_back(i, stash);
+      }
+    }
+  }
+
+  // A fixed scale of 1.0 without stashes needs no pass at all (Apex's shortcut).
+  const bool identity = !scaler.dynamic() && scaler.loss_scale() == 1.0 && !any_stash;
+  if (!identity && !grads.empty()) {
+    scaler.unscale(grads, any_stash ? stashes : std::vector<at::Tensor>{});
+  }
+  const bool skip = scaler.update();  // the step's only device->host sync
+
+  {
+    auto& b = book();
+    std::lock_guard<std::mutex> lock(b.mutex);
+    for (const auto& p : s.params) b.pending.erase(p.unsafeGetTensorImpl());
+  }
+
+  std::string floor_error;
+  if (skip) {
+    if (scaler.floor_skips() > 0 && scaler.floor_skips() % LossScaler::kFloorSkipLimit == 0) {
+      // Only now: a per-parameter check (one sync per gradient) to name the culprits.
+      std::ostringstream names;
+      int count = 0;
+      for (size_t k = 0; k < grads.size(); ++k) {
+        if (!at::isfinite(grads[k]).all().item<bool>()) {
+          names << (count++ ? ", " : "") << describe_param(s, grad_param[k]);
+        }
+      }
+      std::ostringstream msg;
+      msg << "amp: loss scaler " << scaler.loss_id() << " skipped " << scaler.floor_skips()
+          << " consecutive steps at min_loss_scale (" << scaler.loss_scale()
+          << ") because of non-finite gradients; the model diverged or min_loss_scale is too "
+             "high. Parameters with non-finite gradients in the last step: "
+          << (count ? names.str() : std::string("(none: the stashed gradients overflowed)"));
+      floor_error = msg.str();
+    }
+    for (auto& p : s.params) p.mutable_grad() = at::Tensor();
+  } else {
+    for (auto& [i, stash] : stash_only) s.params[i].mutable_grad() = stash;
+  }
+  notify_weights_may_change();
+  TORCH_CHECK(floor_error.empty(), floor_error);
+}
+
+void finish(ScaleLossState& s, bool unwinding) {
+  if (s.finished) return;
+  s.finished = true;
+  struct Release {
+    ScaleLossState& s;
+    ~Release() { release_active(s); }
+  } release{s};
+  if (unwinding) {
+    restore(s);
+    return;
+  }
+  finish_normally(s);
+}
+
+}  // namespace
+
+void finish_scaled_loss(ScaledLoss& guard, bool unwinding) {
+  if (ScaleLossState* s = ScaledLossAccess::state(guard)) finish(*s, unwinding);
+}
+
+ScaledLoss scale_loss_params(const at::Tensor& loss, std::vector<at::Tensor> params,
+                             std::vector<std::string> labels, ScaleLossOptions options,
+                             const char* owner_kind) {
+  LossScaler& scaler = loss_scaler(options.loss_id);  // configured? id valid?
+  TORCH_CHECK_VALUE(loss.defined(), "loss must be a defined tensor, got an undefined tensor");
+  TORCH_CHECK_VALUE(at::isFloatingType(loss.scalar_type()) && loss.numel() == 1,
+                    "loss must be a floating-point scalar (one element), got a ",
+                    loss.scalar_type(), " tensor of shape ", loss.sizes());
+  TORCH_CHECK_VALUE(loss.requires_grad() && loss.grad_fn() != nullptr,
+                    "loss must have a grad_fn (be computed from parameters that require grad, "
+                    "with grad mode on), got a tensor with requires_grad=",
+                    loss.requires_grad() ? "True" : "False", " and no grad_fn");
+  TORCH_CHECK_VALUE(!params.empty(), owner_kind,
+                    " must have at least one parameter, got one with no parameters");
+
+  // Deduplicate (a parameter may appear in several optimizers / groups).
+  auto s = std::make_unique<ScaleLossState>();
+  {
+    std::unordered_set<c10::TensorImpl*> seen;
+    for (size_t i = 0; i < params.size(); ++i) {
+      TORCH_CHECK_VALUE(params[i].defined(), owner_kind, " parameter ",
+                        labels.size() > i ? labels[i] : std::to_string(i),
+                        " must be a defined tensor");
+      if (!seen.insert(params[i].unsafeGetTensorImpl()).second) continue;
+      s->params.push_back(params[i]);
+      s->labels.push_back(labels.size() > i ? labels[i] : "param " + std::to_string(i));
+    }
+  }
+  for (size_t i = 0; i < s->params.size(); ++i) {
+    const auto t = s->params[i].scalar_type();
+    TORCH_CHECK_VALUE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16,
+                      "parameters must be float32, float16 or bfloat16 for loss scaling, got ", t,
+                      " for ", s->labels[i]);
+  }
+  s->scaler = &scaler;
+  s->options = options;
+  s->uncaught_at_entry = std::uncaught_exceptions();
+
+  auto& b = book();
+  {
+    std::lock_guard<std::mutex> lock(b.mutex);
+    for (size_t i = 0; i < s->params.size(); ++i) {
+      TORCH_CHECK(!b.active.count(s->params[i].unsafeGetTensorImpl()),
+                  "scale_loss guards must not be nested on the same ", owner_kind, ": ",
+                  s->labels[i],
+                  " is already inside an active scale_loss guard; let the outer guard finish "
+                  "(leave its scope) first");
+    }
+  }
+  s->scaled_loss = scaler.scale(loss);  // no sync; moves the scaler state to the loss's device
+
+  std::lock_guard<std::mutex> lock(b.mutex);
+  s->created_record.assign(s->params.size(), false);
+  for (size_t i = 0; i < s->params.size(); ++i) {
+    at::Tensor& p = s->params[i];
+    b.active.insert(p.unsafeGetTensorImpl());
+    if (b.find(p)) continue;  // grads already scaled (a delayed micro-batch came before)
+    Pending rec{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()), p.grad()};
+    b.pending.insert_or_assign(p.unsafeGetTensorImpl(), std::move(rec));
+    p.mutable_grad() = at::Tensor();  // stashed: backward writes the new, scaled grad
+    s->created_record[i] = true;
+  }
+  return ScaledLossAccess::make(std::move(s));
+}
+
+}  // namespace detail
+
+ScaledLoss::ScaledLoss(std::unique_ptr<detail::ScaleLossState> state) : state_(std::move(state)) {}
+ScaledLoss::ScaledLoss(ScaledLoss&& other) noexcept = default;
+
+ScaledLoss::~ScaledLoss() noexcept(false) {
+  if (!state_ || state_->finished) return;
+  if (std::uncaught_exceptions() > state_->uncaught_at_entry) {
+    try {
+      detail::finish(*state_, /*unwinding=*/true);
+    } catch (...) {  // never throw while another exception unwinds
+    }
+    return;
+  }
+  detail::finish(*state_, /*unwinding=*/false);
+}
+
+const at::Tensor& ScaledLoss::loss() const {
+  TORCH_CHECK(state_ && !state_->finished,
+              "ScaledLoss::loss() must be called on a live guard, got a finished or moved-from "
+              "one");
+  return state_->scaled_loss;
+}
+
+void ScaledLoss::backward(const std::optional<at::Tensor>& gradient,
+                          std::optional<bool> retain_graph, bool create_graph) {
+  loss().backward(gradient.value_or(at::Tensor()), retain_graph, create_graph);
+}
+
+namespace {
+
+std::vector<torch::optim::Optimizer*> one(torch::optim::Optimizer& o) { return {&o}; }
+
+}  // namespace
+
+ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer& optimizer,
+                      ScaleLossOptions options) {
+  return scale_loss(loss, one(optimizer), options);
+}
+
+ScaledLoss scale_loss(const at::Tensor& loss,
+                      const std::vector<torch::optim::Optimizer*>& optimizers,
+                      ScaleLossOptions options) {
+  TORCH_CHECK_VALUE(!optimizers.empty(), "optimizers must not be empty, got an empty list");
+  std::vector<at::Tensor> params;
+  std::vector<std::string> labels;
+  for (size_t k = 0; k < optimizers.size(); ++k) {
+    TORCH_CHECK_VALUE(optimizers[k] != nullptr, "optimizers[", k, "] must not be null");
+    size_t count = 0;
+    const auto& groups = optimizers[k]->param_groups();
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const auto& ps = groups[g].params();
+      for (size_t i = 0; i < ps.size(); ++i, ++count) {
+        params.push_back(ps[i]);
+        labels.push_back("optimizer " + std::to_string(k) + " param_groups[" + std::to_string(g) +
+                         "].params[" + std::to_string(i) + "]");
+      }
+    }
+    TORCH_CHECK_VALUE(
+        count > 0,
+        optimizers.size() == 1 ? std::string("optimizer") : "optimizers[" + std::to_string(k) + "]",
+        " must have at least one parameter, got an optimizer with no parameters");
+  }
+  return detail::scale_loss_params(loss, std::move(params), std::move(labels), options,
+                                   "optimizer");
+}
+
+}  // namespace amp

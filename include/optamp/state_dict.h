@@ -1,0 +1,51 @@
+#pragma once
+// amp's checkpointable state: an ordered name -> tensor map, saveable with torch::save.
+//
+//   torch::save(amp::state_dict(), "amp.pt");
+//   amp::StateDict sd;
+//   torch::load(sd, "amp.pt");
+//   amp::load_state_dict(sd);
+//
+// Names: "loss_scaler<i>.scale" (float32), ".growth_tracker" (int32), ".hysteresis" (int32),
+// ".skipped" (int64), ".floor_skips" (int64). Round trips are bit-exact.
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torch::serialize {
+class OutputArchive;
+class InputArchive;
+}  // namespace torch::serialize
+
+namespace amp {
+
+class StateDict {
+ public:
+  // Adds or replaces `name`.
+  void insert(const std::string& name, const at::Tensor& value);
+  bool contains(const std::string& name) const;
+  // Throws a ValueError naming the missing key.
+  const at::Tensor& at(const std::string& name) const;
+  std::vector<std::string> keys() const;
+  size_t size() const { return items_.size(); }
+  bool empty() const { return items_.empty(); }
+  const std::vector<std::pair<std::string, at::Tensor>>& items() const { return items_; }
+
+ private:
+  std::vector<std::pair<std::string, at::Tensor>> items_;
+};
+
+StateDict state_dict();
+// Restores every loss scaler. Validates first (missing keys, num_losses mismatch, dtypes);
+// on error nothing changes.
+void load_state_dict(const StateDict& state);
+
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                            const StateDict& state);
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
+                                           StateDict& state);
+
+}  // namespace amp

@@ -1,0 +1,100 @@
+// Bindings for loss scaling: scaler configuration, the scale_loss guard over a parameter list
+// (optamp.scale_loss is a context manager on top), scaler accessors and the state dict.
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+
+#include "common.h"
+#include "optamp/loss_scaler.h"
+#include "optamp/state_dict.h"
+#include "scaler/registry.h"
+
+namespace amp::python {
+namespace {
+
+// Owns a C++ guard. Python ends it with finish(); a guard that is garbage-collected unfinished
+// is treated like an exception exit (stashes restored, nothing unscaled, nothing raised).
+struct PyScaledLoss {
+  std::unique_ptr<ScaledLoss> guard;
+  ~PyScaledLoss() {
+    if (!guard) return;
+    try {
+      detail::finish_scaled_loss(*guard, /*unwinding=*/true);
+    } catch (...) {
+    }
+  }
+};
+
+}  // namespace
+
+void bind_scaler(py::module_& m) {
+  m.def("configure_loss_scalers", &detail::configure_loss_scalers, py::arg("properties"),
+        "Create properties.num_losses loss scalers (amp.initialize does this).");
+  m.def("reset_loss_scalers", &detail::reset_loss_scalers);
+  m.def("num_loss_scalers", &detail::num_loss_scalers);
+
+  py::class_<LossScaler>(m, "LossScaler")
+      .def_property_readonly("loss_id", &LossScaler::loss_id)
+      .def_property_readonly("dynamic", &LossScaler::dynamic)
+      .def("loss_scale", &LossScaler::loss_scale)
+      .def_property_readonly("last_step_skipped", &LossScaler::last_step_skipped)
+      .def_property_readonly("skipped_steps", &LossScaler::skipped_steps)
+      .def_property_readonly("floor_skips", &LossScaler::floor_skips)
+      .def_property_readonly("scale_tensor", &LossScaler::scale_tensor)
+      .def_property_readonly("growth_tracker", &LossScaler::growth_tracker)
+      .def_property_readonly("hysteresis_tracker", &LossScaler::hysteresis_tracker)
+      .def("unscale", &LossScaler::unscale, py::arg("grads"),
+           py::arg("stashed") = std::vector<at::Tensor>{})
+      .def("update", &LossScaler::update);
+  m.attr("FLOOR_SKIP_LIMIT") = LossScaler::kFloorSkipLimit;
+  m.def("loss_scaler", &loss_scaler, py::arg("loss_id") = 0, py::return_value_policy::reference);
+
+  py::class_<PyScaledLoss>(m, "_ScaledLoss")
+      .def_property_readonly("loss",
+                             [](const PyScaledLoss& self) {
+                               TORCH_CHECK(self.guard, "scale_loss guard already finished");
+                               return self.guard->loss();
+                             })
+      .def(
+          "finish",
+          [](PyScaledLoss& self, bool unwinding) {
+            if (!self.guard) return;
+            auto guard = std::move(self.guard);
+            detail::finish_scaled_loss(*guard, unwinding);
+          },
+          py::arg("unwinding") = false);
+
+  m.def(
+      "_scale_loss",
+      [](const at::Tensor& loss, std::vector<at::Tensor> params, int loss_id, bool delay_unscale,
+         std::vector<std::string> names) {
+        auto guard = std::make_unique<ScaledLoss>(
+            detail::scale_loss_params(loss, std::move(params), std::move(names),
+                                      ScaleLossOptions{loss_id, delay_unscale}, "optimizer"));
+        auto holder = std::make_unique<PyScaledLoss>();
+        holder->guard = std::move(guard);
+        return holder;
+      },
+      py::arg("loss"), py::arg("params"), py::arg("loss_id") = 0, py::arg("delay_unscale") = false,
+      py::arg("names") = std::vector<std::string>{});
+
+  m.def("state_dict", []() {
+    py::dict out;
+    const StateDict sd = amp::state_dict();
+    for (const auto& [k, v] : sd.items()) out[py::str(k)] = v;
+    return out;
+  });
+  m.def(
+      "load_state_dict",
+      [](const py::dict& d) {
+        StateDict sd;
+        for (const auto& item : d) {
+          sd.insert(item.first.cast<std::string>(), item.second.cast<at::Tensor>());
+        }
+        amp::load_state_dict(sd);
+      },
+      py::arg("state_dict"));
+}
+
+}  // namespace amp::python

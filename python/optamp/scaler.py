@@ -1,0 +1,52 @@
+"""Loss scaling: ``optamp.scale_loss`` (Apex's ``amp.scale_loss``) over the compiled core."""
+import contextlib
+
+import torch
+
+from . import _C
+
+
+def _params_of(optimizers):
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
+    params, names = [], []
+    for k, opt in enumerate(optimizers):
+        for g, group in enumerate(opt.param_groups):
+            for i, p in enumerate(group["params"]):
+                params.append(p)
+                names.append(f"optimizer {k} param_groups[{g}].params[{i}]")
+    return params, names
+
+
+@contextlib.contextmanager
+def scale_loss(loss, optimizers, loss_id=0, delay_unscale=False):
+    """Yield ``loss.float() * scale``; on exit unscale the grads of the optimizers' params,
+    check them for inf/NaN and update the scale. After an overflow the grads are set to None,
+    so the following ``optimizer.step()`` changes nothing.
+
+    ``optimizers`` is an optimizer or a list of them. ``delay_unscale=True`` leaves the grads
+    scaled (non-final gradient-accumulation micro-batches).
+    """
+    params, names = _params_of(optimizers)
+    guard = _C._scale_loss(loss, params, loss_id, delay_unscale, names)
+    try:
+        yield guard.loss
+    except BaseException:
+        guard.finish(True)
+        raise
+    guard.finish(False)
+
+
+def loss_scaler(loss_id=0):
+    """The :class:`optamp._C.LossScaler` of ``loss_id`` (after configuration)."""
+    return _C.loss_scaler(loss_id)
+
+
+def state_dict():
+    """``{"loss_scaler0.scale": tensor, ...}``: every loss scaler's state (CPU tensors)."""
+    return _C.state_dict()
+
+
+def load_state_dict(state_dict):
+    """Restore :func:`state_dict` output (validated first; nothing changes on error)."""
+    _C.load_state_dict(dict(state_dict))

@@ -1,0 +1,562 @@
+// LossScaler and the scale_loss guard: unscaling, overflow skipping for every built-in optimizer,
+// accumulation both ways, multiple losses/optimizers, the floor error, state_dict round trips,
+// every user error, exception safety, and a 1,000-step fault-injection run.
+#include <ATen/ATen.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <random>
+#include <sstream>
+
+#include "core/step_events.h"
+#include "optamp/amp.h"
+#include "scaler/registry.h"
+#include "test_util.h"
+
+namespace amp {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+Properties props(Options o = {}) {
+  if (!o.verbosity) o.verbosity = 0;
+  return resolve("O1", o);
+}
+
+// A tiny two-layer model on raw tensors (no nn headers: they compile slowly).
+struct Model {
+  at::Tensor w1, b1, w2;
+  explicit Model(int seed = 0) {
+    at::manual_seed(seed);
+    w1 = (at::randn({6, 8}) * 0.3).requires_grad_();
+    b1 = (at::randn({8}) * 0.1).requires_grad_();
+    w2 = (at::randn({8, 3}) * 0.3).requires_grad_();
+  }
+  std::vector<at::Tensor> params() const { return {w1, b1, w2}; }
+  at::Tensor loss(const at::Tensor& x) const { return (x.mm(w1) + b1).tanh().mm(w2).pow(2).mean(); }
+};
+
+at::Tensor batch(int seed) {
+  at::manual_seed(1000 + seed);
+  return at::randn({5, 6});
+}
+
+std::vector<at::Tensor> clones(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.defined() ? t.detach().clone() : at::Tensor());
+  return out;
+}
+
+std::vector<at::Tensor> grads(const std::vector<at::Tensor>& ps) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : ps) out.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+  return out;
+}
+
+bool all_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].defined() != b[i].defined()) return false;
+    if (a[i].defined() && !at::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+std::string serialized(const torch::optim::Optimizer& opt) {
+  std::ostringstream out;
+  torch::save(opt, out);
+  return out.str();
+}
+
+// Reference gradients: the same loss without any scaling.
+std::vector<at::Tensor> plain_grads(const Model& m, const std::vector<int>& batches) {
+  Model r = m;
+  for (auto* p : {&r.w1, &r.b1, &r.w2}) *p = p->detach().clone().requires_grad_();
+  for (int b : batches) r.loss(batch(b)).backward();
+  return grads(r.params());
+}
+
+class ScaleLossTest : public ::testing::Test {
+ protected:
+  void SetUp() override { detail::reset_loss_scalers(); }
+  void TearDown() override { detail::reset_loss_scalers(); }
+};
+
+TEST_F(ScaleLossTest, LossIsFloatTimesScaleAndGradsComeBackUnscaledExactly) {
+  detail::configure_loss_scalers(props());
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  const auto expected = plain_grads(m, {0});
+  const auto loss = m.loss(batch(0));
+  {
+    auto scaled = scale_loss(loss, opt);
+    EXPECT_TRUE(at::equal(scaled.loss(), loss.to(at::kFloat) * 65536.0));
+    scaled.backward();
+    EXPECT_TRUE(at::equal(m.w2.grad(), expected[2] * 65536.0)) << "grads are scaled inside";
+  }
+  EXPECT_TRUE(all_equal(grads(m.params()), expected));
+  EXPECT_EQ(loss_scaler().loss_scale(), 65536.0);
+  EXPECT_FALSE(loss_scaler().last_step_skipped());
+  EXPECT_EQ(loss_scaler().growth_tracker().item<int>(), 1);
+}
+
+// Injects inf into one scaled gradient inside the guard.
+void overflowing_step(Model& m, torch::optim::Optimizer& opt, int b, float bad = kInf) {
+  auto scaled = scale_loss(m.loss(batch(b)), opt);
+  scaled.backward();
+  m.w1.grad()[2][3] = bad;
+}
+
+template <typename Opt, typename Options>
+void expect_overflow_skips_step(Options options, const char* name) {
+  detail::reset_loss_scalers();
+  detail::configure_loss_scalers(props());
+  Model m;
+  Opt opt(m.params(), options);
+  // A clean step first, so the optimizer has state (momentum buffers, Adam moments, step).
+  {
+    auto scaled = scale_loss(m.loss(batch(0)), opt);
+    scaled.backward();
+  }
+  opt.step();
+  const auto params_before = clones(m.params());
+  const auto state_before = serialized(opt);
+  overflowing_step(m, opt, 1);
+  EXPECT_TRUE(loss_scaler().last_step_skipped()) << name;
+  for (const auto& p : m.params()) EXPECT_FALSE(p.grad().defined()) << name;
+  opt.step();
+  EXPECT_TRUE(all_equal(clones(m.params()), params_before)) << name << ": params changed";
+  EXPECT_EQ(serialized(opt), state_before) << name << ": optimizer state changed";
+  EXPECT_EQ(loss_scaler().loss_scale(), 32768.0);
+  // And the next clean step updates again.
+  {
+    auto scaled = scale_loss(m.loss(batch(2)), opt);
+    scaled.backward();
+  }
+  opt.step();
+  EXPECT_FALSE(all_equal(clones(m.params()), params_before)) << name;
+}
+
+TEST_F(ScaleLossTest, OverflowSkipsTheStepOfEveryBuiltInOptimizerBitwise) {
+  using namespace torch::optim;
+  expect_overflow_skips_step<SGD>(SGDOptions(0.1), "SGD");
+  expect_overflow_skips_step<SGD>(SGDOptions(0.1).momentum(0.9).weight_decay(0.01),
+                                  "SGD momentum+wd");
+  expect_overflow_skips_step<SGD>(SGDOptions(0.1).momentum(0.9).nesterov(true).weight_decay(0.01),
+                                  "SGD nesterov");
+  expect_overflow_skips_step<Adam>(AdamOptions(1e-3).weight_decay(0.01), "Adam");
+  expect_overflow_skips_step<Adam>(AdamOptions(1e-3).amsgrad(true), "Adam amsgrad");
+  expect_overflow_skips_step<AdamW>(AdamWOptions(1e-3), "AdamW");
+  expect_overflow_skips_step<RMSprop>(RMSpropOptions(1e-3).momentum(0.9).centered(true), "RMSprop");
+  expect_overflow_skips_step<Adagrad>(AdagradOptions(0.1).weight_decay(0.01), "Adagrad");
+}
+
+TEST_F(ScaleLossTest, NanIsAnOverflowToo) {
+  detail::configure_loss_scalers(props());
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  overflowing_step(m, opt, 0, std::numeric_limits<float>::quiet_NaN());
+  EXPECT_TRUE(loss_scaler().last_step_skipped());
+  EXPECT_EQ(loss_scaler().skipped_steps(), 1);
+}
+
+TEST_F(ScaleLossTest, LogsTheApexMessageAtVerbosityOneOnly) {
+  Options o;
+  o.verbosity = 1;
+  detail::configure_loss_scalers(props(o));
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  ::testing::internal::CaptureStderr();
+  overflowing_step(m, opt, 0);
+  EXPECT_NE(::testing::internal::GetCapturedStderr().find(
+                "Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 32768.0"),
+            std::string::npos);
+  detail::reset_loss_scalers();
+  detail::configure_loss_scalers(props());
+  ::testing::internal::CaptureStderr();
+  overflowing_step(m, opt, 0);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
+TEST_F(ScaleLossTest, AccumulationWithDelayUnscaleAndWithStashingBothGiveTheUnscaledSum) {
+  detail::configure_loss_scalers(props());
+  const auto expected = plain_grads(Model(), {0, 1, 2});
+  for (bool delay : {true, false}) {
+    Model m;
+    torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+    for (int b = 0; b < 3; ++b) {
+      auto scaled = scale_loss(m.loss(batch(b)), opt, {0, /*delay_unscale=*/delay && b < 2});
+      scaled.backward();
+    }
+    const auto got = grads(m.params());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(all_close(got[i], expected[i], testing::tolerance(at::kFloat)))
+          << "delay=" << delay << " param " << i;
+    }
+  }
+  // Delayed micro-batches do not update the scale; each non-delayed exit does.
+  EXPECT_EQ(loss_scaler().growth_tracker().item<int>(), 1 + 3);
+}
+
+TEST_F(ScaleLossTest, StashedGradOfAParamUnusedByTheNextMicroBatchIsKept) {
+  detail::configure_loss_scalers(props());
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  {
+    auto s = scale_loss(m.loss(batch(0)), opt);
+    s.backward();
+  }
+  const auto first = grads(m.params());
+  {  // only w1 gets a new gradient
+    auto s = scale_loss((batch(1).mm(m.w1)).pow(2).mean(), opt);
+    s.backward();
+  }
+  EXPECT_TRUE(at::equal(m.b1.grad(), first[1]));
+  EXPECT_TRUE(at::equal(m.w2.grad(), first[2]));
+  at::Tensor extra = m.w1.detach().clone().requires_grad_();
+  (batch(1).mm(extra)).pow(2).mean().backward();
+  EXPECT_TRUE(all_close(m.w1.grad(), first[0] + extra.grad(), testing::tolerance(at::kFloat)));
+}
+
+TEST_F(ScaleLossTest, MultipleLossesHaveTheirOwnScalersAndSeveralOptimizersShareALoss) {
+  Options o;
+  o.num_losses = 2;
+  detail::configure_loss_scalers(props(o));
+  Model m;
+  torch::optim::SGD opt_a({m.w1, m.b1}, torch::optim::SGDOptions(0.1));
+  torch::optim::Adam opt_b({m.w2}, torch::optim::AdamOptions(0.1));
+  const auto expected = plain_grads(m, {0});
+  {
+    auto s = scale_loss(m.loss(batch(0)), {&opt_a, &opt_b}, {/*loss_id=*/1});
+    EXPECT_TRUE(at::equal(s.loss(), m.loss(batch(0)) * 65536.0));
+    s.backward();
+  }
+  EXPECT_TRUE(all_equal(grads(m.params()), expected));
+  for (auto& p : m.params()) p.mutable_grad() = at::Tensor();
+  {
+    auto s = scale_loss(m.loss(batch(1)), {&opt_a, &opt_b}, {/*loss_id=*/1});
+    s.backward();
+    m.w2.grad()[0][0] = kInf;  // in the second optimizer's param
+  }
+  EXPECT_TRUE(loss_scaler(1).last_step_skipped());
+  for (const auto& p : m.params()) EXPECT_FALSE(p.grad().defined());
+  EXPECT_EQ(loss_scaler(1).loss_scale(), 32768.0);
+  EXPECT_EQ(loss_scaler(0).loss_scale(), 65536.0);
+  EXPECT_EQ(loss_scaler(0).skipped_steps(), 0);
+}
+
+TEST_F(ScaleLossTest, FixedScaleUnscalesButNeverSkips) {
+  Options o;
+  o.loss_scale = LossScale::fixed(128.0);
+  detail::configure_loss_scalers(props(o));
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  const auto expected = plain_grads(m, {0});
+  {
+    auto s = scale_loss(m.loss(batch(0)), opt);
+    EXPECT_FALSE(loss_scaler().dynamic());
+    s.backward();
+  }
+  EXPECT_TRUE(all_equal(grads(m.params()), expected));
+  overflowing_step(m, opt, 1);
+  EXPECT_FALSE(loss_scaler().last_step_skipped());
+  EXPECT_TRUE(m.w1.grad().defined());
+  EXPECT_EQ(loss_scaler().loss_scale(), 128.0);
+}
+
+TEST_F(ScaleLossTest, ScaleStaysWithinMinAndMaxAndGrowsEveryInterval) {
+  Options o;
+  o.init_scale = 4.0;
+  o.min_loss_scale = 1.0;
+  o.max_loss_scale = 16.0;
+  o.growth_interval = 2;
+  detail::configure_loss_scalers(props(o));
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.0));
+  std::vector<double> trajectory;
+  for (int i = 0; i < 8; ++i) {
+    {
+      auto s = scale_loss(m.loss(batch(i)), opt);
+      s.backward();
+    }
+    trajectory.push_back(loss_scaler().loss_scale());
+  }
+  EXPECT_EQ(trajectory, (std::vector<double>{4, 8, 8, 16, 16, 16, 16, 16}));
+  for (int i = 0; i < 5; ++i) overflowing_step(m, opt, i);
+  EXPECT_EQ(loss_scaler().loss_scale(), 1.0);
+}
+
+TEST_F(ScaleLossTest, FloorRaisesAfterTheBoundNamingTheNonFiniteParameters) {
+  Options o;
+  o.init_scale = 2.0;
+  o.min_loss_scale = 1.0;
+  detail::configure_loss_scalers(props(o));
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  overflowing_step(m, opt, 0);  // 2 -> 1: not yet at the floor
+  EXPECT_EQ(loss_scaler().loss_scale(), 1.0);
+  for (int64_t i = 1; i < LossScaler::kFloorSkipLimit; ++i) overflowing_step(m, opt, 0);
+  EXPECT_EQ(loss_scaler().floor_skips(), LossScaler::kFloorSkipLimit - 1);
+  OPTAMP_EXPECT_THROW_WITH(overflowing_step(m, opt, 0), c10::Error, "50 consecutive steps",
+                           "min_loss_scale", "optimizer 0 param_groups[0].params[0]");
+  try {
+    overflowing_step(m, opt, 0);  // count 51: no error
+  } catch (const c10::Error& e) {
+    ADD_FAILURE() << e.what();
+  }
+  // Only the culprit is named.
+  detail::reset_loss_scalers();
+  detail::configure_loss_scalers(props(o));
+  std::string message;
+  for (int64_t i = 0; i <= LossScaler::kFloorSkipLimit && message.empty(); ++i) {
+    try {
+      overflowing_step(m, opt, 0);
+    } catch (const c10::Error& e) {
+      message = e.what_without_backtrace();
+    }
+  }
+  EXPECT_NE(message.find("params[0]"), std::string::npos) << message;
+  EXPECT_EQ(message.find("params[1]"), std::string::npos) << message;
+  EXPECT_FALSE(m.w1.grad().defined()) << "grads reset before the error";
+}
+
+TEST_F(ScaleLossTest, ErrorsAreClearAndLeaveStateUnchanged) {
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  const auto loss = m.loss(batch(0));
+  OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, opt), c10::Error, "call amp::initialize first");
+  OPTAMP_EXPECT_THROW_WITH(loss_scaler(), c10::Error, "call amp::initialize first");
+  OPTAMP_EXPECT_THROW_WITH(state_dict(), c10::Error, "call amp::initialize first");
+
+  detail::configure_loss_scalers(props());
+  loss.backward(at::Tensor(), /*retain_graph=*/true);
+  const auto grads_before = grads(m.params());
+  OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, opt, {/*loss_id=*/3}), c10::ValueError,
+                           "loss_id must be in [0, 1)", "got 3");
+  OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, opt, {/*loss_id=*/-1}), c10::ValueError, "got -1");
+  OPTAMP_EXPECT_THROW_WITH(scale_loss(at::ones({}, at::kLong), opt), c10::ValueError,
+                           "loss must be a floating-point scalar", "Long");
+  OPTAMP_EXPECT_THROW_WITH(scale_loss(at::ones({2}, at::kFloat).requires_grad_(), opt),
+                           c10::ValueError, "loss must be a floating-point scalar", "[2]");
+  OPTAMP_EXPECT_THROW_WITH(scale_loss(loss.detach(), opt), c10::ValueError,
+                           "loss must have a grad_fn", "requires_grad=False");
+  torch::optim::SGD empty(std::vector<at::Tensor>{}, torch::optim::SGDOptions(0.1));
+  OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, empty), c10::ValueError,
+                           "optimizer must have at least one parameter");
+  OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, std::vector<torch::optim::Optimizer*>{&opt, &empty}),
+                           c10::ValueError, "optimizers[1] must have at least one parameter");
+  OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, std::vector<torch::optim::Optimizer*>{}),
+                           c10::ValueError, "optimizers must not be empty");
+  {
+    auto outer = scale_loss(loss, opt);
+    OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, opt), c10::Error, "must not be nested",
+                             "optimizer 0 param_groups[0].params[0]");
+    outer.backward(std::nullopt, /*retain_graph=*/true);
+  }
+  // The failed calls changed nothing; only the outer guard's step counted.
+  EXPECT_EQ(loss_scaler().growth_tracker().item<int>(), 1);
+  EXPECT_EQ(loss_scaler().skipped_steps(), 0);
+  for (size_t i = 0; i < grads_before.size(); ++i) {
+    EXPECT_TRUE(
+        all_close(m.params()[i].grad(), grads_before[i] * 2, testing::tolerance(at::kFloat)));
+  }
+}
+
+TEST_F(ScaleLossTest, ExceptionInsideTheGuardRestoresStashAndDoesNotThrowAgain) {
+  detail::configure_loss_scalers(props());
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  {
+    auto s = scale_loss(m.loss(batch(0)), opt);
+    s.backward();
+  }
+  const auto before = grads(m.params());
+  try {
+    auto s = scale_loss(m.loss(batch(1)), opt);
+    s.backward();
+    throw std::runtime_error("user error");
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "user error");
+  }
+  EXPECT_TRUE(all_equal(grads(m.params()), before)) << "stashed (unscaled) grads restored";
+  EXPECT_EQ(loss_scaler().growth_tracker().item<int>(), 1) << "no update while unwinding";
+  auto s = scale_loss(m.loss(batch(2)), opt);  // the guard was released
+  s.backward();
+}
+
+int g_notified = 0;
+void count_notification() { ++g_notified; }
+
+TEST_F(ScaleLossTest, NotifiesWeightsMayChangeAfterEachNonDelayedUnscaleOnly) {
+  detail::add_weights_may_change_listener(&count_notification);
+  detail::configure_loss_scalers(props());
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  g_notified = 0;
+  {
+    auto s = scale_loss(m.loss(batch(0)), opt, {0, /*delay_unscale=*/true});
+    s.backward();
+  }
+  EXPECT_EQ(g_notified, 0);
+  {
+    auto s = scale_loss(m.loss(batch(1)), opt);
+    s.backward();
+  }
+  EXPECT_EQ(g_notified, 1);
+  overflowing_step(m, opt, 2);
+  EXPECT_EQ(g_notified, 2);
+}
+
+TEST_F(ScaleLossTest, StateDictRoundTripsBitExactThroughTorchSave) {
+  Options o;
+  o.num_losses = 2;
+  o.hysteresis = 2;
+  o.init_scale = 3.0;  // not a power of two
+  detail::configure_loss_scalers(props(o));
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.0));
+  for (int i = 0; i < 3; ++i) overflowing_step(m, opt, i);
+  {
+    auto s = scale_loss(m.loss(batch(5)), opt, {1});
+    s.backward();
+  }
+  const auto path = (std::filesystem::temp_directory_path() /
+                     ("optamp_state_" + std::to_string(::getpid()) + ".pt"))
+                        .string();
+  const StateDict saved = state_dict();
+  torch::save(state_dict(), path);
+  const double scale0 = loss_scaler(0).loss_scale();
+  for (int i = 0; i < 4; ++i) overflowing_step(m, opt, i);  // move away
+  EXPECT_NE(loss_scaler(0).loss_scale(), scale0);
+  StateDict loaded;
+  torch::load(loaded, path);
+  std::remove(path.c_str());
+  load_state_dict(loaded);
+  ASSERT_EQ(loaded.keys(), saved.keys());
+  const StateDict again = state_dict();
+  for (size_t i = 0; i < saved.size(); ++i) {
+    EXPECT_TRUE(at::equal(again.items()[i].second, saved.items()[i].second))
+        << saved.items()[i].first;
+    EXPECT_EQ(again.items()[i].second.scalar_type(), saved.items()[i].second.scalar_type());
+  }
+  EXPECT_EQ(loss_scaler(0).loss_scale(), scale0);
+  EXPECT_EQ(loss_scaler(0).skipped_steps(), 3);
+  EXPECT_EQ(saved.at("loss_scaler0.hysteresis").item<int>(), 0);
+
+  // Validation: nothing changes on error.
+  StateDict missing = saved;
+  StateDict partial;
+  for (const auto& [k, v] : saved.items())
+    if (k != "loss_scaler1.growth_tracker") partial.insert(k, v);
+  for (int i = 0; i < 2; ++i) overflowing_step(m, opt, i);
+  const StateDict current = state_dict();
+  OPTAMP_EXPECT_THROW_WITH(load_state_dict(partial), c10::ValueError,
+                           "must contain 'loss_scaler1.growth_tracker'");
+  StateDict one;
+  for (const auto& [k, v] : saved.items())
+    if (k.rfind("loss_scaler0.", 0) == 0) one.insert(k, v);
+  OPTAMP_EXPECT_THROW_WITH(load_state_dict(one), c10::ValueError, "num_losses=2", "got 1");
+  StateDict wrong = saved;
+  wrong.insert("loss_scaler1.scale", at::ones({}, at::kDouble));
+  OPTAMP_EXPECT_THROW_WITH(load_state_dict(wrong), c10::ValueError, "loss_scaler1.scale",
+                           "float32");
+  const StateDict after = state_dict();
+  for (size_t i = 0; i < current.size(); ++i) {
+    EXPECT_TRUE(at::equal(after.items()[i].second, current.items()[i].second));
+  }
+}
+
+// 1,000 steps; inf/NaN injected into a random gradient at random steps. Every injected step is
+// skipped, no other step is, params and optimizer state are bitwise unchanged by skipped steps,
+// and the scale stays within [min, max].
+TEST_F(ScaleLossTest, FaultInjectionThousandSteps) {
+  Options o;
+  o.init_scale = 1024.0;
+  o.min_loss_scale = 1.0;
+  o.max_loss_scale = 8192.0;
+  o.growth_interval = 7;
+  detail::configure_loss_scalers(props(o));
+  Model m;
+  torch::optim::SGD opt(m.params(),
+                        torch::optim::SGDOptions(0.01).momentum(0.9).weight_decay(1e-4));
+  std::mt19937 rng(12345);
+  std::uniform_real_distribution<double> coin(0.0, 1.0);
+  const auto x = batch(0);
+  int injected = 0, skipped = 0;
+  for (int step = 0; step < 1000; ++step) {
+    const bool inject = coin(rng) < 0.1;
+    const auto params_before = clones(m.params());
+    std::vector<at::Tensor> momentum_before;
+    for (const auto& [key, state] : opt.state()) {
+      momentum_before.push_back(
+          static_cast<torch::optim::SGDParamState&>(*state).momentum_buffer().clone());
+    }
+    for (auto& p : m.params()) p.mutable_grad() = at::Tensor();
+    {
+      auto s = scale_loss(m.loss(x + 0.01 * step), opt);
+      s.backward();
+      if (inject) {
+        auto g = m.params()[rng() % 3].grad().view(-1);
+        g[static_cast<int64_t>(rng() % g.numel())] = coin(rng) < 0.5 ? kInf : NAN;
+      }
+    }
+    opt.step();
+    injected += inject;
+    skipped += loss_scaler().last_step_skipped();
+    ASSERT_EQ(loss_scaler().last_step_skipped(), inject) << "step " << step;
+    if (inject) {
+      ASSERT_TRUE(all_equal(clones(m.params()), params_before)) << "step " << step;
+      std::vector<at::Tensor> momentum_after;
+      for (const auto& [key, state] : opt.state()) {
+        momentum_after.push_back(
+            static_cast<torch::optim::SGDParamState&>(*state).momentum_buffer());
+      }
+      ASSERT_TRUE(all_equal(momentum_after, momentum_before)) << "step " << step;
+    }
+    const double s = loss_scaler().loss_scale();
+    ASSERT_TRUE(s >= 1.0 && s <= 8192.0) << s;
+  }
+  EXPECT_GT(injected, 50);
+  EXPECT_EQ(skipped, injected);
+  EXPECT_EQ(loss_scaler().skipped_steps(), injected);
+}
+
+TEST_F(ScaleLossTest, GuardOnCudaLossKeepsStateOnTheDevice_CUDA) {
+  OPTAMP_SKIP_WITHOUT_CUDA();
+  detail::configure_loss_scalers(props());
+  at::manual_seed(0);
+  auto w = at::randn({16, 4}, at::kCUDA).requires_grad_();
+  auto wh = at::randn({16, 4}, at::kCUDA).to(at::kHalf).requires_grad_();
+  torch::optim::SGD opt({w, wh}, torch::optim::SGDOptions(0.1));
+  const auto x = at::randn({3, 16}, at::kCUDA);
+  auto loss = [&] { return (x.mm(w) + x.to(at::kHalf).mm(wh).to(at::kFloat)).pow(2).mean(); };
+  loss().backward();
+  const auto g_ref = w.grad().clone();
+  w.mutable_grad() = at::Tensor();
+  wh.mutable_grad() = at::Tensor();
+  {
+    auto s = scale_loss(loss(), opt);
+    s.backward();
+  }
+  EXPECT_TRUE(loss_scaler().scale_tensor().is_cuda());
+  EXPECT_TRUE(all_close(w.grad(), g_ref, testing::tolerance(at::kFloat)));
+  {
+    auto s = scale_loss(loss(), opt);
+    s.backward();
+    wh.grad()[0][0] = kInf;
+  }
+  EXPECT_TRUE(loss_scaler().last_step_skipped());
+  EXPECT_FALSE(w.grad().defined());
+  EXPECT_EQ(loss_scaler().loss_scale(), 32768.0);
+}
+
+}  // namespace
+}  // namespace amp

@@ -1,0 +1,221 @@
+"""Loss scaling from Python: a differential test against torch.amp.GradScaler, the
+optamp.scale_loss context manager, the torch.ops.optamp kernels, errors and state_dict."""
+import math
+
+import pytest
+import torch
+
+import optamp
+from optamp import _C
+
+GROWTH_INTERVAL = 3
+
+
+@pytest.fixture(autouse=True)
+def _fresh_scalers():
+    _C.reset_loss_scalers()
+    yield
+    _C.reset_loss_scalers()
+
+
+def configure(**overrides):
+    overrides.setdefault("verbosity", 0)
+    _C.configure_loss_scalers(optamp.resolve("O1", **overrides))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_torch_grad_scaler_trajectory_and_unscaled_grads_bitwise(dtype):
+    configure(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+              growth_interval=GROWTH_INTERVAL, hysteresis=1, max_loss_scale=2.0**60)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_factor=2.0,
+                                  backoff_factor=0.5, growth_interval=GROWTH_INTERVAL)
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(7, 5), (5,), (1,), (33, 3)]
+    ours = [torch.zeros(s, dtype=dtype, requires_grad=True) for s in shapes]
+    theirs = [torch.zeros(s, dtype=dtype, requires_grad=True) for s in shapes]
+    opt_ours = torch.optim.SGD(ours, lr=0.0)
+    opt_theirs = torch.optim.SGD(theirs, lr=0.0)
+    bad_steps = {2: math.inf, 3: math.nan, 4: -math.inf, 11: math.inf, 12: math.inf, 20: math.nan}
+    for step in range(30):
+        grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+        if step in bad_steps:
+            grads[step % len(grads)].view(-1)[0] = bad_steps[step]
+        scale_before = scaler.get_scale()
+        assert optamp.loss_scaler().loss_scale() == scale_before
+        # optamp: the loss sum(p * g) gives p.grad = scale * g exactly.
+        for p in ours:
+            p.grad = None
+        loss = sum((p * g).sum() for p, g in zip(ours, grads))
+        with optamp.scale_loss(loss, opt_ours) as scaled:
+            scaled.backward()
+        # torch: the same scaled grads, then unscale_ / step / update.
+        for p, g in zip(theirs, grads):
+            p.grad = scaler.scale(g)
+        scaler.unscale_(opt_theirs)
+        found = sum(v.item() for v in scaler._per_optimizer_states[id(opt_theirs)]
+                    ["found_inf_per_device"].values())
+        assert optamp.loss_scaler().last_step_skipped == bool(found), step
+        if not found:
+            for a, b in zip(ours, theirs):
+                assert torch.equal(a.grad, b.grad), step
+        else:
+            assert all(p.grad is None for p in ours)
+        scaler.step(opt_theirs)
+        scaler.update()
+        assert optamp.loss_scaler().loss_scale() == scaler.get_scale(), step
+        assert torch.equal(optamp.loss_scaler().scale_tensor.reshape(1), scaler._scale.reshape(1))
+    assert optamp.loss_scaler().skipped_steps == len(bad_steps)
+
+
+def test_python_optimizers_skip_overflowing_steps():
+    configure()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with optamp.scale_loss(model(x).pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {k: {n: v.clone() for n, v in s.items()} for k, s in opt.state.items()}
+    with optamp.scale_loss(model(x).pow(2).mean(), opt) as scaled:
+        scaled.backward()
+        model.weight.grad[0, 0] = float("nan")
+    assert optamp.loss_scaler().last_step_skipped
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+    for k, s in opt.state.items():
+        for n, v in s.items():
+            assert torch.equal(v, state[k][n])
+
+
+def test_accumulation_with_and_without_delay_unscale_equals_unscaled_sum():
+    configure()
+    torch.manual_seed(0)
+    xs = [torch.randn(5, 4) for _ in range(3)]
+    ref = torch.nn.Linear(4, 2)
+    for x in xs:
+        ref(x).pow(2).mean().backward()
+    for delay in (True, False):
+        model = torch.nn.Linear(4, 2)
+        model.load_state_dict(ref.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i, x in enumerate(xs):
+            with optamp.scale_loss(model(x).pow(2).mean(), opt,
+                                   delay_unscale=delay and i < 2) as scaled:
+                scaled.backward()
+        for p, r in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, rtol=1.3e-6, atol=1e-6)
+
+
+def test_exception_inside_the_context_propagates_and_releases_the_guard():
+    configure()
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(KeyError):
+        with optamp.scale_loss(model(torch.ones(1, 2)).sum(), opt) as scaled:
+            scaled.backward()
+            raise KeyError("boom")
+    with optamp.scale_loss(model(torch.ones(1, 2)).sum(), opt) as scaled:
+        scaled.backward()
+    assert model.weight.grad is not None
+
+
+def test_errors_are_python_exceptions_with_clear_messages():
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.ones(1, 2)).sum()
+    with pytest.raises(RuntimeError, match="call amp::initialize first"):
+        with optamp.scale_loss(loss, opt):
+            pass
+    configure(num_losses=2)
+    with pytest.raises(ValueError, match=r"loss_id must be in \[0, 2\)"):
+        with optamp.scale_loss(loss, opt, loss_id=2):
+            pass
+    with pytest.raises(ValueError, match="floating-point scalar"):
+        with optamp.scale_loss(torch.ones(3, requires_grad=True), opt):
+            pass
+    with pytest.raises(ValueError, match="grad_fn"):
+        with optamp.scale_loss(loss.detach(), opt):
+            pass
+    with pytest.raises(ValueError, match="at least one parameter"):
+        with optamp.scale_loss(loss, []):
+            pass
+    with optamp.scale_loss(loss, opt) as scaled:
+        with pytest.raises(RuntimeError, match="must not be nested"):
+            with optamp.scale_loss(loss, opt):
+                pass
+        scaled.backward()
+    assert optamp.loss_scaler(0).loss_scale() == 2.0**16
+
+
+def test_state_dict_round_trip_is_bit_exact_and_validated():
+    configure(num_losses=2, init_scale=3.0, hysteresis=2)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for loss_id in (0, 1, 1):
+        with optamp.scale_loss(model(torch.ones(1, 2)).sum() * math.inf, opt,
+                               loss_id=loss_id) as scaled:
+            scaled.backward()
+    saved = optamp.state_dict()
+    assert list(saved) == [f"loss_scaler{i}.{n}" for i in (0, 1) for n in
+                           ("scale", "growth_tracker", "hysteresis", "skipped", "floor_skips")]
+    with optamp.scale_loss(model(torch.ones(1, 2)).sum(), opt) as scaled:
+        scaled.backward()
+    optamp.load_state_dict(saved)
+    again = optamp.state_dict()
+    for k in saved:
+        assert torch.equal(again[k], saved[k]) and again[k].dtype == saved[k].dtype
+    assert optamp.loss_scaler(1).loss_scale() == 1.5
+    broken = dict(saved)
+    del broken["loss_scaler1.hysteresis"]
+    with pytest.raises(ValueError, match="loss_scaler1.hysteresis"):
+        optamp.load_state_dict(broken)
+    assert all(torch.equal(optamp.state_dict()[k], saved[k]) for k in saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_ops_match_torch_foreach_unscale(dtype):
+    tensors = [torch.randn(n).to(dtype) for n in (0, 1, 3, 1000)]
+    ref = [t.clone() for t in tensors]
+    found, ref_found = torch.zeros(1), torch.zeros(1)
+    inv = torch.full((1,), 0.125)
+    torch.ops.optamp.unscale_check_(tensors, found, inv)
+    torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found, inv)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, ref))
+    assert found.item() == 0.0
+    tensors[2][1] = math.nan
+    torch.ops.optamp.unscale_check_(tensors, found, inv)
+    assert found.item() == 1.0
+    out = torch.empty(10, dtype=dtype)
+    x, y = torch.randn(10).to(dtype), torch.randn(10).to(dtype)
+    torch.ops.optamp.axpby_check_([out], [x], [y], torch.full((1,), 0.5), 2.0, found.zero_())
+    assert torch.equal(out, (x.float() * 0.5 + y.float() * 2.0).to(dtype))
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_ops_match_cpu(dtype):
+    cpu = [torch.randn(n).to(dtype) for n in (0, 1, 3, 2**20 + 3)]
+    cuda = [t.cuda() for t in cpu]
+    fc, fg = torch.zeros(1), torch.zeros(1, device="cuda")
+    torch.ops.optamp.unscale_check_(cpu, fc, torch.full((1,), 0.25))
+    torch.ops.optamp.unscale_check_(cuda, fg, torch.full((1,), 0.25, device="cuda"))
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, cuda))
+    cuda[3][-1] = math.inf
+    torch.ops.optamp.unscale_check_(cuda, fg, torch.ones(1, device="cuda"))
+    assert fg.item() == 1.0
+
+
+@pytest.mark.needs_cuda
+def test_scale_loss_on_cuda_skips_overflow():
+    configure()
+    model = torch.nn.Linear(4, 2).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with optamp.scale_loss(model(torch.randn(3, 4, device="cuda")).sum(), opt) as scaled:
+        scaled.backward()
+        model.bias.grad[0] = math.inf
+    assert optamp.loss_scaler().last_step_skipped
+    assert optamp.loss_scaler().scale_tensor.is_cuda
