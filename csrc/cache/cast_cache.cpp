@@ -1,6 +1,7 @@
 #include "cache/cast_cache.h"
 
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <atomic>
@@ -13,6 +14,14 @@
 
 namespace amp::detail {
 namespace {
+
+// Whether a cast made now gets autograd history: GradMode on *and* not inside a kernel (kernels
+// run below autograd, with its keys excluded, while GradMode may still be on). Entries are keyed
+// by this, so a history-free copy made inside a kernel is never served to a training forward.
+bool records_autograd() {
+  return c10::GradMode::is_enabled() &&
+         !c10::impl::tls_local_dispatch_key_set().excluded_.has_any(c10::autograd_dispatch_keyset);
+}
 
 struct Key {
   const c10::TensorImpl* source;
@@ -39,7 +48,7 @@ struct Entry {
 class CastCache {
  public:
   CastResult get(const at::Tensor& source, c10::ScalarType dtype) {
-    const Key key{source.unsafeGetTensorImpl(), dtype, c10::GradMode::is_enabled()};
+    const Key key{source.unsafeGetTensorImpl(), dtype, records_autograd()};
     const std::uint32_t version = source._version();
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = entries_.find(key);

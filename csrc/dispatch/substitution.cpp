@@ -1,6 +1,6 @@
 // The substitution fallback. Ops whose job is to hand back a tensor's own data (detach, alias,
-// clone, to/_to_copy, copy_, set_, item, autograd metadata) get fallthrough kernels on the key,
-// so `p.detach().clone()` stays fp32 and those ops pay nothing. View ops are substituted, so
+// clone, to/_to_copy, copy_, set_, item, equal, autograd metadata) get fallthrough kernels on the
+// key, so `p.detach().clone()` stays fp32 and those ops pay nothing. View ops are substituted, so
 // `x @ w.t()` reuses the cached copy instead of casting a fresh view each call.
 #include "dispatch/substitution.h"
 
@@ -33,18 +33,46 @@ std::shared_ptr<const SourceMap>& sources_slot() {
 std::shared_ptr<const SourceMap> load_sources() { return std::atomic_load(&sources_slot()); }
 
 constexpr const char* kOwnDataOps[] = {
-    "aten::detach", "aten::detach_", "aten::alias", "aten::clone", "aten::_to_copy", "aten::to",
-    "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize", "aten::set_",
-    "aten::lift", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::item",
-    "aten::_local_scalar_dense", "aten::requires_grad_", "aten::retain_grad",
-    "aten::retains_grad", "aten::_version", "aten::output_nr", "aten::is_leaf", "aten::_base",
-    "aten::data", "aten::_fw_primal", "aten::_make_dual", "aten::_has_compatible_shallow_copy_type",
-    "aten::cpu", "aten::cuda", "aten::contiguous",
+    "aten::detach",
+    "aten::detach_",
+    "aten::alias",
+    "aten::clone",
+    "aten::_to_copy",
+    "aten::to",
+    "aten::copy_",
+    "aten::_copy_from",
+    "aten::_copy_from_and_resize",
+    "aten::set_",
+    "aten::lift",
+    "aten::lift_fresh",
+    "aten::lift_fresh_copy",
+    "aten::item",
+    "aten::_local_scalar_dense",
+    "aten::requires_grad_",
+    "aten::retain_grad",
+    "aten::retains_grad",
+    "aten::_version",
+    "aten::output_nr",
+    "aten::is_leaf",
+    "aten::_base",
+    "aten::data",
+    "aten::_fw_primal",
+    "aten::_make_dual",
+    "aten::_has_compatible_shallow_copy_type",
+    "aten::cpu",
+    "aten::cuda",
+    "aten::contiguous",
+    "aten::equal",
 };
 
 bool substitution_active(c10::ScalarType* dtype) {
   const ThreadCastState& state = thread_cast_state();
   if (state.mode == kDisabled) return false;
+  // Inside a kernel (below autograd) the tensors are the kernel's business: an op excluded from
+  // substitution (equal, clone, ...) must see fp32 all the way down.
+  if (c10::impl::tls_local_dispatch_key_set().excluded_.has_any(c10::autograd_dispatch_keyset)) {
+    return false;
+  }
   if (!c10::GradMode::is_enabled() && state.mode != kRegion) return false;
   *dtype = state.mode == kRegion ? state.region_dtype : level_low_dtype();
   return *dtype != c10::ScalarType::Undefined;
@@ -87,7 +115,8 @@ void ensure_substitution_registered() {
   static std::once_flag once;
   std::call_once(once, [] {
     TORCH_CHECK(!c10::Dispatcher::singleton().hasBackendFallbackForDispatchKey(kSubstituteKey),
-                "optamp's O2/O5 need the dispatch key ", kSubstituteKey, " for parameter "
+                "optamp's O2/O5 need the dispatch key ", kSubstituteKey,
+                " for parameter "
                 "substitution, but another library registered a fallback on it (a device backend "
                 "using that key is loaded). Use O1/O4, or run without that backend.");
     static auto* fallback =
@@ -113,13 +142,15 @@ void set_working_copy_sources(const std::vector<at::Tensor>& tensors) {
   ensure_substitution_registered();
   auto map = std::make_shared<SourceMap>();
   for (const auto& t : tensors) {
-    map->emplace(t.unsafeGetTensorImpl(), c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+    map->emplace(t.unsafeGetTensorImpl(),
+                 c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
   }
   std::atomic_store(&sources_slot(), std::shared_ptr<const SourceMap>(std::move(map)));
 }
 
 void clear_working_copy_sources() {
-  std::atomic_store(&sources_slot(), std::shared_ptr<const SourceMap>(std::make_shared<SourceMap>()));
+  std::atomic_store(&sources_slot(),
+                    std::shared_ptr<const SourceMap>(std::make_shared<SourceMap>()));
 }
 
 bool is_working_copy_source(const at::Tensor& tensor) {

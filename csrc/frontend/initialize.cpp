@@ -36,7 +36,8 @@ detail::ModelTensors collect_models(const std::vector<ModulePtr>& models, bool k
   for (std::size_t i = 0; i < models.size(); ++i) {
     TORCH_CHECK_VALUE(models[i] != nullptr, "models[", i, "] must be a module, got nullptr");
     for (const auto& module : models[i]->modules(/*include_self=*/true)) {
-      const bool keep = (keep_batchnorm && is_batchnorm(*module)) || fp32_marks().count(module.get());
+      const bool keep =
+          (keep_batchnorm && is_batchnorm(*module)) || fp32_marks().count(module.get());
       auto& target = keep ? out.keep_fp32 : out.reduced;
       for (const auto& p : module->named_parameters(/*recurse=*/false)) {
         target.push_back(p.value());

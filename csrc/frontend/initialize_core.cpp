@@ -38,7 +38,8 @@ void check_model(const ModelTensors& model) {
   bool any_floating = false;
   for (const auto& t : model.parameters) any_floating = any_floating || t.is_floating_point();
   TORCH_CHECK_VALUE(any_floating, "models must have at least one floating-point parameter, got ",
-                    model.parameters.size(), " parameters and none floating: nothing to "
+                    model.parameters.size(),
+                    " parameters and none floating: nothing to "
                     "run in mixed precision");
 }
 
@@ -50,27 +51,33 @@ void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTens
   auto& state = frontend();
   for (const auto& opt : opts) {
     TORCH_CHECK_VALUE(!state.optimizers.count(opt.identity) && !seen.count(opt.identity),
-                      opt.description, " was already passed to amp::initialize; call "
+                      opt.description,
+                      " was already passed to amp::initialize; call "
                       "amp::reset() before initializing it again");
     seen.insert(opt.identity);
-    TORCH_CHECK_VALUE(!opt.parameters.empty(), opt.description, " must have parameters, got "
+    TORCH_CHECK_VALUE(!opt.parameters.empty(), opt.description,
+                      " must have parameters, got "
                       "none");
     for (const auto i : c10::irange(opt.parameters.size())) {
       const auto* impl = opt.parameters[i].unsafeGetTensorImpl();
       TORCH_CHECK_VALUE(in_model.count(impl), opt.description, " parameter ", i, " (",
-                        shape_of(opt.parameters[i]), ") must be a parameter of the model(s) "
+                        shape_of(opt.parameters[i]),
+                        ") must be a parameter of the model(s) "
                         "passed to amp::initialize, but it is not: pass every model whose "
                         "parameters the optimizer updates");
       auto [it, fresh] = owner.emplace(impl, opt.description);
       TORCH_CHECK_VALUE(fresh || it->second == opt.description, "parameter ",
-                        shape_of(opt.parameters[i]), " must belong to one optimizer, but it is "
-                        "in both ", it->second, " and ", opt.description);
+                        shape_of(opt.parameters[i]),
+                        " must belong to one optimizer, but it is "
+                        "in both ",
+                        it->second, " and ", opt.description);
     }
     for (const auto i : c10::irange(opt.state.size())) {
       const auto& param = opt.state_owners[i];
       TORCH_CHECK_VALUE(opt.state[i].device() == param.device(), opt.description,
                         " state must be on the device of its parameter (", param.device(),
-                        "), got a state tensor on ", opt.state[i].device(), ": move the model "
+                        "), got a state tensor on ", opt.state[i].device(),
+                        ": move the model "
                         "before creating/loading the optimizer state");
     }
   }
@@ -106,11 +113,12 @@ Properties initialize_core(const ModelTensors& model, const std::vector<Optimize
   std::lock_guard<std::mutex> lock(state.mutex);
   // ---- validate: nothing changes before every check passed -----------------------------
   Properties p = resolve(level, options);
-  TORCH_CHECK_VALUE(!state.initialized || opts.empty() ||
-                        !state.optimizers.count(opts.front().identity),
-                    opts.empty() ? "" : opts.front().description,
-                    " was already passed to amp::initialize; call amp::reset() first");
-  TORCH_CHECK_VALUE(!state.initialized, "amp::initialize was already called; call amp::reset() "
+  TORCH_CHECK_VALUE(
+      !state.initialized || opts.empty() || !state.optimizers.count(opts.front().identity),
+      opts.empty() ? "" : opts.front().description,
+      " was already passed to amp::initialize; call amp::reset() first");
+  TORCH_CHECK_VALUE(!state.initialized,
+                    "amp::initialize was already called; call amp::reset() "
                     "before initializing a new model/optimizer");
   check_model(model);
   check_optimizers(model, opts);

@@ -18,12 +18,12 @@ struct ModelTensors {
 };
 
 struct OptimizerTensors {
-  const void* identity;                      // the optimizer object (twice-initialized check)
-  std::string description;                   // "optimizer 0 (Adam)"
-  std::vector<at::Tensor> parameters;        // in param-group order
-  std::vector<at::Tensor> state;             // optimizer state tensors (device check)
-  std::vector<at::Tensor> state_owners;      // the parameter each state tensor belongs to
-  double smallest_eps = 0.0;                 // for the O3 fp16 epsilon warning; 0 = none
+  const void* identity;                  // the optimizer object (twice-initialized check)
+  std::string description;               // "optimizer 0 (Adam)"
+  std::vector<at::Tensor> parameters;    // in param-group order
+  std::vector<at::Tensor> state;         // optimizer state tensors (device check)
+  std::vector<at::Tensor> state_owners;  // the parameter each state tensor belongs to
+  double smallest_eps = 0.0;             // for the O3 fp16 epsilon warning; 0 = none
 };
 
 // Validates everything (throws, changing nothing), then applies. Returns resolved properties.

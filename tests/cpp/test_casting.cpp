@@ -670,6 +670,21 @@ TEST_F(Casting, CacheSeparatesNoGradFromGradEntries) {
   }
 }
 
+TEST_F(Casting, CopiesMadeInsideKernelsAreNotServedToAutograd) {
+  enable("O1");
+  auto w = randn({4, 3}).requires_grad_();
+  auto x = randn({2, 3});
+  {
+    // What a kernel's inner calls see: GradMode on, autograd keys excluded.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::linear(x, w);
+  }
+  auto out = at::linear(x, w);
+  ASSERT_TRUE(out.requires_grad());
+  out.sum().backward();
+  EXPECT_TRUE(w.grad().defined());
+}
+
 TEST_F(Casting, CacheStaysBoundedOverManyIterations) {
   enable("O1");
   auto x = randn({2, 3});
