@@ -225,7 +225,7 @@ namespace {
 struct Registry {
   std::mutex mutex;
   bool configured = false;
-  std::vector<std::unique_ptr<LossScaler>> scalers;
+  std::vector<std::shared_ptr<LossScaler>> scalers;
 };
 
 Registry& registry() {
@@ -237,7 +237,11 @@ std::string scaler_prefix(int i) { return "loss_scaler" + std::to_string(i) + ".
 
 }  // namespace
 
-LossScaler& loss_scaler(int loss_id) {
+LossScaler& loss_scaler(int loss_id) { return *detail::loss_scaler_ptr(loss_id); }
+
+namespace detail {
+
+std::shared_ptr<LossScaler> loss_scaler_ptr(int loss_id) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   TORCH_CHECK(r.configured,
@@ -246,16 +250,14 @@ LossScaler& loss_scaler(int loss_id) {
   const int n = static_cast<int>(r.scalers.size());
   TORCH_CHECK_VALUE(loss_id >= 0 && loss_id < n, "loss_id must be in [0, ", n, ") (num_losses=", n,
                     "), got ", loss_id);
-  return *r.scalers[loss_id];
+  return r.scalers[loss_id];
 }
-
-namespace detail {
 
 void configure_loss_scalers(const Properties& props) {
   TORCH_CHECK_VALUE(props.num_losses >= 1, "num_losses must be >= 1, got ", props.num_losses);
-  std::vector<std::unique_ptr<LossScaler>> scalers;
+  std::vector<std::shared_ptr<LossScaler>> scalers;
   for (int i = 0; i < props.num_losses; ++i)
-    scalers.push_back(std::make_unique<LossScaler>(props, i));
+    scalers.push_back(std::make_shared<LossScaler>(props, i));
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   r.scalers = std::move(scalers);

@@ -5,10 +5,12 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "optamp/loss_scaler.h"
 #include "optamp/opt_level.h"
 #include "optamp/scale_loss.h"
 
@@ -18,6 +20,9 @@ namespace amp::detail {
 void configure_loss_scalers(const Properties& props);
 // Drops every scaler (scale_loss then fails with "call amp::initialize first").
 void reset_loss_scalers();
+// The scaler of `loss_id`, shared: a live guard keeps its scaler alive across a
+// reconfiguration (same errors as amp::loss_scaler).
+std::shared_ptr<LossScaler> loss_scaler_ptr(int loss_id);
 // Number of configured scalers (0 before configure).
 int num_loss_scalers();
 

@@ -62,7 +62,7 @@ ParamNamer& namer() {
 }  // namespace
 
 struct ScaleLossState {
-  LossScaler* scaler = nullptr;
+  std::shared_ptr<LossScaler> scaler;
   ScaleLossOptions options;
   at::Tensor scaled_loss;
   std::vector<at::Tensor> params;
@@ -207,7 +207,8 @@ void finish_scaled_loss(ScaledLoss& guard, bool unwinding) {
 ScaledLoss scale_loss_params(const at::Tensor& loss, std::vector<at::Tensor> params,
                              std::vector<std::string> labels, ScaleLossOptions options,
                              const char* owner_kind) {
-  LossScaler& scaler = loss_scaler(options.loss_id);  // configured? id valid?
+  std::shared_ptr<LossScaler> scaler_ptr = loss_scaler_ptr(options.loss_id);  // configured? id?
+  LossScaler& scaler = *scaler_ptr;
   TORCH_CHECK_VALUE(loss.defined(), "loss must be a defined tensor, got an undefined tensor");
   TORCH_CHECK_VALUE(at::isFloatingType(loss.scalar_type()) && loss.numel() == 1,
                     "loss must be a floating-point scalar (one element), got a ",
@@ -238,7 +239,7 @@ ScaledLoss scale_loss_params(const at::Tensor& loss, std::vector<at::Tensor> par
                       "parameters must be float32, float16 or bfloat16 for loss scaling, got ", t,
                       " for ", s->labels[i]);
   }
-  s->scaler = &scaler;
+  s->scaler = scaler_ptr;
   s->options = options;
   s->uncaught_at_entry = std::uncaught_exceptions();
 

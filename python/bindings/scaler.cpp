@@ -34,7 +34,7 @@ void bind_scaler(py::module_& m) {
   m.def("reset_loss_scalers", &detail::reset_loss_scalers);
   m.def("num_loss_scalers", &detail::num_loss_scalers);
 
-  py::class_<LossScaler>(m, "LossScaler")
+  py::class_<LossScaler, std::shared_ptr<LossScaler>>(m, "LossScaler")
       .def_property_readonly("loss_id", &LossScaler::loss_id)
       .def_property_readonly("dynamic", &LossScaler::dynamic)
       .def("loss_scale", &LossScaler::loss_scale)
@@ -44,11 +44,18 @@ void bind_scaler(py::module_& m) {
       .def_property_readonly("scale_tensor", &LossScaler::scale_tensor)
       .def_property_readonly("growth_tracker", &LossScaler::growth_tracker)
       .def_property_readonly("hysteresis_tracker", &LossScaler::hysteresis_tracker)
-      .def("unscale", &LossScaler::unscale, py::arg("grads"),
-           py::arg("stashed") = std::vector<at::Tensor>{})
+      .def(
+          "unscale",
+          [](LossScaler& self, const std::vector<at::Tensor>& grads,
+             const std::vector<std::optional<at::Tensor>>& stashed) {
+            std::vector<at::Tensor> s;  // None -> no stash for that gradient
+            for (const auto& t : stashed) s.push_back(t.value_or(at::Tensor()));
+            self.unscale(grads, s);
+          },
+          py::arg("grads"), py::arg("stashed") = std::vector<std::optional<at::Tensor>>{})
       .def("update", &LossScaler::update);
   m.attr("FLOOR_SKIP_LIMIT") = LossScaler::kFloorSkipLimit;
-  m.def("loss_scaler", &loss_scaler, py::arg("loss_id") = 0, py::return_value_policy::reference);
+  m.def("loss_scaler", &detail::loss_scaler_ptr, py::arg("loss_id") = 0);
 
   py::class_<PyScaledLoss>(m, "_ScaledLoss")
       .def_property_readonly("loss",

@@ -392,6 +392,19 @@ TEST_F(ScaleLossTest, ExceptionInsideTheGuardRestoresStashAndDoesNotThrowAgain) 
   s.backward();
 }
 
+TEST_F(ScaleLossTest, AGuardOutlivesReconfiguration) {
+  detail::configure_loss_scalers(props());
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  const auto expected = plain_grads(m, {0});
+  {
+    auto s = scale_loss(m.loss(batch(0)), opt);
+    s.backward();
+    detail::reset_loss_scalers();  // the guard keeps its scaler alive
+  }
+  EXPECT_TRUE(all_equal(grads(m.params()), expected));
+}
+
 int g_notified = 0;
 void count_notification() { ++g_notified; }
 

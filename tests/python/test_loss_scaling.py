@@ -219,3 +219,19 @@ def test_scale_loss_on_cuda_skips_overflow():
         model.bias.grad[0] = math.inf
     assert optamp.loss_scaler().last_step_skipped
     assert optamp.loss_scaler().scale_tensor.is_cuda
+
+
+def test_low_level_scaler_unscale_with_stash_and_update():
+    configure(init_scale=4.0)
+    scaler = optamp.loss_scaler()
+    g = torch.tensor([4.0, 8.0])
+    stash = torch.tensor([1.0, 1.0])
+    plain = torch.tensor([2.0])
+    scaler.unscale([g, plain], [stash, None])
+    assert scaler.update() is False
+    assert torch.equal(g, torch.tensor([2.0, 3.0])) and torch.equal(plain, torch.tensor([0.5]))
+    scaler.unscale([torch.tensor([math.inf])])
+    assert scaler.update() is True
+    assert scaler.loss_scale() == 2.0 and scaler.skipped_steps == 1
+    _C.reset_loss_scalers()
+    assert scaler.loss_scale() == 2.0  # a held scaler outlives reconfiguration
