@@ -8,8 +8,9 @@
 //   {"type":"step","step":1,"loss":..,"loss_scale":..,"skipped":false,"step_ms":..}
 //   {"type":"summary","test_accuracy":..,"median_step_ms":..,...}
 // stdout gets Apex's properties report and a one-line summary; stderr a progress line with rate
-// and ETA when it is a terminal. Exit status: 0 ok, 2 bad arguments, 3 the opt level is not
-// supported by this build/device (amp::initialize threw c10::NotImplementedError), 1 otherwise.
+// and ETA when it is a terminal (OPTAMP_PROGRESS=1/0 forces it on/off). Exit status: 0 ok, 2 bad
+// arguments, 3 the opt level is not supported by this build/device (amp::initialize threw
+// c10::NotImplementedError), 1 otherwise.
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
@@ -28,6 +29,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -282,7 +284,8 @@ int run(const Args& args) {
   // (torch.randperm with torch.Generator().manual_seed(seed) gives the same in Python).
   at::Generator shuffle = at::detail::createCPUGenerator(args.seed);
   torch::Tensor order;
-  const bool tty = isatty(STDERR_FILENO);
+  const char* force = std::getenv("OPTAMP_PROGRESS");  // ab_test.sh: 1 when its stderr is a TTY
+  const bool tty = force && *force ? std::string(force) == "1" : isatty(STDERR_FILENO) != 0;
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   auto last_progress = start;

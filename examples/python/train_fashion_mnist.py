@@ -236,7 +236,8 @@ def run(args):
           "torch": torch.__version__, "optamp": session.available})
 
     shuffle = torch.Generator().manual_seed(args.seed)  # same permutations as the C++ trainer
-    tty = sys.stderr.isatty()
+    force = os.environ.get("OPTAMP_PROGRESS", "")  # ab_test.sh: 1 when its stderr is a TTY
+    tty = force == "1" if force else sys.stderr.isatty()
     start = last_progress = time.perf_counter()
     step_ms, losses, skipped_steps = [], [], 0
     order = None
