@@ -44,7 +44,9 @@ def read_status(out, level):
     if os.path.isfile(path):
         with open(path) as f:
             return json.load(f)
-    return {"status": "ok" if os.path.isfile(os.path.join(out, f"{level}.jsonl")) else "missing"}
+    if os.path.isfile(os.path.join(out, f"{level}.jsonl")):
+        return {"status": "ok"}
+    return {"status": "missing", "message": f"no {level}.jsonl in {out}"}
 
 
 def collect(out, levels):
@@ -182,22 +184,26 @@ def write_plot(path, curves, rows, config):
 
     colors = {"O0": "#222222", "O1": "#1f77b4", "O2": "#d62728", "O3": "#ff7f0e",
               "O4": "#2ca02c", "O5": "#9467bd"}
+    styles = {"O0": "-", "O1": "--", "O2": "-", "O3": "-.", "O4": "--", "O5": ":"}
     acc = {r["level"]: r.get("test_accuracy") for r in rows}
     fig, (ax_loss, ax_scale) = plt.subplots(
         2, 1, figsize=(10, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    for level, steps in curves.items():
-        c = colors.get(level)
+    for i, (level, steps) in enumerate(curves.items()):
+        # Later levels are drawn thinner and in their own line style, so coinciding curves
+        # (O0 and O1 often overlap) stay visible.
+        c, ls, lw = colors.get(level), styles.get(level, "-"), max(1.2, 3.2 - 0.5 * i)
         pts = [(s["step"], s["loss"]) for s in steps if s.get("loss") is not None]
         if pts:
             xs, ys = zip(*pts)
             window = max(1, len(xs) // 25)
             ax_loss.plot(xs, ys, color=c, alpha=0.2, linewidth=0.8)
             label = f"{level}" + (f"  (test acc {acc[level]:.1f}%)" if acc.get(level) else "")
-            ax_loss.plot(xs, moving_average(ys, window), color=c, linewidth=2, label=label)
+            ax_loss.plot(xs, moving_average(ys, window), color=c, linestyle=ls, linewidth=lw,
+                         label=label)
         sc = [(s["step"], s["loss_scale"]) for s in steps if s.get("loss_scale") is not None]
         if sc:
             xs, ys = zip(*sc)
-            ax_scale.step(xs, ys, where="post", color=c, linewidth=2, label=level)
+            ax_scale.step(xs, ys, where="post", color=c, linestyle=ls, linewidth=lw, label=level)
         skipped = [(s["step"], s["loss_scale"]) for s in steps
                    if s.get("skipped") and s.get("loss_scale") is not None]
         if skipped:
@@ -218,7 +224,7 @@ def write_plot(path, curves, rows, config):
     ax_scale.set_ylabel("loss scale (x: skipped step)")
     ax_scale.set_xlabel("step")
     ax_scale.grid(True, which="both", alpha=0.3)
-    ax_scale.legend(loc="upper right", fontsize=9, ncol=2)
+    ax_scale.legend(loc="best", fontsize=9, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
