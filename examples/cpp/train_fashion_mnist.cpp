@@ -48,7 +48,7 @@ struct AmpSession {
   template <typename Model>
   AmpSession(Model& model, torch::optim::Optimizer& optimizer, const std::string& level)
       : handle(amp::initialize(model, optimizer, level, amp::Options{})) {}
-  std::string describe() const { return handle.properties().describe(); }
+  std::string describe() { return handle.properties().describe(); }
   // backward through the scaled loss; on overflow the guard makes optimizer.step() a no-op.
   static void backward(const torch::Tensor& loss, torch::optim::Optimizer& optimizer) {
     auto scaled = amp::scale_loss(loss, optimizer);
