@@ -83,7 +83,7 @@ for level in "${level_list[@]}"; do
   msg="$(tr '\r' '\n' <"$out/$level.err" | grep -v '^\s*$' | tail -1 | sed 's/\\/\\\\/g; s/"/\\"/g')"
   case $rc in
     0) st=ok; grep '^summary:' "$out/$level.log" ;;
-    3) st=unsupported; echo "   $level unsupported: $msg" ;;
+    3) st=unsupported; msg="${msg##*unsupported: }"; echo "   $level unsupported: $msg" ;;
     *) st=failed; status=1; echo "   $level FAILED (exit $rc); log: $out/$level.log" >&2 ;;
   esac
   printf '{"status": "%s", "exit_code": %d, "message": "%s", "seconds": %d}\n' \
