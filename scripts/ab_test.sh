@@ -7,7 +7,7 @@
 #   bash scripts/ab_test.sh --levels O0,O4,O5 --steps 400 --python
 #
 # Options: --levels L1,L2,..  (default O0,O1,O2; the first is the baseline)
-#          --device cpu|cuda  --steps N (default 200)  --batch-size N (64)  --seed N (0)
+#          --device cpu|cuda  --steps N (default 150)  --batch-size N (64)  --seed N (0)
 #          --lr X  --subset N (first N training images)  --test-subset N  --data DIR
 #          --python (run examples/python/train_fashion_mnist.py instead of the C++ binary)
 #          --out DIR (default results/ab)  --no-build  --bin PATH (a prebuilt trainer)
@@ -17,7 +17,7 @@ set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$OPTAMP_ROOT"
 
-levels="O0,O1,O2" device=cpu steps=200 batch=64 seed=0 lr="" subset=0 test_subset=0
+levels="O0,O1,O2" device=cpu steps=150 batch=64 seed=0 lr="" subset=0 test_subset=0
 data="" python=0 out="results/ab" build=1 bin=""
 usage() { sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
