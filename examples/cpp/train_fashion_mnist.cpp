@@ -1,0 +1,415 @@
+// Trains a small CNN (conv + batch-norm + linear) on Fashion-MNIST at one optamp opt level and
+// writes JSON-lines metrics. scripts/ab_test.sh runs it at several levels and compares them.
+//
+//   train_fashion_mnist --opt-level O2 --steps 200 --metrics o2.jsonl [--device cuda]
+//
+// Metrics file (one JSON object a line):
+//   {"type":"config", ...}                      the run's settings
+//   {"type":"step","step":1,"loss":..,"loss_scale":..,"skipped":false,"step_ms":..}
+//   {"type":"summary","test_accuracy":..,"median_step_ms":..,...}
+// stdout gets Apex's properties report and a one-line summary; stderr a progress line with rate
+// and ETA when it is a terminal (OPTAMP_PROGRESS=1/0 forces it on/off). Exit status: 0 ok, 2 bad
+// arguments, 3 the opt level is not supported by this build/device (amp::initialize threw
+// c10::NotImplementedError), 1 otherwise.
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <optamp/amp.h>
+#include <torch/cuda.h>
+#include <torch/nn.h>
+#include <torch/optim.h>
+#include <torch/version.h>
+#include <unistd.h>
+
+#ifdef OPTAMP_EXAMPLE_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fashion_mnist.h"
+
+namespace {
+
+// ---- optamp integration: the only code in this program that touches the amp API -------------
+// Everything else is an ordinary LibTorch training loop.
+struct AmpSession {
+  amp::Handle handle;
+  template <typename Model>
+  AmpSession(Model& model, torch::optim::Optimizer& optimizer, const std::string& level)
+      : handle(amp::initialize(model, optimizer, level, amp::Options{})) {}
+  std::string describe() { return handle.properties().describe(); }
+  // backward through the scaled loss; on overflow the guard makes optimizer.step() a no-op.
+  static void backward(const torch::Tensor& loss, torch::optim::Optimizer& optimizer) {
+    auto scaled = amp::scale_loss(loss, optimizer);
+    scaled.backward();
+  }
+  static double loss_scale() { return amp::loss_scaler(0).loss_scale(); }
+  static bool last_step_skipped() { return amp::loss_scaler(0).last_step_skipped(); }
+  static void reset() { amp::reset(); }
+};
+// ---- end of optamp integration --------------------------------------------------------------
+
+struct NetImpl : torch::nn::Module {
+  NetImpl()
+      : conv1(torch::nn::Conv2dOptions(1, 32, 3).padding(1).bias(false)),
+        bn1(32),
+        conv2(torch::nn::Conv2dOptions(32, 64, 3).padding(1).bias(false)),
+        bn2(64),
+        fc1(64 * 7 * 7, 128),
+        fc2(128, 10) {
+    register_module("conv1", conv1);
+    register_module("bn1", bn1);
+    register_module("conv2", conv2);
+    register_module("bn2", bn2);
+    register_module("fc1", fc1);
+    register_module("fc2", fc2);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::max_pool2d(torch::relu(bn1(conv1(x))), 2);  // 32 x 14 x 14
+    x = torch::max_pool2d(torch::relu(bn2(conv2(x))), 2);  // 64 x 7 x 7
+    x = torch::relu(fc1(x.flatten(1)));
+    return fc2(x);
+  }
+  torch::nn::Conv2d conv1;
+  torch::nn::BatchNorm2d bn1;
+  torch::nn::Conv2d conv2;
+  torch::nn::BatchNorm2d bn2;
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Net);
+
+struct Args {
+  std::string opt_level = "O0";
+  std::int64_t steps = 0;  // 0: use epochs
+  std::int64_t epochs = 1;
+  std::int64_t batch_size = 64;
+  double lr = 0.05;
+  std::uint64_t seed = 0;
+  std::string device = "cpu";
+  std::string data = fashion_mnist::kDefaultDir;
+  std::int64_t subset = 0;       // first N training images (0: all)
+  std::int64_t test_subset = 0;  // first N test images (0: all 10000)
+  int threads = 0;               // 0: LibTorch's default
+  std::string metrics;
+};
+
+const char* kUsage =
+    "usage: train_fashion_mnist [--opt-level O0..O5] [--steps N | --epochs N] [--batch-size N]\n"
+    "         [--lr X] [--seed N] [--device cpu|cuda] [--data DIR] [--subset N]\n"
+    "         [--test-subset N] [--threads N] [--metrics FILE]\n";
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "-h" || flag == "--help") {
+      std::cout << kUsage;
+      std::exit(0);
+    }
+    if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
+    const std::string v = argv[++i];
+    if (flag == "--opt-level")
+      a.opt_level = v;
+    else if (flag == "--steps")
+      a.steps = std::stoll(v);
+    else if (flag == "--epochs")
+      a.epochs = std::stoll(v);
+    else if (flag == "--batch-size")
+      a.batch_size = std::stoll(v);
+    else if (flag == "--lr")
+      a.lr = std::stod(v);
+    else if (flag == "--seed")
+      a.seed = std::stoull(v);
+    else if (flag == "--device")
+      a.device = v;
+    else if (flag == "--data")
+      a.data = v;
+    else if (flag == "--subset")
+      a.subset = std::stoll(v);
+    else if (flag == "--test-subset")
+      a.test_subset = std::stoll(v);
+    else if (flag == "--threads")
+      a.threads = std::stoi(v);
+    else if (flag == "--metrics")
+      a.metrics = v;
+    else
+      throw std::invalid_argument("unknown flag " + flag);
+  }
+  amp::parse_opt_level(a.opt_level);  // throws, listing the valid levels
+  if (a.device != "cpu" && a.device != "cuda")
+    throw std::invalid_argument("--device must be cpu or cuda, got " + a.device);
+  if (a.steps < 0 || a.epochs < 1 || a.batch_size < 1 || a.subset < 0 || a.test_subset < 0 ||
+      !(a.lr > 0))
+    throw std::invalid_argument("--steps >= 0, --epochs >= 1, --batch-size >= 1, --lr > 0");
+  return a;
+}
+
+// ---- small JSON writer (numbers, strings, bools; non-finite numbers become null) ------------
+class Json {
+ public:
+  Json& num(const std::string& k, double v) {
+    char buf[40];
+    if (std::isfinite(v)) std::snprintf(buf, sizeof(buf), "%.9g", v);
+    return raw(k, std::isfinite(v) ? buf : "null");
+  }
+  Json& integer(const std::string& k, std::int64_t v) { return raw(k, std::to_string(v)); }
+  Json& boolean(const std::string& k, bool v) { return raw(k, v ? "true" : "false"); }
+  Json& str(const std::string& k, const std::string& v) { return raw(k, quote(v)); }
+  std::string done() const { return "{" + body_ + "}"; }
+
+ private:
+  static std::string quote(const std::string& s) {
+    std::string out = "\"";
+    for (char c : s) {
+      if (c == '"' || c == '\\')
+        out += '\\', out += c;
+      else if (c == '\n')
+        out += "\\n";
+      else if (static_cast<unsigned char>(c) < 0x20)
+        out += ' ';
+      else
+        out += c;
+    }
+    return out + "\"";
+  }
+  Json& raw(const std::string& k, const std::string& v) {
+    body_ += (body_.empty() ? "" : ",") + quote(k) + ":" + v;
+    return *this;
+  }
+  std::string body_;
+};
+
+// Peak memory during training: CPU RSS high-water mark (reset before training through
+// /proc/self/clear_refs), or the CUDA caching allocator's peak allocated bytes.
+void reset_peak_memory(const torch::Device& device) {
+#ifdef OPTAMP_EXAMPLE_CUDA
+  if (device.is_cuda()) return c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
+  std::ofstream("/proc/self/clear_refs") << "5";
+}
+
+double peak_memory_mb(const torch::Device& device) {
+#ifdef OPTAMP_EXAMPLE_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 20);
+  }
+#endif
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // kB
+  return std::nan("");
+}
+
+std::string fmt_duration(double s) {
+  char buf[32];
+  const long t = std::lround(std::max(0.0, s));
+  std::snprintf(buf, sizeof(buf), "%ld:%02ld", t / 60, t % 60);
+  return buf;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return std::nan("");
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+int run(const Args& args) {
+  if (args.threads > 0) torch::set_num_threads(args.threads);
+  if (args.device == "cuda" && !torch::cuda::is_available())
+    throw std::runtime_error("--device cuda: no CUDA device is visible to LibTorch");
+  const torch::Device device(args.device == "cuda" ? torch::Device(torch::kCUDA, 0)
+                                                   : torch::Device(torch::kCPU));
+  at::globalContext().setBenchmarkCuDNN(false);
+  at::globalContext().setDeterministicCuDNN(true);
+
+  const fashion_mnist::Split train = fashion_mnist::load(args.data, true, args.subset);
+  const fashion_mnist::Split test = fashion_mnist::load(args.data, false, args.test_subset);
+  const std::int64_t n_train = train.images.size(0);
+  const std::int64_t batch = std::min(args.batch_size, n_train);
+  const std::int64_t per_epoch = n_train / batch;  // the last partial batch is dropped
+  const std::int64_t total = args.steps > 0 ? args.steps : args.epochs * per_epoch;
+
+  torch::manual_seed(args.seed);
+  Net model;
+  model->to(device);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9));
+
+  std::unique_ptr<AmpSession> amp_session;
+  try {
+    amp_session = std::make_unique<AmpSession>(model, optimizer, args.opt_level);
+  } catch (const c10::NotImplementedError& e) {
+    std::cerr << "train_fashion_mnist: opt level " << args.opt_level
+              << " unsupported: " << e.what_without_backtrace() << "\n";
+    return 3;
+  }
+  std::cout << amp_session->describe() << std::flush;
+
+  std::ofstream metrics;
+  if (!args.metrics.empty()) {
+    metrics.open(args.metrics);
+    if (!metrics) throw std::runtime_error("cannot write --metrics " + args.metrics);
+    metrics << Json()
+                   .str("type", "config")
+                   .str("program", "train_fashion_mnist")
+                   .str("language", "c++")
+                   .str("opt_level", args.opt_level)
+                   .str("device", args.device)
+                   .integer("steps", total)
+                   .integer("batch_size", batch)
+                   .num("lr", args.lr)
+                   .integer("seed", static_cast<std::int64_t>(args.seed))
+                   .integer("train_images", n_train)
+                   .integer("test_images", test.images.size(0))
+                   .integer("threads", torch::get_num_threads())
+                   .str("torch", TORCH_VERSION)
+                   .done()
+            << "\n";
+  }
+
+  // Fixed shuffling: a CPU generator seeded with --seed draws one permutation per epoch
+  // (torch.randperm with torch.Generator().manual_seed(seed) gives the same in Python).
+  at::Generator shuffle = at::detail::createCPUGenerator(args.seed);
+  torch::Tensor order;
+  const char* force = std::getenv("OPTAMP_PROGRESS");  // ab_test.sh: 1 when its stderr is a TTY
+  const bool tty = force && *force ? std::string(force) == "1" : isatty(STDERR_FILENO) != 0;
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  auto last_progress = start;
+  std::vector<double> step_ms, losses;
+  std::int64_t skipped_steps = 0;
+
+  model->train();
+  reset_peak_memory(device);
+  for (std::int64_t step = 0; step < total; ++step) {
+    const std::int64_t pos = step % per_epoch;
+    if (pos == 0) order = torch::randperm(n_train, shuffle, torch::kLong);
+    const torch::Tensor idx = order.slice(0, pos * batch, (pos + 1) * batch);
+    const torch::Tensor x = fashion_mnist::to_input(train.images.index_select(0, idx), device);
+    const torch::Tensor y = train.labels.index_select(0, idx).to(device);
+    const double scale = AmpSession::loss_scale();
+
+    const auto t0 = Clock::now();
+    optimizer.zero_grad();
+    const torch::Tensor loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+    AmpSession::backward(loss, optimizer);
+    optimizer.step();
+    if (device.is_cuda()) torch::cuda::synchronize();
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+
+    const double loss_value = loss.item<double>();
+    const bool skipped = AmpSession::last_step_skipped();
+    skipped_steps += skipped;
+    step_ms.push_back(ms);
+    losses.push_back(loss_value);
+    if (metrics.is_open())
+      metrics << Json()
+                     .str("type", "step")
+                     .integer("step", step + 1)
+                     .num("loss", loss_value)
+                     .num("loss_scale", scale)
+                     .boolean("skipped", skipped)
+                     .num("step_ms", ms)
+                     .done()
+              << "\n";
+    const auto now = Clock::now();
+    if (tty && (now - last_progress > std::chrono::milliseconds(200) || step + 1 == total)) {
+      last_progress = now;
+      const double elapsed = std::chrono::duration<double>(now - start).count();
+      const double rate = (step + 1) / elapsed;
+      std::fprintf(stderr, "\r[%s] step %lld/%lld  loss %.4f  scale %g  %.1f it/s  ETA %s   ",
+                   args.opt_level.c_str(), static_cast<long long>(step + 1),
+                   static_cast<long long>(total), loss_value, scale, rate,
+                   fmt_duration((total - step - 1) / rate).c_str());
+      if (step + 1 == total) std::fprintf(stderr, "\n");
+    }
+  }
+  const double train_s = std::chrono::duration<double>(Clock::now() - start).count();
+  const double peak_mb = peak_memory_mb(device);
+  const double final_scale = AmpSession::loss_scale();
+
+  // Test accuracy: eval mode, no autograd (optamp leaves no_grad code in the model's dtypes).
+  model->eval();
+  std::int64_t correct = 0;
+  {
+    torch::NoGradGuard no_grad;
+    const std::int64_t n_test = test.images.size(0);
+    for (std::int64_t i = 0; i < n_test; i += 1000) {
+      const std::int64_t j = std::min(n_test, i + 1000);
+      const torch::Tensor x = fashion_mnist::to_input(test.images.slice(0, i, j), device);
+      const torch::Tensor pred = model->forward(x).argmax(1).cpu();
+      correct += pred.eq(test.labels.slice(0, i, j)).sum().item<std::int64_t>();
+    }
+  }
+  const double accuracy = 100.0 * correct / static_cast<double>(test.images.size(0));
+  AmpSession::reset();
+
+  // Median over the steady state: the first 5 steps (allocator and kernel warm-up) are left
+  // out when there are more than 10. final_train_loss: mean of the last (up to) 20 finite losses.
+  const std::vector<double> steady(step_ms.begin() + (step_ms.size() > 10 ? 5 : 0), step_ms.end());
+  const double median_ms = median(steady);
+  double tail_sum = 0;
+  int tail_n = 0;
+  for (auto it = losses.rbegin(); it != losses.rend() && tail_n < 20; ++it)
+    if (std::isfinite(*it)) tail_sum += *it, ++tail_n;
+  const double final_loss = tail_n ? tail_sum / tail_n : std::nan("");
+  const double samples_per_s = batch / (median_ms / 1000.0);
+  const std::string mem_kind = device.is_cuda() ? "cuda_peak_allocated" : "cpu_peak_rss";
+
+  const std::string summary = Json()
+                                  .str("type", "summary")
+                                  .str("opt_level", args.opt_level)
+                                  .str("device", args.device)
+                                  .integer("steps", total)
+                                  .integer("batch_size", batch)
+                                  .num("test_accuracy", accuracy)
+                                  .num("peak_memory_mb", peak_mb)
+                                  .str("peak_memory_kind", mem_kind)
+                                  .num("median_step_ms", median_ms)
+                                  .num("samples_per_s", samples_per_s)
+                                  .num("final_train_loss", final_loss)
+                                  .integer("skipped_steps", skipped_steps)
+                                  .num("final_loss_scale", final_scale)
+                                  .num("train_time_s", train_s)
+                                  .done();
+  if (metrics.is_open()) metrics << summary << "\n";
+  std::printf(
+      "summary: %s %s | test accuracy %.2f%% | median step %.2f ms | %.0f samples/s | peak "
+      "memory %.1f MB (%s) | final train loss %.4f | skipped %lld | loss scale %g | %.1f s\n",
+      args.opt_level.c_str(), args.device.c_str(), accuracy, median_ms, samples_per_s, peak_mb,
+      mem_kind.c_str(), final_loss, static_cast<long long>(skipped_steps), final_scale, train_s);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  try {
+    args = parse_args(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "train_fashion_mnist: " << e.what() << "\n" << kUsage;
+    return 2;
+  }
+  try {
+    return run(args);
+  } catch (const c10::Error& e) {
+    std::cerr << "train_fashion_mnist: " << e.what_without_backtrace() << "\n";
+  } catch (const std::exception& e) {
+    std::cerr << "train_fashion_mnist: " << e.what() << "\n";
+  }
+  return 1;
+}

@@ -1,0 +1,326 @@
+#!/usr/bin/env python3
+"""Python twin of examples/cpp/train_fashion_mnist.cpp: same CNN, flags, metrics and exit codes.
+
+    python examples/python/train_fashion_mnist.py --opt-level O2 --steps 200 --metrics o2.jsonl
+
+Metrics file (JSON lines): a "config" object, one "step" object per step (step, loss,
+loss_scale, skipped, step_ms) and a final "summary" object (test_accuracy, peak_memory_mb,
+median_step_ms, samples_per_s, final_train_loss, skipped_steps, final_loss_scale, ...).
+Exit status: 0 ok, 2 bad arguments, 3 the opt level is unsupported by this optamp build or
+device (amp.initialize raised NotImplementedError, or optamp has no initialize yet), 1 otherwise.
+"""
+import argparse
+import gzip
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DEFAULT_DATA = "/usr/share/datasets/fashion-mnist"
+MEAN, STD = 0.2860, 0.3530
+LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
+
+
+# ---- optamp integration: the only code in this program that touches the amp API -------------
+class AmpSession:
+    """initialize / scale_loss / loss-scaler queries, in one place."""
+
+    def __init__(self, model, optimizer, opt_level):
+        try:
+            import optamp as amp
+        except ImportError as e:  # the compiled extension is not built
+            amp, why = None, f"cannot import optamp ({e})"
+        else:
+            why = "this optamp build has no amp.initialize yet"
+        if amp is None or not hasattr(amp, "initialize"):
+            if opt_level != "O0":
+                raise NotImplementedError(why)
+            # O0 is plain fp32 with a static scale of 1: the baseline needs no optamp.
+            self.amp, self.model, self.optimizer, self.description = None, model, optimizer, ""
+            self.available = False
+            return
+        self.amp, self.available = amp, True
+        self.model, self.optimizer = amp.initialize(model, optimizer, opt_level=opt_level)
+        self.description = ""
+        props = getattr(amp, "properties", None)  # accessor name TBD on the Python side
+        if callable(props):
+            self.description = props().describe()
+
+    def backward(self, loss):
+        if self.amp is None:
+            loss.backward()
+            return
+        with self.amp.scale_loss(loss, self.optimizer) as scaled_loss:
+            scaled_loss.backward()
+
+    def _scaler(self):
+        if self.amp is None:
+            return None
+        for owner in (self.amp, getattr(self.amp, "_C", None)):
+            fn = getattr(owner, "loss_scaler", None)
+            if callable(fn):
+                return fn(0)
+        return None
+
+    def loss_scale(self):
+        if self.amp is None:
+            return 1.0
+        s = self._scaler()
+        v = getattr(s, "loss_scale", None) if s is not None else None
+        return float(v() if callable(v) else v) if v is not None else float("nan")
+
+    def last_step_skipped(self):
+        s = self._scaler()
+        v = getattr(s, "last_step_skipped", None) if s is not None else None
+        return bool(v() if callable(v) else v) if v is not None else False
+
+    def reset(self):
+        if self.amp is not None and hasattr(self.amp, "reset"):
+            self.amp.reset()
+
+
+# ---- end of optamp integration --------------------------------------------------------------
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(32)
+        self.conv2 = nn.Conv2d(32, 64, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(64)
+        self.fc1 = nn.Linear(64 * 7 * 7, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc2(x)
+
+
+def missing_data_message(path):
+    return (f"Fashion-MNIST data not found: {path}\n"
+            "  It comes from the Debian package `dataset-fashion-mnist`; install it with\n"
+            "    sudo apt-get install dataset-fashion-mnist\n"
+            f"  (files land in {DEFAULT_DATA}), or pass --data DIR with the four *-ubyte.gz files.")
+
+
+def read_idx_u8(path, limit=0):
+    """An IDX file of unsigned bytes (gzip-compressed) as a uint8 array, first `limit` items."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(missing_data_message(path))
+    with gzip.open(path, "rb") as f:
+        data = f.read()
+    if len(data) < 4 or data[:3] != b"\x00\x00\x08" or data[3] == 0:
+        raise ValueError(f"{path}: not an IDX file of unsigned bytes")
+    ndim = data[3]
+    shape = [int.from_bytes(data[4 + 4 * d:8 + 4 * d], "big") for d in range(ndim)]
+    arr = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if arr.size != math.prod(shape):
+        raise ValueError(f"{path}: size does not match its IDX header")
+    arr = arr.reshape(shape)
+    return arr[:limit] if limit > 0 else arr
+
+
+def load(data_dir, train, limit=0):
+    prefix = os.path.join(data_dir, "train" if train else "t10k")
+    images = torch.from_numpy(read_idx_u8(prefix + "-images-idx3-ubyte.gz", limit).copy())
+    labels = torch.from_numpy(read_idx_u8(prefix + "-labels-idx1-ubyte.gz", limit).astype(np.int64))
+    if images.shape[1:] != (28, 28) or images.shape[0] != labels.shape[0]:
+        raise ValueError(f"{prefix}: images and labels do not match (expected N x 28 x 28)")
+    return images, labels
+
+
+def to_input(images_u8, device):
+    return images_u8.to(device).unsqueeze(1).float().div_(255.0).sub_(MEAN).div_(STD)
+
+
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def finite_or_none(v):
+    return v if isinstance(v, (int, bool)) or math.isfinite(v) else None
+
+
+def fmt_duration(s):
+    t = max(0, round(s))
+    return f"{t // 60}:{t % 60:02d}"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--opt-level", default="O0", choices=LEVELS)
+    p.add_argument("--steps", type=int, default=0, help="0: use --epochs")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--data", default=DEFAULT_DATA)
+    p.add_argument("--subset", type=int, default=0, help="first N training images (0: all)")
+    p.add_argument("--test-subset", type=int, default=0, help="first N test images (0: all)")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--metrics", default="")
+    a = p.parse_args(argv)
+    if a.steps < 0 or a.epochs < 1 or a.batch_size < 1 or a.subset < 0 or a.test_subset < 0 \
+            or not a.lr > 0:
+        p.error("--steps >= 0, --epochs >= 1, --batch-size >= 1, --lr > 0")
+    return a
+
+
+def run(args):
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device is visible to torch")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+    train_x, train_y = load(args.data, True, args.subset)
+    test_x, test_y = load(args.data, False, args.test_subset)
+    n_train = train_x.shape[0]
+    batch = min(args.batch_size, n_train)
+    per_epoch = n_train // batch  # the last partial batch is dropped
+    total = args.steps if args.steps > 0 else args.epochs * per_epoch
+
+    torch.manual_seed(args.seed)
+    model = Net().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    try:
+        session = AmpSession(model, optimizer, args.opt_level)
+    except NotImplementedError as e:
+        print(f"train_fashion_mnist.py: opt level {args.opt_level} unsupported: {e}",
+              file=sys.stderr)
+        return 3
+    model, optimizer = session.model, session.optimizer
+    if session.description:
+        print(session.description, end="", flush=True)
+
+    metrics = open(args.metrics, "w") if args.metrics else None
+
+    def emit(obj):
+        if metrics:
+            metrics.write(json.dumps(obj) + "\n")
+
+    emit({"type": "config", "program": "train_fashion_mnist.py", "language": "python",
+          "opt_level": args.opt_level, "device": args.device, "steps": total,
+          "batch_size": batch, "lr": args.lr, "seed": args.seed, "train_images": n_train,
+          "test_images": int(test_x.shape[0]), "threads": torch.get_num_threads(),
+          "torch": torch.__version__, "optamp": session.available})
+
+    shuffle = torch.Generator().manual_seed(args.seed)  # same permutations as the C++ trainer
+    force = os.environ.get("OPTAMP_PROGRESS", "")  # ab_test.sh: 1 when its stderr is a TTY
+    tty = force == "1" if force else sys.stderr.isatty()
+    start = last_progress = time.perf_counter()
+    step_ms, losses, skipped_steps = [], [], 0
+    order = None
+
+    model.train()
+    reset_peak_memory(device)
+    for step in range(total):
+        pos = step % per_epoch
+        if pos == 0:
+            order = torch.randperm(n_train, generator=shuffle)
+        idx = order[pos * batch:(pos + 1) * batch]
+        x = to_input(train_x.index_select(0, idx), device)
+        y = train_y.index_select(0, idx).to(device)
+        scale = session.loss_scale()
+
+        t0 = time.perf_counter()
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        session.backward(loss)
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1000.0
+
+        loss_value = loss.item()
+        skipped = session.last_step_skipped()
+        skipped_steps += skipped
+        step_ms.append(ms)
+        losses.append(loss_value)
+        emit({"type": "step", "step": step + 1, "loss": finite_or_none(loss_value),
+              "loss_scale": finite_or_none(scale), "skipped": skipped, "step_ms": ms})
+        now = time.perf_counter()
+        if tty and (now - last_progress > 0.2 or step + 1 == total):
+            last_progress = now
+            rate = (step + 1) / (now - start)
+            sys.stderr.write(f"\r[{args.opt_level}] step {step + 1}/{total}  loss {loss_value:.4f}"
+                             f"  scale {scale:g}  {rate:.1f} it/s  "
+                             f"ETA {fmt_duration((total - step - 1) / rate)}   ")
+            if step + 1 == total:
+                sys.stderr.write("\n")
+    train_s = time.perf_counter() - start
+    peak_mb = peak_memory_mb(device)
+    final_scale = session.loss_scale()
+
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, test_x.shape[0], 1000):
+            pred = model(to_input(test_x[i:i + 1000], device)).argmax(1).cpu()
+            correct += int(pred.eq(test_y[i:i + 1000]).sum())
+    accuracy = 100.0 * correct / test_x.shape[0]
+    session.reset()
+
+    steady = step_ms[5:] if len(step_ms) > 10 else step_ms
+    median_ms = statistics.median(steady) if steady else float("nan")
+    tail = [v for v in reversed(losses) if math.isfinite(v)][:20]
+    final_loss = sum(tail) / len(tail) if tail else float("nan")
+    samples_per_s = batch / (median_ms / 1000.0)
+    mem_kind = "cuda_peak_allocated" if device.type == "cuda" else "cpu_peak_rss"
+    summary = {"type": "summary", "opt_level": args.opt_level, "device": args.device,
+               "steps": total, "batch_size": batch, "test_accuracy": accuracy,
+               "peak_memory_mb": peak_mb, "peak_memory_kind": mem_kind,
+               "median_step_ms": median_ms, "samples_per_s": samples_per_s,
+               "final_train_loss": final_loss, "skipped_steps": skipped_steps,
+               "final_loss_scale": final_scale, "train_time_s": train_s}
+    emit({k: finite_or_none(v) if isinstance(v, float) else v for k, v in summary.items()})
+    if metrics:
+        metrics.close()
+    print(f"summary: {args.opt_level} {args.device} | test accuracy {accuracy:.2f}% | "
+          f"median step {median_ms:.2f} ms | {samples_per_s:.0f} samples/s | peak memory "
+          f"{peak_mb:.1f} MB ({mem_kind}) | final train loss {final_loss:.4f} | "
+          f"skipped {skipped_steps} | loss scale {final_scale:g} | {train_s:.1f} s")
+    return 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"train_fashion_mnist.py: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
