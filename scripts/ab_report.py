@@ -6,8 +6,8 @@
 Reads OUT/<level>.jsonl (config, step and summary objects written by train_fashion_mnist) and
 OUT/<level>.status (JSON: status ok|unsupported|failed, message, exit_code; written by
 ab_test.sh), and writes OUT/summary.md, OUT/summary.json and OUT/ab.png (matplotlib, Agg).
-The first level that ran is the baseline (O0 by default). Two levels have "equal accuracy" when
-their test accuracies are within EQUAL_POINTS (1.0) percentage points.
+The first level that ran is the baseline (O0 by default). A level has "equal accuracy" when its
+test accuracy is no more than EQUAL_POINTS (1.0) percentage points below the baseline's.
 """
 import argparse
 import json
@@ -88,8 +88,10 @@ def add_ratios_and_verdict(rows):
         r["peak_memory_ratio"] = ratio(r["peak_memory_mb"], base["peak_memory_mb"])
         acc, base_acc = r["test_accuracy"], base["test_accuracy"]
         r["accuracy_delta"] = None if acc is None or base_acc is None else acc - base_acc
+        # "Equal" = no worse than the baseline by more than EQUAL_POINTS: a level that is
+        # *more* accurate is not excluded for it.
         r["equal_accuracy"] = r["accuracy_delta"] is not None and \
-            abs(r["accuracy_delta"]) <= EQUAL_POINTS + 1e-9
+            r["accuracy_delta"] >= -EQUAL_POINTS - 1e-9
     equal = [r for r in ok if r["equal_accuracy"] and r["median_step_ms"] is not None]
     fastest = min(equal, key=lambda r: r["median_step_ms"]) if equal else base
     dropped = [f"{r['level']} ({r['accuracy_delta']:+.2f} pts)" for r in ok
@@ -101,15 +103,15 @@ def add_ratios_and_verdict(rows):
     if fastest is base:
         others = [r["level"] for r in ok if r is not base]
         verdict = (f"Verdict: {base['level']} (baseline) is the fastest at equal accuracy "
-                   f"(within {EQUAL_POINTS:g} pt of {base['test_accuracy']:.2f}%)"
+                   f"(no more than {EQUAL_POINTS:g} pt below {base['test_accuracy']:.2f}%)"
                    + (f"; {', '.join(others)} did not beat it." if others else
                       "; no other level ran.") + tail)
     else:
         speedup = base["median_step_ms"] / fastest["median_step_ms"]
         verdict = (f"Verdict: {fastest['level']} is the fastest at equal accuracy: "
                    f"{speedup:.2f}x faster per step than {base['level']} (test accuracy "
-                   f"{fastest['test_accuracy']:.2f}% vs {base['test_accuracy']:.2f}%, within "
-                   f"{EQUAL_POINTS:g} pt)." + tail)
+                   f"{fastest['test_accuracy']:.2f}% vs {base['test_accuracy']:.2f}%, no more than "
+                   f"{EQUAL_POINTS:g} pt below)." + tail)
     return fastest["level"], verdict
 
 
@@ -156,8 +158,8 @@ def write_markdown(path, rows, config, verdict):
         "Step time: median over the steps after the first 5 (forward, backward, optimizer step; "
         "synchronized on CUDA); ratios are level / baseline, so below 1x is faster. "
         "samples/s = batch size / median step time. Final train loss: mean of the last 20 "
-        "finite step losses. Equal accuracy: within "
-        f"{EQUAL_POINTS:g} percentage point of the baseline. Plot: ab.png.",
+        "finite step losses. Equal accuracy: no more than "
+        f"{EQUAL_POINTS:g} percentage point below the baseline. Plot: ab.png.",
         "",
     ]
     with open(path, "w") as f:
