@@ -137,7 +137,9 @@ TORCH_MODULE(GPTBlock);
 
 struct GPTImpl : torch::nn::Module {
   explicit GPTImpl(const GPTOptions& o = {})
-      : wte(o.vocab, o.d_model), wpe(o.seq, o.d_model), ln_f(torch::nn::LayerNormOptions({o.d_model})) {
+      : wte(o.vocab, o.d_model),
+        wpe(o.seq, o.d_model),
+        ln_f(torch::nn::LayerNormOptions({o.d_model})) {
     register_module("wte", wte);
     register_module("wpe", wpe);
     for (std::int64_t i = 0; i < o.layers; ++i)

@@ -12,8 +12,8 @@
 //   O0, O0_tf32       amp::initialize(..., "O0"), TF32 off / on (cuBLAS + cuDNN)
 //   O1 .. O5          amp::initialize(..., "On") + amp::scale_loss
 //   native            at::autocast (fp16) around forward+loss + a hand-written dynamic loss scaler
-//                     doing what torch.amp.GradScaler does (fused unscale/check, _amp_update_scale_,
-//                     one found_inf.item() per step, step skipped on overflow)
+//                     doing what torch.amp.GradScaler does (fused unscale/check,
+//                     _amp_update_scale_, one found_inf.item() per step, step skipped on overflow)
 //   native_bf16       at::autocast (bf16), no scaler
 // Peak memory: CUDA caching allocator peak allocated bytes during the timed steps; on CPU the RSS
 // high-water mark (process-wide: with several configurations in one process it is an upper bound
@@ -71,8 +71,8 @@ class Workload {
 
 struct HarnessArgs {
   std::string device;  // default: cuda when available
-  std::vector<std::string> configs{"native", "O0",  "O0_tf32", "O1", "O2",
-                                   "O3",     "O4",  "O5",      "native_bf16"};
+  std::vector<std::string> configs{"native", "O0", "O0_tf32", "O1",         "O2",
+                                   "O3",     "O4", "O5",      "native_bf16"};
   int warmup = 5, steps = 20, rounds = 3, threads = 0;
   std::string json;
 };
@@ -209,8 +209,8 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
   std::function<void()> step;
   try {
     if (optamp) {
-      amp::initialize(wl.module(), std::vector<torch::optim::Optimizer*>{&opt},
-                      config.substr(0, 2), amp::Options{});
+      amp::initialize(wl.module(), std::vector<torch::optim::Optimizer*>{&opt}, config.substr(0, 2),
+                      amp::Options{});
       step = [&] {
         opt.zero_grad();
         const auto loss = wl.loss();
@@ -331,7 +331,8 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
         throw std::invalid_argument("unknown flag " + f);
     }
     if (a.steps < 1 || a.rounds < 1 || a.warmup < 0 || a.configs.empty())
-      throw std::invalid_argument("--steps >= 1, --rounds >= 1, --warmup >= 0, --configs non-empty");
+      throw std::invalid_argument(
+          "--steps >= 1, --rounds >= 1, --warmup >= 0, --configs non-empty");
   } catch (const std::exception& e) {
     std::cerr << wl.name() << ": " << e.what() << "\n" << usage;
     return 2;
@@ -360,18 +361,17 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
     for (std::size_t k = 0; k < n; ++k) {
       const std::string& c = a.configs[(k + round) % n];
       RunResult r = run_config(wl, c, device, a);
-      std::printf("round %d %-12s %s\n", round + 1, c.c_str(),
-                  r.error.empty() ? (fmt("%.2f ms/step", r.median_ms) + "  peak " +
-                                     fmt("%.0f MB", r.peak_mb))
-                                        .c_str()
-                                  : ("error: " + r.error).c_str());
+      std::printf(
+          "round %d %-12s %s\n", round + 1, c.c_str(),
+          r.error.empty()
+              ? (fmt("%.2f ms/step", r.median_ms) + "  peak " + fmt("%.0f MB", r.peak_mb)).c_str()
+              : ("error: " + r.error).c_str());
       std::fflush(stdout);
       if (json.is_open())
         json << "{\"program\":\"" << wl.name() << "\",\"round\":" << round + 1 << ",\"config\":\""
              << c << "\",\"median_ms\":" << (std::isfinite(r.median_ms) ? r.median_ms : -1)
              << ",\"peak_mb\":" << (std::isfinite(r.peak_mb) ? r.peak_mb : -1)
-             << ",\"syncs_per_step\":"
-             << (std::isfinite(r.syncs_per_step) ? r.syncs_per_step : -1)
+             << ",\"syncs_per_step\":" << (std::isfinite(r.syncs_per_step) ? r.syncs_per_step : -1)
              << ",\"skipped\":" << r.skipped << ",\"ok\":" << (r.error.empty() ? "true" : "false")
              << "}\n";
       results[c].push_back(std::move(r));
@@ -417,8 +417,8 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
   check("O1 throughput / native", ratio_to("O1", "native"), 0.98);
   check("O2 throughput / O3", ratio_to("O2", "O3"), 0.95);
   if (device.is_cuda()) {
-    check("O2 peak memory / native", med("O2", &RunResult::peak_mb) / med("native", &RunResult::peak_mb),
-          1.0, false);
+    check("O2 peak memory / native",
+          med("O2", &RunResult::peak_mb) / med("native", &RunResult::peak_mb), 1.0, false);
     for (const auto& c : a.configs) {
       const std::string what = c + " syncs per step";
       check(what.c_str(), med(c, &RunResult::syncs_per_step), 1.0, false);
