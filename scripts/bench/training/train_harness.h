@@ -209,7 +209,9 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
   std::function<void()> step;
   try {
     if (optamp) {
-      amp::initialize(wl.module(), std::vector<torch::optim::Optimizer*>{&opt}, config.substr(0, 2),
+      const std::string level = config.substr(0, 2);
+      amp::initialize(std::vector<amp::ModulePtr>{wl.module()},
+                      std::vector<torch::optim::Optimizer*>{&opt}, std::string_view(level),
                       amp::Options{});
       step = [&] {
         opt.zero_grad();
