@@ -210,9 +210,11 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
   try {
     if (optamp) {
       const std::string level = config.substr(0, 2);
+      amp::Options options;
+      options.verbosity = 0;  // no properties report or overflow messages inside the timing
       amp::initialize(std::vector<amp::ModulePtr>{wl.module()},
                       std::vector<torch::optim::Optimizer*>{&opt}, std::string_view(level),
-                      amp::Options{});
+                      options);
       step = [&] {
         opt.zero_grad();
         const auto loss = wl.loss();
