@@ -1,0 +1,280 @@
+#!/usr/bin/env python
+"""Training-step throughput, peak memory and device->host syncs per step, Python side.
+
+Models: ResNet-50 (synthetic images, SGD momentum) or a GPT-2-small-sized transformer (AdamW),
+defined in bench_models.py (same layouts as the C++ programs). Configurations, interleaved round
+by round in one process (the order rotates by one each round), each on a fresh model from the
+same seed:
+
+  native       torch.autocast(fp16) + torch.amp.GradScaler (the native AMP recipe)
+  native_bf16  torch.autocast(bf16), no scaler
+  fp32         plain fp32, TF32 off;   fp32_tf32: TF32 on (matmul + cuDNN)
+  O0 .. O5     model, opt = optamp.initialize(model, opt, opt_level=...);
+               with optamp.scale_loss(loss, opt) as s: s.backward()      (O0_tf32: TF32 on)
+
+Levels are skipped with a message when optamp.initialize is not available. Ratios are the median
+over rounds of native_ms / config_ms measured in the same round (> 1: faster than native AMP).
+
+    PYTHONPATH=python python scripts/bench/bench_train.py --model gpt2 [--device cuda]
+    PYTHONPATH=python python scripts/bench/bench_train.py --model resnet50 --device cpu --small
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_models import GPT, ResNet  # noqa: E402
+
+try:
+    import optamp
+except ImportError as e:  # the extension is not built: only the native configurations run
+    optamp, OPTAMP_IMPORT_ERROR = None, str(e)
+
+DEFAULT_CONFIGS = "native,fp32,fp32_tf32,O0,O0_tf32,O1,O2,O3,O4,O5,native_bf16"
+
+
+class Workload:
+    def __init__(self, args, device):
+        self.args, self.device = args, device
+        if args.model == "resnet50":
+            small = dict(blocks=(1, 1, 1, 1), width=8, classes=10, batch=4, image=64)
+            self.kw = dict(blocks=(3, 4, 6, 3), width=64, classes=1000, batch=128, image=224)
+        else:
+            small = dict(vocab=512, seq=64, layers=2, d_model=128, heads=4, batch=2)
+            self.kw = dict(vocab=50257, seq=512, layers=12, d_model=768, heads=12, batch=8)
+        if args.small:
+            self.kw.update(small)
+        for k in list(self.kw):
+            v = getattr(args, k, None)
+            if v is not None:
+                self.kw[k] = tuple(int(b) for b in v.split(",")) if k == "blocks" else v
+        self.batch = self.kw["batch"]
+
+    def describe(self):
+        return f"{self.args.model} " + " ".join(f"{k}={v}" for k, v in self.kw.items())
+
+    def build(self):
+        kw, dev = dict(self.kw), self.device
+        batch = kw.pop("batch")
+        if self.args.model == "resnet50":
+            image = kw.pop("image")
+            model = ResNet(**kw).to(dev).train()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+            x = torch.randn(batch, 3, image, image, device=dev)
+            y = torch.randint(kw["classes"], (batch,), device=dev)
+            return model, opt, lambda m: F.cross_entropy(m(x), y)
+        model = GPT(**kw).to(dev).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        tok = torch.randint(kw["vocab"], (batch, kw["seq"]), device=dev)
+        tgt = torch.randint(kw["vocab"], (batch, kw["seq"]), device=dev)
+        return model, opt, lambda m: F.cross_entropy(m(tok).view(-1, kw["vocab"]).float(), tgt.view(-1))
+
+
+def set_tf32(on):
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def reset_peak(dev):
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def peak_mb(dev):
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def make_step(config, model, opt, loss_fn, dev):
+    """Returns (step function, model) for one configuration, or raises SkipConfig."""
+    if config.startswith("O"):
+        if optamp is None:
+            raise SkipConfig(f"optamp not importable ({OPTAMP_IMPORT_ERROR})")
+        if not hasattr(optamp, "initialize"):
+            raise SkipConfig("optamp.initialize is not available in this build")
+        model, opt = optamp.initialize(model, opt, opt_level=config[:2])
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model)
+            with optamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return step
+    if config == "native":
+        scaler = torch.amp.GradScaler(dev.type)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(dev.type, dtype=torch.float16):
+                loss = loss_fn(model)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return step
+    if config == "native_bf16":
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                loss = loss_fn(model)
+            loss.backward()
+            opt.step()
+        return step
+    if config in ("fp32", "fp32_tf32"):
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model).backward()
+            opt.step()
+        return step
+    raise ValueError(f"unknown configuration {config}")
+
+
+class SkipConfig(Exception):
+    pass
+
+
+def count_syncs(step, dev, n=3):
+    """Device->host syncs per step: sync-debug mode 'warn', warnings counted."""
+    if dev.type != "cuda":
+        return float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(n):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync(dev)
+    return sum("synchroniz" in str(w.message) for w in caught) / n
+
+
+def run_config(wl, config, args, dev):
+    torch.manual_seed(0)
+    set_tf32(config.endswith("_tf32"))
+    model, opt, loss_fn = wl.build()
+    res = dict(config=config)
+    try:
+        step = make_step(config, model, opt, loss_fn, dev)
+        for _ in range(args.warmup):
+            step()
+        sync(dev)
+        reset_peak(dev)
+        ms = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            step()
+            sync(dev)
+            ms.append((time.perf_counter() - t0) * 1e3)
+        res.update(median_ms=statistics.median(ms), peak_mb=peak_mb(dev),
+                   syncs_per_step=count_syncs(step, dev))
+    except SkipConfig as e:
+        res["skipped"] = str(e)
+    except Exception as e:  # noqa: BLE001  (report and go on with the other configurations)
+        res["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        reset = getattr(optamp, "reset", None) if optamp is not None else None
+        if config.startswith("O") and reset is not None:
+            reset()
+        set_tf32(False)
+        del model, opt, loss_fn
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=("resnet50", "gpt2"), default="gpt2")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--small", action="store_true", help="tiny model for CPU smoke tests")
+    ap.add_argument("--json", help="write one JSON line per (round, config) here")
+    for k in ("batch", "image", "width", "classes", "vocab", "seq", "layers", "d_model", "heads"):
+        ap.add_argument("--" + k.replace("_", "-"), dest=k, type=int)
+    ap.add_argument("--blocks", help="ResNet blocks per stage, e.g. 3,4,6,3")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    configs = [c for c in args.configs.split(",") if c]
+    wl = Workload(args, dev)
+    if dev.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    print(f"bench_train.py: {wl.describe()} | device {dev} | torch {torch.__version__} | "
+          f"threads {torch.get_num_threads()} | warmup {args.warmup}, steps {args.steps}, "
+          f"rounds {args.rounds}", flush=True)
+    if optamp is not None and not hasattr(optamp, "reset") and sum(c.startswith("O") for c in configs) > 1:
+        print("note: optamp.reset is missing; levels after the first may fail to initialize", flush=True)
+    out = open(args.json, "w") if args.json else None
+    results = {c: [] for c in configs}
+    for r in range(args.rounds):
+        for k in range(len(configs)):
+            c = configs[(k + r) % len(configs)]
+            res = run_config(wl, c, args, dev)
+            results[c].append(res)
+            if "median_ms" in res:
+                print(f"round {r + 1} {c:<12} {res['median_ms']:.2f} ms/step  peak {res['peak_mb']:.0f} MB", flush=True)
+            else:
+                print(f"round {r + 1} {c:<12} {'skipped' if 'skipped' in res else 'error'}: "
+                      f"{res.get('skipped', res.get('error'))}", flush=True)
+            if out:
+                out.write(json.dumps(dict(res, round=r + 1, model=args.model)) + "\n")
+
+    def med(c, key):
+        v = [x[key] for x in results.get(c, []) if key in x and x[key] == x[key]]
+        return statistics.median(v) if v else float("nan")
+
+    def ratio(c, ref):
+        if ref not in results:
+            return float("nan")
+        v = [b["median_ms"] / a["median_ms"] for a, b in zip(results[c], results[ref])
+             if "median_ms" in a and "median_ms" in b]
+        return statistics.median(v) if v else float("nan")
+
+    f = lambda fmt, v: "-" if v != v else fmt % v  # noqa: E731
+    print("\n| config | median ms/step | samples/s | peak MB | syncs/step | throughput vs native | vs native_bf16 |")
+    print("|---|---|---|---|---|---|---|")
+    for c in configs:
+        ms = med(c, "median_ms")
+        print(f"| {c} | {f('%.2f', ms)} | {f('%.1f', wl.batch * 1e3 / ms)} | {f('%.0f', med(c, 'peak_mb'))} | "
+              f"{f('%.2f', med(c, 'syncs_per_step'))} | {f('%.3f', ratio(c, 'native'))} | "
+              f"{f('%.3f', ratio(c, 'native_bf16'))} |")
+
+    def check(what, v, target, ge=True):
+        if v == v:
+            ok = v >= target if ge else v <= target
+            print(f"target {what:<40} {v:.3f} ({'>=' if ge else '<='} {target:.2f}) {'MET' if ok else 'NOT MET'}")
+    print()
+    check("O2 throughput / native", ratio("O2", "native"), 1.05 if args.model == "gpt2" else 1.0)
+    check("O1 throughput / native", ratio("O1", "native"), 0.98)
+    check("O2 throughput / O3", ratio("O2", "O3"), 0.95)
+    if dev.type == "cuda":
+        check("O2 peak memory / native", med("O2", "peak_mb") / med("native", "peak_mb"), 1.0, ge=False)
+        for c in configs:
+            check(f"{c} syncs per step", med(c, "syncs_per_step"), 1.0, ge=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,434 @@
+#pragma once
+// Training-step throughput harness shared by bench_train_resnet50 and bench_train_gpt2: plain
+// executables (no Google Benchmark), so they build on the GPU machine.
+//
+// For each round, every configuration (in an order rotated by one each round) builds a fresh
+// model from the same seed, runs --warmup steps, then --steps timed steps (each step ends with a
+// device synchronize), records the median step time and the peak memory, and tears down. The
+// report gives per configuration the median over rounds, and the ratios to native AMP computed
+// round by round (same process, adjacent in time) and then the median of those ratios.
+//
+// Configurations:
+//   O0, O0_tf32       amp::initialize(..., "O0"), TF32 off / on (cuBLAS + cuDNN)
+//   O1 .. O5          amp::initialize(..., "On") + amp::scale_loss
+//   native            at::autocast (fp16) around forward+loss + a hand-written dynamic loss scaler
+//                     doing what torch.amp.GradScaler does (fused unscale/check,
+//                     _amp_update_scale_, one found_inf.item() per step, step skipped on overflow)
+//   native_bf16       at::autocast (bf16), no scaler
+// Peak memory: CUDA caching allocator peak allocated bytes during the timed steps; on CPU the RSS
+// high-water mark (process-wide: with several configurations in one process it is an upper bound
+// only; run one configuration per process with --configs X for a CPU memory comparison).
+// Device->host syncs per step (CUDA only): counted over 3 extra steps with
+// c10::cuda sync-debug mode "warn" and a counting warning handler on the calling thread.
+
+#include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
+#include <optamp/amp.h>
+#include <torch/cuda.h>
+#include <torch/nn.h>
+#include <torch/optim.h>
+#include <torch/version.h>
+
+#ifdef OPTAMP_BENCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace bench {
+
+// A model + optimizer + synthetic batch. Subclasses parse their own flags.
+class Workload {
+ public:
+  virtual ~Workload() = default;
+  virtual std::string name() const = 0;
+  virtual std::string describe() const = 0;
+  // Returns true when the flag was one of the workload's.
+  virtual bool parse_flag(const std::string& flag, const std::string& value) = 0;
+  virtual void small() = 0;  // the CPU smoke-test sizes
+  virtual std::string usage() const = 0;
+  virtual std::int64_t samples_per_step() const = 0;
+  // Builds the model (seeded by the caller) on `device`, its optimizer and a fixed batch.
+  virtual void build(const torch::Device& device) = 0;
+  virtual std::shared_ptr<torch::nn::Module> module() = 0;
+  virtual torch::optim::Optimizer& optimizer() = 0;
+  virtual torch::Tensor loss() = 0;  // forward + loss on the fixed batch
+  virtual void destroy() = 0;
+};
+
+struct HarnessArgs {
+  std::string device;  // default: cuda when available
+  std::vector<std::string> configs{"native", "O0", "O0_tf32", "O1",         "O2",
+                                   "O3",     "O4", "O5",      "native_bf16"};
+  int warmup = 5, steps = 20, rounds = 3, threads = 0;
+  std::string json;
+};
+
+inline std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+inline double median(std::vector<double> v) {
+  if (v.empty()) return std::nan("");
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// RAII: native autocast for one device type and dtype (what torch.autocast does in Python).
+class NativeAutocast {
+ public:
+  NativeAutocast(c10::DeviceType type, c10::ScalarType dtype)
+      : type_(type),
+        prev_enabled_(at::autocast::is_autocast_enabled(type)),
+        prev_dtype_(at::autocast::get_autocast_dtype(type)) {
+    at::autocast::set_autocast_dtype(type, dtype);
+    at::autocast::set_autocast_enabled(type, true);
+    at::autocast::increment_nesting();
+  }
+  ~NativeAutocast() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(type_, prev_enabled_);
+    at::autocast::set_autocast_dtype(type_, prev_dtype_);
+  }
+  NativeAutocast(const NativeAutocast&) = delete;
+  NativeAutocast& operator=(const NativeAutocast&) = delete;
+
+ private:
+  c10::DeviceType type_;
+  bool prev_enabled_;
+  c10::ScalarType prev_dtype_;
+};
+
+// The hand-written equivalent of torch.amp.GradScaler (init 2^16, growth 2 every 2000 steps,
+// backoff 0.5): device-side scale, fused unscale + check, one found_inf.item() per step.
+class HandScaler {
+ public:
+  explicit HandScaler(const torch::Device& device)
+      : scale_(torch::full({}, 65536.0, torch::dtype(torch::kFloat).device(device))),
+        growth_(torch::zeros({}, torch::dtype(torch::kInt).device(device))),
+        found_inf_(torch::zeros({}, torch::dtype(torch::kFloat).device(device))) {}
+  torch::Tensor scale(const torch::Tensor& loss) { return loss.to(torch::kFloat) * scale_; }
+  // Unscales the grads, steps the optimizer unless they overflowed, updates the scale.
+  bool unscale_and_step(torch::optim::Optimizer& opt) {
+    std::vector<torch::Tensor> grads;
+    for (const auto& group : opt.param_groups())
+      for (const auto& p : group.params())
+        if (p.grad().defined()) grads.push_back(p.grad());
+    found_inf_.zero_();
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf_, scale_.reciprocal());
+    const bool skip = found_inf_.item<float>() != 0.0f;  // the step's one device->host sync
+    if (!skip) opt.step();
+    at::_amp_update_scale_(scale_, growth_, found_inf_, 2.0, 0.5, 2000);
+    return skip;
+  }
+
+ private:
+  torch::Tensor scale_, growth_, found_inf_;
+};
+
+inline bool is_optamp_config(const std::string& c) {
+  return c.size() >= 2 && c[0] == 'O' && c[1] >= '0' && c[1] <= '5';
+}
+
+inline void set_tf32(bool on) {
+  at::globalContext().setAllowTF32CuBLAS(on);
+  at::globalContext().setAllowTF32CuDNN(on);
+}
+
+inline void sync(const torch::Device& d) {
+  if (d.is_cuda()) torch::cuda::synchronize();
+}
+
+inline void reset_peak(const torch::Device& d) {
+#ifdef OPTAMP_BENCH_CUDA
+  if (d.is_cuda()) return c10::cuda::CUDACachingAllocator::resetPeakStats(d.index());
+#endif
+  std::ofstream("/proc/self/clear_refs") << "5";
+}
+
+inline double peak_mb(const torch::Device& d) {
+#ifdef OPTAMP_BENCH_CUDA
+  if (d.is_cuda())
+    return static_cast<double>(
+               c10::cuda::CUDACachingAllocator::getDeviceStats(d.index()).allocated_bytes[0].peak) /
+           (1 << 20);
+#endif
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  return std::nan("");
+}
+
+#ifdef OPTAMP_BENCH_CUDA
+// Counts "synchronizing CUDA operation" warnings raised on this thread.
+class SyncCounter : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning& w) override {
+    if (w.msg().find("synchroniz") != std::string::npos)
+      ++count;
+    else
+      c10::WarningHandler::process(w);
+  }
+  int count = 0;
+};
+#endif
+
+struct RunResult {
+  double median_ms = std::nan(""), peak_mb = std::nan(""), syncs_per_step = std::nan("");
+  std::int64_t skipped = 0;
+  std::string error;
+};
+
+inline RunResult run_config(Workload& wl, const std::string& config, const torch::Device& device,
+                            const HarnessArgs& a) {
+  RunResult r;
+  torch::manual_seed(0);
+  set_tf32(config == "O0_tf32");
+  wl.build(device);
+  auto& opt = wl.optimizer();
+  const bool optamp = is_optamp_config(config);
+  std::unique_ptr<HandScaler> scaler;
+  std::function<void()> step;
+  try {
+    if (optamp) {
+      const std::string level = config.substr(0, 2);
+      amp::Options options;
+      options.verbosity = 0;  // no properties report or overflow messages inside the timing
+      amp::initialize(std::vector<amp::ModulePtr>{wl.module()},
+                      std::vector<torch::optim::Optimizer*>{&opt}, std::string_view(level),
+                      options);
+      step = [&] {
+        opt.zero_grad();
+        const auto loss = wl.loss();
+        {
+          auto scaled = amp::scale_loss(loss, opt);
+          scaled.backward();
+        }
+        opt.step();  // a no-op after an overflow (the guard left the grads undefined)
+        r.skipped += amp::loss_scaler(0).last_step_skipped();
+      };
+    } else if (config == "native") {
+      scaler = std::make_unique<HandScaler>(device);
+      step = [&] {
+        opt.zero_grad();
+        torch::Tensor loss;
+        {
+          NativeAutocast ac(device.type(), torch::kHalf);
+          loss = wl.loss();
+        }
+        scaler->scale(loss).backward();
+        r.skipped += scaler->unscale_and_step(opt);
+      };
+    } else if (config == "native_bf16") {
+      step = [&] {
+        opt.zero_grad();
+        torch::Tensor loss;
+        {
+          NativeAutocast ac(device.type(), torch::kBFloat16);
+          loss = wl.loss();
+        }
+        loss.backward();
+        opt.step();
+      };
+    } else {
+      throw std::invalid_argument("unknown configuration " + config);
+    }
+    for (int i = 0; i < a.warmup; ++i) step();
+    sync(device);
+    reset_peak(device);
+    std::vector<double> ms;
+    for (int i = 0; i < a.steps; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      step();
+      sync(device);
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    r.peak_mb = peak_mb(device);
+    r.median_ms = median(ms);
+#ifdef OPTAMP_BENCH_CUDA
+    if (device.is_cuda()) {
+      SyncCounter counter;
+      {
+        c10::WarningUtils::WarningHandlerGuard guard(&counter);
+        c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN);
+        for (int i = 0; i < 3; ++i) step();
+        c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+      }
+      sync(device);
+      r.syncs_per_step = counter.count / 3.0;
+    }
+#endif
+  } catch (const c10::NotImplementedError& e) {
+    r.error = std::string("unsupported: ") + e.what_without_backtrace();
+  } catch (const c10::Error& e) {
+    r.error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    r.error = e.what();
+  }
+  if (optamp) amp::reset();
+  set_tf32(false);
+  wl.destroy();
+  return r;
+}
+
+inline std::string fmt(const char* f, double v) {
+  if (!std::isfinite(v)) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), f, v);
+  return buf;
+}
+
+inline int harness_main(Workload& wl, int argc, char** argv) {
+  HarnessArgs a;
+  const std::string usage =
+      "usage: " + wl.name() +
+      " [--device cpu|cuda] [--configs native,O0,O0_tf32,O1,...,O5,native_bf16]\n"
+      "         [--warmup N] [--steps N] [--rounds N] [--threads N] [--json FILE] [--small]\n" +
+      wl.usage();
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string f = argv[i];
+      if (f == "-h" || f == "--help") {
+        std::cout << usage;
+        return 0;
+      }
+      if (f == "--small") {
+        wl.small();
+        continue;
+      }
+      if (i + 1 >= argc) throw std::invalid_argument(f + " needs a value");
+      const std::string v = argv[++i];
+      if (f == "--device")
+        a.device = v;
+      else if (f == "--configs")
+        a.configs = split(v);
+      else if (f == "--warmup")
+        a.warmup = std::stoi(v);
+      else if (f == "--steps")
+        a.steps = std::stoi(v);
+      else if (f == "--rounds")
+        a.rounds = std::stoi(v);
+      else if (f == "--threads")
+        a.threads = std::stoi(v);
+      else if (f == "--json")
+        a.json = v;
+      else if (!wl.parse_flag(f, v))
+        throw std::invalid_argument("unknown flag " + f);
+    }
+    if (a.steps < 1 || a.rounds < 1 || a.warmup < 0 || a.configs.empty())
+      throw std::invalid_argument(
+          "--steps >= 1, --rounds >= 1, --warmup >= 0, --configs non-empty");
+  } catch (const std::exception& e) {
+    std::cerr << wl.name() << ": " << e.what() << "\n" << usage;
+    return 2;
+  }
+  if (a.threads > 0) torch::set_num_threads(a.threads);
+  if (a.device.empty()) a.device = torch::cuda::is_available() ? "cuda" : "cpu";
+  const torch::Device device = a.device == "cuda" ? torch::Device(torch::kCUDA, 0) : torch::kCPU;
+  if (device.is_cuda() && !torch::cuda::is_available()) {
+    std::cerr << wl.name() << ": --device cuda but no CUDA device is visible\n";
+    return 1;
+  }
+#ifndef OPTAMP_BENCH_CUDA
+  if (device.is_cuda())
+    std::cerr << "warning: built without c10_cuda: no CUDA peak memory or sync counts\n";
+#endif
+  at::globalContext().setBenchmarkCuDNN(true);
+  std::printf("%s: %s | device %s | torch %s | threads %d | warmup %d, steps %d, rounds %d\n",
+              wl.name().c_str(), wl.describe().c_str(), a.device.c_str(), TORCH_VERSION,
+              torch::get_num_threads(), a.warmup, a.steps, a.rounds);
+  std::ofstream json;
+  if (!a.json.empty()) json.open(a.json);
+
+  const std::size_t n = a.configs.size();
+  std::map<std::string, std::vector<RunResult>> results;
+  for (int round = 0; round < a.rounds; ++round) {
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::string& c = a.configs[(k + round) % n];
+      RunResult r = run_config(wl, c, device, a);
+      std::printf(
+          "round %d %-12s %s\n", round + 1, c.c_str(),
+          r.error.empty()
+              ? (fmt("%.2f ms/step", r.median_ms) + "  peak " + fmt("%.0f MB", r.peak_mb)).c_str()
+              : ("error: " + r.error).c_str());
+      std::fflush(stdout);
+      if (json.is_open())
+        json << "{\"program\":\"" << wl.name() << "\",\"round\":" << round + 1 << ",\"config\":\""
+             << c << "\",\"median_ms\":" << (std::isfinite(r.median_ms) ? r.median_ms : -1)
+             << ",\"peak_mb\":" << (std::isfinite(r.peak_mb) ? r.peak_mb : -1)
+             << ",\"syncs_per_step\":" << (std::isfinite(r.syncs_per_step) ? r.syncs_per_step : -1)
+             << ",\"skipped\":" << r.skipped << ",\"ok\":" << (r.error.empty() ? "true" : "false")
+             << "}\n";
+      results[c].push_back(std::move(r));
+    }
+  }
+
+  // Per round ratios (throughput = inverse time) against native and O3, then medians.
+  auto ratio_to = [&](const std::string& c, const std::string& ref) {
+    std::vector<double> v;
+    if (!results.count(ref)) return std::nan("");
+    for (int i = 0; i < a.rounds; ++i) {
+      const double x = results[c][i].median_ms, y = results[ref][i].median_ms;
+      if (std::isfinite(x) && std::isfinite(y)) v.push_back(y / x);
+    }
+    return median(v);
+  };
+  auto med = [&](const std::string& c, double RunResult::*field) {
+    std::vector<double> v;
+    for (const auto& r : results[c])
+      if (std::isfinite(r.*field)) v.push_back(r.*field);
+    return median(v);
+  };
+  std::printf(
+      "\n| config | median ms/step | samples/s | peak MB | syncs/step | throughput vs native | "
+      "vs native_bf16 |\n|---|---|---|---|---|---|---|\n");
+  for (const auto& c : a.configs) {
+    const double ms = med(c, &RunResult::median_ms);
+    std::printf("| %s | %s | %s | %s | %s | %s | %s |\n", c.c_str(), fmt("%.2f", ms).c_str(),
+                fmt("%.1f", wl.samples_per_step() * 1000.0 / ms).c_str(),
+                fmt("%.0f", med(c, &RunResult::peak_mb)).c_str(),
+                fmt("%.2f", med(c, &RunResult::syncs_per_step)).c_str(),
+                fmt("%.3f", ratio_to(c, "native")).c_str(),
+                fmt("%.3f", ratio_to(c, "native_bf16")).c_str());
+  }
+  const bool transformer = wl.name().find("gpt") != std::string::npos;
+  auto check = [&](const char* what, double v, double target, bool ge = true) {
+    if (!std::isfinite(v)) return;
+    std::printf("target %-40s %.3f (%s %.2f) %s\n", what, v, ge ? ">=" : "<=", target,
+                (ge ? v >= target : v <= target) ? "MET" : "NOT MET");
+  };
+  std::printf("\n");
+  check("O2 throughput / native", ratio_to("O2", "native"), transformer ? 1.05 : 1.0);
+  check("O1 throughput / native", ratio_to("O1", "native"), 0.98);
+  check("O2 throughput / O3", ratio_to("O2", "O3"), 0.95);
+  if (device.is_cuda()) {
+    check("O2 peak memory / native",
+          med("O2", &RunResult::peak_mb) / med("native", &RunResult::peak_mb), 1.0, false);
+    for (const auto& c : a.configs) {
+      const std::string what = c + " syncs per step";
+      check(what.c_str(), med(c, &RunResult::syncs_per_step), 1.0, false);
+    }
+  }
+  return 0;
+}
+
+}  // namespace bench
