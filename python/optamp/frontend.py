@@ -33,14 +33,14 @@ def keep_in_fp32(module):
         _fp32_marks.add(module)
 
 
-def _as_list(value, what, kind):
+def _as_list(value, what, kind, kind_name):
     was_list = isinstance(value, (list, tuple))
     items = list(value) if was_list else [value]
     for i, item in enumerate(items):
         if not isinstance(item, kind):
             where = f"{what}[{i}]" if was_list else what
             raise TypeError(
-                f"{where} must be a {kind.__module__}.{kind.__qualname__}, got {type(item).__name__}"
+                f"{where} must be a {kind_name} (or a list of them), got {type(item).__name__}"
             )
     return items, was_list
 
@@ -167,11 +167,12 @@ def initialize(
     state captured by ``optamp.ThreadState.capture()`` on this thread.
     With ``enabled=False`` the objects are returned untouched and ``scale_loss`` scales by 1.
     """
-    model_list, models_was_list = _as_list(models, "models", torch.nn.Module)
+    model_list, models_was_list = _as_list(models, "models", torch.nn.Module, "torch.nn.Module")
     if optimizers is None:
         opt_list, optimizers_was_list = [], False
     else:
-        opt_list, optimizers_was_list = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+        opt_list, optimizers_was_list = _as_list(
+            optimizers, "optimizers", torch.optim.Optimizer, "torch.optim.Optimizer")
     overrides = dict(
         enabled=enabled,
         cast_model_type=cast_model_type,

@@ -168,11 +168,11 @@ def test_cache_and_counters(fresh):  # noqa: F811
 def test_register_ops_and_errors(fresh):  # noqa: F811
     with pytest.raises(ValueError, match="nosuchns::nosuchop"):
         optamp.register_half_op("nosuchns::nosuchop")
-    optamp.register_half_op("aten::trace")  # before initialize: takes effect at initialize
+    optamp.register_half_op("aten::outer")  # before initialize: takes effect at initialize
     init(Mlp(), opt_level="O1")
-    assert torch.trace(r(3, 3)).dtype == torch.float16
-    optamp.register_float_op("aten::trace")  # newest wins
-    assert torch.trace(r(3, 3, dtype=torch.float16)).dtype == torch.float32
+    assert torch.outer(r(3), r(3)).dtype == torch.float16
+    optamp.register_float_op("aten::outer")  # newest wins
+    assert torch.outer(r(3, dtype=torch.float16), r(3, dtype=torch.float16)).dtype == torch.float32
 
 
 class _Funcs:

@@ -46,7 +46,8 @@ def test_every_optimizer_trains(fresh, name, level):  # noqa: F811
     model = Mlp()
     opt = OPTIMIZERS[name](model.parameters())
     # Some optimizer state before initialize (the device check reads it).
-    step(model, opt, torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
+    F.cross_entropy(model(torch.randn(4, 4)), torch.tensor([0, 1, 2, 0])).backward()
+    opt.step()
     m2, o2 = init(model, opt, opt_level=level)
     assert m2 is model and o2 is opt
     before = [p.detach().clone() for p in model.parameters()]
@@ -117,11 +118,14 @@ def test_o2_keeps_fp32_masters_and_batchnorm(fresh):  # noqa: F811
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     init(model, opt, opt_level="O5")
     seen = {}
-    model.bn.register_forward_hook(lambda m, i, o: seen.setdefault("bn_out", o.dtype))
-    model.conv.register_forward_hook(lambda m, i, o: seen.setdefault("conv_out", o.dtype))
+    model.bn.register_forward_hook(lambda m, i, o: seen.update(bn_out=o.dtype))
+    model.conv.register_forward_hook(lambda m, i, o: seen.update(conv_out=o.dtype))
+    mean_before = model.bn.running_mean.clone()
     out = model(torch.randn(2, 1, 4, 4))
     assert seen["conv_out"] == torch.bfloat16
-    assert seen["bn_out"] == torch.float32  # batch-norm runs with its fp32 params
+    # batch-norm runs with its own fp32 params and updates its fp32 running stats in place
+    assert model.bn.running_mean.dtype == torch.float32
+    assert not torch.equal(model.bn.running_mean, mean_before)
     assert out.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in model.parameters())
     ckpt = {k: v.dtype for k, v in model.state_dict().items()}
