@@ -12,6 +12,7 @@ DEBIAN_PACKAGES=(cmake ninja-build ccache zlib1g-dev googletest libgtest-dev lib
                  dataset-fashion-mnist)
 
 install_debian_packages() {
+  [[ -n "${OPTAMP_SKIP_APT:-}" ]] && return 0  # e.g. the GPU machine: no network, no apt
   command -v dpkg-query >/dev/null 2>&1 || return 0
   local missing=()
   for pkg in "${DEBIAN_PACKAGES[@]}"; do
@@ -24,8 +25,8 @@ install_debian_packages() {
     return 0
   fi
   echo "bootstrap: installing Debian packages: ${missing[*]}"
-  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-         "${missing[@]}"; } >/tmp/optamp-apt.log 2>&1; then
+  if ! { timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 600 \
+         apt-get install -y -qq "${missing[@]}"; } >/tmp/optamp-apt.log 2>&1; then
     echo "bootstrap: apt-get could not install ${missing[*]} (no network?); see /tmp/optamp-apt.log" >&2
   fi
 }

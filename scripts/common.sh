@@ -1,6 +1,8 @@
 # Sourced by the scripts: repository paths and the Python chosen by bootstrap.sh.
 OPTAMP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OPTAMP_PYTHON_FILE="$OPTAMP_ROOT/.venv/.optamp-python"
+# ccache keys on relative paths below the checkout, so fresh clones (CI) reuse earlier builds.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$OPTAMP_ROOT}"
 
 # Prints the interpreter bootstrap.sh selected (and bootstraps first if it has not run).
 optamp_python() {

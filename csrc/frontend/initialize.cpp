@@ -39,13 +39,17 @@ detail::ModelTensors collect_models(const std::vector<ModulePtr>& models, bool k
       const bool keep =
           (keep_batchnorm && is_batchnorm(*module)) || fp32_marks().count(module.get());
       auto& target = keep ? out.keep_fp32 : out.reduced;
-      for (const auto& p : module->named_parameters(/*recurse=*/false)) {
-        target.push_back(p.value());
-        out.parameters.push_back(p.value());
-      }
+      for (const auto& p : module->named_parameters(/*recurse=*/false)) target.push_back(p.value());
       for (const auto& b : module->named_buffers(/*recurse=*/false)) {
         if (b.value().defined() && b.value().is_floating_point()) target.push_back(b.value());
       }
+    }
+  }
+  for (std::size_t i = 0; i < models.size(); ++i) {
+    const std::string prefix = models.size() > 1 ? "models[" + std::to_string(i) + "]." : "";
+    for (const auto& p : models[i]->named_parameters(/*recurse=*/true)) {
+      out.parameters.push_back(p.value());
+      out.names.push_back(prefix + p.key());
     }
   }
   return out;

@@ -105,6 +105,20 @@ void cast_model(const ModelTensors& model, c10::ScalarType dtype) {
   }
 }
 
+// The floor error of the loss scaler names parameters the way the user's model does.
+void install_param_names(const ModelTensors& model) {
+  if (model.names.size() != model.parameters.size()) return;
+  auto names = std::make_shared<std::unordered_map<const c10::TensorImpl*, std::string>>();
+  for (std::size_t i = 0; i < model.names.size(); ++i) {
+    names->emplace(model.parameters[i].unsafeGetTensorImpl(), model.names[i]);
+  }
+  set_param_namer([names](const at::Tensor& t) -> std::optional<std::string> {
+    auto it = names->find(t.unsafeGetTensorImpl());
+    if (it == names->end()) return std::nullopt;
+    return it->second;
+  });
+}
+
 }  // namespace
 
 Properties initialize_core(const ModelTensors& model, const std::vector<OptimizerTensors>& opts,
@@ -129,6 +143,7 @@ Properties initialize_core(const ModelTensors& model, const std::vector<Optimize
   Properties scaler_properties = p;
   if (!p.enabled) scaler_properties.loss_scale = LossScale::fixed(1.0);
   configure_loss_scalers(scaler_properties);
+  install_param_names(model);
   if (p.enabled) {
     if (p.opt_level == OptLevel::O3) cast_model(model, p.cast_model_type);
     const bool master_weights = p.opt_level == OptLevel::O2 || p.opt_level == OptLevel::O5;
@@ -154,6 +169,7 @@ void reset_core() {
   clear_working_copy_sources();
   clear_cache();
   reset_loss_scalers();
+  set_param_namer(nullptr);
   state.optimizers.clear();
   state.initialized = false;
 }

@@ -15,6 +15,7 @@ struct ModelTensors {
   std::vector<at::Tensor> reduced;     // seen as working copies (O2/O5) or cast (O3)
   std::vector<at::Tensor> keep_fp32;   // batch-norm / keep_in_fp32 modules' tensors
   std::vector<at::Tensor> parameters;  // every parameter, for the optimizer checks
+  std::vector<std::string> names;      // names[i] names parameters[i] ("fc1.weight"), optional
 };
 
 struct OptimizerTensors {

@@ -59,13 +59,20 @@ class Casting : public ::testing::Test {
 
 // ---- table-driven: representative inputs for every op in every list ----------------------
 
+// The device the table cases build their inputs on (CPU, or CUDA in the *_CUDA twins).
+at::Device g_case_device = at::kCPU;
+at::TensorOptions on_device(ScalarType t) { return at::dtype(t).device(g_case_device); }
+at::Tensor targets(std::initializer_list<int64_t> v) {
+  return at::tensor(v, at::kLong).to(g_case_device);
+}
+
 struct OpCase {
   const char* name;
   std::function<at::Tensor(ScalarType)> run;  // builds inputs of the given dtype, runs the op
 };
 
 std::vector<OpCase> lower_cases() {
-  auto r = [](at::IntArrayRef s, ScalarType t) { return at::randn(s, at::dtype(t)); };
+  auto r = [](at::IntArrayRef s, ScalarType t) { return at::randn(s, on_device(t)); };
   return {
       {"conv1d",
        [r](ScalarType t) {
@@ -169,7 +176,7 @@ std::vector<OpCase> lower_cases() {
 }
 
 std::vector<OpCase> fp32_cases() {
-  auto r = [](at::IntArrayRef s, ScalarType t) { return at::rand(s, at::dtype(t)) + 0.5; };
+  auto r = [](at::IntArrayRef s, ScalarType t) { return at::rand(s, on_device(t)) + 0.5; };
   auto u = [r](const char* name, at::Tensor (*fn)(const at::Tensor&)) {
     return OpCase{name, [r, fn](ScalarType t) { return fn(r({2, 3}, t)); }};
   };
@@ -243,11 +250,11 @@ std::vector<OpCase> fp32_cases() {
       // losses
       {"nll_loss",
        [r](ScalarType t) {
-         return at::nll_loss(r({4, 3}, t), at::tensor({0, 1, 2, 1}, at::kLong));
+         return at::nll_loss(r({4, 3}, t), targets({0, 1, 2, 1}));
        }},
       {"cross_entropy_loss",
        [r](ScalarType t) {
-         return at::cross_entropy_loss(r({4, 3}, t), at::tensor({0, 1, 2, 1}, at::kLong));
+         return at::cross_entropy_loss(r({4, 3}, t), targets({0, 1, 2, 1}));
        }},
       {"mse_loss", [r](ScalarType t) { return at::mse_loss(r({4}, t), r({4}, t)); }},
       {"l1_loss", [r](ScalarType t) { return at::l1_loss(r({4}, t), r({4}, t)); }},
@@ -264,8 +271,8 @@ std::vector<OpCase> fp32_cases() {
 
 std::vector<OpCase> promote_cases() {
   // Mixed widths: the first input in the low dtype, the second in fp32.
-  auto lo = [](at::IntArrayRef s, ScalarType t) { return at::rand(s, at::dtype(t)) + 0.5; };
-  auto hi = [](at::IntArrayRef s) { return at::rand(s) + 0.5; };
+  auto lo = [](at::IntArrayRef s, ScalarType t) { return at::rand(s, on_device(t)) + 0.5; };
+  auto hi = [](at::IntArrayRef s) { return at::rand(s, on_device(at::kFloat)) + 0.5; };
   return {
       {"addcdiv", [=](ScalarType t) { return at::addcdiv(lo({3}, t), hi({3}), lo({3}, t)); }},
       {"addcmul", [=](ScalarType t) { return at::addcmul(lo({3}, t), hi({3}), lo({3}, t)); }},
@@ -291,8 +298,7 @@ std::vector<OpCase> promote_cases() {
        }},
       {"index_put",
        [=](ScalarType t) {
-         return at::index_put(lo({4}, t),
-                              {std::optional<at::Tensor>(at::tensor({1, 2}, at::kLong))}, hi({2}));
+         return at::index_put(lo({4}, t), {std::optional<at::Tensor>(targets({1, 2}))}, hi({2}));
        }},
   };
 }
@@ -340,6 +346,59 @@ TEST_P(CastingTable, BannedOpSaysWhatToUseInstead) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Levels, CastingTable, ::testing::Values("O1", "O4"));
+
+// The same tables on CUDA tensors (run whenever a GPU is visible).
+class CastingTable_CUDA : public CastingTable {
+ protected:
+  void SetUp() override {
+    OPTAMP_SKIP_WITHOUT_CUDA();
+    g_case_device = at::kCUDA;
+  }
+  void TearDown() override {
+    g_case_device = at::kCPU;
+    CastingTable::TearDown();
+  }
+};
+
+TEST_P(CastingTable_CUDA, AllListsOnCuda) {
+  enable(GetParam());
+  const ScalarType low = detail::level_low_dtype();
+  for (const auto& c : lower_cases()) {
+    SCOPED_TRACE(c.name);
+    EXPECT_EQ(c.run(at::kFloat).scalar_type(), low);
+  }
+  for (const auto& c : fp32_cases()) {
+    SCOPED_TRACE(c.name);
+    EXPECT_EQ(c.run(low).scalar_type(), at::kFloat);
+  }
+  for (const auto& c : promote_cases()) {
+    SCOPED_TRACE(c.name);
+    EXPECT_EQ(c.run(low).scalar_type(), at::kFloat);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, CastingTable_CUDA, ::testing::Values("O1", "O4"));
+
+// A device backend that owns the key (simulated by a fallback registered first) makes the first
+// activation fail with a message naming the conflict. Runs in a fresh child process
+// ("threadsafe" death tests re-execute the binary), where optamp has registered nothing yet.
+TEST(CastingKeyConflictDeathTest, ActivationNamesTheConflict) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        static torch::Library other(torch::Library::IMPL, "_", detail::kCastKey, __FILE__,
+                                    __LINE__);
+        other.fallback(torch::CppFunction::makeFallthrough());
+        try {
+          detail::activate_thread(true);
+        } catch (const c10::Error& e) {
+          std::fprintf(stderr, "%s\n", e.what_without_backtrace());
+          std::exit(3);
+        }
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(3), "another library already registered a fallback");
+}
 
 TEST_F(Casting, PatchTypeBF16AtO1) {
   Options o;

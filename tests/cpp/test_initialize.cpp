@@ -497,6 +497,29 @@ TEST_F(Initialize, O3WarnsAboutAdamEpsilonBelowFp16Range) {
   EXPECT_NE(capture.text.find("eps=1e-08"), std::string::npos) << capture.text;
 }
 
+TEST_F(Initialize, FloorErrorNamesTheModelsParameters) {
+  torch::nn::Linear fc(4, 2);
+  torch::optim::SGD opt(fc->parameters(), torch::optim::SGDOptions(0.1));
+  Options o = quiet();
+  o.init_scale = 1.0;
+  o.min_loss_scale = 1.0;
+  initialize(fc, opt, "O1", o);
+  auto x = at::randn({3, 4});
+  std::string message;
+  try {
+    for (int step = 0; step <= LossScaler::kFloorSkipLimit; ++step) {
+      opt.zero_grad();
+      auto loss = fc->forward(x).sum() * std::numeric_limits<float>::infinity();
+      auto scaled = scale_loss(loss, opt);
+      scaled.backward();
+    }
+  } catch (const c10::Error& e) {
+    message = e.what_without_backtrace();
+  }
+  EXPECT_NE(message.find("weight"), std::string::npos) << message;
+  EXPECT_NE(message.find("bias"), std::string::npos) << message;
+}
+
 TEST_F(Initialize, VerbosityOnePrintsTheProperties) {
   Net net = make_net();
   auto opt = make_optimizer(net, Opt::kSgd);
