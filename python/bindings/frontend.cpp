@@ -67,19 +67,23 @@ void bind_frontend(py::module_& m) {
   m.def(
       "_initialize_core",
       [](std::vector<at::Tensor> reduced, std::vector<at::Tensor> keep_fp32,
-         std::vector<at::Tensor> parameters, const py::list& optimizers, const py::object& level,
-         const py::kwargs& overrides) {
-        detail::ModelTensors model{std::move(reduced), std::move(keep_fp32),
-                                   std::move(parameters)};
+         std::vector<at::Tensor> parameters, std::vector<std::string> names,
+         const py::list& optimizers, const py::object& level, const py::kwargs& overrides) {
+        TORCH_CHECK_VALUE(names.empty() || names.size() == parameters.size(),
+                          "names must be empty or name every parameter, got ", names.size(),
+                          " names for ", parameters.size(), " parameters");
+        detail::ModelTensors model{std::move(reduced), std::move(keep_fp32), std::move(parameters),
+                                   std::move(names)};
         std::vector<detail::OptimizerTensors> opts;
         for (const auto& o : optimizers) opts.push_back(optimizer_from_py(o));
         const OptLevel lvl = level_from_py(level);
         const Options options = options_from_kwargs(overrides);
         return detail::initialize_core(model, opts, lvl, options);
       },
-      py::arg("reduced"), py::arg("keep_fp32"), py::arg("parameters"), py::arg("optimizers"),
-      py::arg("opt_level"),
-      "The framework-neutral core of initialize (validate, then apply). optimizers: dicts with "
+      py::arg("reduced"), py::arg("keep_fp32"), py::arg("parameters"), py::arg("names"),
+      py::arg("optimizers"), py::arg("opt_level"),
+      "The framework-neutral core of initialize (validate, then apply). names[i] names "
+      "parameters[i] (for the loss scaler's floor error). optimizers: dicts with "
       "identity, description, parameters, state, state_owners, smallest_eps.");
   m.def("_reset_core", &detail::reset_core);
   m.def("is_initialized", &detail::initialized_core);

@@ -17,7 +17,7 @@ from . import _C
 _lock = threading.Lock()
 _fp32_marks = weakref.WeakSet()  # modules kept in fp32 (keep_in_fp32)
 _patched_forwards = []  # (weakref to module, had an instance attribute "forward" before)
-_param_names = {}  # id(param) -> "model 0: fc.weight" (for scale_loss messages)
+_param_names = {}  # id(param) -> "fc.weight" / "models[1].fc.weight" (scale_loss messages)
 
 
 def _is_tensor(x):
@@ -54,7 +54,7 @@ def _collect_models(models, keep_batchnorm):
                 f"models[{k}] is a {type(model).__name__}: parallel wrappers must be applied to "
                 "the model(s) AFTER optamp.initialize returns them (as in Apex)"
             )
-        prefix = f"model {k}: " if len(models) > 1 else ""
+        prefix = f"models[{k}]." if len(models) > 1 else ""
         for mod_name, module in model.named_modules(remove_duplicate=True):
             keep_this = (keep_batchnorm and isinstance(module, _BatchNorm)) or module in _fp32_marks
             target = keep if keep_this else reduced
@@ -70,7 +70,7 @@ def _collect_models(models, keep_batchnorm):
                     continue
                 seen.add(id(b))
                 target.append(b)
-    return reduced, keep, parameters, names
+    return reduced, keep, parameters, [names[id(p)] for p in parameters], names
 
 
 def _collect_optimizers(optimizers):
@@ -193,11 +193,13 @@ def initialize(
         )
     preview = _C.resolve(opt_level, **overrides)  # validates the options before collecting
     with _lock:
-        reduced, keep, parameters, names = _collect_models(
+        reduced, keep, parameters, name_list, names = _collect_models(
             model_list, bool(preview.keep_batchnorm_fp32)
         )
         opts = _collect_optimizers(opt_list)
-        props = _C._initialize_core(reduced, keep, parameters, opts, opt_level, **overrides)
+        props = _C._initialize_core(
+            reduced, keep, parameters, name_list, opts, opt_level, **overrides
+        )
         _param_names.clear()
         _param_names.update(names)
         if props.enabled and cast_model_outputs is not None:

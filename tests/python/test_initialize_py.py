@@ -1,4 +1,6 @@
 """optamp.initialize from Python: return shapes, optimizers, validation, levels, outputs."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -184,3 +186,15 @@ def test_errors_from_cpp_keep_their_text(fresh):  # noqa: F811
         init(Mlp(), loss_scale=-1.0)
     with pytest.raises(RuntimeError, match="initialize"):
         optamp.loss_scaler(0)
+
+
+def test_floor_error_names_the_model_parameters(fresh):  # noqa: F811
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, opt_level="O4", loss_scale="dynamic", init_scale=1.0, min_loss_scale=1.0)
+    with pytest.raises(Exception, match=r"fc1\.weight") as info:
+        for _ in range(optamp._C.FLOOR_SKIP_LIMIT + 1):
+            opt.zero_grad()
+            with optamp.scale_loss(model(torch.randn(2, 4)).float().sum() * math.inf, opt) as s:
+                s.backward()
+    assert isinstance(info.value, (RuntimeError, ValueError))
