@@ -198,3 +198,16 @@ def test_floor_error_names_the_model_parameters(fresh):  # noqa: F811
             with optamp.scale_loss(model(torch.randn(2, 4)).float().sum() * math.inf, opt) as s:
                 s.backward()
     assert isinstance(info.value, (RuntimeError, ValueError))
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "O5"])
+def test_cuda_training_steps(fresh, level):  # noqa: F811
+    model = TinyNet().cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    init(model, opt, opt_level=level)
+    x, y = torch.randn(4, 1, 4, 4, device="cuda"), torch.tensor([0, 1, 2, 0], device="cuda")
+    for _ in range(3):
+        loss = step(model, opt, x, y)
+    assert torch.isfinite(loss)
+    assert model(x).dtype == (torch.bfloat16 if level == "O5" else torch.float16)

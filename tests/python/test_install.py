@@ -24,8 +24,8 @@ def test_pip_install_into_a_fresh_venv_and_import(tmp_path):
                           check=True, capture_output=True, text=True).stdout.strip()
     with open(os.path.join(site, "_torch_env.pth"), "w") as f:
         f.write(sysconfig.get_path("purelib") + "\n")
-    env = dict(os.environ, PIP_NO_INDEX="1", PYTHONPATH="")
-    env.pop("PYTHONPATH")
+    env = dict(os.environ, PIP_NO_INDEX="1")  # nothing may be downloaded
+    env.pop("PYTHONPATH", None)  # the installed package, not python/ of the checkout
     subprocess.run([str(py), "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-q",
                     ROOT], check=True, env=env, timeout=3000)
     check = textwrap.dedent("""
