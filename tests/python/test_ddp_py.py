@@ -66,3 +66,41 @@ def test_ddp_two_ranks_skip_together(tmp_path, level):
     for a, b in zip(r0["params"], r1["params"]):
         assert torch.equal(a, b)
         assert torch.isfinite(a).all()
+
+
+def _mp_worker(rank, world, port, use_group, out_dir, pythonpath):
+    """Model-parallel style: each rank owns different parameters (no DDP averaging)."""
+    sys.path[:0] = pythonpath
+    import optamp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        optamp.initialize(model, opt, opt_level="O4", loss_scale="dynamic", verbosity=0)
+        group = dist.group.WORLD if use_group else None
+        skipped = []
+        for step in range(4):
+            opt.zero_grad()
+            loss = model(torch.randn(3, 4)).float().pow(2).mean()
+            if step == 2 and rank == 1:
+                loss = loss * float("inf")
+            with optamp.scale_loss(loss, opt, process_group=group) as scaled:
+                scaled.backward()
+            opt.step()
+            if optamp.loss_scaler().last_step_skipped:
+                skipped.append(step)
+        torch.save(skipped, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_process_group_makes_model_parallel_ranks_skip_together(tmp_path, use_group=True):
+    # (Without process_group only rank 1 would skip: [[], [2]]; not run, to save a spawn.)
+    pythonpath = [p for p in sys.path if p]
+    mp.spawn(_mp_worker, args=(2, _free_port(), use_group, str(tmp_path), pythonpath), nprocs=2,
+             join=True)
+    skipped = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert skipped == ([[2], [2]] if use_group else [[], [2]])
