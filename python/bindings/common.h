@@ -3,6 +3,8 @@
 #include <c10/core/ScalarType.h>
 #include <pybind11/pybind11.h>
 
+#include "optamp/opt_level.h"
+
 namespace amp::python {
 
 namespace py = pybind11;
@@ -12,7 +14,14 @@ c10::ScalarType dtype_from_py(const py::handle& obj, const char* arg);
 // ScalarType -> torch.dtype, Undefined -> None.
 py::object dtype_to_py(c10::ScalarType type);
 
+// Python keyword overrides (Apex names) -> Options; None = not overridden. TypeError for an
+// unknown keyword or a wrong type.
+Options options_from_kwargs(const py::kwargs& kwargs);
+// "O1" or optamp.OptLevel -> OptLevel (ValueError listing the levels, TypeError otherwise).
+OptLevel level_from_py(const py::handle& level);
+
 void bind_opt_level(py::module_& m);
 void bind_scaler(py::module_& m);
+void bind_frontend(py::module_& m);
 
 }  // namespace amp::python

@@ -47,4 +47,5 @@ PYBIND11_MODULE(_C, m) {
   pybind11::register_local_exception_translator(&amp::python::translate_c10_errors);
   amp::python::bind_opt_level(m);
   amp::python::bind_scaler(m);
+  amp::python::bind_frontend(m);
 }

@@ -39,6 +39,8 @@ LossScale loss_scale_from_py(const py::handle& value) {
   return LossScale::fixed(number_from_py<double>(value, "loss_scale"));
 }
 
+}  // namespace
+
 // Python keyword overrides -> Options. None means "not overridden", as in Apex.
 Options options_from_kwargs(const py::kwargs& kwargs) {
   Options o;
@@ -93,6 +95,8 @@ OptLevel level_from_py(const py::handle& level) {
   }
   return parse_opt_level(level.cast<std::string>());
 }
+
+namespace {
 
 py::object loss_scale_to_py(const LossScale& scale) {
   if (scale.is_dynamic()) return py::str("dynamic");

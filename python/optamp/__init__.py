@@ -2,11 +2,42 @@
 
     import optamp as amp
     model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+
+Casting is per thread: initialize turns it on for the calling thread (see docs/python.md).
 """
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from . import _C
-from ._C import OptLevel, Properties, parse_opt_level
+from ._C import (
+    OptLevel,
+    Properties,
+    ThreadState,
+    autocast,
+    cache_size,
+    cast_count,
+    clear_cache,
+    disable_casts,
+    is_casting_enabled,
+    is_initialized,
+    parse_opt_level,
+    policy_report,
+    thread_state_guard,
+)
+from .frontend import initialize, keep_in_fp32, master_params, properties, reset
+from .functions import (
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_float_op,
+    register_half_function,
+    register_half_op,
+    register_promote_function,
+    register_promote_op,
+)
 from .scaler import load_state_dict, loss_scaler, scale_loss, state_dict
 
 __version__ = "0.1.0"
@@ -23,11 +54,35 @@ def resolve(opt_level="O1", **overrides):
 __all__ = [
     "OptLevel",
     "Properties",
+    "ThreadState",
+    "autocast",
+    "cache_size",
+    "cast_count",
+    "clear_cache",
+    "disable_casts",
+    "float_function",
+    "half_function",
+    "initialize",
+    "is_casting_enabled",
+    "is_initialized",
+    "keep_in_fp32",
+    "load_state_dict",
+    "loss_scaler",
+    "master_params",
     "parse_opt_level",
+    "policy_report",
+    "promote_function",
+    "properties",
+    "register_float_function",
+    "register_float_op",
+    "register_half_function",
+    "register_half_op",
+    "register_promote_function",
+    "register_promote_op",
+    "reset",
     "resolve",
     "scale_loss",
-    "loss_scaler",
     "state_dict",
-    "load_state_dict",
+    "thread_state_guard",
     "__version__",
 ]

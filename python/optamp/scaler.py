@@ -3,29 +3,62 @@ import contextlib
 
 import torch
 
-from . import _C
+from . import _C, frontend
 
 
 def _params_of(optimizers):
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = [optimizers]
     params, names = [], []
+    known = frontend._param_names
     for k, opt in enumerate(optimizers):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                "optimizers must be a torch.optim.Optimizer or a list of them, got "
+                f"{type(opt).__name__}"
+            )
         for g, group in enumerate(opt.param_groups):
             for i, p in enumerate(group["params"]):
                 params.append(p)
-                names.append(f"optimizer {k} param_groups[{g}].params[{i}]")
+                name = known.get(id(p))
+                names.append(name or f"optimizer {k} param_groups[{g}].params[{i}]")
     return params, names
 
 
+def _agree_on_overflow(params, process_group):
+    """Max-reduce "some gradient is non-finite" over ``process_group``; where another rank
+    overflowed, poison one local gradient so this rank's scaler skips the step too."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        norms = torch.stack([torch.linalg.vector_norm(g, float("inf")).float() for g in grads])
+        local = torch.logical_not(torch.isfinite(norms).all()).float().reshape(1)
+    else:
+        local = torch.zeros(1)
+    flag = local.clone()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+    if flag.item() > 0 and local.item() == 0 and grads:
+        grads[0].view(-1)[0] = float("inf")
+
+
 @contextlib.contextmanager
-def scale_loss(loss, optimizers, loss_id=0, delay_unscale=False):
+def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
+               delay_overflow_check=False, process_group=None):
     """Yield ``loss.float() * scale``; on exit unscale the grads of the optimizers' params,
     check them for inf/NaN and update the scale. After an overflow the grads are set to None,
     so the following ``optimizer.step()`` changes nothing.
 
     ``optimizers`` is an optimizer or a list of them. ``delay_unscale=True`` leaves the grads
-    scaled (non-final gradient-accumulation micro-batches).
+    scaled (non-final gradient-accumulation micro-batches). ``model`` and
+    ``delay_overflow_check`` are accepted for Apex compatibility and ignored (Apex ignores them
+    too). Enter and exit on the same thread.
+
+    ``process_group`` (a ``torch.distributed`` group, e.g. ``torch.distributed.group.WORLD``):
+    for model-parallel setups where ranks hold different parameters, the "found inf" flag is
+    max-reduced over the group so that every rank skips the same steps (dynamic scaling only;
+    one extra pass over the grads and one all_reduce per non-delayed step). Not needed under
+    plain DistributedDataParallel, whose gradient averaging already spreads a non-finite value.
     """
     params, names = _params_of(optimizers)
     guard = _C._scale_loss(loss, params, loss_id, delay_unscale, names)
@@ -34,6 +67,13 @@ def scale_loss(loss, optimizers, loss_id=0, delay_unscale=False):
     except BaseException:
         guard.finish(True)
         raise
+    if process_group is not None and not delay_unscale and _C.loss_scaler(loss_id).dynamic:
+        try:
+            with torch.no_grad():
+                _agree_on_overflow(params, process_group)
+        except BaseException:
+            guard.finish(True)
+            raise
     guard.finish(False)
 
 

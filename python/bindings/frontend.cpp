@@ -1,0 +1,181 @@
+// Bindings for the initialize core, the per-thread casting guards, op registration and the
+// cast cache. optamp.initialize (python/optamp/frontend.py) collects tensors from torch.nn.Module
+// and torch.optim objects and hands them to the same core the LibTorch front uses.
+#include <c10/core/Device.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+#include <thread>
+
+#include "common.h"
+#include "dispatch/cast_state.h"
+#include "frontend/initialize_core.h"
+#include "optamp/autocast.h"
+#include "optamp/cast_cache.h"
+#include "optamp/policy.h"
+
+namespace amp::python {
+namespace {
+
+// A C++ RAII guard as a Python context manager: created by __enter__, destroyed by __exit__ on
+// the same thread (the state it restores is thread-local).
+template <typename Guard>
+struct PyGuard {
+  std::unique_ptr<Guard> guard;
+  std::thread::id owner;
+
+  template <typename... Args>
+  void enter(Args&&... args) {
+    TORCH_CHECK(!guard, "this context manager is already active; create a new one to nest");
+    guard = std::make_unique<Guard>(std::forward<Args>(args)...);
+    owner = std::this_thread::get_id();
+  }
+  void exit() {
+    if (!guard) return;
+    TORCH_CHECK(owner == std::this_thread::get_id(),
+                "optamp context managers must be exited on the thread that entered them "
+                "(casting state is per thread)");
+    guard.reset();
+  }
+};
+
+struct PyAutocast : PyGuard<amp::autocast> {
+  bool enabled;
+  c10::ScalarType dtype;
+};
+struct PyDisableCasts : PyGuard<amp::disable_casts> {};
+struct PyThreadStateGuard : PyGuard<amp::ThreadStateGuard> {
+  amp::ThreadState state;
+};
+
+detail::OptimizerTensors optimizer_from_py(const py::handle& d) {
+  detail::OptimizerTensors t;
+  t.identity = reinterpret_cast<const void*>(d["identity"].cast<std::uintptr_t>());
+  t.description = d["description"].cast<std::string>();
+  t.parameters = d["parameters"].cast<std::vector<at::Tensor>>();
+  t.state = d["state"].cast<std::vector<at::Tensor>>();
+  t.state_owners = d["state_owners"].cast<std::vector<at::Tensor>>();
+  t.smallest_eps = d["smallest_eps"].cast<double>();
+  TORCH_CHECK(t.state.size() == t.state_owners.size(), "state and state_owners must match");
+  return t;
+}
+
+}  // namespace
+
+void bind_frontend(py::module_& m) {
+  m.def(
+      "_initialize_core",
+      [](std::vector<at::Tensor> reduced, std::vector<at::Tensor> keep_fp32,
+         std::vector<at::Tensor> parameters, std::vector<std::string> names,
+         const py::list& optimizers, const py::object& level, const py::kwargs& overrides) {
+        TORCH_CHECK_VALUE(names.empty() || names.size() == parameters.size(),
+                          "names must be empty or name every parameter, got ", names.size(),
+                          " names for ", parameters.size(), " parameters");
+        detail::ModelTensors model{std::move(reduced), std::move(keep_fp32), std::move(parameters),
+                                   std::move(names)};
+        std::vector<detail::OptimizerTensors> opts;
+        for (const auto& o : optimizers) opts.push_back(optimizer_from_py(o));
+        const OptLevel lvl = level_from_py(level);
+        const Options options = options_from_kwargs(overrides);
+        return detail::initialize_core(model, opts, lvl, options);
+      },
+      py::arg("reduced"), py::arg("keep_fp32"), py::arg("parameters"), py::arg("names"),
+      py::arg("optimizers"), py::arg("opt_level"),
+      "The framework-neutral core of initialize (validate, then apply). names[i] names "
+      "parameters[i] (for the loss scaler's floor error). optimizers: dicts with "
+      "identity, description, parameters, state, state_owners, smallest_eps.");
+  m.def("_reset_core", &detail::reset_core);
+  m.def("is_initialized", &detail::initialized_core);
+
+  // ---- per-thread state -------------------------------------------------------------------
+  m.def("is_casting_enabled", &amp::is_casting_enabled,
+        "True when optamp's casting is on for the calling thread (initialize turns it on for "
+        "the thread that called it; autocast regions turn it on locally).");
+  m.def(
+      "_cast_rules",
+      [](const std::string& device) {
+        // What a kernel on `device` would do now on this thread: (rules, low dtype).
+        // rules: 0 none, 1 full lists (O1/O4, autocast regions), 2 master weights (O2/O5),
+        // 3 pure low (O3).
+        if (!detail::thread_key_on()) return py::make_tuple(0, py::none());
+        const auto decision = detail::decide(c10::Device(device).type());
+        if (decision.native_owns || decision.rules == detail::RuleSet::kNone) {
+          return py::make_tuple(0, py::none());
+        }
+        return py::make_tuple(static_cast<int>(decision.rules), dtype_to_py(decision.low));
+      },
+      py::arg("device") = "cpu");
+
+  py::class_<PyAutocast>(m, "autocast")
+      .def(py::init([](bool enabled, const py::object& dtype) {
+             auto g = std::make_unique<PyAutocast>();
+             g->enabled = enabled;
+             g->dtype = dtype_from_py(dtype, "dtype");
+             return g;
+           }),
+           py::arg("enabled") = true, py::arg("dtype") = py::none(),
+           "Context manager: an explicit casting region on this thread, also under no_grad. "
+           "dtype None = the initialized level's low dtype (float16 if none). enabled=False "
+           "turns the rules off inside. The outermost exit drops the cast cache.")
+      .def("__enter__",
+           [](PyAutocast& self) -> PyAutocast& {
+             self.enter(self.enabled, self.dtype);
+             return self;
+           })
+      .def("__exit__", [](PyAutocast& self, const py::args&) {
+        self.exit();
+        return false;
+      });
+
+  py::class_<PyDisableCasts>(m, "disable_casts")
+      .def(py::init<>(), "Context manager: no casting rules on this thread inside.")
+      .def("__enter__",
+           [](PyDisableCasts& self) -> PyDisableCasts& {
+             self.enter();
+             return self;
+           })
+      .def("__exit__", [](PyDisableCasts& self, const py::args&) {
+        self.exit();
+        return false;
+      });
+
+  py::class_<amp::ThreadState>(m, "ThreadState")
+      .def_static("capture", &amp::ThreadState::capture,
+                  "This thread's casting state, to carry into a worker thread.")
+      .def_readonly("key_on", &amp::ThreadState::key_on);
+  py::class_<PyThreadStateGuard>(m, "thread_state_guard")
+      .def(py::init([](const amp::ThreadState& state) {
+             auto g = std::make_unique<PyThreadStateGuard>();
+             g->state = state;
+             return g;
+           }),
+           py::arg("state"),
+           "Context manager: this thread takes the captured casting state inside.")
+      .def("__enter__",
+           [](PyThreadStateGuard& self) -> PyThreadStateGuard& {
+             self.enter(self.state);
+             return self;
+           })
+      .def("__exit__", [](PyThreadStateGuard& self, const py::args&) {
+        self.exit();
+        return false;
+      });
+
+  // ---- policies and cache ---------------------------------------------------------------------
+  m.def(
+      "register_half_op", [](const std::string& name) { amp::register_half_op(name); },
+      py::arg("qualified_name"));
+  m.def(
+      "register_float_op", [](const std::string& name) { amp::register_float_op(name); },
+      py::arg("qualified_name"));
+  m.def(
+      "register_promote_op", [](const std::string& name) { amp::register_promote_op(name); },
+      py::arg("qualified_name"));
+  m.def("policy_report", &amp::policy_report);
+  m.def("cast_count", &amp::cast_count);
+  m.def("clear_cache", &amp::clear_cache);
+  m.def("cache_size", &amp::cache_size);
+}
+
+}  // namespace amp::python

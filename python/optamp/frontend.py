@@ -1,0 +1,258 @@
+"""``optamp.initialize`` for ``torch.nn.Module`` / ``torch.optim`` objects.
+
+The Python side only collects tensors (parameters and buffers split by batch-norm / keep flags,
+optimizer params, optimizer state, eps) and hands them to the compiled core that the C++
+``amp::initialize`` also uses: validation, O2/O5 working copies, O3 casting and the loss scalers
+all live there. What needs Python objects lives here: ``cast_model_outputs`` (a forward wrapper,
+as in Apex) and better parameter names for error messages.
+"""
+import threading
+import weakref
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from . import _C
+
+_lock = threading.Lock()
+_fp32_marks = weakref.WeakSet()  # modules kept in fp32 (keep_in_fp32)
+_patched_forwards = []  # (weakref to module, had an instance attribute "forward" before)
+_param_names = {}  # id(param) -> "fc.weight" / "models[1].fc.weight" (scale_loss messages)
+
+
+def _is_tensor(x):
+    return isinstance(x, torch.Tensor)
+
+
+def keep_in_fp32(module):
+    """Keep ``module``'s own parameters and buffers in fp32 at O2/O3/O5, as batch-norm modules
+    are under ``keep_batchnorm_fp32``. Call before :func:`initialize`."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    with _lock:
+        _fp32_marks.add(module)
+
+
+def _as_list(value, what, kind, kind_name):
+    was_list = isinstance(value, (list, tuple))
+    items = list(value) if was_list else [value]
+    for i, item in enumerate(items):
+        if not isinstance(item, kind):
+            where = f"{what}[{i}]" if was_list else what
+            raise TypeError(
+                f"{where} must be a {kind_name} (or a list of them), got {type(item).__name__}"
+            )
+    return items, was_list
+
+
+def _collect_models(models, keep_batchnorm):
+    reduced, keep, parameters, names = [], [], [], {}
+    seen = set()
+    for k, model in enumerate(models):
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            raise RuntimeError(
+                f"models[{k}] is a {type(model).__name__}: parallel wrappers must be applied to "
+                "the model(s) AFTER optamp.initialize returns them (as in Apex)"
+            )
+        prefix = f"models[{k}]." if len(models) > 1 else ""
+        for mod_name, module in model.named_modules(remove_duplicate=True):
+            keep_this = (keep_batchnorm and isinstance(module, _BatchNorm)) or module in _fp32_marks
+            target = keep if keep_this else reduced
+            for p_name, p in module.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                target.append(p)
+                parameters.append(p)
+                names[id(p)] = prefix + (f"{mod_name}.{p_name}" if mod_name else p_name)
+            for b in module.buffers(recurse=False):
+                if b is None or id(b) in seen or not b.is_floating_point():
+                    continue
+                seen.add(id(b))
+                target.append(b)
+    return reduced, keep, parameters, [names[id(p)] for p in parameters], names
+
+
+def _collect_optimizers(optimizers):
+    out = []
+    for i, opt in enumerate(optimizers):
+        if isinstance(opt, torch.optim.LBFGS):
+            raise ValueError(
+                f"optimizers[{i}] is torch.optim.LBFGS, which is not supported: its step() "
+                "re-evaluates the loss through a closure, outside scale_loss, so gradients "
+                "would be unscaled twice or not at all. Use SGD/Adam/AdamW/RMSprop/Adagrad."
+            )
+        params, state, owners, smallest_eps = [], [], [], 0.0
+        for group in opt.param_groups:
+            eps = group.get("eps")
+            if isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0:
+                if smallest_eps == 0.0 or eps < smallest_eps:
+                    smallest_eps = float(eps)
+            for p in group["params"]:
+                params.append(p)
+                for key, value in opt.state.get(p, {}).items():
+                    # torch keeps Adam's "step" counters on the CPU by design: not device state.
+                    if not _is_tensor(value) or key == "step" or value.dim() == 0:
+                        continue
+                    state.append(value)
+                    owners.append(p)
+        out.append(
+            {
+                "identity": id(opt),
+                "description": f"optimizer {i} ({type(opt).__name__})",
+                "parameters": params,
+                "state": state,
+                "state_owners": owners,
+                "smallest_eps": smallest_eps,
+            }
+        )
+    return out
+
+
+def _apply(value, fn):
+    if _is_tensor(value):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_apply(v, fn) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_apply(v, fn) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _apply(v, fn)) for k, v in value.items())
+    return value
+
+
+def _patch_forward(model, dtype):
+    had_instance_forward = "forward" in model.__dict__
+    old_forward = model.forward
+
+    def cast_output(t):
+        return t.to(dtype) if t.is_floating_point() else t
+
+    def forward(*args, **kwargs):
+        return _apply(old_forward(*args, **kwargs), cast_output)
+
+    forward.__optamp_wrapped__ = old_forward
+    model.forward = forward
+    _patched_forwards.append((weakref.ref(model), had_instance_forward))
+
+
+def initialize(
+    models,
+    optimizers=None,
+    enabled=True,
+    opt_level="O1",
+    cast_model_type=None,
+    patch_torch_functions=None,
+    keep_batchnorm_fp32=None,
+    master_weights=None,
+    loss_scale=None,
+    cast_model_outputs=None,
+    num_losses=1,
+    verbosity=1,
+    min_loss_scale=None,
+    max_loss_scale=2.0**24,
+    **scaler_knobs,
+):
+    """Apex's ``amp.initialize``: set up ``opt_level`` for the model(s) and optimizer(s).
+
+    Returns ``model`` alone when ``optimizers`` is None, else ``(model, optimizer)``, each a
+    single object or a list as passed. The objects are the ones passed in (optamp changes no
+    optimizer and, except O3's in-place cast and ``cast_model_outputs``, no model).
+
+    ``None`` means "not overridden". ``scaler_knobs``: ``init_scale``, ``growth_factor``,
+    ``backoff_factor``, ``growth_interval``, ``hysteresis``.
+
+    Casting is per thread: it is turned on for the calling thread only. Other threads see plain
+    fp32 unless they enter ``optamp.autocast()`` or ``optamp.thread_state_guard(state)`` with a
+    state captured by ``optamp.ThreadState.capture()`` on this thread.
+    With ``enabled=False`` the objects are returned untouched and ``scale_loss`` scales by 1.
+    """
+    model_list, models_was_list = _as_list(models, "models", torch.nn.Module, "torch.nn.Module")
+    if optimizers is None:
+        opt_list, optimizers_was_list = [], False
+    else:
+        opt_list, optimizers_was_list = _as_list(
+            optimizers, "optimizers", torch.optim.Optimizer, "torch.optim.Optimizer")
+    overrides = dict(
+        enabled=enabled,
+        cast_model_type=cast_model_type,
+        patch_torch_functions=patch_torch_functions,
+        keep_batchnorm_fp32=keep_batchnorm_fp32,
+        master_weights=master_weights,
+        loss_scale=loss_scale,
+        num_losses=num_losses,
+        verbosity=verbosity,
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
+        **scaler_knobs,
+    )
+    if cast_model_outputs is not None and not isinstance(cast_model_outputs, torch.dtype):
+        raise TypeError(
+            "cast_model_outputs must be a torch.dtype or None, got "
+            f"{type(cast_model_outputs).__name__}"
+        )
+    preview = _C.resolve(opt_level, **overrides)  # validates the options before collecting
+    with _lock:
+        reduced, keep, parameters, name_list, names = _collect_models(
+            model_list, bool(preview.keep_batchnorm_fp32)
+        )
+        opts = _collect_optimizers(opt_list)
+        props = _C._initialize_core(
+            reduced, keep, parameters, name_list, opts, opt_level, **overrides
+        )
+        _param_names.clear()
+        _param_names.update(names)
+        if props.enabled and cast_model_outputs is not None:
+            for model in model_list:
+                _patch_forward(model, cast_model_outputs)
+    global _properties
+    _properties = props
+
+    models_out = model_list if models_was_list else model_list[0]
+    if optimizers_was_list:
+        return models_out, opt_list
+    if not opt_list:
+        return models_out
+    return models_out, opt_list[0]
+
+
+_properties = None
+
+
+def properties():
+    """The resolved :class:`optamp.Properties` of the last :func:`initialize` (None after reset)."""
+    return _properties
+
+
+def reset():
+    """Turn everything off (casting on this thread, level rules, caches, loss scalers, forward
+    wrappers, keep_in_fp32 marks) so that :func:`initialize` can be called again."""
+    global _properties
+    with _lock:
+        _C._reset_core()
+        for ref, had_instance_forward in reversed(_patched_forwards):
+            model = ref()
+            if model is None:
+                continue
+            wrapped = model.__dict__.get("forward")
+            if wrapped is not None and hasattr(wrapped, "__optamp_wrapped__"):
+                if had_instance_forward:
+                    model.forward = wrapped.__optamp_wrapped__
+                else:
+                    del model.forward
+        _patched_forwards.clear()
+        _param_names.clear()
+        _fp32_marks.clear()
+        _properties = None
+
+
+def master_params(optimizer):
+    """Yield the parameters ``optimizer`` steps (Apex's ``amp.master_params``). In optamp's
+    design these ARE the fp32 master weights at O2/O5, so ``model.parameters()`` works as well."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def param_name(p):
+    """The model name of parameter ``p`` recorded by initialize, or None."""
+    return _param_names.get(id(p))

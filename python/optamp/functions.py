@@ -1,0 +1,141 @@
+"""Apex's custom-function registration.
+
+Dispatcher ops (ATen or ``TORCH_LIBRARY`` ops): ``register_half_op("ns::op")`` and friends put a
+policy on optamp's dispatch key, so every call, from Python or C++, follows it.
+
+Python-level functions: ``register_half_function(module, "name")`` replaces ``module.name`` by a
+wrapper, and the decorators ``half_function`` / ``float_function`` / ``promote_function`` wrap a
+function. While optamp's casting is active on the calling thread, the wrapper casts the tensor
+arguments (recursively in lists, tuples and dicts; doubles and non-floating tensors untouched)
+before calling the function; otherwise it calls the function unchanged. Registration works
+before or after ``optamp.initialize`` (the wrapper checks the thread's state at each call).
+
+Which levels apply (the same as the dispatcher's categories): half functions at O1-O5 (O1/O4
+only with patch_torch_functions), float and promote functions at O1/O4 and in
+``optamp.autocast`` regions. A wrapped Python function's inner ops still follow their own
+policies (Apex's semantics for composite functions); a wrapped builtin (a C function such as
+``torch.nn.functional.gelu``) runs with optamp's rules off so that the registration wins.
+"""
+import functools
+import types
+
+import torch
+
+from . import _C
+
+register_half_op = _C.register_half_op
+register_float_op = _C.register_float_op
+register_promote_op = _C.register_promote_op
+
+_FULL, _MASTER, _PURE = 1, 2, 3
+_APPLIES = {"half": (_FULL, _MASTER, _PURE), "float": (_FULL,), "promote": (_FULL,)}
+
+
+def _tensors(value, out):
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors(v, out)
+    return out
+
+
+def _map(value, fn):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_map(v, fn) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(v, fn) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _map(v, fn)) for k, v in value.items())
+    return value
+
+
+def _caster(kind, tensors, low):
+    floating = [t for t in tensors if t.is_floating_point() and t.dtype != torch.float64]
+    if kind == "half":
+        target = low
+    elif kind == "float":
+        target = torch.float32
+    else:  # promote: widest floating width among the (non-double) floating arguments
+        dtypes = {t.dtype for t in floating}
+        if len(dtypes) < 2:
+            return None
+        target = torch.float32  # fp16+fp32, bf16+fp32 and fp16+bf16 all widen to fp32
+
+    def cast(t):
+        if t.is_floating_point() and t.dtype != torch.float64 and t.dtype != target:
+            return t.to(target)
+        return t
+
+    return cast
+
+
+def _wrap(fn, kind):
+    original = getattr(fn, "__optamp_original__", fn)
+    builtin = not isinstance(original, (types.FunctionType, types.MethodType, functools.partial))
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        tensors = _tensors(kwargs, _tensors(args, []))
+        device = tensors[0].device.type if tensors else "cpu"
+        rules, low = _C._cast_rules(device)
+        if rules not in _APPLIES[kind]:
+            return original(*args, **kwargs)
+        cast = _caster(kind, tensors, low)
+        if cast is not None:
+            args, kwargs = _map(args, cast), _map(kwargs, cast)
+        if builtin:
+            with _C.disable_casts():
+                return original(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    wrapper.__optamp_original__ = original
+    wrapper.__optamp_policy__ = kind
+    return wrapper
+
+
+def _register(module, name, kind):
+    if not isinstance(name, str):
+        raise TypeError(f"function name must be a str, got {type(name).__name__}")
+    if not hasattr(module, name):
+        module_name = getattr(module, "__name__", repr(module))
+        raise ValueError(f"No function named {name} in module {module_name}.")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise ValueError(f"{getattr(module, '__name__', repr(module))}.{name} is not callable")
+    setattr(module, name, _wrap(fn, kind))
+
+
+def register_half_function(module, function_name):
+    """Apex: ``module.function_name`` runs with its floating tensor args in the low dtype."""
+    _register(module, function_name, "half")
+
+
+def register_float_function(module, function_name):
+    """Apex: ``module.function_name`` runs with its floating tensor args in fp32."""
+    _register(module, function_name, "float")
+
+
+def register_promote_function(module, function_name):
+    """Apex: ``module.function_name`` runs with mixed-width floating args cast to the widest."""
+    _register(module, function_name, "promote")
+
+
+def half_function(fn):
+    """Decorator form of :func:`register_half_function`."""
+    return _wrap(fn, "half")
+
+
+def float_function(fn):
+    """Decorator form of :func:`register_float_function`."""
+    return _wrap(fn, "float")
+
+
+def promote_function(fn):
+    """Decorator form of :func:`register_promote_function`."""
+    return _wrap(fn, "promote")

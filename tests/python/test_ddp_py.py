@@ -1,0 +1,106 @@
+"""optamp under DistributedDataParallel: 2 processes, gloo on loopback, O1 and O2.
+
+One rank injects inf into its loss at one step; DDP averages gradients, so both ranks see the
+non-finite values, skip that step and end with identical parameters."""
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+STEPS, BAD_STEP = 20, 7
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, level, out_dir, pythonpath):
+    sys.path[:0] = pythonpath
+    import optamp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        # Apex's order: initialize first, then wrap in DDP.
+        model, opt = optamp.initialize(model, opt, opt_level=level, verbosity=0)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        gen = torch.Generator().manual_seed(100 + rank)  # different data per rank
+        skipped = []
+        for step in range(STEPS):
+            x, y = torch.randn(4, 4, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+            opt.zero_grad()
+            loss = F.cross_entropy(ddp(x), y)
+            if step == BAD_STEP and rank == 1:
+                loss = loss * float("inf")
+            with optamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            if optamp.loss_scaler().last_step_skipped:
+                skipped.append(step)
+        torch.save({"params": [p.detach() for p in model.parameters()], "skipped": skipped,
+                    "scale": optamp.loss_scaler().loss_scale()},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_ddp_two_ranks_skip_together(tmp_path, level):
+    pythonpath = [p for p in sys.path if p]
+    mp.spawn(_worker, args=(2, _free_port(), level, str(tmp_path), pythonpath), nprocs=2,
+             join=True)
+    r0 = torch.load(tmp_path / "rank0.pt")
+    r1 = torch.load(tmp_path / "rank1.pt")
+    assert r0["skipped"] == r1["skipped"] == [BAD_STEP]
+    assert r0["scale"] == r1["scale"] == 2.0**15
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b)
+        assert torch.isfinite(a).all()
+
+
+def _mp_worker(rank, world, port, use_group, out_dir, pythonpath):
+    """Model-parallel style: each rank owns different parameters (no DDP averaging)."""
+    sys.path[:0] = pythonpath
+    import optamp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        optamp.initialize(model, opt, opt_level="O4", loss_scale="dynamic", verbosity=0)
+        group = dist.group.WORLD if use_group else None
+        skipped = []
+        for step in range(4):
+            opt.zero_grad()
+            loss = model(torch.randn(3, 4)).float().pow(2).mean()
+            if step == 2 and rank == 1:
+                loss = loss * float("inf")
+            with optamp.scale_loss(loss, opt, process_group=group) as scaled:
+                scaled.backward()
+            opt.step()
+            if optamp.loss_scaler().last_step_skipped:
+                skipped.append(step)
+        torch.save(skipped, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_process_group_makes_model_parallel_ranks_skip_together(tmp_path, use_group=True):
+    # (Without process_group only rank 1 would skip: [[], [2]]; not run, to save a spawn.)
+    pythonpath = [p for p in sys.path if p]
+    mp.spawn(_mp_worker, args=(2, _free_port(), use_group, str(tmp_path), pythonpath), nprocs=2,
+             join=True)
+    skipped = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert skipped == ([[2], [2]] if use_group else [[], [2]])

@@ -1,0 +1,213 @@
+"""optamp.initialize from Python: return shapes, optimizers, validation, levels, outputs."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import optamp
+from _amp_helpers import Mlp, TinyNet, fresh, init  # noqa: F401
+
+
+class MySGD(torch.optim.Optimizer):
+    """A custom optimizer subclass: plain SGD written by hand."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+OPTIMIZERS = {
+    "SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    "custom": lambda ps: MySGD(ps, lr=0.1),
+}
+
+
+def step(model, opt, x, y, **kw):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    with optamp.scale_loss(loss, opt, **kw) as scaled:
+        scaled.backward()
+    opt.step()
+    return loss
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("level", ["O4", "O5"])
+def test_every_optimizer_trains(fresh, name, level):  # noqa: F811
+    model = Mlp()
+    opt = OPTIMIZERS[name](model.parameters())
+    # Some optimizer state before initialize (the device check reads it).
+    F.cross_entropy(model(torch.randn(4, 4)), torch.tensor([0, 1, 2, 0])).backward()
+    opt.step()
+    m2, o2 = init(model, opt, opt_level=level)
+    assert m2 is model and o2 is opt
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    for _ in range(3):
+        loss = step(model, opt, x, y)
+    assert torch.isfinite(loss)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_return_shapes_follow_the_inputs(fresh):  # noqa: F811
+    m, n = Mlp(), Mlp()
+    assert init(m) is m
+    optamp.reset()
+    assert init([m, n]) == [m, n]
+    optamp.reset()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    assert init(m, o) == (m, o)
+    optamp.reset()
+    o2 = torch.optim.SGD(n.parameters(), lr=0.1)
+    assert init([m, n], [o, o2]) == ([m, n], [o, o2])
+    optamp.reset()
+    assert init(m, [o]) == (m, [o])
+
+
+def test_enabled_false_returns_untouched_and_scale_loss_is_identity(fresh):  # noqa: F811
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert init(model, opt, enabled=False, opt_level="O3", cast_model_outputs=torch.float16) == (
+        model, opt)
+    assert "forward" not in model.__dict__
+    out = model(torch.randn(2, 4))
+    assert out.dtype == torch.float32 and model.fc1.weight.dtype == torch.float32
+    loss = out.sum()
+    with optamp.scale_loss(loss, opt) as scaled:
+        assert scaled.item() == pytest.approx(loss.item())
+        scaled.backward()
+
+
+def test_validation_errors_change_nothing(fresh):  # noqa: F811
+    model = Mlp()
+    with pytest.raises(TypeError, match="models must be a torch.nn.Module"):
+        optamp.initialize("model")
+    with pytest.raises(TypeError, match=r"optimizers\[1\]"):
+        optamp.initialize(model, [torch.optim.SGD(model.parameters(), lr=1), 3])
+    with pytest.raises(ValueError, match="LBFGS"):
+        init(model, torch.optim.LBFGS(model.parameters()))
+    with pytest.raises(ValueError, match="must be a parameter of the model"):
+        init(model, torch.optim.SGD(Mlp().parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="opt_level"):
+        init(model, opt_level="O9")
+    with pytest.raises(ValueError, match="keep_batchnorm_fp32"):
+        init(model, opt_level="O1", keep_batchnorm_fp32=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        init(model, bogus=1)
+    with pytest.raises(RuntimeError, match="AFTER optamp.initialize"):
+        init(torch.nn.DataParallel(model))
+    assert not optamp.is_initialized() and not optamp.is_casting_enabled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt)
+    with pytest.raises(ValueError, match="reset"):
+        init(model, opt)
+
+
+def test_o2_keeps_fp32_masters_and_batchnorm(fresh):  # noqa: F811
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, opt_level="O5")
+    seen = {}
+    model.bn.register_forward_hook(lambda m, i, o: seen.update(bn_out=o.dtype))
+    model.conv.register_forward_hook(lambda m, i, o: seen.update(conv_out=o.dtype))
+    mean_before = model.bn.running_mean.clone()
+    out = model(torch.randn(2, 1, 4, 4))
+    assert seen["conv_out"] == torch.bfloat16
+    # batch-norm runs with its own fp32 params and updates its fp32 running stats in place
+    assert model.bn.running_mean.dtype == torch.float32
+    assert not torch.equal(model.bn.running_mean, mean_before)
+    assert out.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    ckpt = {k: v.dtype for k, v in model.state_dict().items()}
+    assert ckpt["fc.weight"] == torch.float32
+    assert [p.detach().clone().dtype for p in model.parameters()][0] == torch.float32
+
+
+def test_o3_casts_the_model_and_keep_in_fp32(fresh):  # noqa: F811
+    model = TinyNet()
+    optamp.keep_in_fp32(model.fc)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, opt_level="O3", cast_model_type=torch.bfloat16, keep_batchnorm_fp32=True)
+    assert model.conv.weight.dtype == torch.bfloat16
+    assert model.bn.weight.dtype == torch.float32 and model.bn.running_mean.dtype == torch.float32
+    assert model.fc.weight.dtype == torch.float32
+    assert opt.param_groups[0]["params"][0] is model.conv.weight  # same Parameter objects
+    step(model, opt, torch.randn(2, 1, 4, 4), torch.tensor([0, 1]))
+    assert model.conv.weight.grad is None or model.conv.weight.grad.dtype == torch.bfloat16
+
+
+def test_cast_model_outputs_recursively_and_reset_unwraps(fresh):  # noqa: F811
+    class Multi(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return {"a": y, "b": [y, (y, torch.ones(1, dtype=torch.long))]}
+
+    model = Multi()
+    init(model, opt_level="O4", cast_model_outputs=torch.float32)
+    out = model(torch.randn(1, 2))
+    assert out["a"].dtype == torch.float32
+    assert out["b"][0].dtype == torch.float32 and out["b"][1][0].dtype == torch.float32
+    assert out["b"][1][1].dtype == torch.long
+    optamp.reset()
+    assert "forward" not in model.__dict__
+    with pytest.raises(TypeError, match="cast_model_outputs"):
+        init(model, cast_model_outputs="float16")
+
+
+def test_properties_and_verbosity(fresh, capfd):  # noqa: F811
+    model = Mlp()
+    optamp.initialize(model, opt_level="O2", loss_scale=128.0, init_scale=4.0)
+    props = optamp.properties()
+    assert props.opt_level == "O2" and props.loss_scale == 128.0
+    assert "O2" in capfd.readouterr().out  # Apex-style report at verbosity 1
+    assert optamp.loss_scaler().loss_scale() == 128.0
+    optamp.reset()
+    assert optamp.properties() is None and not optamp.is_initialized()
+
+
+def test_errors_from_cpp_keep_their_text(fresh):  # noqa: F811
+    with pytest.raises(ValueError, match="loss_scale"):
+        init(Mlp(), loss_scale=-1.0)
+    with pytest.raises(RuntimeError, match="initialize"):
+        optamp.loss_scaler(0)
+
+
+def test_floor_error_names_the_model_parameters(fresh):  # noqa: F811
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, opt_level="O4", loss_scale="dynamic", init_scale=1.0, min_loss_scale=1.0)
+    with pytest.raises(Exception, match=r"fc1\.weight") as info:
+        for _ in range(optamp._C.FLOOR_SKIP_LIMIT + 1):
+            opt.zero_grad()
+            with optamp.scale_loss(model(torch.randn(2, 4)).float().sum() * math.inf, opt) as s:
+                s.backward()
+    assert isinstance(info.value, (RuntimeError, ValueError))
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "O5"])
+def test_cuda_training_steps(fresh, level):  # noqa: F811
+    model = TinyNet().cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    init(model, opt, opt_level=level)
+    x, y = torch.randn(4, 1, 4, 4, device="cuda"), torch.tensor([0, 1, 2, 0], device="cuda")
+    for _ in range(3):
+        loss = step(model, opt, x, y)
+    assert torch.isfinite(loss)
+    assert model(x).dtype == (torch.bfloat16 if level == "O5" else torch.float16)

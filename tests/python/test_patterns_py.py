@@ -1,0 +1,171 @@
+"""Apex's documented patterns through optamp.initialize + scale_loss, checkpoints, and interop
+with torch.autocast + torch.amp.GradScaler."""
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import optamp
+from _amp_helpers import Mlp, fresh, init  # noqa: F401
+from tolerances import tol
+
+X = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+Y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2))
+
+
+def test_multiple_losses_and_optimizers(fresh):  # noqa: F811
+    model = Mlp()
+    opt0 = torch.optim.SGD(model.fc1.parameters(), lr=0.1)
+    opt1 = torch.optim.SGD(model.fc2.parameters(), lr=0.1)
+    model, (opt0, opt1) = init(model, [opt0, opt1], opt_level="O1", num_losses=2,
+                               init_scale=256.0)
+    for step in range(3):
+        opt0.zero_grad()
+        opt1.zero_grad()
+        out = model(X)
+        loss0 = F.cross_entropy(out, Y)
+        loss1 = out.float().pow(2).mean() * (math.inf if step == 1 else 1.0)
+        with optamp.scale_loss(loss0, opt0, loss_id=0) as scaled:
+            scaled.backward(retain_graph=True)
+        with optamp.scale_loss(loss1, [opt0, opt1], loss_id=1) as scaled:
+            scaled.backward()
+        opt0.step()
+        opt1.step()
+        assert optamp.loss_scaler(1).last_step_skipped == (step == 1)
+        assert not optamp.loss_scaler(0).last_step_skipped, step
+    assert optamp.loss_scaler(0).loss_scale() == 256.0
+    assert optamp.loss_scaler(1).loss_scale() == 128.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _accumulated_grads(mode, micro=4):
+    torch.manual_seed(0)
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if mode != "reference":
+        init(model, opt, opt_level="O0", loss_scale=128.0)
+    for k in range(micro):
+        loss = F.cross_entropy(model(X[2 * k: 2 * k + 2]), Y[2 * k: 2 * k + 2]) / micro
+        if mode == "reference":
+            loss.backward()
+        else:
+            delay = mode == "delay_unscale" and k < micro - 1
+            with optamp.scale_loss(loss, opt, delay_unscale=delay) as scaled:
+                scaled.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    optamp.reset()
+    return grads
+
+
+@pytest.mark.parametrize("mode", ["delay_unscale", "unscale_every_micro_batch"])
+def test_gradient_accumulation_is_exact_both_ways(fresh, mode):  # noqa: F811
+    reference = _accumulated_grads("reference")
+    # Power-of-two scale, no casting (O0): every accumulated grad must match bit for bit.
+    for a, b in zip(_accumulated_grads(mode), reference):
+        assert torch.equal(a, b)
+
+
+def test_gradient_accumulation_o1_close_to_fp32(fresh):  # noqa: F811
+    reference = _accumulated_grads("reference")
+    torch.manual_seed(0)
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, opt_level="O1")
+    for k in range(2):
+        loss = F.cross_entropy(model(X[4 * k: 4 * k + 4]), Y[4 * k: 4 * k + 4]) / 2
+        with optamp.scale_loss(loss, opt, delay_unscale=k == 0) as scaled:
+            scaled.backward()
+    for p, g in zip(model.parameters(), reference):
+        torch.testing.assert_close(p.grad, g, **tol("train_float16"))
+
+
+def test_clipping_after_the_guard_at_o2(fresh):  # noqa: F811
+    torch.manual_seed(0)
+    reference = Mlp()
+    model = Mlp()
+    model.load_state_dict(reference.state_dict())
+    F.cross_entropy(reference(X), Y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, opt_level="O2")
+    with optamp.scale_loss(F.cross_entropy(model(X), Y), opt) as scaled:
+        scaled.backward()
+    assert optamp.loss_scaler().loss_scale() == 2.0**16  # grads above were scaled by 65536
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    torch.testing.assert_close(norm, ref_norm, **tol("train_float16"))
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert clipped <= 0.01 * 1.001
+    assert list(optamp.master_params(opt)) == list(model.parameters())
+    opt.step()
+
+
+def _train(model, opt, steps, start):
+    for s in range(start, start + steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(X), Y) * (math.inf if s == 2 else 1.0)
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_checkpoint_resume_is_bit_exact(fresh, level):  # noqa: F811
+    torch.manual_seed(0)
+    model = Mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    init(model, opt, opt_level=level, growth_interval=2)
+    _train(model, opt, 3, 0)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "amp": optamp.state_dict()}, buf)
+    _train(model, opt, 4, 3)
+    final = [p.detach().clone() for p in model.parameters()]
+    final_scale = optamp.loss_scaler().loss_scale()
+    optamp.reset()
+
+    # Resume: Apex's order (build, initialize, then load the three state dicts).
+    model2 = Mlp()
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    init(model2, opt2, opt_level=level, growth_interval=2)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["optimizer"])
+    optamp.load_state_dict(ckpt["amp"])
+    _train(model2, opt2, 4, 3)
+    assert optamp.loss_scaler().loss_scale() == final_scale
+    for a, b in zip(final, model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_o1_matches_torch_autocast_and_grad_scaler(fresh):  # noqa: F811
+    steps, bad = 6, 3
+    torch.manual_seed(0)
+    ours = Mlp()
+    theirs = Mlp()
+    theirs.load_state_dict(ours.state_dict())
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05)
+    opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.05)
+    init(ours, opt_ours, opt_level="O1", growth_interval=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    ours_scales, theirs_scales = [], []
+    for s in range(steps):
+        poison = math.inf if s == bad else 1.0
+        opt_ours.zero_grad()
+        loss_ours = F.cross_entropy(ours(X), Y)
+        with optamp.scale_loss(loss_ours * poison, opt_ours) as scaled:
+            scaled.backward()
+        opt_ours.step()
+        ours_scales.append(optamp.loss_scaler().loss_scale())
+
+        opt_theirs.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):  # optamp defers inside (documented rule)
+            loss_theirs = F.cross_entropy(theirs(X), Y)
+        scaler.scale(loss_theirs * poison).backward()
+        scaler.step(opt_theirs)
+        scaler.update()
+        theirs_scales.append(scaler.get_scale())
+    assert ours_scales == theirs_scales
+    torch.testing.assert_close(loss_ours.float(), loss_theirs.float(), **tol("train_float16"))
