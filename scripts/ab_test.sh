@@ -6,8 +6,9 @@
 #   bash scripts/ab_test.sh --device cuda      # on a GPU machine
 #   bash scripts/ab_test.sh --levels O0,O4,O5 --steps 400 --python
 #
-# Options: --levels L1,L2,..  (default O0,O1,O2; the first is the baseline)
-#          --device cpu|cuda  --steps N (default 60 on cpu, 1000 on cuda)  --batch-size N (64)  --seed N (0)
+# Options: --levels L1,L2,..  (default O0,O1,O2 on cuda; O0,O1,O2,O4,O5 on cpu, where fp16 has no
+#                              fast kernels and the bf16 twins show the speed; the first is the baseline)
+#          --device cpu|cuda  --steps N (default 150 on cpu, 1000 on cuda)  --batch-size N (64)  --seed N (0)
 #          --lr X  --subset N (first N training images)  --test-subset N  --data DIR
 #          --python (run examples/python/train_fashion_mnist.py instead of the C++ binary)
 #          --out DIR (default results/ab)  --no-build  --bin PATH (a prebuilt trainer)
@@ -17,7 +18,7 @@ set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$OPTAMP_ROOT"
 
-levels="O0,O1,O2" device=cpu steps="" batch=64 seed=0 lr="" subset=0 test_subset=0
+levels="" device=cpu steps="" batch=64 seed=0 lr="" subset=0 test_subset=0
 data="" python=0 out="results/ab" build=1 bin=""
 usage() { sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
@@ -62,7 +63,8 @@ fi
 
 # fp16 kernels on a CPU are slow (about 2 s a step for this CNN on 2 cores, 55x fp32): keep the
 # default CPU run short so O0/O1/O2 finish well inside 10 minutes; GPUs run a real schedule.
-if [[ -z "$steps" ]]; then [[ "$device" == cuda ]] && steps=1000 || steps=60; fi
+if [[ -z "$steps" ]]; then [[ "$device" == cuda ]] && steps=1000 || steps=150; fi
+if [[ -z "$levels" ]]; then [[ "$device" == cuda ]] && levels="O0,O1,O2" || levels="O0,O1,O2,O4,O5"; fi
 args=(--device "$device" --steps "$steps" --batch-size "$batch" --seed "$seed"
       --subset "$subset" --test-subset "$test_subset")
 [[ -n "$lr" ]] && args+=(--lr "$lr")

@@ -96,7 +96,7 @@ struct Args {
   std::int64_t steps = 0;  // 0: use epochs
   std::int64_t epochs = 1;
   std::int64_t batch_size = 64;
-  double lr = 0.05;
+  double lr = 0.02;
   std::uint64_t seed = 0;
   std::string device = "cpu";
   std::string data = fashion_mnist::kDefaultDir;

@@ -179,7 +179,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=0, help="0: use --epochs")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--data", default=DEFAULT_DATA)
