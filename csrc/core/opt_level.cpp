@@ -205,46 +205,33 @@ void check_scaler_knobs(const Properties& p, const Options& o) {
   TORCH_CHECK_VALUE(p.hysteresis >= 1, "hysteresis must be >= 1, got ", p.hysteresis);
 }
 
-// Applies each set override to `p` and logs it.
+// Applies each set override to `p` and logs it, shown the way describe() shows it.
 void apply_overrides(Properties& p, const Options& o, OverrideLog& log) {
-  auto take = [&log](const char* name, auto& field, const auto& value, std::string shown) {
+  auto take = [&log](const char* name, auto& field, const auto& value, auto show) {
     if (value) {
       field = *value;
-      log.add(name, std::move(shown));
+      log.add(name, show(*value));
     }
   };
-  take("enabled", p.enabled, o.enabled, o.enabled ? bool_name(*o.enabled) : "");
-  take("cast_model_type", p.cast_model_type, o.cast_model_type,
-       o.cast_model_type ? dtype_name(*o.cast_model_type) : "");
-  take("patch_torch_functions", p.patch_torch_functions, o.patch_torch_functions,
-       o.patch_torch_functions ? bool_name(*o.patch_torch_functions) : "");
+  auto as_int = [](auto v) { return std::to_string(v); };
+  auto as_scale = [](const LossScale& v) { return v.to_string(); };
+  take("enabled", p.enabled, o.enabled, bool_name);
+  take("cast_model_type", p.cast_model_type, o.cast_model_type, dtype_name);
+  take("patch_torch_functions", p.patch_torch_functions, o.patch_torch_functions, bool_name);
   take("patch_torch_functions_type", p.patch_torch_functions_type, o.patch_torch_functions_type,
-       o.patch_torch_functions_type ? dtype_name(*o.patch_torch_functions_type) : "");
-  if (o.keep_batchnorm_fp32) {
-    p.keep_batchnorm_fp32 = o.keep_batchnorm_fp32;
-    log.add("keep_batchnorm_fp32", bool_name(*o.keep_batchnorm_fp32));
-  }
-  if (o.master_weights) {
-    p.master_weights = o.master_weights;
-    log.add("master_weights", bool_name(*o.master_weights));
-  }
-  take("loss_scale", p.loss_scale, o.loss_scale, o.loss_scale ? o.loss_scale->to_string() : "");
-  take("num_losses", p.num_losses, o.num_losses, o.num_losses ? std::to_string(*o.num_losses) : "");
-  if (o.min_loss_scale) {
-    p.min_loss_scale = o.min_loss_scale;
-    log.add("min_loss_scale", number_name(*o.min_loss_scale));
-  }
-  take("max_loss_scale", p.max_loss_scale, o.max_loss_scale,
-       o.max_loss_scale ? number_name(*o.max_loss_scale) : "");
-  take("verbosity", p.verbosity, o.verbosity, o.verbosity ? std::to_string(*o.verbosity) : "");
-  take("init_scale", p.init_scale, o.init_scale, o.init_scale ? number_name(*o.init_scale) : "");
-  take("growth_factor", p.growth_factor, o.growth_factor,
-       o.growth_factor ? number_name(*o.growth_factor) : "");
-  take("backoff_factor", p.backoff_factor, o.backoff_factor,
-       o.backoff_factor ? number_name(*o.backoff_factor) : "");
-  take("growth_interval", p.growth_interval, o.growth_interval,
-       o.growth_interval ? std::to_string(*o.growth_interval) : "");
-  take("hysteresis", p.hysteresis, o.hysteresis, o.hysteresis ? std::to_string(*o.hysteresis) : "");
+       dtype_name);
+  take("keep_batchnorm_fp32", p.keep_batchnorm_fp32, o.keep_batchnorm_fp32, bool_name);
+  take("master_weights", p.master_weights, o.master_weights, bool_name);
+  take("loss_scale", p.loss_scale, o.loss_scale, as_scale);
+  take("num_losses", p.num_losses, o.num_losses, as_int);
+  take("min_loss_scale", p.min_loss_scale, o.min_loss_scale, number_name);
+  take("max_loss_scale", p.max_loss_scale, o.max_loss_scale, number_name);
+  take("verbosity", p.verbosity, o.verbosity, as_int);
+  take("init_scale", p.init_scale, o.init_scale, number_name);
+  take("growth_factor", p.growth_factor, o.growth_factor, number_name);
+  take("backoff_factor", p.backoff_factor, o.backoff_factor, number_name);
+  take("growth_interval", p.growth_interval, o.growth_interval, as_int);
+  take("hysteresis", p.hysteresis, o.hysteresis, as_int);
   // Apex: the initial scale never exceeds the ceiling unless the user asked for it explicitly.
   if (!o.init_scale && p.init_scale > p.max_loss_scale) p.init_scale = p.max_loss_scale;
 }

@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "ops/multi_tensor.h"
+#include "ops/register_kernels.h"
 #include "ops/update_scale_math.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -234,15 +235,5 @@ void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
 
 TORCH_LIBRARY_IMPL(optamp, CPU, m) {
   using namespace amp::ops::detail;
-  m.impl("unscale_check_", [](at::TensorList t, const at::Tensor& f, const at::Tensor& s) {
-    unscale_check_impl(t, f, s, &unscale_group_cpu);
-  });
-  m.impl("axpby_check_",
-         [](at::TensorList o, at::TensorList x, at::TensorList y, const at::Tensor& a, double b,
-            const at::Tensor& f) { axpby_check_impl(o, x, y, a, b, f, &axpby_group_cpu); });
-  m.impl("update_scale_",
-         [](const at::Tensor& s, const at::Tensor& g, const at::Tensor& h, const at::Tensor& f,
-            double gf, double bf, int64_t gi, int64_t hy, double mn, double mx) {
-           update_scale_impl(s, g, h, f, gf, bf, gi, hy, mn, mx, &update_scale_cpu);
-         });
+  register_multi_tensor_kernels<&unscale_group_cpu, &axpby_group_cpu, &update_scale_cpu>(m);
 }
