@@ -112,7 +112,7 @@ def make_step(config, model, opt, loss_fn, dev):
             raise SkipConfig(f"optamp not importable ({OPTAMP_IMPORT_ERROR})")
         if not hasattr(optamp, "initialize"):
             raise SkipConfig("optamp.initialize is not available in this build")
-        model, opt = optamp.initialize(model, opt, opt_level=config[:2])
+        model, opt = optamp.initialize(model, opt, opt_level=config[:2], verbosity=0)
 
         def step():
             opt.zero_grad(set_to_none=True)

@@ -1,7 +1,9 @@
 // Instruction-count twin of bench_dispatch, for run under callgrind (timings on a shared 2-core
 // machine are too noisy for a 3% target). Runs the same op loop for n and 2n calls in two
 // noinline functions; per-call cost = (Ir(loop_2n) - Ir(loop_n)) / n, which cancels set-up.
-//   valgrind --tool=callgrind dispatch_icount <noamp|native|optamp> <mm|relu> <n>
+//   valgrind --tool=callgrind dispatch_icount <noamp|native|optamp|optamp_o5> <mm|relu> <n>
+// optamp: O4 casting rules; optamp_o5: O5 (casting rules + parameter substitution, with one
+// registered parameter that the looped op does not touch, the common case).
 // scripts/bench/dispatch_overhead.sh --icount runs every configuration and prints the ratios.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
@@ -12,6 +14,7 @@
 
 #include "dispatch/cast_state.h"
 #include "dispatch/registration.h"
+#include "dispatch/substitution.h"
 #include "optamp/opt_level.h"
 
 namespace {
@@ -36,7 +39,7 @@ __attribute__((noinline)) void loop_2n(int n) {
 
 int main(int argc, char** argv) {
   if (argc != 4) {
-    std::cerr << "usage: dispatch_icount <noamp|native|optamp> <mm|relu> <n>\n";
+    std::cerr << "usage: dispatch_icount <noamp|native|optamp|optamp_o5> <mm|relu> <n>\n";
     return 2;
   }
   const std::string mode = argv[1];
@@ -49,6 +52,12 @@ int main(int argc, char** argv) {
     at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
   } else if (mode == "optamp") {
     amp::detail::set_level_rules(amp::resolve("O4"));
+    amp::detail::activate_thread(true);
+  } else if (mode == "optamp_o5") {
+    static const at::Tensor param = at::randn({8, 8});
+    amp::detail::set_working_copy_sources({param});
+    amp::detail::activate_substitution_thread(true);
+    amp::detail::set_level_rules(amp::resolve("O5"));
     amp::detail::activate_thread(true);
   }
   for (int i = 0; i < 50; ++i) call_op();  // warm caches and lazy initialization
