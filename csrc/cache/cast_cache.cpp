@@ -7,6 +7,7 @@
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "core/step_events.h"
 #include "optamp/cast_cache.h"
@@ -43,6 +44,7 @@ struct Entry {
   c10::weak_intrusive_ptr<c10::TensorImpl> source;
   std::uint32_t version;
   at::Tensor cast;
+  bool hit_since_sweep;  // served from the cache since the last sweep
 };
 
 class CastCache {
@@ -50,16 +52,19 @@ class CastCache {
   CastResult get(const at::Tensor& source, c10::ScalarType dtype) {
     const Key key{source.unsafeGetTensorImpl(), dtype, records_autograd()};
     const std::uint32_t version = source._version();
+    std::vector<Entry> dropped;  // destroyed after the lock is released (see clear())
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = entries_.find(key);
     if (it != entries_.end() && !it->second.source.expired() && it->second.version == version) {
+      it->second.hit_since_sweep = true;
       return {it->second.cast, false};
     }
+    if (it != entries_.end()) dropped.push_back(std::move(it->second));  // stale
     at::Tensor cast = source.to(dtype);
     entries_.insert_or_assign(
-        key,
-        Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()), version, cast});
-    sweep_if_grown();
+        key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()), version,
+                   cast, false});
+    sweep_if_grown(dropped);
     return {cast, true};
   }
 
@@ -80,14 +85,23 @@ class CastCache {
   }
 
  private:
-  // Entries whose source is gone are dropped once the map has doubled since the last sweep, so
-  // the size stays within twice the number of live parameters (amortized O(1) per insert).
-  // "Gone" includes "kept alive only by this entry": a cast made under autograd holds its source
-  // through ToCopyBackward -> AccumulateGrad, so a dropped parameter keeps one strong reference.
-  void sweep_if_grown() {
+  // Once the map has doubled since the last sweep (amortized O(1) per insert), entries not served
+  // since that sweep are dropped (a clock-style second chance), so the size stays within about
+  // twice the set of tensors that are actually reused.
+  // Why not "source expired": a cast made under autograd holds its source through
+  // ToCopyBackward -> AccumulateGrad, so a dead parameter is never expired while its entry lives,
+  // and from Python its preserved PyObject adds a reference too, so no reference count tells a
+  // dropped parameter from a live one. Dropping a live entry only costs one cast later.
+  void sweep_if_grown(std::vector<Entry>& dropped) {
     if (entries_.size() < 2 * live_after_sweep_ + 64) return;
     for (auto it = entries_.begin(); it != entries_.end();) {
-      it = it->second.source.use_count() <= 1 ? entries_.erase(it) : std::next(it);
+      if (it->second.hit_since_sweep && it->second.source.use_count() > 1) {
+        it->second.hit_since_sweep = false;
+        ++it;
+        continue;
+      }
+      dropped.push_back(std::move(it->second));
+      it = entries_.erase(it);
     }
     live_after_sweep_ = entries_.size();
   }

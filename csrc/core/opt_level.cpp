@@ -166,6 +166,41 @@ void check_level_conflicts(const Properties& p, const Options& o) {
                     "torch.bfloat16, got None");
 }
 
+// O2/O5 (fp32 masters, low-precision working copies) and O3 (the model itself cast) are defined
+// by their model type and master-weight setting: overrides that contradict them would otherwise
+// be silently ignored, so they are refused with the level that does what was asked.
+void check_model_level_overrides(const Properties& p, const Options& o) {
+  const bool working_copies = p.opt_level == OptLevel::O2 || p.opt_level == OptLevel::O5;
+  if (!working_copies && p.opt_level != OptLevel::O3) return;
+  const std::string level = to_string(p.opt_level);
+  TORCH_CHECK_VALUE(is_reduced_float(p.cast_model_type), "opt_level ", level,
+                    working_copies ? " runs ops on reduced-precision working copies of the FP32 "
+                                     "model"
+                                   : " casts the model to reduced precision",
+                    ", so cast_model_type must be torch.float16 or torch.bfloat16, got ",
+                    dtype_name(p.cast_model_type),
+                    ". For an FP32 model with op-level casting use opt_level 'O1' (fp16) or "
+                    "'O4' (bf16); for no casting at all, 'O0'.");
+  TORCH_CHECK_VALUE(
+      p.patch_torch_functions_type == kNone || p.patch_torch_functions_type == p.cast_model_type,
+      "opt_level ", level,
+      " runs ops in the model's type (cast_model_type=", dtype_name(p.cast_model_type),
+      "), so patch_torch_functions_type must be None or ", dtype_name(p.cast_model_type), ", got ",
+      dtype_name(p.patch_torch_functions_type),
+      ". To change the type, set cast_model_type instead.");
+  TORCH_CHECK_VALUE(!(working_copies && o.master_weights && !*o.master_weights), "opt_level ",
+                    level,
+                    " keeps the FP32 weights in the model as master weights and steps them, so "
+                    "master_weights must be True or None, got False. To step reduced-precision "
+                    "weights without masters (Apex's O2 with master_weights=False), use "
+                    "opt_level 'O3' with keep_batchnorm_fp32=True and loss_scale='dynamic'.");
+  TORCH_CHECK_VALUE(!(!working_copies && o.master_weights && *o.master_weights),
+                    "opt_level O3 casts the model and steps its reduced-precision weights "
+                    "directly, so master_weights must be False or None, got True. For FP32 "
+                    "master weights use opt_level 'O2' (with keep_batchnorm_fp32=False it also "
+                    "runs batch-norm in reduced precision, as O3 does).");
+}
+
 void check_scaler_knobs(const Properties& p, const Options& o) {
   if (!p.loss_scale.is_dynamic()) {
     const double v = p.loss_scale.value();
@@ -328,6 +363,7 @@ Properties resolve(OptLevel level, const Options& options) {
   p.overrides_description = log.str();
   check_model_types(p, options);
   check_level_conflicts(p, options);
+  check_model_level_overrides(p, options);
   check_scaler_knobs(p, options);
   return p;
 }

@@ -5,6 +5,7 @@
 
 #include "dispatch/cast_state.h"
 #include "dispatch/registration.h"
+#include "dispatch/substitution.h"
 #include "optamp/cast_cache.h"
 #include "optamp/opt_level.h"
 
@@ -51,20 +52,31 @@ disable_casts::~disable_casts() { thread_cast_state().mode = prev_mode_; }
 
 ThreadState ThreadState::capture() {
   const auto& state = thread_cast_state();
-  return ThreadState{detail::thread_key_on(), state.mode, state.region_dtype};
+  return ThreadState{detail::thread_key_on(), detail::substitution_thread_on(), state.mode,
+                     state.region_dtype};
 }
 
-ThreadStateGuard::ThreadStateGuard(const ThreadState& state) : previous_(ThreadState::capture()) {
+namespace {
+
+void apply(const ThreadState& state) {
   if (state.key_on)
-    detail::activate_thread(true);
+    detail::activate_thread(true);  // may throw (key conflict) before anything changed
   else
     detail::set_thread_key(false);
+  detail::activate_substitution_thread(state.substitution_on);
   thread_cast_state().mode = state.mode;
   thread_cast_state().region_dtype = state.dtype;
 }
 
+}  // namespace
+
+ThreadStateGuard::ThreadStateGuard(const ThreadState& state) : previous_(ThreadState::capture()) {
+  apply(state);
+}
+
 ThreadStateGuard::~ThreadStateGuard() {
   detail::set_thread_key(previous_.key_on);
+  detail::activate_substitution_thread(previous_.substitution_on);
   thread_cast_state().mode = previous_.mode;
   thread_cast_state().region_dtype = previous_.dtype;
 }

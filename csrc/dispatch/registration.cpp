@@ -93,7 +93,16 @@ void register_builtin_tables_locked(Registry& r) {
   }
 }
 
-// "ns::op" (all overloads) or "ns::op.overload" -> the operators it names.
+bool writes_an_argument(const c10::FunctionSchema& schema) {
+  for (const auto& arg : schema.arguments()) {
+    if (arg.alias_info() && arg.alias_info()->isWrite()) return true;
+  }
+  return false;
+}
+
+// "ns::op.overload" -> that operator; "ns::op" -> its overloads that write no argument (a lowered
+// input next to an fp32 `out=` or `self` would only make the kernel fail), or every overload when
+// all of them write (an in-place-only custom op).
 std::vector<c10::OperatorHandle> resolve_ops(std::string_view qualified_name) {
   const std::string text(qualified_name);
   const auto sep = text.find("::");
@@ -108,10 +117,14 @@ std::vector<c10::OperatorHandle> resolve_ops(std::string_view qualified_name) {
   if (dot != std::string::npos) {
     if (auto op = dispatcher.findSchema({base, text.substr(dot + 1)})) ops.push_back(*op);
   } else {
+    std::vector<c10::OperatorHandle> writing;
     for (const auto& name : dispatcher.getAllOpNames()) {
       if (name.name != base) continue;
-      if (auto op = dispatcher.findSchema(name)) ops.push_back(*op);
+      if (auto op = dispatcher.findSchema(name)) {
+        (writes_an_argument(op->schema()) ? writing : ops).push_back(*op);
+      }
     }
+    if (ops.empty()) ops = std::move(writing);  // an in-place-only op: what was asked for
   }
   TORCH_CHECK_VALUE(!ops.empty(), "no operator named \"", text,
                     "\" is registered with the "

@@ -164,4 +164,6 @@ void activate_substitution_thread(bool on) {
   c10::impl::tls_set_dispatch_key_excluded(kSubstituteKey, !on);
 }
 
+bool substitution_thread_on() { return c10::impl::tls_is_dispatch_key_included(kSubstituteKey); }
+
 }  // namespace amp::detail

@@ -19,5 +19,6 @@ bool is_working_copy_source(const at::Tensor& tensor);
 
 // This thread's substitution key on/off (with the casting key, by initialize and reset).
 void activate_substitution_thread(bool on);
+bool substitution_thread_on();
 
 }  // namespace amp::detail

@@ -23,6 +23,8 @@ namespace {
 //  - active: parameters inside a live guard (nesting on the same optimizer is an error).
 //  - pending: parameters whose .grad currently holds *scaled* gradients (between a guard's entry
 //    and the non-delayed unscale), with the already-unscaled gradient stashed at entry.
+//  - overflowed: parameters a guard reset after an overflow since their last amp::step. A later
+//    guard's backward refills those grads, so only this record lets amp::step skip the step.
 struct Pending {
   c10::weak_intrusive_ptr<c10::TensorImpl> param;
   at::Tensor stash;  // undefined when the param had no gradient at entry
@@ -32,6 +34,28 @@ struct Book {
   std::mutex mutex;
   std::unordered_set<c10::TensorImpl*> active;
   std::unordered_map<c10::TensorImpl*, Pending> pending;
+  std::unordered_map<c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>> overflowed;
+
+  // Records an overflow of `p`. Users stepping with the plain step() never consume the records,
+  // so dead parameters' entries are pruned whenever the map has doubled since the last prune.
+  void mark_overflowed(const at::Tensor& p) {
+    overflowed.insert_or_assign(p.unsafeGetTensorImpl(),
+                                c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()));
+    if (overflowed.size() < 2 * overflowed_after_prune + 64) return;
+    for (auto it = overflowed.begin(); it != overflowed.end();) {
+      it = it->second.expired() ? overflowed.erase(it) : std::next(it);
+    }
+    overflowed_after_prune = overflowed.size();
+  }
+  // Whether `p` overflowed since its last amp::step; forgets it.
+  bool take_overflowed(const at::Tensor& p) {
+    auto it = overflowed.find(p.unsafeGetTensorImpl());
+    if (it == overflowed.end()) return false;
+    const bool live = it->second.lock().get() == p.unsafeGetTensorImpl();
+    overflowed.erase(it);
+    return live;
+  }
+  size_t overflowed_after_prune = 0;
 
   // The live record for `p` (drops a record whose parameter died and whose address was reused).
   Pending* find(const at::Tensor& p) {
@@ -154,7 +178,10 @@ void finish_normally(ScaleLossState& s) {
   {
     auto& b = book();
     std::lock_guard<std::mutex> lock(b.mutex);
-    for (const auto& p : s.params) b.pending.erase(p.unsafeGetTensorImpl());
+    for (const auto& p : s.params) {
+      b.pending.erase(p.unsafeGetTensorImpl());
+      if (skip) b.mark_overflowed(p);
+    }
   }
 
   std::string floor_error;
@@ -310,12 +337,12 @@ ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer& optimizer
   return scale_loss(loss, one(optimizer), options);
 }
 
-ScaledLoss scale_loss(const at::Tensor& loss,
-                      const std::vector<torch::optim::Optimizer*>& optimizers,
-                      ScaleLossOptions options) {
+namespace {
+
+// Every parameter of the optimizers, with a label that says where it sits.
+void collect_params(const std::vector<torch::optim::Optimizer*>& optimizers,
+                    std::vector<at::Tensor>& params, std::vector<std::string>& labels) {
   TORCH_CHECK_VALUE(!optimizers.empty(), "optimizers must not be empty, got an empty list");
-  std::vector<at::Tensor> params;
-  std::vector<std::string> labels;
   for (size_t k = 0; k < optimizers.size(); ++k) {
     TORCH_CHECK_VALUE(optimizers[k] != nullptr, "optimizers[", k, "] must not be null");
     size_t count = 0;
@@ -333,8 +360,43 @@ ScaledLoss scale_loss(const at::Tensor& loss,
         optimizers.size() == 1 ? std::string("optimizer") : "optimizers[" + std::to_string(k) + "]",
         " must have at least one parameter, got an optimizer with no parameters");
   }
+}
+
+}  // namespace
+
+ScaledLoss scale_loss(const at::Tensor& loss,
+                      const std::vector<torch::optim::Optimizer*>& optimizers,
+                      ScaleLossOptions options) {
+  std::vector<at::Tensor> params;
+  std::vector<std::string> labels;
+  collect_params(optimizers, params, labels);
   return detail::scale_loss_params(loss, std::move(params), std::move(labels), options,
                                    "optimizer");
+}
+
+bool step(torch::optim::Optimizer& optimizer) { return step(one(optimizer)); }
+
+bool step(const std::vector<torch::optim::Optimizer*>& optimizers) {
+  std::vector<at::Tensor> params;
+  std::vector<std::string> labels;
+  collect_params(optimizers, params, labels);
+  bool skip = false;
+  {
+    auto& b = detail::book();
+    std::lock_guard<std::mutex> lock(b.mutex);
+    for (size_t i = 0; i < params.size(); ++i) {
+      TORCH_CHECK(!b.find(params[i]), "amp::step: ", labels[i],
+                  " still holds scaled gradients (the last scale_loss guard used delay_unscale); "
+                  "finish with a guard without delay_unscale before stepping");
+    }
+    for (const auto& p : params) skip |= b.take_overflowed(p);
+  }
+  if (skip) {
+    for (auto& p : params) p.mutable_grad() = at::Tensor();
+    return false;
+  }
+  for (auto* o : optimizers) o->step();
+  return true;
 }
 
 }  // namespace amp

@@ -46,6 +46,7 @@ class disable_casts {  // NOLINT(readability-identifier-naming): mirrors apex.am
 // (at::ThreadLocalStateGuard carries the dispatch-key part but not optamp's region state.)
 struct ThreadState {
   bool key_on = false;
+  bool substitution_on = false;  // O2/O5: ops see model tensors as their working copies
   std::int32_t mode = 0;
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   static ThreadState capture();

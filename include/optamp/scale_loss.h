@@ -10,6 +10,13 @@
 // On scope exit (unless delay_unscale) the grads of every parameter of the optimizer(s) are
 // unscaled in one fused pass, checked for inf/NaN, and the scale is updated. On overflow those
 // grads are reset to undefined, so the plain optimizer.step() skips every parameter.
+//
+// Several guards before one step (several losses, or accumulation without delay_unscale): a
+// plain optimizer.step() only sees the overflow of the LAST guard, because an earlier guard's
+// reset grads are refilled by the later backward. Step with amp::step(optimizer) there: it
+// skips when any guard since the previous amp::step overflowed (Apex's rule; LibTorch's C++
+// optimizers have no step hooks that could make the plain step() do this). Python needs nothing:
+// optamp.scale_loss installs a one-shot step pre-hook after an overflow.
 
 #include <ATen/core/Tensor.h>
 
@@ -62,5 +69,12 @@ ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer& optimizer
 ScaledLoss scale_loss(const at::Tensor& loss,
                       const std::vector<torch::optim::Optimizer*>& optimizers,
                       ScaleLossOptions options = {});
+
+// Steps the optimizer(s) unless a scale_loss guard covering any of their parameters overflowed
+// since the previous amp::step of them; then every parameter's gradient is reset to undefined
+// instead and nothing else changes. Returns whether the step ran. Throws (changing nothing) while
+// gradients are still scaled, i.e. when the last guard used delay_unscale.
+bool step(torch::optim::Optimizer& optimizer);
+bool step(const std::vector<torch::optim::Optimizer*>& optimizers);
 
 }  // namespace amp

@@ -143,7 +143,8 @@ void bind_frontend(py::module_& m) {
   py::class_<amp::ThreadState>(m, "ThreadState")
       .def_static("capture", &amp::ThreadState::capture,
                   "This thread's casting state, to carry into a worker thread.")
-      .def_readonly("key_on", &amp::ThreadState::key_on);
+      .def_readonly("key_on", &amp::ThreadState::key_on)
+      .def_readonly("substitution_on", &amp::ThreadState::substitution_on);
   py::class_<PyThreadStateGuard>(m, "thread_state_guard")
       .def(py::init([](const amp::ThreadState& state) {
              auto g = std::make_unique<PyThreadStateGuard>();

@@ -6,9 +6,11 @@ import torch
 from . import _C, frontend
 
 
+def _as_optimizers(optimizers):
+    return [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+
+
 def _params_of(optimizers):
-    if isinstance(optimizers, torch.optim.Optimizer):
-        optimizers = [optimizers]
     params, names = [], []
     known = frontend._param_names
     for k, opt in enumerate(optimizers):
@@ -59,7 +61,12 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     max-reduced over the group so that every rank skips the same steps (dynamic scaling only;
     one extra pass over the grads and one all_reduce per non-delayed step). Not needed under
     plain DistributedDataParallel, whose gradient averaging already spreads a non-finite value.
+
+    With several guards before one ``optimizer.step()`` (several losses, or accumulation
+    without ``delay_unscale``), an overflow in any of them skips that step, as in Apex: the
+    guard installs a one-shot step pre-hook that sets the grads to None before the step runs.
     """
+    optimizers = _as_optimizers(optimizers)
     params, names = _params_of(optimizers)
     guard = _C._scale_loss(loss, params, loss_id, delay_unscale, names)
     try:
@@ -75,6 +82,25 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
             guard.finish(True)
             raise
     guard.finish(False)
+    if not delay_unscale and _C.loss_scaler(loss_id).last_step_skipped:
+        for opt in optimizers:
+            _skip_next_step(opt)
+
+
+def _skip_next_step(optimizer):
+    """Make the next ``optimizer.step()`` change nothing: a later guard's backward refills the
+    grads this guard reset, so resetting them alone would not skip the step."""
+    if getattr(optimizer, "_optamp_skip_hook", None) is not None:
+        return
+
+    def skip(opt, args, kwargs):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        opt._optamp_skip_hook.remove()
+        opt._optamp_skip_hook = None
+
+    optimizer._optamp_skip_hook = optimizer.register_step_pre_hook(skip)
 
 
 def loss_scaler(loss_id=0):

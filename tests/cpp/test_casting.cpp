@@ -20,10 +20,14 @@
 // A custom op library for the registration tests: a pure function and an in-place one.
 TORCH_LIBRARY(optamp_test, m) {
   m.def("twice(Tensor x) -> Tensor");
+  m.def("twice.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("accumulate_(Tensor(a!) self, Tensor other) -> Tensor(a!)");
 }
 TORCH_LIBRARY_IMPL(optamp_test, CompositeExplicitAutograd, m) {
   m.impl("twice", [](const at::Tensor& x) { return x * 2; });
+  m.impl("twice.out", [](const at::Tensor& x, at::Tensor& out) -> at::Tensor& {
+    return at::mul_out(out, x, 2);
+  });
   m.impl("accumulate_", [](at::Tensor& self, const at::Tensor& other) -> at::Tensor& {
     return self.add_(other.to(self.scalar_type()));
   });
@@ -617,6 +621,25 @@ TEST_F(Casting, UserRegisteredCustomOps) {
   EXPECT_EQ(call_twice(x.to(at::kHalf)).scalar_type(), at::kFloat);
 }
 
+TEST_F(Casting, BaseNameRegistrationSkipsOutOverloads) {
+  // A lowered input with an fp32 `out=` would be a dtype error in the kernel: "ns::op" covers
+  // the overloads that write no argument (all of them only when every overload writes).
+  register_half_op("optamp_test::twice");
+  const std::string report = policy_report();
+  EXPECT_NE(report.find("optamp_test::twice: lower"), std::string::npos) << report;
+  EXPECT_EQ(report.find("optamp_test::twice.out"), std::string::npos) << report;
+  enable("O1");
+  static auto out_op = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("optamp_test::twice", "out")
+                           .typed<at::Tensor&(const at::Tensor&, at::Tensor&)>();
+  auto out = at::empty({3});
+  const auto x = at::full({3}, 1.00048828125);  // not representable in fp16
+  out_op.call(x, out);
+  EXPECT_TRUE(at::equal(out, x * 2)) << "the out= overload must run uncast";
+  register_half_op("optamp_test::twice.out");  // named explicitly: honored
+  EXPECT_NE(policy_report().find("optamp_test::twice.out: lower"), std::string::npos);
+}
+
 TEST_F(Casting, RegistrationErrorsNameTheOp) {
   OPTAMP_EXPECT_THROW_WITH(register_half_op("optamp_test::nope"), c10::ValueError,
                            "optamp_test::nope", "TORCH_LIBRARY");
@@ -747,13 +770,18 @@ TEST_F(Casting, CopiesMadeInsideKernelsAreNotServedToAutograd) {
 TEST_F(Casting, CacheStaysBoundedOverManyIterations) {
   enable("O1");
   auto x = randn({2, 3});
+  auto kept = randn({4, 3}).requires_grad_();  // a live parameter reused every iteration
   std::size_t peak = 0;
+  const auto casts_before = cast_count();
   for (int i = 0; i < 1000; ++i) {
     auto w = randn({4, 3}).requires_grad_();  // a fresh parameter each iteration, then dropped
     at::linear(x, w);
+    at::linear(x, kept);
     peak = std::max(peak, cache_size());
   }
   EXPECT_LE(peak, 200u);
+  // Per iteration: x twice (not cacheable) and the fresh w; `kept` stays cached across sweeps.
+  EXPECT_LE(cast_count() - casts_before, 3 * 1000 + 5);
 }
 
 TEST_F(Casting, RealOptimizerStepIsSeenByTheNextForward) {

@@ -14,6 +14,7 @@
 
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "optamp/amp.h"
 #include "test_util.h"
@@ -254,6 +255,26 @@ TEST_F(Initialize, UserMarkedModulesKeepFp32AtO2) {
   EXPECT_EQ(at::add(net->fc1->weight, 1.0).scalar_type(), at::kFloat);  // kept
   EXPECT_EQ(at::add(net->bn->weight, 1.0).scalar_type(), at::kFloat);   // batch-norm
   EXPECT_EQ(at::add(net->fc2->weight, 1.0).scalar_type(), at::kHalf);   // working copy
+}
+
+TEST_F(Initialize, ThreadStateCarriesO2SubstitutionToWorkerThreads) {
+  Net net = make_net();
+  auto opt = make_optimizer(net, Opt::kSgd);
+  initialize(net, *opt, "O2", quiet());
+  const auto state = ThreadState::capture();
+  EXPECT_TRUE(state.key_on && state.substitution_on);
+  at::ScalarType plain = at::kByte, carried = at::kByte, after = at::kByte;
+  std::thread([&] {
+    plain = at::add(net->fc2->weight, 1.0).scalar_type();
+    {
+      ThreadStateGuard guard(state);
+      carried = at::add(net->fc2->weight, 1.0).scalar_type();
+    }
+    after = at::add(net->fc2->weight, 1.0).scalar_type();
+  }).join();
+  EXPECT_EQ(plain, at::kFloat) << "threads start with optamp off";
+  EXPECT_EQ(carried, at::kHalf) << "the worker must see the O2 working copy";
+  EXPECT_EQ(after, at::kFloat) << "the guard must restore the worker's state";
 }
 
 // ---- O2 working copies: one per param, reused, refreshed per step, never stale ---------------

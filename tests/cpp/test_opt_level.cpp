@@ -177,6 +177,41 @@ TEST(OptLevelValidation, MasterWeightsAtO1) {
   OPTAMP_EXPECT_THROW_WITH(resolve("O4", o), c10::ValueError, "master_weights", "O4");
 }
 
+TEST(OptLevelValidation, ContradictoryModelOverridesAtO2O3O5) {
+  for (const char* level : {"O2", "O3", "O5"}) {
+    Options fp32;
+    fp32.cast_model_type = ScalarType::Float;
+    OPTAMP_EXPECT_THROW_WITH(resolve(level, fp32), c10::ValueError, level, "cast_model_type",
+                             "torch.float32", "'O1'");
+  }
+  Options other_patch;
+  other_patch.patch_torch_functions_type = ScalarType::BFloat16;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O2", other_patch), c10::ValueError,
+                           "patch_torch_functions_type", "torch.bfloat16", "torch.float16");
+  OPTAMP_EXPECT_THROW_WITH(resolve("O3", other_patch), c10::ValueError,
+                           "patch_torch_functions_type");
+  Options no_masters;
+  no_masters.master_weights = false;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O2", no_masters), c10::ValueError, "master_weights",
+                           "got False", "'O3'", "keep_batchnorm_fp32=True");
+  OPTAMP_EXPECT_THROW_WITH(resolve("O5", no_masters), c10::ValueError, "master_weights");
+  EXPECT_NO_THROW(resolve("O3", no_masters));
+  Options masters;
+  masters.master_weights = true;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O3", masters), c10::ValueError, "O3", "master_weights",
+                           "got True", "'O2'");
+  EXPECT_NO_THROW(resolve("O2", masters));
+  // Consistent spellings of the level's own settings stay allowed.
+  Options same;
+  same.cast_model_type = ScalarType::BFloat16;
+  same.patch_torch_functions_type = ScalarType::BFloat16;
+  EXPECT_EQ(resolve("O2", same).low_dtype(), ScalarType::BFloat16);
+  EXPECT_EQ(resolve("O3", same).low_dtype(), ScalarType::BFloat16);
+  Options none;
+  none.cast_model_type = kNone;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O2", none), c10::ValueError, "cast_model_type", "None");
+}
+
 TEST(OptLevelValidation, LossScaleNonPositiveOrNonFinite) {
   for (double bad : {0.0, -1.0, std::numeric_limits<double>::infinity(),
                      std::numeric_limits<double>::quiet_NaN()}) {

@@ -253,6 +253,93 @@ TEST_F(ScaleLossTest, MultipleLossesHaveTheirOwnScalersAndSeveralOptimizersShare
   EXPECT_EQ(loss_scaler(0).skipped_steps(), 0);
 }
 
+// Apex's rule: with several guards before one step, an overflow in any of them skips the step.
+// A plain step() cannot see an earlier guard's overflow (the later backward refills the grads);
+// amp::step can.
+TEST_F(ScaleLossTest, AmpStepSkipsWhenAnEarlierLossOfTheStepOverflowed) {
+  Options o;
+  o.num_losses = 2;
+  detail::configure_loss_scalers(props(o));
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const auto before = clones(m.params());
+  const auto state_before = serialized(opt);
+  {
+    auto s = scale_loss(m.loss(batch(0)), opt, {/*loss_id=*/0});
+    s.backward();
+    m.w1.grad()[0][0] = kInf;
+  }
+  {
+    auto s = scale_loss(m.loss(batch(1)), opt, {/*loss_id=*/1});
+    s.backward();
+  }
+  EXPECT_TRUE(loss_scaler(0).last_step_skipped());
+  EXPECT_FALSE(loss_scaler(1).last_step_skipped());
+  for (const auto& p : m.params()) EXPECT_TRUE(p.grad().defined()) << "refilled by loss 1";
+  EXPECT_FALSE(step(opt));
+  for (const auto& p : m.params()) EXPECT_FALSE(p.grad().defined());
+  EXPECT_TRUE(all_equal(clones(m.params()), before)) << "params changed on a skipped step";
+  EXPECT_EQ(serialized(opt), state_before) << "optimizer state changed on a skipped step";
+
+  // The record is consumed: the next clean step runs and equals a plain step.
+  Model ref = m;
+  for (auto* p : {&ref.w1, &ref.b1, &ref.w2}) *p = p->detach().clone().requires_grad_();
+  torch::optim::SGD ref_opt(ref.params(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int id : {0, 1}) {
+    auto s = scale_loss(m.loss(batch(2 + id)), opt, {id});
+    s.backward();
+  }
+  ref.loss(batch(2)).backward();
+  ref.loss(batch(3)).backward();
+  EXPECT_TRUE(step(opt));
+  ref_opt.step();
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_TRUE(all_close(m.params()[i], ref.params()[i], testing::tolerance(at::kFloat))) << i;
+  }
+}
+
+TEST_F(ScaleLossTest, AmpStepSkipsAccumulationWhoseEarlyMicroBatchOverflowed) {
+  detail::configure_loss_scalers(props());
+  Model m;
+  torch::optim::Adam opt(m.params(), torch::optim::AdamOptions(1e-3));
+  const auto before = clones(m.params());
+  for (int b = 0; b < 3; ++b) {  // stashing accumulation (no delay_unscale)
+    auto s = scale_loss(m.loss(batch(b)), opt);
+    s.backward();
+    if (b == 0) m.b1.grad()[1] = std::numeric_limits<float>::quiet_NaN();
+  }
+  EXPECT_FALSE(loss_scaler().last_step_skipped()) << "the last micro-batch was clean";
+  EXPECT_FALSE(step(opt));
+  EXPECT_TRUE(all_equal(clones(m.params()), before));
+  EXPECT_TRUE(opt.state().empty()) << "Adam must not have created state";
+}
+
+TEST_F(ScaleLossTest, AmpStepRefusesScaledGradsAndStepsSeveralOptimizers) {
+  detail::configure_loss_scalers(props());
+  Model m;
+  torch::optim::SGD opt_a({m.w1, m.b1}, torch::optim::SGDOptions(0.1));
+  torch::optim::SGD opt_b({m.w2}, torch::optim::SGDOptions(0.1));
+  {
+    auto s = scale_loss(m.loss(batch(0)), {&opt_a, &opt_b}, {0, /*delay_unscale=*/true});
+    s.backward();
+  }
+  const auto before = clones(m.params());
+  const auto scaled_grads = grads(m.params());
+  OPTAMP_EXPECT_THROW_WITH(step({&opt_a, &opt_b}), c10::Error, "still holds scaled gradients",
+                           "delay_unscale");
+  EXPECT_TRUE(all_equal(grads(m.params()), scaled_grads)) << "a refused step changed grads";
+  {
+    auto s = scale_loss(m.loss(batch(1)), {&opt_a, &opt_b});
+    s.backward();
+  }
+  EXPECT_TRUE(step({&opt_a, &opt_b}));
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_FALSE(at::equal(m.params()[i], before[i])) << "param " << i << " was not stepped";
+  }
+  OPTAMP_EXPECT_THROW_WITH(step(std::vector<torch::optim::Optimizer*>{}), c10::ValueError,
+                           "optimizers must not be empty");
+}
+
 TEST_F(ScaleLossTest, FixedScaleUnscalesButNeverSkips) {
   Options o;
   o.loss_scale = LossScale::fixed(128.0);

@@ -39,6 +39,17 @@ FP32 = {
     "cumsum": lambda t: torch.cumsum(r(3, dtype=t), 0),
     "mse_loss": lambda t: F.mse_loss(r(4, dtype=t), r(4, dtype=t)),
     "cross_entropy": lambda t: F.cross_entropy(r(2, 3, dtype=t), torch.tensor([0, 2])),
+    "interpolate_nearest": lambda t: F.interpolate(r(1, 1, 4, 4, dtype=t), scale_factor=2.0),
+    "interpolate_nearest_exact": lambda t: F.interpolate(
+        r(1, 1, 4, 4, dtype=t), scale_factor=2.0, mode="nearest-exact"),
+    "interpolate_nearest_exact_1d": lambda t: F.interpolate(
+        r(1, 1, 4, dtype=t), size=7, mode="nearest-exact"),
+    "interpolate_bilinear": lambda t: F.interpolate(
+        r(1, 1, 4, 4, dtype=t), size=(3, 5), mode="bilinear"),
+    "interpolate_bilinear_antialias": lambda t: F.interpolate(
+        r(1, 1, 4, 4, dtype=t), size=(2, 3), mode="bilinear", antialias=True),
+    "interpolate_bicubic_antialias": lambda t: F.interpolate(
+        r(1, 1, 4, 4, dtype=t), size=(2, 3), mode="bicubic", antialias=True),
 }
 PROMOTE = {
     "dot": lambda t: torch.dot(r(3, dtype=t), r(3)),
@@ -131,6 +142,25 @@ def test_casting_is_per_thread_and_can_be_carried(fresh):  # noqa: F811
     assert torch.mm(x, x).dtype == torch.float16
 
 
+def test_thread_state_carries_o2_working_copies(fresh):  # noqa: F811
+    model = Mlp()
+    init(model, opt_level="O2")
+    state = optamp.ThreadState.capture()
+    assert state.key_on and state.substitution_on
+    seen = {}
+
+    def worker():
+        seen["plain"] = torch.add(model.fc1.weight, 1.0).dtype
+        with optamp.thread_state_guard(state):
+            seen["carried"] = torch.add(model.fc1.weight, 1.0).dtype
+        seen["after"] = torch.add(model.fc1.weight, 1.0).dtype
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == {"plain": torch.float32, "carried": torch.float16, "after": torch.float32}
+
+
 def test_guard_must_exit_on_the_entering_thread(fresh):  # noqa: F811
     guard = optamp.disable_casts()
     guard.__enter__()
@@ -163,6 +193,20 @@ def test_cache_and_counters(fresh):  # noqa: F811
     assert optamp.cache_size() == 0
     report = optamp.policy_report()
     assert "aten::mm" in report and "skipped" in report
+
+
+def test_cache_stays_bounded_when_python_tensors_die(fresh):  # noqa: F811
+    # A Python tensor that dies while the cache's cast (through its autograd graph) still holds
+    # the TensorImpl keeps its PyObject alive: liveness can't be read off the C++ refcount alone.
+    init(Mlp(), opt_level="O1")
+    x = torch.randn(2, 4)
+    peak = 0
+    for i in range(1000):
+        layer = torch.nn.Linear(4, 3)  # fresh parameters every iteration, then dropped
+        layer(x)
+        if i % 10 == 0:
+            peak = max(peak, optamp.cache_size())
+    assert peak <= 200, peak
 
 
 def test_register_ops_and_errors(fresh):  # noqa: F811

@@ -91,6 +91,34 @@ def test_python_optimizers_skip_overflowing_steps():
             assert torch.equal(v, state[k][n])
 
 
+@pytest.mark.parametrize("pattern", ["two_losses", "accumulation"])
+def test_an_earlier_guards_overflow_skips_the_plain_step_as_in_apex(pattern):
+    configure(num_losses=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    xs = [torch.randn(8, 4) for _ in range(3)]
+    ids = [0, 1, 1] if pattern == "two_losses" else [0, 0, 0]
+    before = [p.detach().clone() for p in model.parameters()]
+    for i, (x, loss_id) in enumerate(zip(xs, ids)):
+        with optamp.scale_loss(model(x).pow(2).mean(), opt, loss_id=loss_id) as scaled:
+            scaled.backward()
+            if i == 0:
+                model.weight.grad[1, 2] = float("inf")
+    assert not optamp.loss_scaler(ids[-1]).last_step_skipped
+    assert all(p.grad is not None for p in model.parameters()), "refilled by later guards"
+    opt.step()
+    assert all(p.grad is None for p in model.parameters())
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+    assert not opt.state, "momentum buffers must not have been created"
+    # One-shot: the next clean step runs.
+    with optamp.scale_loss(model(xs[0]).pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
 def test_accumulation_with_and_without_delay_unscale_equals_unscaled_sum():
     configure()
     torch.manual_seed(0)

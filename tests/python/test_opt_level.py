@@ -76,6 +76,10 @@ def test_overrides_apply():
         ("O1", dict(growth_factor=0.5), "growth_factor"),
         ("O1", dict(backoff_factor=2.0), "backoff_factor"),
         ("O1", dict(keep_batchnorm_fp32="yes"), "keep_batchnorm_fp32"),
+        ("O2", dict(cast_model_type=torch.float32), "cast_model_type"),
+        ("O2", dict(master_weights=False), "master_weights must be True or None"),
+        ("O3", dict(master_weights=True), "master_weights must be False or None"),
+        ("O2", dict(patch_torch_functions_type=torch.bfloat16), "patch_torch_functions_type"),
     ],
 )
 def test_validation_errors_are_value_errors_with_cxx_text(level, kwargs, message):
