@@ -54,8 +54,8 @@ if [[ $python -eq 1 ]]; then
 else
   bin="${bin:-$(optamp_build_dir)/examples/cpp/train_fashion_mnist}"
   if [[ ! -x "$bin" ]]; then
-    echo "ab_test.sh: $bin was not built. It needs the amp::initialize API" \
-         "(include/optamp/initialize.h); until that lands, try --python for the O0 baseline." >&2
+    echo "ab_test.sh: no trainer binary at $bin: build the project (drop --no-build; the" \
+         "examples are on by default, OPTAMP_BUILD_EXAMPLES=ON), pass --bin PATH, or use --python." >&2
     exit 1
   fi
   trainer=("$bin")

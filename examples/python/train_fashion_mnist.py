@@ -7,7 +7,9 @@ Metrics file (JSON lines): a "config" object, one "step" object per step (step, 
 loss_scale, skipped, step_ms) and a final "summary" object (test_accuracy, peak_memory_mb,
 median_step_ms, samples_per_s, final_train_loss, skipped_steps, final_loss_scale, ...).
 Exit status: 0 ok, 2 bad arguments, 3 the opt level is unsupported by this optamp build or
-device (amp.initialize raised NotImplementedError, or optamp has no initialize yet), 1 otherwise.
+device (amp.initialize raised NotImplementedError), 1 otherwise.
+
+Needs the optamp package (``pip install .``, or PYTHONPATH=python after an in-tree build).
 """
 import argparse
 import gzip
@@ -23,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import optamp as amp
+
 DEFAULT_DATA = "/usr/share/datasets/fashion-mnist"
 MEAN, STD = 0.2860, 0.3530
 LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
@@ -33,57 +37,22 @@ class AmpSession:
     """initialize / scale_loss / loss-scaler queries, in one place."""
 
     def __init__(self, model, optimizer, opt_level):
-        try:
-            import optamp as amp
-        except ImportError as e:  # the compiled extension is not built
-            amp, why = None, f"cannot import optamp ({e})"
-        else:
-            why = "this optamp build has no amp.initialize yet"
-        if amp is None or not hasattr(amp, "initialize"):
-            if opt_level != "O0":
-                raise NotImplementedError(why)
-            # O0 is plain fp32 with a static scale of 1: the baseline needs no optamp.
-            self.amp, self.model, self.optimizer, self.description = None, model, optimizer, ""
-            self.available = False
-            return
-        self.amp, self.available = amp, True
+        # Raises NotImplementedError when the level is unsupported by this build or device.
         self.model, self.optimizer = amp.initialize(model, optimizer, opt_level=opt_level)
-        self.description = ""
-        props = getattr(amp, "properties", None)  # accessor name TBD on the Python side
-        if callable(props):
-            self.description = props().describe()
+        self.description = amp.properties().describe()
 
     def backward(self, loss):
-        if self.amp is None:
-            loss.backward()
-            return
-        with self.amp.scale_loss(loss, self.optimizer) as scaled_loss:
+        with amp.scale_loss(loss, self.optimizer) as scaled_loss:
             scaled_loss.backward()
 
-    def _scaler(self):
-        if self.amp is None:
-            return None
-        for owner in (self.amp, getattr(self.amp, "_C", None)):
-            fn = getattr(owner, "loss_scaler", None)
-            if callable(fn):
-                return fn(0)
-        return None
-
     def loss_scale(self):
-        if self.amp is None:
-            return 1.0
-        s = self._scaler()
-        v = getattr(s, "loss_scale", None) if s is not None else None
-        return float(v() if callable(v) else v) if v is not None else float("nan")
+        return float(amp.loss_scaler(0).loss_scale())
 
     def last_step_skipped(self):
-        s = self._scaler()
-        v = getattr(s, "last_step_skipped", None) if s is not None else None
-        return bool(v() if callable(v) else v) if v is not None else False
+        return bool(amp.loss_scaler(0).last_step_skipped)
 
     def reset(self):
-        if self.amp is not None and hasattr(self.amp, "reset"):
-            self.amp.reset()
+        amp.reset()
 
 
 # ---- end of optamp integration --------------------------------------------------------------
@@ -233,7 +202,7 @@ def run(args):
           "opt_level": args.opt_level, "device": args.device, "steps": total,
           "batch_size": batch, "lr": args.lr, "seed": args.seed, "train_images": n_train,
           "test_images": int(test_x.shape[0]), "threads": torch.get_num_threads(),
-          "torch": torch.__version__, "optamp": session.available})
+          "torch": torch.__version__, "optamp": amp.__version__})
 
     shuffle = torch.Generator().manual_seed(args.seed)  # same permutations as the C++ trainer
     force = os.environ.get("OPTAMP_PROGRESS", "")  # ab_test.sh: 1 when its stderr is a TTY
