@@ -2,7 +2,7 @@
 # The main job: train the Fashion-MNIST CNN with the same seed, data and steps at several opt
 # levels and compare them (step time, samples/s, peak memory, loss, accuracy, loss scale).
 #
-#   bash scripts/ab_test.sh                    # O0 (baseline), O1, O2 on the CPU, C++ trainer
+#   bash scripts/ab_test.sh                    # O0 (baseline), O1, O2, O4, O5 on the CPU, C++ trainer
 #   bash scripts/ab_test.sh --device cuda      # on a GPU machine
 #   bash scripts/ab_test.sh --levels O0,O4,O5 --steps 400 --python
 #
@@ -12,6 +12,8 @@
 #          --lr X  --subset N (first N training images)  --test-subset N  --data DIR
 #          --python (run examples/python/train_fashion_mnist.py instead of the C++ binary)
 #          --out DIR (default results/ab)  --no-build  --bin PATH (a prebuilt trainer)
+# Every run first calls scripts/bootstrap.sh (idempotent, seconds once the machine is set up), so
+# on a fresh machine this command is all it takes.
 # Writes OUT/summary.md, OUT/summary.json, OUT/ab.png and per level OUT/<level>.{jsonl,log,err,status}.
 # Exit status: 0 when every level ran or reported itself unsupported, 1 otherwise.
 set -uo pipefail
@@ -20,7 +22,7 @@ cd "$OPTAMP_ROOT"
 
 levels="" device=cpu steps="" batch=64 seed=0 lr="" subset=0 test_subset=0
 data="" python=0 out="results/ab" build=1 bin=""
-usage() { sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --levels) levels="$2"; shift 2 ;;
@@ -41,6 +43,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
+bash "$OPTAMP_ROOT/scripts/bootstrap.sh" ||
+  { echo "ab_test.sh: scripts/bootstrap.sh failed; see its messages above" >&2; exit 1; }
 PY="$(optamp_python)" || { echo "ab_test.sh: no Python with torch (scripts/bootstrap.sh)" >&2; exit 1; }
 if [[ $build -eq 1 && -z "$bin" ]]; then
   echo "ab_test.sh: building (scripts/common.sh optamp_build) ..."
