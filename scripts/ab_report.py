@@ -6,8 +6,10 @@
 Reads OUT/<level>.jsonl (config, step and summary objects written by train_fashion_mnist) and
 OUT/<level>.status (JSON: status ok|unsupported|failed, message, exit_code; written by
 ab_test.sh), and writes OUT/summary.md, OUT/summary.json and OUT/ab.png (matplotlib, Agg).
-The first level that ran is the baseline (O0 by default). A level has "equal accuracy" when its
-test accuracy is no more than EQUAL_POINTS (1.0) percentage points below the baseline's.
+The baseline is O0 when it ran, else the first level that ran; the table headers name it. A
+level has "equal accuracy" when its test accuracy is no more than EQUAL_POINTS (1.0) percentage
+points below the baseline's. A level's status message (the last line its trainer wrote to
+stderr) is reported only for a level that is not ok.
 """
 import argparse
 import json
@@ -54,7 +56,8 @@ def collect(out, levels):
     for level in levels:
         status = read_status(out, level)
         row = {"level": level, "status": status.get("status", "ok")}
-        if status.get("message"):
+        if row["status"] != "ok" and status.get("message"):
+            # For an ok level the last stderr line is noise (a warning, the progress line).
             row["message"] = status["message"]
         metrics = os.path.join(out, f"{level}.jsonl")
         if row["status"] == "ok":
@@ -78,11 +81,17 @@ def ratio(a, b):
     return a / b
 
 
+def baseline_of(rows):
+    """The baseline row: O0 when it ran, else the first level that ran (None: none ran)."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    return next((r for r in ok if r["level"] == "O0"), ok[0] if ok else None)
+
+
 def add_ratios_and_verdict(rows):
     ok = [r for r in rows if r["status"] == "ok"]
-    if not ok:
+    base = baseline_of(rows)
+    if base is None:
         return None, "Verdict: no level ran; see the logs next to this report."
-    base = next((r for r in ok if r["level"] == "O0"), ok[0])
     for r in ok:
         r["step_time_ratio"] = ratio(r["median_step_ms"], base["median_step_ms"])
         r["peak_memory_ratio"] = ratio(r["peak_memory_mb"], base["peak_memory_mb"])
@@ -122,6 +131,8 @@ def fmt(v, spec, suffix=""):
 
 
 def write_markdown(path, rows, config, verdict):
+    base = baseline_of(rows)
+    vs = f"vs {base['level']}" if base is not None else "vs baseline"
     mem_kind = next((r.get("peak_memory_kind") for r in rows if r.get("peak_memory_kind")), "")
     mem_label = {"cpu_peak_rss": "peak RSS", "cuda_peak_allocated": "CUDA peak allocated"}.get(
         mem_kind, "peak memory")
@@ -135,8 +146,8 @@ def write_markdown(path, rows, config, verdict):
         f"{config.get('test_images', '?')} test images, {config.get('threads', '?')} threads, "
         f"torch {config.get('torch', '?')}.",
         "",
-        "| level | median step (ms) | step time vs O0 | samples/s | "
-        f"{mem_label} (MB) | memory vs O0 | final train loss | test accuracy | skipped steps "
+        f"| level | median step (ms) | step time {vs} | samples/s | "
+        f"{mem_label} (MB) | memory {vs} | final train loss | test accuracy | skipped steps "
         "| final loss scale |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -146,7 +157,8 @@ def write_markdown(path, rows, config, verdict):
                          "| | | | | | | | |")
             continue
         lines.append(
-            f"| {r['level']} | {fmt(r['median_step_ms'], '.2f')} | "
+            f"| {r['level']}{' (baseline)' if r is base else ''} | "
+            f"{fmt(r['median_step_ms'], '.2f')} | "
             f"{fmt(r['step_time_ratio'], '.2f', 'x')} | {fmt(r['samples_per_s'], '.0f')} | "
             f"{fmt(r['peak_memory_mb'], '.1f')} | {fmt(r['peak_memory_ratio'], '.2f', 'x')} | "
             f"{fmt(r['final_train_loss'], '.4f')} | {fmt(r['test_accuracy'], '.2f', '%')} | "
@@ -156,7 +168,8 @@ def write_markdown(path, rows, config, verdict):
         f"**{verdict}**",
         "",
         "Step time: median over the steps after the first 5 (forward, backward, optimizer step; "
-        "synchronized on CUDA); ratios are level / baseline, so below 1x is faster. "
+        "synchronized on CUDA); ratios are level / baseline"
+        + (f" ({base['level']})" if base is not None else "") + ", so below 1x is faster. "
         "samples/s = batch size / median step time. Final train loss: mean of the last 20 "
         "finite step losses. Equal accuracy: no more than "
         f"{EQUAL_POINTS:g} percentage point below the baseline. Plot: ab.png.",
@@ -241,7 +254,8 @@ def main(argv=None):
 
     rows, curves, config = collect(args.out, levels)
     fastest, verdict = add_ratios_and_verdict(rows)
-    summary = {"baseline": next((r["level"] for r in rows if r["status"] == "ok"), None),
+    base = baseline_of(rows)
+    summary = {"baseline": base["level"] if base is not None else None,
                "equal_accuracy_points": EQUAL_POINTS, "fastest_at_equal_accuracy": fastest,
                "verdict": verdict, "config": config, "levels": rows}
     with open(os.path.join(args.out, "summary.json"), "w") as f:

@@ -123,7 +123,12 @@ def test_report_files(ab_run):
     o0 = summary["levels"][0]
     assert o0["step_time_ratio"] == 1.0 and o0["accuracy_delta"] == 0.0
     md = (out / "summary.md").read_text()
-    assert "| level |" in md and "Verdict:" in md and "| O0 |" in md
+    assert "| level |" in md and "Verdict:" in md and "| O0 (baseline) |" in md
+    assert "step time vs O0" in md  # headers name the baseline
+    for level in LEVELS[1:]:
+        assert f"| {level} |" in md
+    # An ok level's last stderr line (progress, warnings) is not reported as its message.
+    assert all("message" not in row for row in summary["levels"])
     try:
         import matplotlib  # noqa: F401
     except ImportError:  # e.g. a GPU machine's bare python3: the report says so, no plot
