@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <sstream>
 
@@ -52,10 +53,18 @@ std::string optional_bool_name(const std::optional<bool>& value) {
   return value ? bool_name(*value) : "None";
 }
 
+// Python's repr of a float: the shortest text that reads back exactly, with ".0" on integral
+// values (16777216.0, not 1.67772e+07).
 std::string number_name(double value) {
-  std::ostringstream out;
-  out << value;
-  return out.str();
+  if (!std::isfinite(value)) return std::isnan(value) ? "nan" : (value > 0 ? "inf" : "-inf");
+  char text[32];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(text, sizeof(text), "%.*g", precision, value);
+    if (std::strtod(text, nullptr) == value) break;
+  }
+  std::string out(text);
+  if (out.find_first_of(".e") == std::string::npos) out += ".0";
+  return out;
 }
 
 bool is_reduced_float(ScalarType type) {
@@ -67,7 +76,8 @@ std::string format_options(const Properties& p) {
   std::ostringstream out;
   auto row = [&out](const char* name, const std::string& value) {
     const std::size_t length = std::string_view(name).size();
-    out << name << std::string(length < 23 ? 23 - length : 1, ' ') << ": " << value << "\n";
+    constexpr std::size_t kWidth = 27;  // "patch_torch_functions_type" and a space
+    out << name << std::string(length < kWidth ? kWidth - length : 1, ' ') << ": " << value << "\n";
   };
   row("enabled", bool_name(p.enabled));
   row("opt_level", to_string(p.opt_level));

@@ -44,8 +44,12 @@ void check_model(const ModelTensors& model) {
 }
 
 void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTensors>& opts) {
-  std::unordered_set<const c10::TensorImpl*> in_model;
-  for (const auto& p : model.parameters) in_model.insert(p.unsafeGetTensorImpl());
+  // Model parameters by identity, with the model's name for them ("fc1.weight") when known.
+  std::unordered_map<const c10::TensorImpl*, std::string> in_model;
+  for (const auto i : c10::irange(model.parameters.size())) {
+    in_model.emplace(model.parameters[i].unsafeGetTensorImpl(),
+                     i < model.names.size() ? model.names[i] + " " : std::string());
+  }
   std::unordered_map<const c10::TensorImpl*, std::string> owner;
   std::unordered_set<const void*> seen;
   auto& state = frontend();
@@ -66,16 +70,19 @@ void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTens
                         "passed to amp::initialize, but it is not: pass every model whose "
                         "parameters the optimizer updates");
       auto [it, fresh] = owner.emplace(impl, opt.description);
-      TORCH_CHECK_VALUE(fresh || it->second == opt.description, "parameter ",
-                        shape_of(opt.parameters[i]),
+      TORCH_CHECK_VALUE(fresh || it->second == opt.description, "parameter ", in_model.at(impl),
+                        "(", shape_of(opt.parameters[i]), ")",
                         " must belong to one optimizer, but it is "
                         "in both ",
                         it->second, " and ", opt.description);
     }
     for (const auto i : c10::irange(opt.state.size())) {
       const auto& param = opt.state_owners[i];
+      const auto name = in_model.find(param.unsafeGetTensorImpl());
       TORCH_CHECK_VALUE(opt.state[i].device() == param.device(), opt.description,
-                        " state must be on the device of its parameter (", param.device(),
+                        " state of parameter ",
+                        name == in_model.end() ? std::string() : name->second, "(", shape_of(param),
+                        ") must be on the device of its parameter (", param.device(),
                         "), got a state tensor on ", opt.state[i].device(),
                         ": move the model "
                         "before creating/loading the optimizer state");

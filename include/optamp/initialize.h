@@ -38,7 +38,8 @@ using ModulePtr = std::shared_ptr<torch::nn::Module>;
 
 // The general form: any number of models and optimizers (optimizers may be empty: inference).
 // Validates everything before changing anything; errors leave model, optimizer and amp state
-// as they were. Calling it again for the same optimizer needs amp::reset() first.
+// as they were. One initialize per process at a time: any second call (same or another
+// model/optimizer) is a ValueError until amp::reset().
 Handle initialize(const std::vector<ModulePtr>& models,
                   const std::vector<torch::optim::Optimizer*>& optimizers, OptLevel level,
                   const Options& options = {});

@@ -3,6 +3,7 @@
 // and torch.optim objects and hands them to the same core the LibTorch front uses.
 #include <c10/core/Device.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
@@ -64,27 +65,29 @@ detail::OptimizerTensors optimizer_from_py(const py::handle& d) {
 }  // namespace
 
 void bind_frontend(py::module_& m) {
-  m.def(
-      "_initialize_core",
-      [](std::vector<at::Tensor> reduced, std::vector<at::Tensor> keep_fp32,
-         std::vector<at::Tensor> parameters, std::vector<std::string> names,
-         const py::list& optimizers, const py::object& level, const py::kwargs& overrides) {
-        TORCH_CHECK_VALUE(names.empty() || names.size() == parameters.size(),
-                          "names must be empty or name every parameter, got ", names.size(),
-                          " names for ", parameters.size(), " parameters");
-        detail::ModelTensors model{std::move(reduced), std::move(keep_fp32), std::move(parameters),
-                                   std::move(names)};
-        std::vector<detail::OptimizerTensors> opts;
-        for (const auto& o : optimizers) opts.push_back(optimizer_from_py(o));
-        const OptLevel lvl = level_from_py(level);
-        const Options options = options_from_kwargs(overrides);
-        return detail::initialize_core(model, opts, lvl, options);
-      },
-      py::arg("reduced"), py::arg("keep_fp32"), py::arg("parameters"), py::arg("names"),
-      py::arg("optimizers"), py::arg("opt_level"),
-      "The framework-neutral core of initialize (validate, then apply). names[i] names "
-      "parameters[i] (for the loss scaler's floor error). optimizers: dicts with "
-      "identity, description, parameters, state, state_owners, smallest_eps.");
+  // wrap_pybind_function: TORCH_WARN inside (the O3 eps warning, torch's own warnings) becomes
+  // a Python warning instead of a line on stderr.
+  m.def("_initialize_core",
+        torch::wrap_pybind_function(
+            [](std::vector<at::Tensor> reduced, std::vector<at::Tensor> keep_fp32,
+               std::vector<at::Tensor> parameters, std::vector<std::string> names,
+               const py::list& optimizers, const py::object& level, const py::kwargs& overrides) {
+              TORCH_CHECK_VALUE(names.empty() || names.size() == parameters.size(),
+                                "names must be empty or name every parameter, got ", names.size(),
+                                " names for ", parameters.size(), " parameters");
+              detail::ModelTensors model{std::move(reduced), std::move(keep_fp32),
+                                         std::move(parameters), std::move(names)};
+              std::vector<detail::OptimizerTensors> opts;
+              for (const auto& o : optimizers) opts.push_back(optimizer_from_py(o));
+              const OptLevel lvl = level_from_py(level);
+              const Options options = options_from_kwargs(overrides);
+              return detail::initialize_core(model, opts, lvl, options);
+            }),
+        py::arg("reduced"), py::arg("keep_fp32"), py::arg("parameters"), py::arg("names"),
+        py::arg("optimizers"), py::arg("opt_level"),
+        "The framework-neutral core of initialize (validate, then apply). names[i] names "
+        "parameters[i] (for the loss scaler's floor error). optimizers: dicts with "
+        "identity, description, parameters, state, state_owners, smallest_eps.");
   m.def("_reset_core", &detail::reset_core);
   m.def("is_initialized", &detail::initialized_core);
 

@@ -3,6 +3,9 @@
 
 #include <pybind11/stl.h>
 
+#include <string>
+#include <type_traits>
+
 #include "common.h"
 
 namespace amp::python {
@@ -26,10 +29,11 @@ bool bool_from_py(const py::handle& value, const char* name) {
 
 template <typename T>
 T number_from_py(const py::handle& value, const char* name) {
-  if (py::isinstance<py::bool_>(value) ||
-      !(py::isinstance<py::int_>(value) || py::isinstance<py::float_>(value))) {
-    throw py::type_error(std::string(name) + " must be a number, got " +
-                         std::string(py::str(py::type::of(value).attr("__name__"))));
+  constexpr bool integral = std::is_integral_v<T>;
+  const bool is_int = py::isinstance<py::int_>(value) && !py::isinstance<py::bool_>(value);
+  if (!(is_int || (!integral && py::isinstance<py::float_>(value)))) {
+    throw py::type_error(std::string(name) + (integral ? " must be an int" : " must be a number") +
+                         ", got " + std::string(py::str(py::type::of(value).attr("__name__"))));
   }
   return value.cast<T>();
 }

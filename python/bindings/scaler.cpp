@@ -1,6 +1,7 @@
 // Bindings for loss scaling: scaler configuration, the scale_loss guard over a parameter list
 // (optamp.scale_loss is a context manager on top), scaler accessors and the state dict.
 #include <pybind11/stl.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
@@ -63,28 +64,28 @@ void bind_scaler(py::module_& m) {
                                TORCH_CHECK(self.guard, "scale_loss guard already finished");
                                return self.guard->loss();
                              })
-      .def(
-          "finish",
-          [](PyScaledLoss& self, bool unwinding) {
-            if (!self.guard) return;
-            auto guard = std::move(self.guard);
-            detail::finish_scaled_loss(*guard, unwinding);
-          },
-          py::arg("unwinding") = false);
+      .def("finish",
+           // Warnings raised while unscaling (e.g. torch.cuda.set_sync_debug_mode) reach Python.
+           torch::wrap_pybind_function([](PyScaledLoss& self, bool unwinding) {
+             if (!self.guard) return;
+             auto guard = std::move(self.guard);
+             detail::finish_scaled_loss(*guard, unwinding);
+           }),
+           py::arg("unwinding") = false);
 
-  m.def(
-      "_scale_loss",
-      [](const at::Tensor& loss, std::vector<at::Tensor> params, int loss_id, bool delay_unscale,
-         std::vector<std::string> names) {
-        auto guard = std::make_unique<ScaledLoss>(
-            detail::scale_loss_params(loss, std::move(params), std::move(names),
-                                      ScaleLossOptions{loss_id, delay_unscale}, "optimizer"));
-        auto holder = std::make_unique<PyScaledLoss>();
-        holder->guard = std::move(guard);
-        return holder;
-      },
-      py::arg("loss"), py::arg("params"), py::arg("loss_id") = 0, py::arg("delay_unscale") = false,
-      py::arg("names") = std::vector<std::string>{});
+  m.def("_scale_loss",
+        torch::wrap_pybind_function([](const at::Tensor& loss, std::vector<at::Tensor> params,
+                                       int loss_id, bool delay_unscale,
+                                       std::vector<std::string> names) {
+          auto guard = std::make_unique<ScaledLoss>(
+              detail::scale_loss_params(loss, std::move(params), std::move(names),
+                                        ScaleLossOptions{loss_id, delay_unscale}, "optimizer"));
+          auto holder = std::make_unique<PyScaledLoss>();
+          holder->guard = std::move(guard);
+          return holder;
+        }),
+        py::arg("loss"), py::arg("params"), py::arg("loss_id") = 0,
+        py::arg("delay_unscale") = false, py::arg("names") = std::vector<std::string>{});
 
   m.def("state_dict", []() {
     py::dict out;

@@ -81,12 +81,14 @@ Options quiet() {
 
 enum class Opt { kSgd, kAdam };
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(Net& net, Opt kind) {
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(Net& net, Opt kind,
+                                                        double adam_eps = 1e-8) {
   if (kind == Opt::kSgd) {
     return std::make_unique<torch::optim::SGD>(net->parameters(),
                                                torch::optim::SGDOptions(0.05).momentum(0.9));
   }
-  return std::make_unique<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(1e-3));
+  return std::make_unique<torch::optim::Adam>(net->parameters(),
+                                              torch::optim::AdamOptions(1e-3).eps(adam_eps));
 }
 
 // One training step through the public API; returns the loss.
@@ -116,10 +118,10 @@ struct LevelCase {
 class InitializeLevels : public Initialize, public ::testing::WithParamInterface<LevelCase> {};
 
 std::vector<at::Tensor> train_run(const char* level, Opt kind, int steps, double* first,
-                                  double* last) {
+                                  double* last, double adam_eps) {
   auto batches = make_batches(4);
   Net net = make_net();
-  auto opt = make_optimizer(net, kind);
+  auto opt = make_optimizer(net, kind, adam_eps);
   initialize(net, *opt, level, quiet());
   for (int s = 0; s < steps; ++s) {
     const double loss = train_step(net, *opt, batches[s % batches.size()]);
@@ -132,26 +134,64 @@ std::vector<at::Tensor> train_run(const char* level, Opt kind, int steps, double
   return params;
 }
 
+// Apex's O3 by hand: the model and inputs in fp16, no optamp at all (O3's reference).
+std::vector<at::Tensor> pure_half_run(Opt kind, int steps, double adam_eps) {
+  auto batches = make_batches(4);
+  Net net = make_net();
+  net->to(at::kHalf);
+  auto opt = make_optimizer(net, kind, adam_eps);
+  for (int s = 0; s < steps; ++s) {
+    const auto& b = batches[s % batches.size()];
+    opt->zero_grad();
+    at::cross_entropy_loss(net->forward(b.x.to(at::kHalf), b.tag), b.y).backward();
+    opt->step();
+  }
+  std::vector<at::Tensor> params;
+  for (const auto& p : net->parameters()) params.push_back(p.detach().to(at::kFloat).clone());
+  return params;
+}
+
+// The direction of the whole update (params - init) relative to O0's.
+double update_cosine(const std::vector<at::Tensor>& params,
+                     const std::vector<at::Tensor>& reference) {
+  Net init = make_net();
+  std::vector<at::Tensor> ours, theirs;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    ours.push_back((params[i] - init->parameters()[i].detach()).flatten());
+    theirs.push_back((reference[i] - init->parameters()[i].detach()).flatten());
+  }
+  return at::cosine_similarity(at::cat(ours), at::cat(theirs), 0).item<double>();
+}
+
 TEST_P(InitializeLevels, TrainsAndStaysCloseToO0) {
   const auto& c = GetParam();
-  double first0 = 0, last0 = 0, first = 0, last = 0;
-  const auto reference = train_run("O0", c.opt, 12, &first0, &last0);
-  const auto params = train_run(c.level, c.opt, 12, &first, &last);
-  EXPECT_LT(last, first) << "loss did not decrease at " << c.level;
   const std::string level = c.level;
-  if (level == "O3") return;  // pure fp16: trains, but drifts beyond the mixed levels' bound
+  // O3 steps fp16 weights: Adam's eps must be representable there (see docs/opt_levels.md).
+  const double eps = level == "O3" ? 1e-4 : 1e-8;
+  double first0 = 0, last0 = 0, first = 0, last = 0;
+  const auto reference = train_run("O0", c.opt, 12, &first0, &last0, eps);
+  const auto params = train_run(c.level, c.opt, 12, &first, &last, eps);
+  EXPECT_LT(last, first) << "loss did not decrease at " << level;
+  EXPECT_NEAR(last, last0, 0.05 * last0) << "final loss at " << level << " vs O0";
   ASSERT_EQ(params.size(), reference.size());
+  Net init = make_net();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    EXPECT_FALSE(at::equal(params[i], init->parameters()[i].detach()))
+        << "parameter " << i << " was never updated at " << level;
+  }
+  if (level == "O3") {
+    // Pure fp16 rounds every update (no master weights), so O0 is no reference: fp16 training
+    // by hand is. Same ops, same order: bitwise.
+    const auto half = pure_half_run(c.opt, 12, eps);
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(at::equal(params[i], half[i])) << "parameter " << i << " vs hand-made fp16";
+    }
+    return;
+  }
   if (c.opt == Opt::kAdam) {
     // Adam normalizes every step, so near-zero gradients turn small precision differences into
     // full-size steps elementwise; compare the direction of the whole update instead.
-    Net init = make_net();
-    std::vector<at::Tensor> ours, theirs;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      ours.push_back((params[i] - init->parameters()[i].detach()).flatten());
-      theirs.push_back((reference[i] - init->parameters()[i].detach()).flatten());
-    }
-    const double cosine = at::cosine_similarity(at::cat(ours), at::cat(theirs), 0).item<double>();
-    EXPECT_GT(cosine, 0.95) << "Adam update direction at " << level << " vs O0";
+    EXPECT_GT(update_cosine(params, reference), 0.95) << "update direction at " << level;
     return;
   }
   const auto tol =
@@ -164,9 +204,9 @@ TEST_P(InitializeLevels, TrainsAndStaysCloseToO0) {
 INSTANTIATE_TEST_SUITE_P(Levels, InitializeLevels,
                          ::testing::Values(LevelCase{"O1", Opt::kSgd}, LevelCase{"O1", Opt::kAdam},
                                            LevelCase{"O2", Opt::kSgd}, LevelCase{"O2", Opt::kAdam},
-                                           LevelCase{"O3", Opt::kSgd}, LevelCase{"O4", Opt::kSgd},
-                                           LevelCase{"O4", Opt::kAdam}, LevelCase{"O5", Opt::kSgd},
-                                           LevelCase{"O5", Opt::kAdam}),
+                                           LevelCase{"O3", Opt::kSgd}, LevelCase{"O3", Opt::kAdam},
+                                           LevelCase{"O4", Opt::kSgd}, LevelCase{"O4", Opt::kAdam},
+                                           LevelCase{"O5", Opt::kSgd}, LevelCase{"O5", Opt::kAdam}),
                          [](const auto& info) {
                            return std::string(info.param.level) +
                                   (info.param.opt == Opt::kSgd ? "_SGD" : "_Adam");
@@ -200,6 +240,7 @@ void expect_master_weight_dtypes(const char* level, ScalarType low) {
   auto out = net->forward(b.x, b.tag);
   EXPECT_EQ(net->conv_out, low);
   EXPECT_EQ(net->fc_out, low);
+  EXPECT_EQ(net->bn_out, low) << "fp32 batch-norm params, reduced activations (as cuDNN in Apex)";
   EXPECT_EQ(out.scalar_type(), low);
   for (const auto& p : net->parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat);  // masters
   EXPECT_EQ(net->bn->weight.scalar_type(), at::kFloat);
@@ -459,7 +500,8 @@ TEST_F(Initialize, ErrorParameterInTwoOptimizers) {
   torch::optim::SGD a(net->parameters(), torch::optim::SGDOptions(0.1));
   torch::optim::SGD b({net->fc2->weight}, torch::optim::SGDOptions(0.1));
   OPTAMP_EXPECT_THROW_WITH(initialize({net.ptr()}, {&a, &b}, "O2", quiet()), c10::ValueError,
-                           "must belong to one optimizer", "optimizer 0", "optimizer 1");
+                           "must belong to one optimizer", "optimizer 0", "optimizer 1",
+                           "parameter fc2.weight (");
   expect_untouched(net);
 }
 
@@ -491,7 +533,8 @@ TEST_F(Initialize, ErrorOptimizerStateOnAnotherDevice) {
       *opt.state().at(net->parameters()[0].unsafeGetTensorImpl()));
   state.momentum_buffer(state.momentum_buffer().to(at::kMeta));
   OPTAMP_EXPECT_THROW_WITH(initialize(net, opt, "O2", quiet()), c10::ValueError,
-                           "on the device of its parameter", "meta");
+                           "on the device of its parameter", "meta",
+                           "state of parameter conv.weight (");
   expect_untouched(net);
 }
 

@@ -302,14 +302,22 @@ TEST(OptLevelDescribe, ShowsDefaultsOverridesAndFinalOptions) {
   const std::string text = resolve("O2", o).describe();
   for (const char* needle :
        {"Selected optimization level O2", "FP32 master weights", "Defaults for this optimization",
-        "loss_scale             : dynamic", "Overrides applied: loss_scale=64",
-        "After processing overrides", "loss_scale             : 64",
-        "keep_batchnorm_fp32    : True", "cast_model_type        : torch.float16"}) {
+        "loss_scale                 : dynamic", "Overrides applied: loss_scale=64.0",
+        "After processing overrides", "loss_scale                 : 64.0\n",
+        "keep_batchnorm_fp32        : True", "cast_model_type            : torch.float16",
+        "patch_torch_functions_type : None", "max_loss_scale             : 16777216.0",
+        "init_scale                 : 65536.0", "growth_factor              : 2.0"}) {
     EXPECT_NE(text.find(needle), std::string::npos) << "missing \"" << needle << "\" in\n" << text;
   }
+  Options tiny;
+  tiny.min_loss_scale = 1e-5;
+  tiny.backoff_factor = 0.1;
+  const std::string small = resolve("O1", tiny).describe();
+  EXPECT_NE(small.find("min_loss_scale             : 1e-05"), std::string::npos) << small;
+  EXPECT_NE(small.find("backoff_factor             : 0.1\n"), std::string::npos) << small;
   const std::string o1 = resolve("O1").describe();
   EXPECT_NE(o1.find("Overrides applied: (none)"), std::string::npos) << o1;
-  EXPECT_NE(o1.find("master_weights         : None"), std::string::npos) << o1;
+  EXPECT_NE(o1.find("master_weights             : None"), std::string::npos) << o1;
 }
 
 }  // namespace

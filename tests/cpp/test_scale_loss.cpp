@@ -196,11 +196,9 @@ TEST_F(ScaleLossTest, AccumulationWithDelayUnscaleAndWithStashingBothGiveTheUnsc
       auto scaled = scale_loss(m.loss(batch(b)), opt, {0, /*delay_unscale=*/delay && b < 2});
       scaled.backward();
     }
-    const auto got = grads(m.params());
-    for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_TRUE(all_close(got[i], expected[i], testing::tolerance(at::kFloat)))
-          << "delay=" << delay << " param " << i;
-    }
+    // Bitwise: scaling by a power of two commutes with fp32 rounding (no overflow/underflow
+    // here), and both paths add the micro-batches in the order plain autograd does.
+    EXPECT_TRUE(all_equal(grads(m.params()), expected)) << "delay=" << delay;
   }
   // Delayed micro-batches do not update the scale; each non-delayed exit does.
   EXPECT_EQ(loss_scaler().growth_tracker().item<int>(), 1 + 3);

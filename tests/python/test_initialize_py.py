@@ -211,3 +211,35 @@ def test_cuda_training_steps(fresh, level):  # noqa: F811
         loss = step(model, opt, x, y)
     assert torch.isfinite(loss)
     assert model(x).dtype == (torch.bfloat16 if level == "O5" else torch.float16)
+
+
+def test_o3_adam_eps_warning_is_a_python_warning(fresh):  # noqa: F811
+    model = Mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
+    with pytest.warns(UserWarning, match=r"eps=1e-08.*fp16"):
+        init(model, opt, opt_level="O3")
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("level,syncs_per_step", [("O1", 1), ("O2", 1), ("O4", 0), ("O5", 0)])
+def test_cuda_step_syncs_at_most_once(fresh, level, syncs_per_step):  # noqa: F811
+    # The scaler's update is the only device->host copy of a step (none with a fixed scale).
+    torch.manual_seed(0)
+    model = TinyNet().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    init(model, opt, opt_level=level)
+    x, y = torch.randn(4, 1, 4, 4, device="cuda"), torch.tensor([0, 1, 2, 0], device="cuda")
+    step(model, opt, x, y)  # warm-up: first-use moves and allocations
+    torch.cuda.synchronize()
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                step(model, opt, x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 3 * syncs_per_step, syncs

@@ -135,7 +135,8 @@ def test_accumulation_with_and_without_delay_unscale_equals_unscaled_sum():
                                    delay_unscale=delay and i < 2) as scaled:
                 scaled.backward()
         for p, r in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, r.grad, rtol=1.3e-6, atol=1e-6)
+            # Bitwise: power-of-two scaling commutes with fp32 rounding.
+            assert torch.equal(p.grad, r.grad), delay
 
 
 def test_exception_inside_the_context_propagates_and_releases_the_guard():

@@ -94,6 +94,15 @@ def test_type_errors():
         optamp.resolve("O2", cast_model_type="half")
     with pytest.raises(TypeError, match="opt_level must be a str"):
         optamp.resolve(1)
+    for name in ("num_losses", "verbosity", "growth_interval", "hysteresis"):
+        with pytest.raises(TypeError, match=f"{name} must be an int, got float"):
+            optamp.resolve("O1", **{name: 1.5})
+    for name in ("init_scale", "growth_factor", "backoff_factor", "min_loss_scale",
+                 "max_loss_scale", "loss_scale"):
+        with pytest.raises(TypeError, match=f"{name} must be a number, got list"):
+            optamp.resolve("O1", **{name: [2.0]})
+    with pytest.raises(TypeError, match="enabled must be a bool, got int"):
+        optamp.resolve("O1", enabled=1)
 
 
 def test_describe_mentions_defaults_and_final_options():
@@ -101,4 +110,5 @@ def test_describe_mentions_defaults_and_final_options():
     assert "Selected optimization level O1" in text
     assert "Defaults for this optimization level are:" in text
     assert "After processing overrides, optimization options are:" in text
-    assert "loss_scale             : 64" in text
+    assert "loss_scale                 : 64.0\n" in text
+    assert "max_loss_scale             : 16777216.0" in text
