@@ -8,9 +8,11 @@
 
 Casting is per thread: initialize turns it on for the calling thread (see docs/python.md).
 """
-import torch  # noqa: F401  (loads libtorch before the extension that links it)
+import torch  # loads libtorch before the extension that links it
 
-from . import _C
+from ._torch_check import load_core
+
+_C = load_core()
 from ._C import (
     OptLevel,
     Properties,
