@@ -27,21 +27,33 @@ def _params_of(optimizers):
     return params, names
 
 
+def _dense(grad):
+    """The values of a gradient as a strided tensor (a sparse gradient's values are a view)."""
+    return grad._values() if grad.is_sparse else grad
+
+
 def _agree_on_overflow(params, process_group):
-    """Max-reduce "some gradient is non-finite" over ``process_group``; where another rank
-    overflowed, poison one local gradient so this rank's scaler skips the step too."""
+    """Max-reduce "some gradient is non-finite" over ``process_group``; where any rank
+    overflowed, poison one local gradient so this rank's scaler skips the step too.
+
+    Everything stays on the gradients' device (NCCL reduces CUDA tensors only) and nothing
+    waits for the device: the flag is applied with a masked fill, not read back with .item().
+    """
     import torch.distributed as dist
 
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [_dense(p.grad) for p in params if p.grad is not None]
+    grads = [g for g in grads if g.numel() > 0]  # the inf norm of nothing is undefined
+    device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
+    flag = torch.zeros((), dtype=torch.float32, device=device)
     if grads:
         norms = torch.stack([torch.linalg.vector_norm(g, float("inf")).float() for g in grads])
-        local = torch.logical_not(torch.isfinite(norms).all()).float().reshape(1)
-    else:
-        local = torch.zeros(1)
-    flag = local.clone()
+        flag = torch.logical_not(torch.isfinite(norms).all()).float()
+    flag = flag.reshape(1)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
-    if flag.item() > 0 and local.item() == 0 and grads:
-        grads[0].view(-1)[0] = float("inf")
+    if grads:
+        # Any layout: a 0-dim mask broadcasts to every shape and stride; filling the whole
+        # gradient is harmless, a skipped step discards the grads anyway.
+        grads[0].masked_fill_(flag.reshape(()) > 0, float("inf"))
 
 
 @contextlib.contextmanager

@@ -2,8 +2,10 @@
 
 One rank injects inf into its loss at one step; DDP averages gradients, so both ranks see the
 non-finite values, skip that step and end with identical parameters."""
+import datetime
 import os
 import socket
+import time
 import sys
 
 import pytest
@@ -13,6 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 STEPS, BAD_STEP = 20, 7
+SPAWN_TIMEOUT_S = 180  # a hung collective fails the test instead of stalling the suite
 
 
 def _free_port():
@@ -21,12 +24,28 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _spawn(fn, args):
+    """mp.spawn with a deadline: ranks still running after SPAWN_TIMEOUT_S are killed."""
+    ctx = mp.start_processes(fn, args=args, nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"ranks still running after {SPAWN_TIMEOUT_S} s (hung collective?)")
+
+
+def _init(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+
+
 def _worker(rank, world, port, level, out_dir, pythonpath):
     sys.path[:0] = pythonpath
     import optamp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _init(rank, world, port)
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
@@ -57,8 +76,7 @@ def _worker(rank, world, port, level, out_dir, pythonpath):
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_ddp_two_ranks_skip_together(tmp_path, level):
     pythonpath = [p for p in sys.path if p]
-    mp.spawn(_worker, args=(2, _free_port(), level, str(tmp_path), pythonpath), nprocs=2,
-             join=True)
+    _spawn(_worker, (2, _free_port(), level, str(tmp_path), pythonpath))
     r0 = torch.load(tmp_path / "rank0.pt")
     r1 = torch.load(tmp_path / "rank1.pt")
     assert r0["skipped"] == r1["skipped"] == [BAD_STEP]
@@ -73,8 +91,7 @@ def _mp_worker(rank, world, port, use_group, out_dir, pythonpath):
     sys.path[:0] = pythonpath
     import optamp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _init(rank, world, port)
     try:
         torch.manual_seed(rank)
         model = torch.nn.Linear(4, 2)
@@ -100,7 +117,6 @@ def _mp_worker(rank, world, port, use_group, out_dir, pythonpath):
 def test_process_group_makes_model_parallel_ranks_skip_together(tmp_path, use_group=True):
     # (Without process_group only rank 1 would skip: [[], [2]]; not run, to save a spawn.)
     pythonpath = [p for p in sys.path if p]
-    mp.spawn(_mp_worker, args=(2, _free_port(), use_group, str(tmp_path), pythonpath), nprocs=2,
-             join=True)
+    _spawn(_mp_worker, (2, _free_port(), use_group, str(tmp_path), pythonpath))
     skipped = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     assert skipped == ([[2], [2]] if use_group else [[], [2]])

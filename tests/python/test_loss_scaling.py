@@ -139,6 +139,41 @@ def test_accumulation_with_and_without_delay_unscale_equals_unscaled_sum():
             assert torch.equal(p.grad, r.grad), delay
 
 
+@pytest.mark.parametrize("remote_overflow", [True, False])
+def test_process_group_flag_skips_on_a_remote_overflow_with_any_grad_layout(
+        monkeypatch, remote_overflow):
+    """process_group= without a real group: all_reduce is replaced by a stand-in for the other
+    ranks (their flag is 1 or 0). The flag stays a tensor on the grads' device, nothing is read
+    back, and a non-contiguous gradient is poisoned in place."""
+    import torch.distributed as dist
+
+    configure()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    reduced = []
+
+    def all_reduce(tensor, op=None, group=None):
+        assert group == "the group" and op == dist.ReduceOp.MAX
+        reduced.append((tensor.device, tensor.dtype, tuple(tensor.shape)))
+        tensor.fill_(max(tensor.item(), float(remote_overflow)))
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    with optamp.scale_loss(model(torch.randn(2, 4)).sum(), opt,
+                           process_group="the group") as scaled:
+        scaled.backward()
+        grad = model.weight.grad  # same values, column-major: the check must not need a view
+        model.weight.grad = grad.t().contiguous().t()
+    opt.step()
+    assert reduced == [(torch.device("cpu"), torch.float32, (1,))]
+    assert optamp.loss_scaler().last_step_skipped == remote_overflow
+    changed = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]
+    assert changed == [not remote_overflow] * 2
+    if not remote_overflow:
+        assert model.weight.grad.stride() == (1, 3)  # the layout survived the check
+
+
 def test_exception_inside_the_context_propagates_and_releases_the_guard():
     configure()
     model = torch.nn.Linear(2, 2)
