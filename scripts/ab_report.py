@@ -130,7 +130,7 @@ def fmt(v, spec, suffix=""):
     return format(v, spec) + suffix
 
 
-def write_markdown(path, rows, config, verdict):
+def write_markdown(path, rows, config, verdict, plot=True):
     base = baseline_of(rows)
     vs = f"vs {base['level']}" if base is not None else "vs baseline"
     mem_kind = next((r.get("peak_memory_kind") for r in rows if r.get("peak_memory_kind")), "")
@@ -172,7 +172,8 @@ def write_markdown(path, rows, config, verdict):
         + (f" ({base['level']})" if base is not None else "") + ", so below 1x is faster. "
         "samples/s = batch size / median step time. Final train loss: mean of the last 20 "
         "finite step losses. Equal accuracy: no more than "
-        f"{EQUAL_POINTS:g} percentage point below the baseline. Plot: ab.png.",
+        f"{EQUAL_POINTS:g} percentage point below the baseline. "
+        + ("Plot: ab.png." if plot else "No plot: matplotlib is not installed."),
         "",
     ]
     with open(path, "w") as f:
@@ -261,12 +262,14 @@ def main(argv=None):
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
         f.write("\n")
-    write_markdown(os.path.join(args.out, "summary.md"), rows, config, verdict)
     try:
         write_plot(os.path.join(args.out, "ab.png"), curves, rows, config)
-    except ImportError as e:
+        plot = True
+    except ImportError as e:  # e.g. the GPU machine's bare python3; the numbers are all here
         print(f"ab_report: no plot ({e}); install matplotlib (e.g. apt-get install "
               "python3-matplotlib) for ab.png", file=sys.stderr)
+        plot = False
+    write_markdown(os.path.join(args.out, "summary.md"), rows, config, verdict, plot)
     print(verdict)
     return 0 if any(r["status"] == "ok" for r in rows) else 1
 

@@ -76,6 +76,9 @@ def _caster(kind, tensors, low):
 
 
 def _wrap(fn, kind):
+    if not callable(fn):
+        raise TypeError(f"{kind}_function expects a callable (a function or a decorated def), "
+                        f"got {type(fn).__name__}")
     original = getattr(fn, "__optamp_original__", fn)
     builtin = not isinstance(original, (types.FunctionType, types.MethodType, functools.partial))
 
@@ -107,7 +110,8 @@ def _register(module, name, kind):
         raise ValueError(f"No function named {name} in module {module_name}.")
     fn = getattr(module, name)
     if not callable(fn):
-        raise ValueError(f"{getattr(module, '__name__', repr(module))}.{name} is not callable")
+        raise TypeError(f"{getattr(module, '__name__', repr(module))}.{name} must be callable, "
+                        f"got {type(fn).__name__}")
     setattr(module, name, _wrap(fn, kind))
 
 

@@ -133,7 +133,9 @@ def test_report_files(ab_run):
         import matplotlib  # noqa: F401
     except ImportError:  # e.g. a GPU machine's bare python3: the report says so, no plot
         assert "install matplotlib" in proc.stderr
+        assert "No plot: matplotlib is not installed." in md
         return
+    assert "Plot: ab.png." in md
     with open(out / "ab.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(out / "ab.png") > 10_000

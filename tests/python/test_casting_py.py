@@ -257,6 +257,12 @@ def test_python_function_registration_before_and_after_initialize(fresh):  # noq
         assert h(r(2)).dtype == torch.float32
     with pytest.raises(ValueError, match="No function named nope in module"):
         optamp.register_half_function(torch, "nope")
+    with pytest.raises(TypeError, match="torch.__version__ must be callable, got "):
+        optamp.register_half_function(torch, "__version__")
+    for decorator, kind in [(optamp.half_function, "half"), (optamp.float_function, "float"),
+                            (optamp.promote_function, "promote")]:
+        with pytest.raises(TypeError, match=f"{kind}_function expects a callable .* got int"):
+            decorator(3)
 
 
 def test_registered_builtin_wins_over_its_table_policy(fresh):  # noqa: F811
