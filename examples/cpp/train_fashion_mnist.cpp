@@ -396,6 +396,12 @@ int run(const Args& args) {
   return 0;
 }
 
+// A user-facing message: c10 errors carry a C++ backtrace that says nothing to a user.
+const char* message_of(const std::exception& e) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  return c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -403,15 +409,13 @@ int main(int argc, char** argv) {
   try {
     args = parse_args(argc, argv);
   } catch (const std::exception& e) {
-    std::cerr << "train_fashion_mnist: " << e.what() << "\n" << kUsage;
+    std::cerr << "train_fashion_mnist: " << message_of(e) << "\n" << kUsage;
     return 2;
   }
   try {
     return run(args);
-  } catch (const c10::Error& e) {
-    std::cerr << "train_fashion_mnist: " << e.what_without_backtrace() << "\n";
   } catch (const std::exception& e) {
-    std::cerr << "train_fashion_mnist: " << e.what() << "\n";
+    std::cerr << "train_fashion_mnist: " << message_of(e) << "\n";
   }
   return 1;
 }
