@@ -173,6 +173,22 @@ const std::vector<TableEntry>& builtin_table() {
   return table;
 }
 
+const char* category_name(Category c) {
+  switch (c) {
+    case Category::kLower:
+      return "lower";
+    case Category::kFp32:
+      return "fp32";
+    case Category::kFp32Loss:
+      return "fp32 (loss)";
+    case Category::kPromote:
+      return "promote";
+    case Category::kBanned:
+      return "banned";
+  }
+  return "?";
+}
+
 const char* banned_message(const char* name) {
   if (std::strcmp(name, "aten::binary_cross_entropy") == 0) {
     return "amp does not work out-of-the-box with binary_cross_entropy (torch::nn::BCELoss, "

@@ -21,6 +21,9 @@ struct TableEntry {
 
 const std::vector<TableEntry>& builtin_table();
 
+// The category as policy_report() prints it ("lower", "fp32 (loss)", ...).
+const char* category_name(Category c);
+
 // Error text for a banned op (what to use instead).
 const char* banned_message(const char* name);
 

@@ -37,22 +37,6 @@ std::string qualified(const c10::OperatorName& name) {
   return name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
 }
 
-const char* category_name(Category c) {
-  switch (c) {
-    case Category::kLower:
-      return "lower";
-    case Category::kFp32:
-      return "fp32";
-    case Category::kFp32Loss:
-      return "fp32 (loss)";
-    case Category::kPromote:
-      return "promote";
-    case Category::kBanned:
-      return "banned";
-  }
-  return "?";
-}
-
 void check_key_is_free() {
   TORCH_CHECK(!c10::Dispatcher::singleton().hasBackendFallbackForDispatchKey(kCastKey),
               "optamp needs the dispatch key ", kCastKey,

@@ -13,6 +13,7 @@
 #include "cache/cast_cache.h"
 #include "core/step_events.h"
 #include "dispatch/cast_state.h"
+#include "dispatch/policy_table.h"
 #include "dispatch/registration.h"
 #include "optamp/amp.h"
 #include "test_util.h"
@@ -656,6 +657,21 @@ TEST_F(Casting, PolicyReportListsEntriesAndSkippedOverloads) {
   EXPECT_NE(report.find("aten::cat: promote"), std::string::npos);
   EXPECT_NE(report.find("aten::binary_cross_entropy: banned"), std::string::npos);
   EXPECT_NE(report.find("skipped (not in this LibTorch)"), std::string::npos);
+}
+
+TEST_F(Casting, EveryTableEntryIsRegisteredOnThisLibTorch) {
+  // Drift guard: an op renamed or removed by a LibTorch upgrade would silently lose its policy
+  // (it lands in "skipped"); this fails instead, naming the entry.
+  const std::string report = policy_report();
+  for (const auto& entry : detail::builtin_table()) {
+    std::string name = entry.name;
+    if (*entry.overload != '\0') name += std::string(".") + entry.overload;
+    const std::string line = "  " + name + ": " + detail::category_name(entry.category) + "\n";
+    EXPECT_NE(report.find(line), std::string::npos)
+        << name << " is in the policy table but not registered with its category; report:\n"
+        << report;
+  }
+  EXPECT_NE(report.find("skipped (not in this LibTorch): 0\n"), std::string::npos) << report;
 }
 
 // ---- coexistence with native autocast --------------------------------------------------------
