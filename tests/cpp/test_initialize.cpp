@@ -115,12 +115,33 @@ struct LevelCase {
   Opt opt;
 };
 
+// gtest prints the case in test names and failures ("O2 Adam", not the bytes of the struct).
+void PrintTo(const LevelCase& c, std::ostream* os) {
+  *os << c.level << (c.opt == Opt::kSgd ? " SGD" : " Adam");
+}
+
 class InitializeLevels : public Initialize, public ::testing::WithParamInterface<LevelCase> {};
 
-std::vector<at::Tensor> train_run(const char* level, Opt kind, int steps, double* first,
-                                  double* last, double adam_eps) {
+std::vector<Batch> batches_on(at::Device device) {
   auto batches = make_batches(4);
+  for (auto& b : batches) b = {b.x.to(device), b.tag.to(device), b.y.to(device)};
+  return batches;
+}
+
+// The parameters as fp32 CPU tensors (comparable across levels and devices).
+std::vector<at::Tensor> fp32_cpu_params(Net& net) {
+  std::vector<at::Tensor> params;
+  for (const auto& p : net->parameters()) {
+    params.push_back(p.detach().to(at::kCPU, at::kFloat).clone());
+  }
+  return params;
+}
+
+std::vector<at::Tensor> train_run(const char* level, Opt kind, int steps, double* first,
+                                  double* last, double adam_eps, at::Device device) {
+  auto batches = batches_on(device);
   Net net = make_net();
+  net->to(device);
   auto opt = make_optimizer(net, kind, adam_eps);
   initialize(net, *opt, level, quiet());
   for (int s = 0; s < steps; ++s) {
@@ -128,17 +149,16 @@ std::vector<at::Tensor> train_run(const char* level, Opt kind, int steps, double
     if (s == 0) *first = loss;
     *last = loss;
   }
-  std::vector<at::Tensor> params;
-  for (const auto& p : net->parameters()) params.push_back(p.detach().to(at::kFloat).clone());
+  auto params = fp32_cpu_params(net);
   reset();
   return params;
 }
 
 // Apex's O3 by hand: the model and inputs in fp16, no optamp at all (O3's reference).
-std::vector<at::Tensor> pure_half_run(Opt kind, int steps, double adam_eps) {
-  auto batches = make_batches(4);
+std::vector<at::Tensor> pure_half_run(Opt kind, int steps, double adam_eps, at::Device device) {
+  auto batches = batches_on(device);
   Net net = make_net();
-  net->to(at::kHalf);
+  net->to(device, at::kHalf);
   auto opt = make_optimizer(net, kind, adam_eps);
   for (int s = 0; s < steps; ++s) {
     const auto& b = batches[s % batches.size()];
@@ -146,9 +166,7 @@ std::vector<at::Tensor> pure_half_run(Opt kind, int steps, double adam_eps) {
     at::cross_entropy_loss(net->forward(b.x.to(at::kHalf), b.tag), b.y).backward();
     opt->step();
   }
-  std::vector<at::Tensor> params;
-  for (const auto& p : net->parameters()) params.push_back(p.detach().to(at::kFloat).clone());
-  return params;
+  return fp32_cpu_params(net);
 }
 
 // The direction of the whole update (params - init) relative to O0's.
@@ -163,14 +181,15 @@ double update_cosine(const std::vector<at::Tensor>& params,
   return at::cosine_similarity(at::cat(ours), at::cat(theirs), 0).item<double>();
 }
 
-TEST_P(InitializeLevels, TrainsAndStaysCloseToO0) {
-  const auto& c = GetParam();
+// Trains 12 steps at c.level and at O0 on `device` and compares: loss, every parameter
+// updated, and the parameters (or, for Adam, the update direction) against O0.
+void expect_trains_close_to_o0(const LevelCase& c, at::Device device) {
   const std::string level = c.level;
   // O3 steps fp16 weights: Adam's eps must be representable there (see docs/opt_levels.md).
   const double eps = level == "O3" ? 1e-4 : 1e-8;
   double first0 = 0, last0 = 0, first = 0, last = 0;
-  const auto reference = train_run("O0", c.opt, 12, &first0, &last0, eps);
-  const auto params = train_run(c.level, c.opt, 12, &first, &last, eps);
+  const auto reference = train_run("O0", c.opt, 12, &first0, &last0, eps, device);
+  const auto params = train_run(c.level, c.opt, 12, &first, &last, eps, device);
   EXPECT_LT(last, first) << "loss did not decrease at " << level;
   EXPECT_NEAR(last, last0, 0.05 * last0) << "final loss at " << level << " vs O0";
   ASSERT_EQ(params.size(), reference.size());
@@ -181,10 +200,14 @@ TEST_P(InitializeLevels, TrainsAndStaysCloseToO0) {
   }
   if (level == "O3") {
     // Pure fp16 rounds every update (no master weights), so O0 is no reference: fp16 training
-    // by hand is. Same ops, same order: bitwise.
-    const auto half = pure_half_run(c.opt, 12, eps);
+    // by hand is. Same ops, same order: bitwise on the CPU; on CUDA within fp16 training
+    // tolerance (cuDNN/cuBLAS may pick other algorithms between the two runs).
+    const auto half = pure_half_run(c.opt, 12, eps, device);
     for (std::size_t i = 0; i < params.size(); ++i) {
-      EXPECT_TRUE(at::equal(params[i], half[i])) << "parameter " << i << " vs hand-made fp16";
+      EXPECT_TRUE(device.is_cpu()
+                      ? at::equal(params[i], half[i])
+                      : testing::all_close(params[i], half[i], testing::tolerance("train_float16")))
+          << "parameter " << i << " vs hand-made fp16";
     }
     return;
   }
@@ -201,16 +224,34 @@ TEST_P(InitializeLevels, TrainsAndStaysCloseToO0) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, InitializeLevels,
-                         ::testing::Values(LevelCase{"O1", Opt::kSgd}, LevelCase{"O1", Opt::kAdam},
+TEST_P(InitializeLevels, TrainsAndStaysCloseToO0) {
+  expect_trains_close_to_o0(GetParam(), at::kCPU);
+}
+
+// The same on a GPU (skipped where none is visible): every level trains through the CUDA
+// kernels (casts, multi-tensor unscale, scale update) and stays close to O0 there.
+class InitializeLevels_CUDA : public InitializeLevels {
+ protected:
+  void SetUp() override { OPTAMP_SKIP_WITHOUT_CUDA(); }
+};
+
+TEST_P(InitializeLevels_CUDA, TrainsAndStaysCloseToO0) {
+  expect_trains_close_to_o0(GetParam(), at::kCUDA);
+}
+
+const auto kLevelCases = ::testing::Values(LevelCase{"O1", Opt::kSgd}, LevelCase{"O1", Opt::kAdam},
                                            LevelCase{"O2", Opt::kSgd}, LevelCase{"O2", Opt::kAdam},
                                            LevelCase{"O3", Opt::kSgd}, LevelCase{"O3", Opt::kAdam},
                                            LevelCase{"O4", Opt::kSgd}, LevelCase{"O4", Opt::kAdam},
-                                           LevelCase{"O5", Opt::kSgd}, LevelCase{"O5", Opt::kAdam}),
-                         [](const auto& info) {
-                           return std::string(info.param.level) +
-                                  (info.param.opt == Opt::kSgd ? "_SGD" : "_Adam");
-                         });
+                                           LevelCase{"O5", Opt::kSgd}, LevelCase{"O5", Opt::kAdam});
+
+std::string level_case_name(const ::testing::TestParamInfo<LevelCase>& info) {
+  return std::string(info.param.level) + (info.param.opt == Opt::kSgd ? "_SGD" : "_Adam");
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, InitializeLevels_CUDA, kLevelCases, level_case_name);
+
+INSTANTIATE_TEST_SUITE_P(Levels, InitializeLevels, kLevelCases, level_case_name);
 
 TEST_F(Initialize, O0IsBitwisePlainFp32Training) {
   auto batches = make_batches(3);
