@@ -2,6 +2,7 @@
 // sizes, inf vs NaN vs finite, non-contiguous inputs, argument errors; *_CUDA twins compare the
 // CUDA kernels with the CPU ones.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <limits>
@@ -171,6 +172,42 @@ TEST(ScalerOps, HandlesNonContiguousTensors) { check_non_contiguous(at::kCPU); }
 TEST(ScalerOps, AxpbyMatchesReferenceAndChecksBothInputs) { check_axpby(at::kCPU); }
 TEST(ScalerOps, UpdateScaleFollowsGrowthBackoffHysteresisAndClamps) {
   check_update_scale(at::kCPU);
+}
+
+TEST(ScalerOps, ThreadSplitsLandAnywhereInsideTheTensorList) {
+  // The CPU kernels split the list's elements evenly over the threads, so a split can fall in
+  // the middle of a tensor, on a boundary, or skip empty tensors: every element must be scaled
+  // once and a bad value found wherever it sits, for any thread count.
+  const std::vector<int64_t> sizes = {70001, 5, 0, 200000, 65536, 1, 0, 131073};
+  const int threads_before = at::get_num_threads();
+  for (int threads : {1, 2, 3, 4}) {
+    at::set_num_threads(threads);
+    at::manual_seed(5);
+    std::vector<at::Tensor> list, expected;
+    for (int64_t n : sizes) {
+      list.push_back(at::randn({n}));
+      expected.push_back(ref_unscale(list.back(), 0.25f));
+    }
+    auto found = flag(at::kCPU);
+    ops::unscale_check_(list, found, scalar(0.25f, at::kCPU));
+    EXPECT_EQ(found.item<float>(), 0.0f) << threads << " threads";
+    for (size_t i = 0; i < list.size(); ++i) {
+      EXPECT_TRUE(at::equal(list[i], expected[i])) << threads << " threads, tensor " << i;
+    }
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      for (int64_t pos : {int64_t{0}, sizes[i] - 1}) {
+        if (sizes[i] == 0) continue;
+        auto bad = list;  // shares storage: one element poisoned, then restored
+        const float kept = bad[i][pos].item<float>();
+        bad[i][pos] = kInf;
+        auto hit = flag(at::kCPU);
+        ops::unscale_check_(bad, hit, scalar(1.0f, at::kCPU));
+        EXPECT_EQ(hit.item<float>(), 1.0f) << threads << " threads, tensor " << i << " at " << pos;
+        bad[i][pos] = kept;
+      }
+    }
+  }
+  at::set_num_threads(threads_before);
 }
 
 TEST(ScalerOps, MixedDtypesInOneList) {

@@ -1,7 +1,8 @@
 // CPU kernels of the optamp multi-tensor ops.
 //
-// The tensors of a call are cut into fixed-size chunks that at::parallel_for spreads over the
-// intra-op threads, so many small tensors and a few large ones balance alike. Each chunk is one
+// The tensors of a call are split by element count over the intra-op threads (at::parallel_for;
+// this file is compiled with OpenMP, see csrc/CMakeLists.txt), so many small tensors and a few
+// large ones balance alike. Each piece is one
 // pass over memory: load, convert to fp32, multiply, check, convert back, store. On x86-64 an
 // AVX2/F16C/FMA variant is chosen at run time (the library itself is built for baseline x86-64).
 // The non-finite check is branch-free: acc += v * 0 stays 0 for finite v and becomes NaN for
@@ -10,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -26,7 +28,8 @@
 namespace amp::ops::detail {
 namespace {
 
-constexpr int64_t kChunk = 1 << 16;  // elements per parallel work item
+// The least work worth a thread: smaller calls run on the calling thread.
+constexpr int64_t kChunk = 1 << 16;
 
 // ---- scalar kernels (portable; also the tails of the vector kernels) ----------------------------
 
@@ -143,32 +146,32 @@ void dispatch_dtype(at::ScalarType t, F&& f) {
   }
 }
 
-// ---- chunking ------------------------------------------------------------------------------
+// ---- splitting the work ------------------------------------------------------------------------
 
+// A piece of one tensor: elements [begin, end) of tensors[tensor].
 struct Chunk {
   int32_t tensor;
   int64_t begin;
   int64_t end;
 };
 
-std::vector<Chunk> make_chunks(const std::vector<at::Tensor>& tensors) {
-  std::vector<Chunk> chunks;
-  for (size_t t = 0; t < tensors.size(); ++t) {
-    const int64_t n = tensors[t].numel();
-    for (int64_t b = 0; b < n; b += kChunk) {
-      chunks.push_back({static_cast<int32_t>(t), b, std::min(n, b + kChunk)});
-    }
-  }
-  return chunks;
-}
-
+// The tensors are laid end to end as one range of elements, and at::parallel_for splits that
+// range evenly over the threads: every thread gets the same number of elements however the sizes
+// are distributed (splitting a list of per-tensor chunks by count left one thread with the big
+// tensors). Each thread then walks the tensors its part overlaps.
 template <typename Body>
 bool for_each_chunk(const std::vector<at::Tensor>& tensors, Body body) {
-  const auto chunks = make_chunks(tensors);
+  std::vector<int64_t> offsets(tensors.size() + 1, 0);
+  for (size_t t = 0; t < tensors.size(); ++t) offsets[t + 1] = offsets[t] + tensors[t].numel();
   std::atomic<bool> bad{false};
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, offsets.back(), kChunk, [&](int64_t lo, int64_t hi) {
     bool local = false;
-    for (int64_t c = lo; c < hi; ++c) local |= body(chunks[c]);
+    auto t = std::upper_bound(offsets.begin(), offsets.end(), lo) - offsets.begin() - 1;
+    for (; t < static_cast<int64_t>(tensors.size()) && offsets[t] < hi; ++t) {
+      const int64_t begin = std::max(lo, offsets[t]) - offsets[t];
+      const int64_t end = std::min(hi, offsets[t + 1]) - offsets[t];
+      if (begin < end) local |= body(Chunk{static_cast<int32_t>(t), begin, end});
+    }
     if (local) bad.store(true, std::memory_order_relaxed);
   });
   return bad.load();
