@@ -64,7 +64,10 @@ select_python() {
 ensure_python_tools() {
   local py="$1"
   "$py" -c "import pytest, numpy" 2>/dev/null && return 0
-  "$py" -m pip install -q pytest numpy >&2 || echo "bootstrap: pytest/numpy missing for $py" >&2
+  local pins  # the versions scripts/requirements.txt pins, so every machine tests alike
+  pins=$(grep -E '^(pytest|numpy)==' scripts/requirements.txt | tr '\n' ' ')
+  # shellcheck disable=SC2086
+  "$py" -m pip install -q $pins >&2 || echo "bootstrap: pytest/numpy missing for $py" >&2
 }
 
 install_debian_packages
