@@ -8,7 +8,7 @@
 #
 # Options: --levels L1,L2,..  (default O0,O1,O2 on cuda; O0,O1,O2,O4,O5 on cpu, where fp16 has no
 #                              fast kernels and the bf16 twins show the speed; the first is the baseline)
-#          --device cpu|cuda  --steps N (default 150 on cpu, 1000 on cuda)  --batch-size N (64)  --seed N (0)
+#          --device cpu|cuda  --steps N (default 300 on cpu, 1000 on cuda)  --batch-size N (64)  --seed N (0)
 #          --lr X  --subset N (first N training images)  --test-subset N  --data DIR
 #          --python (run examples/python/train_fashion_mnist.py instead of the C++ binary)
 #          --out DIR (default results/ab)  --no-build  --bin PATH (a prebuilt trainer)
@@ -67,7 +67,7 @@ fi
 
 # fp16 kernels on a CPU are slow (about 2 s a step for this CNN on 2 cores, 55x fp32): keep the
 # default CPU run short so O0/O1/O2 finish well inside 10 minutes; GPUs run a real schedule.
-if [[ -z "$steps" ]]; then [[ "$device" == cuda ]] && steps=1000 || steps=150; fi
+if [[ -z "$steps" ]]; then [[ "$device" == cuda ]] && steps=1000 || steps=300; fi
 if [[ -z "$levels" ]]; then [[ "$device" == cuda ]] && levels="O0,O1,O2" || levels="O0,O1,O2,O4,O5"; fi
 args=(--device "$device" --steps "$steps" --batch-size "$batch" --seed "$seed"
       --subset "$subset" --test-subset "$test_subset")
