@@ -1,4 +1,5 @@
-// amp::initialize for O0-O5: training vs O0, O2 working copies, O3, checkpoints, errors, reset.
+// amp::initialize for O0-O5: training vs O0, forward dtypes, O2 working copies, O3, the
+// overloads, LR schedulers and clipping, checkpoints, errors, reset; *_CUDA twins on a GPU.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
@@ -7,13 +8,19 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/lbfgs.h>
+#include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
+#include <cmath>
 #include <fstream>
+#include <memory>
+#include <optional>
 #include <sstream>
+#include <string>
 #include <thread>
 
 #include "optamp/amp.h"
@@ -32,7 +39,7 @@ struct NetImpl : torch::nn::Module {
   torch::nn::LayerNorm ln{torch::nn::LayerNormOptions({16})};
   torch::nn::Embedding emb{3, 16};
   torch::nn::Linear fc2{16, 4};
-  ScalarType conv_out{}, fc_out{}, bn_out{};
+  ScalarType conv_out{}, bn_out{}, fc_out{}, ln_out{};
 
   NetImpl() {
     register_module("conv", conv);
@@ -49,7 +56,9 @@ struct NetImpl : torch::nn::Module {
     bn_out = h.scalar_type();
     h = fc1(at::relu(h).flatten(1));
     fc_out = h.scalar_type();
-    h = ln(h) + emb(tag);
+    h = ln(h);
+    ln_out = h.scalar_type();
+    h = h + emb(tag);
     return fc2(at::relu(h));
   }
 };
@@ -71,6 +80,13 @@ std::vector<Batch> make_batches(int n) {
 Net make_net() {
   at::manual_seed(7);
   return Net();
+}
+
+// The same initial weights on `device` (moved before any optimizer sees them).
+Net make_net_on(at::Device device) {
+  Net net = make_net();
+  net->to(device);
+  return net;
 }
 
 Options quiet() {
@@ -108,6 +124,12 @@ class Initialize : public ::testing::Test {
   void TearDown() override { reset(); }
 };
 
+// The CUDA twins of single tests (skipped where no GPU is visible).
+class Initialize_CUDA : public Initialize {
+ protected:
+  void SetUp() override { OPTAMP_SKIP_WITHOUT_CUDA(); }
+};
+
 // ---- per level: trains, matches O0 -----------------------------------------------------------
 
 struct LevelCase {
@@ -122,8 +144,8 @@ void PrintTo(const LevelCase& c, std::ostream* os) {
 
 class InitializeLevels : public Initialize, public ::testing::WithParamInterface<LevelCase> {};
 
-std::vector<Batch> batches_on(at::Device device) {
-  auto batches = make_batches(4);
+std::vector<Batch> batches_on(at::Device device, int n = 4) {
+  auto batches = make_batches(n);
   for (auto& b : batches) b = {b.x.to(device), b.tag.to(device), b.y.to(device)};
   return batches;
 }
@@ -271,43 +293,97 @@ TEST_F(Initialize, O0IsBitwisePlainFp32Training) {
   }
 }
 
-// ---- dtypes inside forward -------------------------------------------------------------------
+// ---- dtypes inside forward, per level ---------------------------------------------------------
 
-void expect_master_weight_dtypes(const char* level, ScalarType low) {
-  Net net = make_net();
+// What one training forward/backward produces at a level, as docs/opt_levels.md and
+// docs/casting.md say: `lower` ops (conv, linear) in the low dtype at O1-O5; layer_norm in the
+// fp32 list at O1/O4 only; batch-norm (listed nowhere) runs on what it gets, i.e. the low-dtype
+// conv output with its fp32 parameters at O1/O2/O4/O5, so its output is low (fp32 statistics
+// inside, as cuDNN in Apex); losses fp32 at O1/O2/O4/O5 and plain fp16 at O3 (no fp32 list).
+struct ForwardCase {
+  const char* name;
+  const char* level;
+  std::optional<bool> keep_batchnorm_fp32;
+  ScalarType conv, bn, fc, ln, out, loss;  // activations, the model output, the loss
+  ScalarType param, bn_param;              // the model's own tensors (masters at O2/O5)
+};
+
+void PrintTo(const ForwardCase& c, std::ostream* os) { *os << c.name; }
+
+constexpr auto F = at::kFloat;
+constexpr auto H = at::kHalf;
+constexpr auto B = at::kBFloat16;
+
+const ForwardCase kForwardCases[] = {
+    //      conv bn  fc  ln  out loss param bn_param
+    {"O0", "O0", std::nullopt, F, F, F, F, F, F, F, F},
+    {"O1", "O1", std::nullopt, H, H, H, F, H, F, F, F},
+    {"O2", "O2", std::nullopt, H, H, H, H, H, F, F, F},
+    {"O3", "O3", std::nullopt, H, H, H, H, H, H, H, H},
+    {"O3_KeepBatchnormFp32", "O3", true, H, H, H, H, H, H, H, F},
+    {"O4", "O4", std::nullopt, B, B, B, F, B, F, F, F},
+    {"O5", "O5", std::nullopt, B, B, B, B, B, F, F, F},
+    {"O2_NoKeepBatchnormFp32", "O2", false, H, H, H, H, H, F, F, F},
+};
+
+void expect_forward_dtypes(const ForwardCase& c, at::Device device) {
+  const auto b = batches_on(device, 1).front();
+  Net net = make_net_on(device);
   auto opt = make_optimizer(net, Opt::kSgd);
-  initialize(net, *opt, level, quiet());
-  auto b = make_batches(1).front();
-  auto out = net->forward(b.x, b.tag);
-  EXPECT_EQ(net->conv_out, low);
-  EXPECT_EQ(net->fc_out, low);
-  EXPECT_EQ(net->bn_out, low) << "fp32 batch-norm params, reduced activations (as cuDNN in Apex)";
-  EXPECT_EQ(out.scalar_type(), low);
-  for (const auto& p : net->parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat);  // masters
-  EXPECT_EQ(net->bn->weight.scalar_type(), at::kFloat);
-  EXPECT_EQ(net->bn->running_mean.scalar_type(), at::kFloat);
-  EXPECT_EQ(at::cross_entropy_loss(out, b.y).scalar_type(), at::kFloat);
-  reset();
+  Options o = quiet();
+  o.keep_batchnorm_fp32 = c.keep_batchnorm_fp32;
+  initialize(net, *opt, c.level, o);
+  opt->zero_grad();
+  const auto out = net->forward(b.x, b.tag);
+  const auto loss = at::cross_entropy_loss(out, b.y);
+  EXPECT_EQ(net->conv_out, c.conv) << "conv output";
+  EXPECT_EQ(net->bn_out, c.bn) << "batch-norm output";
+  EXPECT_EQ(net->fc_out, c.fc) << "linear output";
+  EXPECT_EQ(net->ln_out, c.ln) << "layer-norm output";
+  EXPECT_EQ(out.scalar_type(), c.out) << "model output";
+  EXPECT_EQ(loss.scalar_type(), c.loss) << "loss";
+  EXPECT_EQ(out.device(), device);
+  {
+    auto scaled = scale_loss(loss, *opt);
+    scaled.backward();
+  }
+  // The model's own tensors (what the optimizer steps and checkpoints hold) and their grads.
+  for (const auto& p : net->named_parameters()) {
+    const bool is_bn = p.key().rfind("bn.", 0) == 0;
+    EXPECT_EQ(p.value().scalar_type(), is_bn ? c.bn_param : c.param) << p.key();
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    EXPECT_EQ(p.value().grad().scalar_type(), p.value().scalar_type()) << p.key() << " grad";
+    EXPECT_TRUE(p.value().grad().isfinite().all().item<bool>()) << p.key() << " grad";
+  }
+  EXPECT_EQ(net->bn->running_mean.scalar_type(), c.bn_param);
+  EXPECT_EQ(net->bn->running_var.scalar_type(), c.bn_param);
+  // ... and the step goes through.
+  const auto before = fp32_cpu_params(net);
+  opt->step();
+  EXPECT_FALSE(at::equal(fp32_cpu_params(net)[0], before[0])) << "conv.weight was not stepped";
 }
 
-TEST_F(Initialize, O2SeesHalfWorkingCopiesAndFp32BatchNorm) {
-  expect_master_weight_dtypes("O2", at::kHalf);
+class InitializeForward : public Initialize, public ::testing::WithParamInterface<ForwardCase> {};
+
+TEST_P(InitializeForward, DtypesAsTheTableSays) { expect_forward_dtypes(GetParam(), at::kCPU); }
+
+class InitializeForward_CUDA : public InitializeForward {
+ protected:
+  void SetUp() override { OPTAMP_SKIP_WITHOUT_CUDA(); }
+};
+
+TEST_P(InitializeForward_CUDA, DtypesAsTheTableSays) {
+  expect_forward_dtypes(GetParam(), at::kCUDA);
 }
 
-TEST_F(Initialize, O5SeesBFloat16WorkingCopies) {
-  expect_master_weight_dtypes("O5", at::kBFloat16);
+std::string forward_case_name(const ::testing::TestParamInfo<ForwardCase>& info) {
+  return info.param.name;
 }
 
-TEST_F(Initialize, O1CastsOpsNotWeights) {
-  Net net = make_net();
-  auto opt = make_optimizer(net, Opt::kSgd);
-  initialize(net, *opt, "O1", quiet());
-  auto b = make_batches(1).front();
-  net->forward(b.x, b.tag);
-  EXPECT_EQ(net->conv_out, at::kHalf);
-  EXPECT_EQ(net->fc_out, at::kHalf);
-  for (const auto& p : net->parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat);
-}
+INSTANTIATE_TEST_SUITE_P(Levels, InitializeForward, ::testing::ValuesIn(kForwardCases),
+                         forward_case_name);
+INSTANTIATE_TEST_SUITE_P(Levels, InitializeForward_CUDA, ::testing::ValuesIn(kForwardCases),
+                         forward_case_name);
 
 TEST_F(Initialize, O3CastsTheModelAndKeepsItOverridable) {
   Net net = make_net();
@@ -361,14 +437,39 @@ TEST_F(Initialize, ThreadStateCarriesO2SubstitutionToWorkerThreads) {
 
 // ---- O2 working copies: one per param, reused, refreshed per step, never stale ---------------
 
-TEST_F(Initialize, O2OneWorkingCopyPerParamReusedAndRefreshedPerStep) {
-  Net net = make_net();
+bool is_batchnorm_param(const std::string& name) { return name.rfind("bn.", 0) == 0; }
+
+// The working copy each op sees for every parameter, read through a view (a substituted op: a
+// cache hit once the forward has cast it), next to its fp32 master rounded to fp16 with an
+// exempt `to`. Returns the copies of the substituted parameters by name.
+std::vector<std::pair<std::string, at::Tensor>> expect_copies_are_rounded_masters(
+    Net& net, const std::string& when) {
+  std::vector<std::pair<std::string, at::Tensor>> copies;
+  for (const auto& p : net->named_parameters()) {
+    const at::Tensor& master = p.value();
+    EXPECT_EQ(master.scalar_type(), at::kFloat) << p.key() << " master " << when;
+    const at::Tensor seen = master.view(master.sizes());
+    if (is_batchnorm_param(p.key())) {  // keep_batchnorm_fp32: the fp32 tensor itself
+      EXPECT_EQ(seen.scalar_type(), at::kFloat) << p.key() << " " << when;
+      EXPECT_TRUE(at::equal(seen, master)) << p.key() << " " << when;
+      continue;
+    }
+    EXPECT_EQ(seen.scalar_type(), at::kHalf) << p.key() << " " << when;
+    EXPECT_TRUE(at::equal(seen, master.detach().to(at::kHalf)))
+        << p.key() << ": stale working copy " << when;
+    copies.emplace_back(p.key(), seen.detach().clone());
+  }
+  return copies;
+}
+
+void expect_o2_working_copies_never_stale(at::Device device) {
+  Net net = make_net_on(device);
   auto opt = make_optimizer(net, Opt::kSgd);
   initialize(net, *opt, "O2", quiet());
-  auto batches = make_batches(3);
+  auto batches = batches_on(device, 3);
   std::size_t reduced_params = 0;
   for (const auto& p : net->named_parameters()) {
-    if (p.key().rfind("bn.", 0) != 0) ++reduced_params;
+    if (!is_batchnorm_param(p.key())) ++reduced_params;
   }
   opt->zero_grad();
   // Micro-batch 1 (delayed unscale): every non-BN param is cast once (+ the input).
@@ -393,15 +494,52 @@ TEST_F(Initialize, O2OneWorkingCopyPerParamReusedAndRefreshedPerStep) {
   EXPECT_EQ(cast_count() - before, 2);  // the input and the loss's fp16->fp32 cast
   EXPECT_EQ(cache_size(), 0u);          // the non-delayed unscale dropped them: a step may follow
   opt->step();
-  // Next forward: refreshed exactly once, and equal to the stepped fp32 master cast down.
-  before = cast_count();
-  net->forward(batches[2].x, batches[2].tag);
-  EXPECT_EQ(cast_count() - before, forward_casts);
-  EXPECT_EQ(cache_size(), reduced_params);
-  auto x = at::randn({2, 16});
-  EXPECT_TRUE(at::equal(net->fc2->forward(x),
-                        at::linear(x.to(at::kHalf), net->fc2->weight.detach().to(at::kHalf),
-                                   net->fc2->bias.detach().to(at::kHalf))));
+  // Steps 1-4, each followed by the next training forward: it re-casts every copy exactly once,
+  // and the copies it used are the stepped fp32 masters rounded to fp16 — never stale.
+  std::vector<std::pair<std::string, at::Tensor>> previous;
+  for (int step = 1; step <= 4; ++step) {
+    const std::string when = "after step " + std::to_string(step);
+    const auto& b = batches[step % batches.size()];
+    opt->zero_grad();
+    before = cast_count();
+    out = net->forward(b.x, b.tag);
+    EXPECT_EQ(cast_count() - before, forward_casts) << when;
+    EXPECT_EQ(cache_size(), reduced_params) << when;
+    const auto copies = expect_copies_are_rounded_masters(net, when);
+    EXPECT_EQ(cast_count() - before, forward_casts) << "the check must read the forward's copies";
+    for (std::size_t i = 0; i < previous.size(); ++i) {
+      // The step moved every copy (a stale one would have been caught), except conv.bias: the
+      // batch-norm after it cancels any shift, so its gradient is zero.
+      const auto& [name, copy] = copies[i];
+      EXPECT_EQ(at::equal(copy, previous[i].second), name == "conv.bias") << name << " " << when;
+    }
+    previous = copies;
+    {
+      auto scaled = scale_loss(at::cross_entropy_loss(out, b.y), *opt);
+      scaled.backward();
+    }
+    EXPECT_EQ(cache_size(), 0u) << when;
+    opt->step();
+  }
+  // After the last step, through a module: its output is the linear of the rounded masters.
+  at::manual_seed(3);
+  auto x = at::randn({2, 16}, device);
+  const auto seen = net->fc2->forward(x);
+  const auto expected = at::linear(x.to(at::kHalf), net->fc2->weight.detach().to(at::kHalf),
+                                   net->fc2->bias.detach().to(at::kHalf));
+  EXPECT_EQ(seen.scalar_type(), at::kHalf);
+  // Same op, same fp16 inputs: bitwise on the CPU; within fp16 rounding on CUDA (cuBLAS).
+  EXPECT_TRUE(device.is_cpu() ? at::equal(seen, expected)
+                              : testing::all_close(seen, expected, testing::tolerance(at::kHalf)));
+  expect_copies_are_rounded_masters(net, "after step 5");
+}
+
+TEST_F(Initialize, O2OneWorkingCopyPerParamReusedAndRefreshedPerStep) {
+  expect_o2_working_copies_never_stale(at::kCPU);
+}
+
+TEST_F(Initialize_CUDA, O2OneWorkingCopyPerParamReusedAndRefreshedPerStep) {
+  expect_o2_working_copies_never_stale(at::kCUDA);
 }
 
 TEST_F(Initialize, O2OwnDataOpsStayFp32AndViewsReuseTheCopy) {
@@ -425,15 +563,29 @@ TEST_F(Initialize, O2OwnDataOpsStayFp32AndViewsReuseTheCopy) {
 
 // ---- checkpoints: resume is bit-exact at every level ------------------------------------------
 
-class InitializeCheckpoint : public Initialize,
-                             public ::testing::WithParamInterface<const char*> {};
+// cuDNN may pick non-deterministic kernels (atomics in conv backward); a resume can only be
+// bit-exact against a run that used deterministic ones. Restores the setting on exit.
+class DeterministicCudnn {
+ public:
+  DeterministicCudnn() : was_(at::globalContext().deterministicCuDNN()) {
+    at::globalContext().setDeterministicCuDNN(true);
+  }
+  ~DeterministicCudnn() { at::globalContext().setDeterministicCuDNN(was_); }
+  DeterministicCudnn(const DeterministicCudnn&) = delete;
+  DeterministicCudnn& operator=(const DeterministicCudnn&) = delete;
 
-TEST_P(InitializeCheckpoint, ResumeIsBitExact) {
-  const char* level = GetParam();
+ private:
+  bool was_;
+};
+
+// Trains 3 steps, checkpoints model, optimizer and amp, trains 3 more; then resumes a fresh
+// model from the checkpoint (build, initialize, load) and trains the same 3: bitwise equal.
+void expect_resume_bit_exact(const char* level, at::Device device) {
+  DeterministicCudnn deterministic;
   // Adam's default eps underflows in pure fp16 (O3 warns about it), so O3 resumes with SGD.
   const Opt kind = std::string(level) == "O3" ? Opt::kSgd : Opt::kAdam;
-  auto batches = make_batches(4);
-  Net net = make_net();
+  auto batches = batches_on(device);
+  Net net = make_net_on(device);
   auto opt = make_optimizer(net, kind);
   initialize(net, *opt, level, quiet());
   for (int s = 0; s < 3; ++s) train_step(net, *opt, batches[s]);
@@ -447,7 +599,7 @@ TEST_P(InitializeCheckpoint, ResumeIsBitExact) {
   const double scale_uninterrupted = loss_scaler(0).loss_scale();
   reset();
 
-  Net resumed = make_net();
+  Net resumed = make_net_on(device);
   auto resumed_opt = make_optimizer(resumed, kind);
   initialize(resumed, *resumed_opt, level, quiet());  // O3 casts before loading fp16 values
   torch::load(resumed, model_file);
@@ -457,6 +609,7 @@ TEST_P(InitializeCheckpoint, ResumeIsBitExact) {
   load_state_dict(amp_state);
   // (Also a regression test: equal's kernel once left history-free working copies in the cache.)
   for (std::size_t i = 0; i < snapshot.size(); ++i) {
+    ASSERT_EQ(resumed->parameters()[i].device(), device) << "loaded parameter " << i;
     ASSERT_TRUE(at::equal(resumed->parameters()[i], snapshot[i])) << "loaded parameter " << i;
   }
   for (int s = 3; s < 6; ++s) train_step(resumed, *resumed_opt, batches[s % batches.size()]);
@@ -466,8 +619,26 @@ TEST_P(InitializeCheckpoint, ResumeIsBitExact) {
   EXPECT_EQ(loss_scaler(0).loss_scale(), scale_uninterrupted);
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, InitializeCheckpoint,
-                         ::testing::Values("O0", "O1", "O2", "O3", "O4", "O5"));
+class InitializeCheckpoint : public Initialize,
+                             public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(InitializeCheckpoint, ResumeIsBitExact) { expect_resume_bit_exact(GetParam(), at::kCPU); }
+
+class InitializeCheckpoint_CUDA : public InitializeCheckpoint {
+ protected:
+  void SetUp() override { OPTAMP_SKIP_WITHOUT_CUDA(); }
+};
+
+TEST_P(InitializeCheckpoint_CUDA, ResumeIsBitExact) {
+  expect_resume_bit_exact(GetParam(), at::kCUDA);
+}
+
+const auto kAllLevels = ::testing::Values("O0", "O1", "O2", "O3", "O4", "O5");
+
+std::string level_name(const ::testing::TestParamInfo<const char*>& info) { return info.param; }
+
+INSTANTIATE_TEST_SUITE_P(Levels, InitializeCheckpoint, kAllLevels, level_name);
+INSTANTIATE_TEST_SUITE_P(Levels, InitializeCheckpoint_CUDA, kAllLevels, level_name);
 
 // ---- re-initialization -----------------------------------------------------------------------
 
@@ -478,16 +649,21 @@ std::size_t resident_kib() {
   return resident * 4;
 }
 
-TEST_F(Initialize, ReinitializationCyclesAreBoundedAndClean) {
-  auto b = make_batches(1).front();
+// 50 initialize/train/reset cycles across levels and optimizers: each trains, reset leaves
+// nothing on, and host memory stays bounded.
+void expect_reinitialization_cycles_clean(at::Device device) {
+  const auto b = batches_on(device, 1).front();
   std::size_t rss_after_warmup = 0;
   for (int cycle = 0; cycle < 50; ++cycle) {
-    Net net = make_net();
+    Net net = make_net_on(device);
     auto opt = make_optimizer(net, cycle % 2 ? Opt::kAdam : Opt::kSgd);
     initialize(net, *opt, cycle % 3 == 0 ? "O1" : cycle % 3 == 1 ? "O2" : "O5", quiet());
     const double loss = train_step(net, *opt, b);
     ASSERT_TRUE(std::isfinite(loss)) << "cycle " << cycle;
-    for (const auto& p : net->parameters()) ASSERT_FALSE(p.isnan().any().item<bool>());
+    for (const auto& p : net->parameters()) {
+      ASSERT_EQ(p.device(), device);
+      ASSERT_FALSE(p.isnan().any().item<bool>());
+    }
     reset();
     ASSERT_EQ(cache_size(), 0u);
     ASSERT_FALSE(is_initialized());
@@ -495,6 +671,14 @@ TEST_F(Initialize, ReinitializationCyclesAreBoundedAndClean) {
     if (cycle == 9) rss_after_warmup = resident_kib();
   }
   EXPECT_LT(resident_kib(), rss_after_warmup + 32 * 1024) << "RSS grew by more than 32 MiB";
+}
+
+TEST_F(Initialize, ReinitializationCyclesAreBoundedAndClean) {
+  expect_reinitialization_cycles_clean(at::kCPU);
+}
+
+TEST_F(Initialize_CUDA, ReinitializationCyclesAreBoundedAndClean) {
+  expect_reinitialization_cycles_clean(at::kCUDA);
 }
 
 TEST_F(Initialize, ResetTurnsCastingOff) {
