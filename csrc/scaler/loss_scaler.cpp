@@ -151,6 +151,16 @@ bool LossScaler::update() {
     found = at::zeros({1}, at::TensorOptions(at::kFloat).device(device));
     for (auto& [d, f] : found_list) found.add_(f.to(device, /*non_blocking=*/true));
   }
+  if (found_inf_reducer_) {
+    try {
+      reduce_found_inf(found);
+    } catch (...) {
+      // The guard skips the step (see scale_loss.cpp); the scale stays as it was.
+      last_step_skipped_ = true;
+      ++skipped_steps_;
+      throw;
+    }
+  }
   ops::update_scale_(scale_, growth_tracker_, hysteresis_tracker_, found, growth_factor_,
                      backoff_factor_, growth_interval_, hysteresis_, min_loss_scale_,
                      max_loss_scale_);
@@ -172,6 +182,18 @@ bool LossScaler::update() {
     floor_skips_ = 0;
   }
   return skip;
+}
+
+void LossScaler::reduce_found_inf(at::Tensor& found) const {
+  const auto device = found.device();
+  found_inf_reducer_(found);
+  TORCH_CHECK_VALUE(found.defined() && found.numel() == 1 && found.scalar_type() == at::kFloat &&
+                        found.device() == device,
+                    "the found_inf reducer of loss scaler ", loss_id_,
+                    " must leave a one-element float32 tensor on ", device.str(), ", got ",
+                    found.defined() ? found.toString() + " with " + std::to_string(found.numel()) +
+                                          " elements on " + found.device().str()
+                                    : std::string("an undefined tensor"));
 }
 
 void LossScaler::check_state(const StateDict& from, const std::string& prefix) {

@@ -173,16 +173,26 @@ void finish_normally(ScaleLossState& s) {
   if (!identity && !grads.empty()) {
     scaler.unscale(grads, any_stash ? stashes : std::vector<at::Tensor>{});
   }
-  const bool skip = scaler.update();  // the step's only device->host sync
-
-  {
+  auto settle_book = [&s](bool overflowed) {
     auto& b = book();
     std::lock_guard<std::mutex> lock(b.mutex);
     for (const auto& p : s.params) {
       b.pending.erase(p.unsafeGetTensorImpl());
-      if (skip) b.mark_overflowed(p);
+      if (overflowed) b.mark_overflowed(p);
     }
+  };
+  bool skip = false;
+  try {
+    skip = scaler.update();  // the step's only device->host sync
+  } catch (...) {
+    // Only a found_inf reducer can throw here (e.g. a collective that failed): whether another
+    // rank overflowed is unknown, so this step is skipped as on an overflow, and the error
+    // propagates. The scale is unchanged.
+    settle_book(true);
+    for (auto& p : s.params) p.mutable_grad() = at::Tensor();
+    throw;
   }
+  settle_book(skip);
 
   std::string floor_error;
   if (skip) {

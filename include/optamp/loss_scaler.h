@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,18 @@ class LossScaler {
   // Whether unscale() has recorded work since the last update().
   bool pending() const { return pending_; }
 
+  // Combines this process's overflow flag with other processes' before the scale update, for
+  // model parallelism, where ranks hold different gradients and nothing else spreads a
+  // non-finite value (e.g. an all_reduce with MAX over a process group). update() calls it with
+  // the step's flag: a one-element float32 tensor on the scale's device, > 0 when this process
+  // overflowed; the reducer writes the combined flag into it in place. Every rank then skips
+  // (or not) the same steps and keeps the same scale. Dynamic scaling only; an empty function
+  // removes it. It runs before the step's one device->host copy and must not add another (an
+  // asynchronous collective does not).
+  using FoundInfReducer = std::function<void(at::Tensor& found_inf)>;
+  void set_found_inf_reducer(FoundInfReducer reducer) { found_inf_reducer_ = std::move(reducer); }
+  bool has_found_inf_reducer() const { return static_cast<bool>(found_inf_reducer_); }
+
   // State for amp::state_dict(): "<prefix>scale", "growth_tracker", "hysteresis", "skipped",
   // "floor_skips" (CPU copies, bit-exact).
   void save(StateDict& into, const std::string& prefix) const;
@@ -72,6 +85,7 @@ class LossScaler {
  private:
   at::Tensor found_inf_for(const c10::Device& device);
   at::Tensor inv_scale_for(const c10::Device& device);
+  void reduce_found_inf(at::Tensor& found) const;
 
   int loss_id_;
   bool dynamic_;
@@ -85,6 +99,7 @@ class LossScaler {
   // Per step: one found_inf flag and one 1/scale per device touched.
   std::vector<std::pair<c10::Device, at::Tensor>> found_inf_, inv_scale_;
   bool pending_ = false;
+  FoundInfReducer found_inf_reducer_;
 
   double loss_scale_;
   bool last_step_skipped_ = false;

@@ -29,6 +29,29 @@ struct PyScaledLoss {
 
 }  // namespace
 
+namespace {
+
+// A Python callable as a LossScaler::FoundInfReducer. The scaler may outlive the interpreter
+// (static registry), so the last reference is dropped under the GIL, or leaked after
+// finalization rather than released without one.
+LossScaler::FoundInfReducer python_reducer(const py::object& fn) {
+  std::shared_ptr<py::object> held(new py::object(fn), [](py::object* o) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      delete o;
+    } else {
+      o->release();
+      delete o;
+    }
+  });
+  return [held](at::Tensor& found_inf) {
+    py::gil_scoped_acquire gil;
+    (*held)(found_inf);
+  };
+}
+
+}  // namespace
+
 void bind_scaler(py::module_& m) {
   m.def("configure_loss_scalers", &detail::configure_loss_scalers, py::arg("properties"),
         "Create properties.num_losses loss scalers (amp.initialize does this).");
@@ -54,7 +77,21 @@ void bind_scaler(py::module_& m) {
             self.unscale(grads, s);
           },
           py::arg("grads"), py::arg("stashed") = std::vector<std::optional<at::Tensor>>{})
-      .def("update", &LossScaler::update);
+      .def("update", &LossScaler::update)
+      .def(
+          "set_found_inf_reducer",
+          [](LossScaler& self, const py::object& fn) {
+            if (fn.is_none()) return self.set_found_inf_reducer({});
+            TORCH_CHECK_TYPE(PyCallable_Check(fn.ptr()),
+                             "found_inf reducer must be callable or None, got ",
+                             py::str(fn.get_type().attr("__name__")).cast<std::string>());
+            self.set_found_inf_reducer(python_reducer(fn));
+          },
+          py::arg("reducer"),
+          "reducer(found_inf) combines this process's overflow flag (a one-element float32 "
+          "tensor on the scale's device) with other ranks' in place, e.g. all_reduce MAX; None "
+          "removes it.")
+      .def_property_readonly("has_found_inf_reducer", &LossScaler::has_found_inf_reducer);
   m.attr("FLOOR_SKIP_LIMIT") = LossScaler::kFloorSkipLimit;
   m.def("loss_scaler", &detail::loss_scaler_ptr, py::arg("loss_id") = 0);
 

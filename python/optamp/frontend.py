@@ -151,6 +151,7 @@ def initialize(
     verbosity=1,
     min_loss_scale=None,
     max_loss_scale=2.0**24,
+    process_group=None,
     **scaler_knobs,
 ):
     """Apex's ``amp.initialize``: set up ``opt_level`` for the model(s) and optimizer(s).
@@ -160,12 +161,15 @@ def initialize(
     optimizer and, except O3's in-place cast and ``cast_model_outputs``, no model).
 
     ``None`` means "not overridden". ``scaler_knobs``: ``init_scale``, ``growth_factor``,
-    ``backoff_factor``, ``growth_interval``, ``hysteresis``.
+    ``backoff_factor``, ``growth_interval``, ``hysteresis``. ``process_group`` (optamp's, for
+    model parallelism): every loss scaler max-reduces its overflow flag over this
+    ``torch.distributed`` group, so all ranks skip the same steps (see ``scale_loss``).
 
     Casting is per thread: it is turned on for the calling thread only. Other threads see plain
     fp32 unless they enter ``optamp.autocast()`` or ``optamp.thread_state_guard(state)`` with a
     state captured by ``optamp.ThreadState.capture()`` on this thread.
-    With ``enabled=False`` the objects are returned untouched and ``scale_loss`` scales by 1.
+    With ``enabled=False`` the objects are returned untouched and ``scale_loss`` scales by 1;
+    it still counts as the one initialize call (``reset()`` before initializing again).
     """
     model_list, models_was_list = _as_list(models, "models", torch.nn.Module, "torch.nn.Module")
     if optimizers is None:
@@ -191,6 +195,9 @@ def initialize(
             "cast_model_outputs must be a torch.dtype or None, got "
             f"{type(cast_model_outputs).__name__}"
         )
+    from . import scaler  # (scaler imports this module)
+
+    scaler.check_process_group(process_group)
     preview = _C.resolve(opt_level, **overrides)  # validates the options before collecting
     with _lock:
         reduced, keep, parameters, name_list, names = _collect_models(
@@ -202,6 +209,7 @@ def initialize(
         )
         _param_names.clear()
         _param_names.update(names)
+        scaler.set_process_group(process_group if props.enabled else None, props.num_losses)
         if props.enabled and cast_model_outputs is not None:
             for model in model_list:
                 _patch_forward(model, cast_model_outputs)
@@ -229,7 +237,10 @@ def reset():
     wrappers, keep_in_fp32 marks) so that :func:`initialize` can be called again."""
     global _properties
     with _lock:
-        _C._reset_core()
+        _C._reset_core()  # the loss scalers and their found-inf reducers go with it
+        from . import scaler
+
+        scaler.set_process_group(None, 0)
         for ref, had_instance_forward in reversed(_patched_forwards):
             model = ref()
             if model is None:

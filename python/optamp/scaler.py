@@ -27,33 +27,49 @@ def _params_of(optimizers):
     return params, names
 
 
-def _dense(grad):
-    """The values of a gradient as a strided tensor (a sparse gradient's values are a view)."""
-    return grad._values() if grad.is_sparse else grad
-
-
-def _agree_on_overflow(params, process_group):
-    """Max-reduce "some gradient is non-finite" over ``process_group``; where any rank
-    overflowed, poison one local gradient so this rank's scaler skips the step too.
-
-    Everything stays on the gradients' device (NCCL reduces CUDA tensors only) and nothing
-    waits for the device: the flag is applied with a masked fill, not read back with .item().
-    """
+def check_process_group(process_group):
+    """TypeError unless ``process_group`` is None or a torch.distributed ProcessGroup."""
+    if process_group is None:
+        return
     import torch.distributed as dist
 
-    grads = [_dense(p.grad) for p in params if p.grad is not None]
-    grads = [g for g in grads if g.numel() > 0]  # the inf norm of nothing is undefined
-    device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
-    flag = torch.zeros((), dtype=torch.float32, device=device)
-    if grads:
-        norms = torch.stack([torch.linalg.vector_norm(g, float("inf")).float() for g in grads])
-        flag = torch.logical_not(torch.isfinite(norms).all()).float()
-    flag = flag.reshape(1)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
-    if grads:
-        # Any layout: a 0-dim mask broadcasts to every shape and stride; filling the whole
-        # gradient is harmless, a skipped step discards the grads anyway.
-        grads[0].masked_fill_(flag.reshape(()) > 0, float("inf"))
+    if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise TypeError("process_group must be a torch.distributed.ProcessGroup (e.g. "
+                        "torch.distributed.group.WORLD) or None, got "
+                        f"{type(process_group).__name__}")
+
+
+def max_reducer(process_group):
+    """A found-inf reducer (see ``LossScaler.set_found_inf_reducer``) that max-reduces the
+    overflow flag over ``process_group`` with ``torch.distributed.all_reduce``. The flag lives on
+    the scale's device (a CUDA tensor under NCCL) and nothing is read back: the step keeps its
+    one device->host copy."""
+    import torch.distributed as dist
+
+    def reduce(found_inf):
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=process_group)
+
+    reduce.process_group = process_group
+    return reduce
+
+
+# loss_id -> the process group initialize(process_group=...) gave every scaler.
+_initialize_groups = {}
+
+
+def _reducer_for(loss_id):
+    group = _initialize_groups.get(loss_id)
+    return None if group is None else max_reducer(group)
+
+
+def set_process_group(process_group, num_losses):
+    """Called by initialize: every loss scaler max-reduces its overflow flag over the group."""
+    _initialize_groups.clear()
+    if process_group is None:
+        return
+    for loss_id in range(num_losses):
+        _initialize_groups[loss_id] = process_group
+        _C.loss_scaler(loss_id).set_found_inf_reducer(max_reducer(process_group))
 
 
 @contextlib.contextmanager
@@ -69,15 +85,18 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     too). Enter and exit on the same thread.
 
     ``process_group`` (a ``torch.distributed`` group, e.g. ``torch.distributed.group.WORLD``):
-    for model-parallel setups where ranks hold different parameters, the "found inf" flag is
-    max-reduced over the group so that every rank skips the same steps (dynamic scaling only;
-    one extra pass over the grads and one all_reduce per non-delayed step). Not needed under
-    plain DistributedDataParallel, whose gradient averaging already spreads a non-finite value.
+    for model-parallel setups where ranks hold different parameters, the scaler's "found inf"
+    flag is max-reduced over the group before the scale update, so every rank skips the same
+    steps and keeps the same scale (dynamic scaling only; one all_reduce of one element per
+    non-delayed step). Given here it applies to this call; ``initialize(..., process_group=)``
+    sets it for every step. Not needed under plain DistributedDataParallel, whose gradient
+    averaging already spreads a non-finite value.
 
     With several guards before one ``optimizer.step()`` (several losses, or accumulation
     without ``delay_unscale``), an overflow in any of them skips that step, as in Apex: the
     guard installs a one-shot step pre-hook that sets the grads to None before the step runs.
     """
+    check_process_group(process_group)
     optimizers = _as_optimizers(optimizers)
     params, names = _params_of(optimizers)
     guard = _C._scale_loss(loss, params, loss_id, delay_unscale, names)
@@ -86,14 +105,15 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     except BaseException:
         guard.finish(True)
         raise
-    if process_group is not None and not delay_unscale and _C.loss_scaler(loss_id).dynamic:
+    if process_group is None or delay_unscale:
+        guard.finish(False)
+    else:
+        scaler = _C.loss_scaler(loss_id)
+        scaler.set_found_inf_reducer(max_reducer(process_group))  # for this step only
         try:
-            with torch.no_grad():
-                _agree_on_overflow(params, process_group)
-        except BaseException:
-            guard.finish(True)
-            raise
-    guard.finish(False)
+            guard.finish(False)
+        finally:
+            scaler.set_found_inf_reducer(_reducer_for(loss_id))
     if not delay_unscale and _C.loss_scaler(loss_id).last_step_skipped:
         for opt in optimizers:
             _skip_next_step(opt)

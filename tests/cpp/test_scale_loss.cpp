@@ -168,6 +168,107 @@ TEST_F(ScaleLossTest, NanIsAnOverflowToo) {
   EXPECT_EQ(loss_scaler().skipped_steps(), 1);
 }
 
+// ---- found_inf reducer (model parallelism) ----------------------------------------------------
+
+// A stand-in for the other ranks: max-combines this rank's flag with `remote` in place.
+struct FakeRanks {
+  float remote = 0;
+  int calls = 0;
+  at::Device device = at::kCPU;
+  void operator()(at::Tensor& found) {
+    ++calls;
+    device = found.device();
+    EXPECT_EQ(found.numel(), 1);
+    EXPECT_EQ(found.scalar_type(), at::kFloat);
+    found.clamp_min_(remote);
+  }
+};
+
+TEST_F(ScaleLossTest, FoundInfReducerMakesEveryRankSkipWhenAnotherOverflowed) {
+  detail::configure_loss_scalers(props());
+  auto ranks = std::make_shared<FakeRanks>();
+  loss_scaler().set_found_inf_reducer([ranks](at::Tensor& f) { (*ranks)(f); });
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  const auto before = clones(m.params());
+  ranks->remote = 1;  // another rank overflowed; this one's grads are finite
+  {
+    auto scaled = scale_loss(m.loss(batch(0)), opt);
+    scaled.backward();
+  }
+  EXPECT_EQ(ranks->calls, 1);
+  EXPECT_TRUE(ranks->device.is_cpu());
+  EXPECT_TRUE(loss_scaler().last_step_skipped());
+  EXPECT_EQ(loss_scaler().loss_scale(), 32768.0) << "the same backoff as the overflowing rank";
+  for (const auto& p : m.params()) EXPECT_FALSE(p.grad().defined());
+  opt.step();
+  EXPECT_TRUE(all_equal(clones(m.params()), before));
+  ranks->remote = 0;  // nobody overflowed: a normal step
+  {
+    auto scaled = scale_loss(m.loss(batch(1)), opt);
+    scaled.backward();
+  }
+  EXPECT_FALSE(loss_scaler().last_step_skipped());
+  EXPECT_TRUE(all_equal(grads(m.params()), plain_grads(m, {1})));
+  // A local overflow stays an overflow whatever the others report.
+  overflowing_step(m, opt, 2);
+  EXPECT_TRUE(loss_scaler().last_step_skipped());
+  EXPECT_EQ(ranks->calls, 3);
+  loss_scaler().set_found_inf_reducer({});
+  EXPECT_FALSE(loss_scaler().has_found_inf_reducer());
+}
+
+TEST_F(ScaleLossTest, FoundInfReducerIsNotCalledForDelayedOrFixedScaling) {
+  detail::configure_loss_scalers(props());
+  auto ranks = std::make_shared<FakeRanks>();
+  loss_scaler().set_found_inf_reducer([ranks](at::Tensor& f) { (*ranks)(f); });
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  {
+    auto scaled = scale_loss(m.loss(batch(0)), opt, ScaleLossOptions{0, /*delay_unscale=*/true});
+    scaled.backward();
+  }
+  EXPECT_EQ(ranks->calls, 0) << "a delayed micro-batch has no overflow decision yet";
+  Options fixed;
+  fixed.loss_scale = LossScale::fixed(128.0);
+  detail::reset_loss_scalers();
+  detail::configure_loss_scalers(props(fixed));
+  loss_scaler().set_found_inf_reducer([ranks](at::Tensor& f) { (*ranks)(f); });
+  Model m2;
+  torch::optim::SGD opt2(m2.params(), torch::optim::SGDOptions(0.1));
+  {
+    auto scaled = scale_loss(m2.loss(batch(0)), opt2);
+    scaled.backward();
+  }
+  EXPECT_EQ(ranks->calls, 0) << "a fixed scale never skips, so there is nothing to agree on";
+}
+
+TEST_F(ScaleLossTest, AFailingFoundInfReducerSkipsTheStepAndPropagates) {
+  detail::configure_loss_scalers(props());
+  loss_scaler().set_found_inf_reducer(
+      [](at::Tensor&) { TORCH_CHECK(false, "collective timed out"); });
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  const auto before = clones(m.params());
+  auto step = [&] {
+    auto scaled = scale_loss(m.loss(batch(0)), opt);
+    scaled.backward();
+  };
+  OPTAMP_EXPECT_THROW_WITH(step(), c10::Error, "collective timed out");
+  EXPECT_TRUE(loss_scaler().last_step_skipped());
+  EXPECT_EQ(loss_scaler().loss_scale(), 65536.0) << "the scale is unchanged";
+  for (const auto& p : m.params()) EXPECT_FALSE(p.grad().defined());
+  opt.step();
+  EXPECT_TRUE(all_equal(clones(m.params()), before));
+  // A reducer that breaks the flag's contract is named.
+  loss_scaler().set_found_inf_reducer([](at::Tensor& f) { f = at::zeros({2}); });
+  OPTAMP_EXPECT_THROW_WITH(step(), c10::ValueError, "found_inf reducer of loss scaler 0",
+                           "one-element float32 tensor");
+  loss_scaler().set_found_inf_reducer({});
+  step();  // and the guard machinery is still consistent
+  EXPECT_FALSE(loss_scaler().last_step_skipped());
+}
+
 TEST_F(ScaleLossTest, LogsTheApexMessageAtVerbosityOneOnly) {
   Options o;
   o.verbosity = 1;

@@ -1,4 +1,5 @@
-"""optamp under DistributedDataParallel: 2 processes, gloo on loopback, O1 and O2.
+"""optamp under DistributedDataParallel: 2 processes, gloo on loopback, O1 and O2 (NCCL twins
+run where GPUs are visible).
 
 One rank injects inf into its loss at one step; DDP averages gradients, so both ranks see the
 non-finite values, skip that step and end with identical parameters."""
@@ -35,28 +36,35 @@ def _spawn(fn, args):
             pytest.fail(f"ranks still running after {SPAWN_TIMEOUT_S} s (hung collective?)")
 
 
-def _init(rank, world, port):
+def _init(rank, world, port, backend="gloo"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
 
 
-def _worker(rank, world, port, level, out_dir, pythonpath):
+def _worker(rank, world, port, level, out_dir, pythonpath, backend="gloo"):
+    """gloo: CPU. nccl: one GPU per rank (cuda:rank), DDP with device_ids."""
     sys.path[:0] = pythonpath
     import optamp
 
-    _init(rank, world, port)
+    _init(rank, world, port, backend)
+    device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        model.to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         # Apex's order: initialize first, then wrap in DDP.
         model, opt = optamp.initialize(model, opt, opt_level=level, verbosity=0)
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[rank] if device.type == "cuda" else None)
         gen = torch.Generator().manual_seed(100 + rank)  # different data per rank
         skipped = []
         for step in range(STEPS):
             x, y = torch.randn(4, 4, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+            x, y = x.to(device), y.to(device)
             opt.zero_grad()
             loss = F.cross_entropy(ddp(x), y)
             if step == BAD_STEP and rank == 1:
@@ -66,7 +74,7 @@ def _worker(rank, world, port, level, out_dir, pythonpath):
             opt.step()
             if optamp.loss_scaler().last_step_skipped:
                 skipped.append(step)
-        torch.save({"params": [p.detach() for p in model.parameters()], "skipped": skipped,
+        torch.save({"params": [p.detach().cpu() for p in model.parameters()], "skipped": skipped,
                     "scale": optamp.loss_scaler().loss_scale()},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -77,6 +85,56 @@ def _worker(rank, world, port, level, out_dir, pythonpath):
 def test_ddp_two_ranks_skip_together(tmp_path, level):
     pythonpath = [p for p in sys.path if p]
     _spawn(_worker, (2, _free_port(), level, str(tmp_path), pythonpath))
+    _expect_ranks_agree(tmp_path)
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_ddp_nccl_two_gpus_skip_together(tmp_path, level):
+    """The same under NCCL, one GPU per rank (needs two GPUs: NCCL refuses two ranks on one)."""
+    if torch.cuda.device_count() < 2 or not dist.is_nccl_available():
+        pytest.skip("needs 2 CUDA devices and NCCL")
+    pythonpath = [p for p in sys.path if p]
+    _spawn(_worker, (2, _free_port(), level, str(tmp_path), pythonpath, "nccl"))
+    _expect_ranks_agree(tmp_path)
+
+
+@pytest.mark.needs_cuda
+def test_nccl_one_rank_process_group_reduces_the_flag_on_the_gpu():
+    """One process, one GPU, a real NCCL group: initialize(process_group=) all-reduces the
+    scaler's CUDA flag (NCCL takes CUDA tensors only), an overflow still skips, the step keeps
+    its single device->host copy."""
+    if not dist.is_nccl_available():
+        pytest.skip("NCCL not available")
+    import optamp
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        optamp.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        optamp.initialize(model, opt, opt_level="O1", verbosity=0,
+                          process_group=dist.group.WORLD)
+        skipped = []
+        for step in range(3):
+            opt.zero_grad()
+            loss = model(torch.randn(2, 4, device="cuda")).float().sum()
+            if step == 1:
+                loss = loss * float("inf")
+            with optamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            skipped.append(optamp.loss_scaler().last_step_skipped)
+        assert skipped == [False, True, False]
+        assert optamp.loss_scaler().scale_tensor.is_cuda
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    finally:
+        optamp.reset()
+        dist.destroy_process_group()
+
+
+def _expect_ranks_agree(tmp_path):
     r0 = torch.load(tmp_path / "rank0.pt")
     r1 = torch.load(tmp_path / "rank1.pt")
     assert r0["skipped"] == r1["skipped"] == [BAD_STEP]
@@ -87,7 +145,8 @@ def test_ddp_two_ranks_skip_together(tmp_path, level):
 
 
 def _mp_worker(rank, world, port, use_group, out_dir, pythonpath):
-    """Model-parallel style: each rank owns different parameters (no DDP averaging)."""
+    """Model-parallel style: each rank owns different parameters (no DDP averaging). The group
+    is given to initialize (every step) on rank 0 and per scale_loss call on rank 1."""
     sys.path[:0] = pythonpath
     import optamp
 
@@ -96,15 +155,17 @@ def _mp_worker(rank, world, port, use_group, out_dir, pythonpath):
         torch.manual_seed(rank)
         model = torch.nn.Linear(4, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        optamp.initialize(model, opt, opt_level="O4", loss_scale="dynamic", verbosity=0)
         group = dist.group.WORLD if use_group else None
+        optamp.initialize(model, opt, opt_level="O4", loss_scale="dynamic", verbosity=0,
+                          process_group=group if rank == 0 else None)
         skipped = []
         for step in range(4):
             opt.zero_grad()
             loss = model(torch.randn(3, 4)).float().pow(2).mean()
             if step == 2 and rank == 1:
                 loss = loss * float("inf")
-            with optamp.scale_loss(loss, opt, process_group=group) as scaled:
+            with optamp.scale_loss(loss, opt,
+                                   process_group=group if rank == 1 else None) as scaled:
                 scaled.backward()
             opt.step()
             if optamp.loss_scaler().last_step_skipped:

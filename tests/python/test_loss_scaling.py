@@ -139,39 +139,99 @@ def test_accumulation_with_and_without_delay_unscale_equals_unscaled_sum():
             assert torch.equal(p.grad, r.grad), delay
 
 
-@pytest.mark.parametrize("remote_overflow", [True, False])
-def test_process_group_flag_skips_on_a_remote_overflow_with_any_grad_layout(
-        monkeypatch, remote_overflow):
-    """process_group= without a real group: all_reduce is replaced by a stand-in for the other
-    ranks (their flag is 1 or 0). The flag stays a tensor on the grads' device, nothing is read
-    back, and a non-contiguous gradient is poisoned in place."""
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    """A real one-process gloo group whose all_reduce is replaced by a stand-in for the other
+    ranks: ``remote[0]`` is their overflow flag (1 or 0). Yields (group, calls, remote)."""
     import torch.distributed as dist
 
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    calls, remote = [], [0.0]
+
+    def all_reduce(tensor, op=None, group=None):
+        assert op == dist.ReduceOp.MAX and group is dist.group.WORLD
+        calls.append((tensor.device, tensor.dtype, tuple(tensor.shape)))
+        tensor.clamp_(min=remote[0])
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    try:
+        yield dist.group.WORLD, calls, remote
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("remote_overflow", [True, False])
+def test_process_group_flag_skips_on_a_remote_overflow_with_any_grad_layout(
+        one_rank_group, remote_overflow):
+    """scale_loss(process_group=): the scaler's found-inf flag itself (a float32 one-element
+    tensor on the scale's device) is max-reduced before the scale update; no second check of
+    the grads in Python, any gradient layout."""
+    group, calls, remote = one_rank_group
+    remote[0] = float(remote_overflow)
     configure()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
-    reduced = []
-
-    def all_reduce(tensor, op=None, group=None):
-        assert group == "the group" and op == dist.ReduceOp.MAX
-        reduced.append((tensor.device, tensor.dtype, tuple(tensor.shape)))
-        tensor.fill_(max(tensor.item(), float(remote_overflow)))
-
-    monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    with optamp.scale_loss(model(torch.randn(2, 4)).sum(), opt,
-                           process_group="the group") as scaled:
+    with optamp.scale_loss(model(torch.randn(2, 4)).sum(), opt, process_group=group) as scaled:
         scaled.backward()
-        grad = model.weight.grad  # same values, column-major: the check must not need a view
+        grad = model.weight.grad  # same values, column-major
         model.weight.grad = grad.t().contiguous().t()
     opt.step()
-    assert reduced == [(torch.device("cpu"), torch.float32, (1,))]
+    assert calls == [(torch.device("cpu"), torch.float32, (1,))]
     assert optamp.loss_scaler().last_step_skipped == remote_overflow
+    assert optamp.loss_scaler().loss_scale() == (2.0**15 if remote_overflow else 2.0**16)
     changed = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]
     assert changed == [not remote_overflow] * 2
-    if not remote_overflow:
-        assert model.weight.grad.stride() == (1, 3)  # the layout survived the check
+    # Per call only: the next guard without process_group reduces nothing.
+    assert not optamp.loss_scaler().has_found_inf_reducer
+    with optamp.scale_loss(model(torch.randn(2, 4)).sum(), opt) as scaled:
+        scaled.backward()
+    assert len(calls) == 1
+
+
+def test_initialize_process_group_reduces_every_step_of_every_scaler(one_rank_group):
+    group, calls, remote = one_rank_group
+    optamp.reset()
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        optamp.initialize(model, opt, opt_level="O4", loss_scale="dynamic", num_losses=2,
+                          verbosity=0, process_group=group)
+        for loss_id in (0, 1):
+            assert optamp.loss_scaler(loss_id).has_found_inf_reducer
+        skipped = []
+        for step in range(3):
+            remote[0] = 1.0 if step == 1 else 0.0
+            opt.zero_grad()
+            with optamp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            skipped.append(optamp.loss_scaler().last_step_skipped)
+        assert skipped == [False, True, False] and len(calls) == 3
+        optamp.reset()  # the scalers and their reducers go; a new initialize starts clean
+        optamp.initialize(model, opt, opt_level="O4", loss_scale="dynamic", verbosity=0)
+        assert not optamp.loss_scaler().has_found_inf_reducer
+    finally:
+        optamp.reset()
+
+
+def test_process_group_must_be_a_process_group():
+    configure()
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed"
+                                        ".ProcessGroup .* got str"):
+        with optamp.scale_loss(model(torch.ones(1, 2)).sum(), opt, process_group="world"):
+            pass
+    optamp.reset()
+    with pytest.raises(TypeError, match="got int"):
+        optamp.initialize(model, opt, opt_level="O1", verbosity=0, process_group=3)
+    assert not optamp.is_initialized()  # nothing changed
+    configure()
+    with pytest.raises(TypeError, match="found_inf reducer must be callable or None, got int"):
+        _C.loss_scaler().set_found_inf_reducer(3)
+    assert not _C.loss_scaler().has_found_inf_reducer
 
 
 def test_exception_inside_the_context_propagates_and_releases_the_guard():
@@ -299,3 +359,32 @@ def test_low_level_scaler_unscale_with_stash_and_update():
     assert scaler.loss_scale() == 2.0 and scaler.skipped_steps == 1
     _C.reset_loss_scalers()
     assert scaler.loss_scale() == 2.0  # a held scaler outlives reconfiguration
+
+
+def test_enabled_false_returns_objects_untouched_and_scale_loss_scales_by_one():
+    """Apex's enabled=False: same objects back, no casting, scale_loss yields loss * 1. It still
+    counts as the process's one initialize (reset() before initializing again)."""
+    optamp.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        m, o = optamp.initialize(model, opt, opt_level="O2", enabled=False, verbosity=0)
+        assert m is model and o is opt
+        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+        x = torch.randn(2, 4)
+        out = model(x)
+        assert out.dtype == torch.float32 and torch.equal(out, x @ model.weight.t() + model.bias)
+        loss = out.sum()
+        with optamp.scale_loss(loss, opt) as scaled:
+            assert torch.equal(scaled, loss)
+            scaled.backward()
+        assert not optamp.loss_scaler().dynamic and optamp.loss_scaler().loss_scale() == 1.0
+        with pytest.raises(ValueError, match="call amp::reset"):
+            optamp.initialize(model, opt, opt_level="O1", verbosity=0)
+        optamp.reset()
+        optamp.initialize(model, opt, opt_level="O1", verbosity=0)  # after reset: fine
+        assert optamp.properties().enabled
+    finally:
+        optamp.reset()
