@@ -13,6 +13,19 @@ PY="$(optamp_python)"
 BUILD="$(optamp_build_dir)"
 optamp_build || { echo "test.sh: build failed"; exit 1; }
 
+# The CUDA kernels must compile wherever they can, GPU or not (CI has nvcc and a CUDA torch):
+# AUTO would silently drop them if CMake stopped finding either, so check that they were built.
+if "$PY" -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null &&
+   { command -v nvcc >/dev/null 2>&1 || [[ -x /usr/local/cuda/bin/nvcc ]]; } &&
+   ! grep -q "^OPTAMP_WITH_CUDA:STRING=OFF" "$BUILD/CMakeCache.txt"; then
+  if ! find "$BUILD/csrc" -name '*.cu.o' | grep -q .; then
+    echo "test.sh: nvcc and a CUDA-enabled torch are here but the CUDA kernels were not built" \
+         "(see the CUDA lines of the CMake configure output)"
+    exit 1
+  fi
+  echo "test.sh: CUDA kernels built ($(find "$BUILD/csrc" -name '*.cu.o' | wc -l) objects)"
+fi
+
 status=0
 echo "== ctest =="
 ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)" || status=1

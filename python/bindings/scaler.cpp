@@ -78,6 +78,11 @@ void bind_scaler(py::module_& m) {
           },
           py::arg("grads"), py::arg("stashed") = std::vector<std::optional<at::Tensor>>{})
       .def("update", &LossScaler::update)
+      .def("scale", &LossScaler::scale, py::arg("loss"),
+           "loss.float() * scale, on the loss's device (moves the scaler's state there first)")
+      .def(
+          "to", [](LossScaler& self, const c10::Device& device) { self.to(device); },
+          py::arg("device"))
       .def(
           "set_found_inf_reducer",
           [](LossScaler& self, const py::object& fn) {

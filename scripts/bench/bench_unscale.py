@@ -9,6 +9,11 @@ Compares, per dtype:
 Methods are interleaved round by round and the median is reported, which keeps a busy shared
 machine from favouring whichever ran first. The scale alternates 0.5 / 2.0 so values stay put.
 
+On CUDA it also counts, per loss-scaling step over the same gradients, the kernel launches
+(torch.profiler, memcpy/memset included) and the device->host syncs (CUDA sync debug mode) of
+  optamp  LossScaler.unscale + update   (what amp::scale_loss runs when the guard exits)
+  torch   GradScaler.unscale_ + step + update   (with an optimizer whose step does nothing)
+
     PYTHONPATH=python python scripts/bench/bench_unscale.py [--device cpu|cuda] [--reps 30]
 """
 import argparse
@@ -38,6 +43,74 @@ def naive(grads, found, inv):
     for g in grads:
         found += (~torch.isfinite(g).all()).float()
         g.mul_(inv)
+
+
+class _NoOpOptimizer(torch.optim.Optimizer):
+    """GradScaler.step needs an optimizer; this one's step launches nothing."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        return None
+
+
+def _count_per_step(step, reps=5):
+    """(kernel launches, device->host syncs) per call of ``step``, averaged over ``reps``."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    step()  # warm-up: lazily created state, first-call allocations
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(reps):
+                step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught) / reps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events()) / reps
+    return kernels, syncs
+
+
+def launches_and_syncs(shapes, dtype, dev):
+    """Per-step kernel launches and syncs: optamp's scaler vs torch.amp.GradScaler."""
+    from optamp import _C
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=gen).to(dtype).to(dev) for s in shapes]
+    _C.reset_loss_scalers()
+    _C.configure_loss_scalers(optamp.resolve("O1", verbosity=0))
+    scaler = _C.loss_scaler(0)
+    scaler.to(dev)
+
+    def optamp_step():
+        scaler.unscale(grads)
+        scaler.update()
+
+    params = [torch.zeros(s, dtype=dtype, device=dev, requires_grad=True) for s in shapes]
+    noop = _NoOpOptimizer(params)
+    grad_scaler = torch.amp.GradScaler("cuda")
+    grad_scaler.scale(torch.ones((), device=dev))  # creates its scale tensor
+
+    def torch_step():
+        for p, g in zip(params, grads):
+            p.grad = g
+        grad_scaler.unscale_(noop)
+        grad_scaler.step(noop)
+        grad_scaler.update()
+
+    try:
+        return {"optamp": _count_per_step(optamp_step), "torch": _count_per_step(torch_step)}
+    finally:
+        _C.reset_loss_scalers()
 
 
 def main():
@@ -80,6 +153,10 @@ def main():
               f"naive/torch {med['naive'] / med['torch']:.2f}x  optamp {gbps:.1f} GB/s")
         print(f"{'':15s} min: optamp {best['optamp']:8.2f} ms  torch {best['torch']:8.2f} ms  "
               f"optamp/torch {best['optamp'] / best['torch']:.2f}x")
+        if dev.type == "cuda":
+            counts = launches_and_syncs(shapes, dtype, dev)
+            print(f"{'':15s} per step: " + "  ".join(
+                f"{name} {k:.0f} launches, {n:.0f} syncs" for name, (k, n) in counts.items()))
 
 
 if __name__ == "__main__":
