@@ -1,6 +1,10 @@
 """The C++ table-driven dtype tests (tests/cpp/test_casting.cpp), mirrored from Python through
 optamp.initialize on a tiny model, plus the per-thread guards and custom functions."""
+import re
+import subprocess
+import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -10,74 +14,323 @@ import optamp
 from _amp_helpers import Mlp, fresh, init  # noqa: F401
 
 LEVELS = {"O1": torch.float16, "O4": torch.bfloat16}
+CPU_AND_CUDA = ["cpu", pytest.param("cuda", marks=pytest.mark.needs_cuda)]
 
 
-def r(*shape, dtype=torch.float32):
-    return torch.rand(*shape, dtype=dtype) + 0.5
+def r(*shape, dtype=torch.float32, device="cpu"):
+    return torch.rand(*shape, dtype=dtype, device=device) + 0.5
 
 
+class In:
+    """The inputs of one table case, in the low dtype ``t`` on device ``d`` (as the C++ tables:
+    ``n`` randn, ``r`` rand + 0.5, ``hi`` rand + 0.5 in fp32, ``idx`` int64 indices)."""
+
+    def __init__(self, t, d):
+        self.t, self.d = t, d
+
+    def n(self, *shape):
+        return torch.randn(*shape, dtype=self.t, device=self.d)
+
+    def r(self, *shape):
+        return r(*shape, dtype=self.t, device=self.d)
+
+    def hi(self, *shape):
+        return r(*shape, device=self.d)
+
+    def idx(self, *values):
+        return torch.tensor(values, device=self.d)
+
+    def signs(self):  # +1/-1 targets of the margin losses
+        return torch.tensor([1.0, -1.0, 1.0, -1.0], device=self.d).to(self.t)
+
+
+def _quiet(fn):
+    def run(m):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecation warnings (chain_matmul)
+            return fn(m)
+    return run
+
+
+aten = torch.ops.aten
+
+# ---- the C++ tables (tests/cpp/test_casting.cpp lower_cases / fp32_cases / promote_cases) ----
+# Keyed, like them, by the policy-table entry ("op" or "op.overload" in aten::) each case calls at
+# the top level, with the same shapes. A public Python function is used where it reaches that
+# overload; otherwise torch.ops.aten.<op>.<overload> (the *_PY tables below hold the public
+# paths that reach a different operator). test_every_table_entry_has_a_python_case checks the
+# keys against the built policy table, test_every_case_calls_its_operator the calls.
 LOWER = {
-    "conv2d": lambda t: F.conv2d(r(1, 1, 4, 4, dtype=t), r(2, 1, 3, 3, dtype=t)),
-    "linear": lambda t: F.linear(r(2, 3, dtype=t), r(4, 3, dtype=t)),
-    "matmul": lambda t: torch.matmul(r(2, 3, dtype=t), r(3, 2, dtype=t)),
-    "mm": lambda t: torch.mm(r(2, 3, dtype=t), r(3, 2, dtype=t)),
-    "bmm": lambda t: torch.bmm(r(2, 2, 3, dtype=t), r(2, 3, 2, dtype=t)),
-    "addmm": lambda t: torch.addmm(r(2, 2, dtype=t), r(2, 3, dtype=t), r(3, 2, dtype=t)),
-    "einsum": lambda t: torch.einsum("ij,jk->ik", r(2, 3, dtype=t), r(3, 2, dtype=t)),
-    "prelu": lambda t: F.prelu(r(2, 3, dtype=t), r(1, dtype=t)),
-    "sdpa": lambda t: F.scaled_dot_product_attention(
-        r(1, 2, 3, dtype=t), r(1, 2, 3, dtype=t), r(1, 2, 3, dtype=t)),
+    "conv1d": lambda m: F.conv1d(m.n(1, 2, 8), m.n(3, 2, 3)),
+    "conv2d": lambda m: F.conv2d(m.n(1, 2, 6, 6), m.n(3, 2, 3, 3)),
+    "conv3d": lambda m: F.conv3d(m.n(1, 2, 4, 4, 4), m.n(3, 2, 3, 3, 3)),
+    "conv1d.padding": lambda m: F.conv1d(m.n(1, 2, 8), m.n(3, 2, 3), padding="same"),
+    "conv2d.padding": lambda m: F.conv2d(m.n(1, 2, 6, 6), m.n(3, 2, 3, 3), padding="same"),
+    "conv3d.padding": lambda m: F.conv3d(m.n(1, 2, 4, 4, 4), m.n(3, 2, 3, 3, 3), padding="valid"),
+    "convolution": lambda m: torch.convolution(m.n(1, 2, 6, 6), m.n(3, 2, 3, 3), m.n(3), [1, 1],
+                                               [0, 0], [1, 1], False, [0, 0], 1),
+    "_convolution": lambda m: torch._convolution(m.n(1, 2, 6, 6), m.n(3, 2, 3, 3), m.n(3), [1, 1],
+                                                 [0, 0], [1, 1], False, [0, 0], 1, False, False,
+                                                 True, False),
+    "conv_transpose1d": lambda m: F.conv_transpose1d(m.n(1, 2, 5), m.n(2, 3, 3)),
+    "conv_transpose2d.input": lambda m: F.conv_transpose2d(m.n(1, 2, 4, 4), m.n(2, 3, 3, 3)),
+    "conv_transpose3d.input": lambda m: F.conv_transpose3d(m.n(1, 2, 3, 3, 3), m.n(2, 3, 2, 2, 2)),
+    "conv_tbc": lambda m: torch.conv_tbc(m.n(5, 1, 2), m.n(3, 2, 4), m.n(4)),
+    "linear": lambda m: F.linear(m.n(2, 4), m.n(3, 4), m.n(3)),
+    "prelu": lambda m: F.prelu(m.n(2, 3), m.n(1)),
+    "addmm": lambda m: torch.addmm(m.n(2, 2), m.n(2, 3), m.n(3, 2)),
+    "addmv": lambda m: torch.addmv(m.n(2), m.n(2, 3), m.n(3)),
+    "addr": lambda m: torch.addr(m.n(2, 3), m.n(2), m.n(3)),
+    "matmul": lambda m: torch.matmul(m.n(2, 3), m.n(3, 2)),
+    "mm": lambda m: torch.mm(m.n(2, 3), m.n(3, 2)),
+    "mv": lambda m: torch.mv(m.n(2, 3), m.n(3)),
+    "addbmm": lambda m: torch.addbmm(m.n(2, 2), m.n(3, 2, 4), m.n(3, 4, 2)),
+    "baddbmm": lambda m: torch.baddbmm(m.n(3, 2, 2), m.n(3, 2, 4), m.n(3, 4, 2)),
+    "bmm": lambda m: torch.bmm(m.n(3, 2, 4), m.n(3, 4, 2)),
+    "chain_matmul": _quiet(lambda m: torch.chain_matmul(m.n(2, 3), m.n(3, 4), m.n(4, 2))),
+    "linalg_multi_dot": lambda m: torch.linalg.multi_dot([m.n(2, 3), m.n(3, 4), m.n(4, 2)]),
+    "einsum": lambda m: torch.einsum("ij,jk->ik", m.n(2, 3), m.n(3, 2)),
+    "scaled_dot_product_attention": lambda m: F.scaled_dot_product_attention(
+        m.n(1, 2, 4, 8), m.n(1, 2, 4, 8), m.n(1, 2, 4, 8)),
+    "_native_multi_head_attention": lambda m: (lambda q: torch._native_multi_head_attention(
+        q, q, q, 8, 2, m.n(24, 8), m.n(24), m.n(8, 8), m.n(8))[0])(m.n(2, 3, 8)),
+    "lstm_cell": lambda m: torch.lstm_cell(m.n(2, 3), [m.n(2, 4), m.n(2, 4)], m.n(16, 3),
+                                           m.n(16, 4))[0],
+    "gru_cell": lambda m: torch.gru_cell(m.n(2, 3), m.n(2, 4), m.n(12, 3), m.n(12, 4)),
+    "rnn_tanh_cell": lambda m: torch.rnn_tanh_cell(m.n(2, 3), m.n(2, 4), m.n(4, 3), m.n(4, 4)),
+    "rnn_relu_cell": lambda m: torch.rnn_relu_cell(m.n(2, 3), m.n(2, 4), m.n(4, 3), m.n(4, 4)),
 }
+
+
+def _u(fn):
+    return lambda m: fn(m.r(2, 3))
+
+
+def _upsample(name, rank, *align):
+    """The "" overload (sizes) and the ".vec" one (optional sizes, optional scales)."""
+    shape, size = [(1, 1, 4), (1, 1, 2, 2), (1, 1, 2, 2, 2)][rank - 1], [[8], [4, 4], [4, 4, 4]][
+        rank - 1]
+    if name.endswith("_aa"):
+        shape, size = (1, 1, 4, 4), [2, 3]
+    op = getattr(aten, name)
+    return {name: lambda m: op.default(m.r(*shape), size, *align),
+            name + ".vec": lambda m: op.vec(m.r(*shape), size, *align, None)}
+
+
 FP32 = {
-    "softmax": lambda t: torch.softmax(r(2, 3, dtype=t), 1),
-    "log_softmax": lambda t: F.log_softmax(r(2, 3, dtype=t), 1),
-    "gelu": lambda t: F.gelu(r(2, 3, dtype=t)),
-    "layer_norm": lambda t: F.layer_norm(r(2, 3, dtype=t), (3,)),
-    "exp": lambda t: torch.exp(r(3, dtype=t)),
-    "sum": lambda t: torch.sum(r(3, dtype=t)),
-    "pow": lambda t: torch.pow(r(3, dtype=t), 2),
-    "cumsum": lambda t: torch.cumsum(r(3, dtype=t), 0),
-    "mse_loss": lambda t: F.mse_loss(r(4, dtype=t), r(4, dtype=t)),
-    "cross_entropy": lambda t: F.cross_entropy(r(2, 3, dtype=t), torch.tensor([0, 2])),
-    "interpolate_nearest": lambda t: F.interpolate(r(1, 1, 4, 4, dtype=t), scale_factor=2.0),
-    "interpolate_nearest_exact": lambda t: F.interpolate(
-        r(1, 1, 4, 4, dtype=t), scale_factor=2.0, mode="nearest-exact"),
-    "interpolate_nearest_exact_1d": lambda t: F.interpolate(
-        r(1, 1, 4, dtype=t), size=7, mode="nearest-exact"),
-    "interpolate_bilinear": lambda t: F.interpolate(
-        r(1, 1, 4, 4, dtype=t), size=(3, 5), mode="bilinear"),
-    "interpolate_bilinear_antialias": lambda t: F.interpolate(
-        r(1, 1, 4, 4, dtype=t), size=(2, 3), mode="bilinear", antialias=True),
-    "interpolate_bicubic_antialias": lambda t: F.interpolate(
-        r(1, 1, 4, 4, dtype=t), size=(2, 3), mode="bicubic", antialias=True),
+    **_upsample("upsample_nearest1d", 1),
+    **_upsample("upsample_nearest2d", 2),
+    **_upsample("upsample_nearest3d", 3),
+    **_upsample("upsample_linear1d", 1, False),
+    **_upsample("upsample_bilinear2d", 2, False),
+    **_upsample("upsample_bicubic2d", 2, False),
+    **_upsample("upsample_trilinear3d", 3, False),
+    **_upsample("_upsample_nearest_exact1d", 1),
+    **_upsample("_upsample_nearest_exact2d", 2),
+    **_upsample("_upsample_nearest_exact3d", 3),
+    **_upsample("_upsample_bilinear2d_aa", 2, False),
+    **_upsample("_upsample_bicubic2d_aa", 2, False),
+    "avg_pool3d": lambda m: F.avg_pool3d(m.r(1, 1, 4, 4, 4), 2),
+    "grid_sampler": lambda m: torch.grid_sampler(m.r(1, 1, 3, 3), m.r(1, 2, 2, 2) - 1.0, 0, 0,
+                                                 False),
+    "softplus": _u(F.softplus),
+    "softmax.int": _u(lambda x: torch.softmax(x, 1)),
+    "log_softmax.int": _u(lambda x: torch.log_softmax(x, 1)),
+    "gelu": _u(F.gelu),
+    "layer_norm": _u(lambda x: F.layer_norm(x, (3,))),
+    "group_norm": lambda m: F.group_norm(m.r(2, 4, 3), 2),
+    "cosine_similarity": lambda m: F.cosine_similarity(m.r(2, 3), m.r(2, 3)),
+    "acos": _u(lambda x: torch.acos(x - 1.0)),
+    "asin": _u(lambda x: torch.asin(x - 1.0)),
+    "cosh": _u(torch.cosh),
+    "erfinv": _u(lambda x: torch.erfinv(x - 1.0)),
+    "exp": _u(torch.exp),
+    "expm1": _u(torch.expm1),
+    "log": _u(torch.log),
+    "log10": _u(torch.log10),
+    "log2": _u(torch.log2),
+    "log1p": _u(torch.log1p),
+    "reciprocal": _u(torch.reciprocal),
+    "rsqrt": _u(torch.rsqrt),
+    "sinh": _u(torch.sinh),
+    "tan": _u(torch.tan),
+    "pow.Tensor_Scalar": _u(lambda x: torch.pow(x, 2)),
+    "pow.Tensor_Tensor": _u(lambda x: torch.pow(x, x)),
+    "pow.Scalar": _u(lambda x: torch.pow(2.0, x)),
+    "cumprod": _u(lambda x: torch.cumprod(x, 1)),
+    "cumsum": _u(lambda x: torch.cumsum(x, 1)),
+    "dist": _u(lambda x: torch.dist(x, x * 2)),
+    "norm.Scalar": _u(aten.norm.Scalar),
+    "norm.ScalarOpt_dim": _u(lambda x: aten.norm.ScalarOpt_dim(x, 2, [1])),
+    # The overloads with a required dtype: the result has the caller's dtype (fp32 here).
+    "norm.ScalarOpt_dim_dtype": _u(
+        lambda x: aten.norm.ScalarOpt_dim_dtype(x, 2, [1], False, dtype=torch.float32)),
+    "norm.ScalarOpt_dtype": _u(lambda x: aten.norm.ScalarOpt_dtype(x, 2, dtype=torch.float32)),
+    "linalg_vector_norm": _u(torch.linalg.vector_norm),
+    "prod": _u(torch.prod),
+    "prod.dim_int": _u(lambda x: torch.prod(x, 1)),
+    "std": _u(lambda x: aten.std.default(x, True)),
+    "std.dim": _u(lambda x: aten.std.dim(x, [1], True)),
+    "std.correction": _u(lambda x: aten.std.correction(x, [1], correction=1)),
+    "sum": _u(torch.sum),
+    "sum.dim_IntList": _u(lambda x: torch.sum(x, [1])),
+    "var": _u(lambda x: aten.var.default(x, True)),
+    "var.dim": _u(lambda x: aten.var.dim(x, [1], True)),
+    "var.correction": _u(lambda x: aten.var.correction(x, [1], correction=1)),
+    "renorm": _u(lambda x: torch.renorm(x, 2, 0, 1)),
+    # losses
+    "nll_loss": lambda m: aten.nll_loss(m.r(4, 3), m.idx(0, 1, 2, 1)),
+    "nll_loss2d": lambda m: aten.nll_loss2d(m.r(2, 3, 2, 2),
+                                            m.idx(0, 1, 2, 1, 2, 0, 1, 1).view(2, 2, 2)),
+    "nll_loss_nd": lambda m: F.nll_loss(m.r(4, 3), m.idx(0, 1, 2, 1)),
+    "cross_entropy_loss": lambda m: F.cross_entropy(m.r(4, 3), m.idx(0, 1, 2, 1)),
+    "mse_loss": lambda m: F.mse_loss(m.r(4), m.r(4)),
+    "l1_loss": lambda m: F.l1_loss(m.r(4), m.r(4)),
+    "smooth_l1_loss": lambda m: F.smooth_l1_loss(m.r(4), m.r(4)),
+    "huber_loss": lambda m: F.huber_loss(m.r(4), m.r(4)),
+    "kl_div": lambda m: torch.kl_div(m.r(4), m.r(4)),
+    "binary_cross_entropy_with_logits": lambda m: F.binary_cross_entropy_with_logits(
+        m.r(4), m.r(4) - 0.5),
+    "soft_margin_loss": lambda m: F.soft_margin_loss(m.r(4), m.r(4)),
+    "multi_margin_loss": lambda m: F.multi_margin_loss(m.r(4, 3), m.idx(0, 1, 2, 1)),
+    "multilabel_margin_loss": lambda m: F.multilabel_margin_loss(
+        m.r(2, 3), m.idx(0, 2, -1, 1, -1, 0).view(2, 3)),
+    "hinge_embedding_loss": lambda m: F.hinge_embedding_loss(m.r(4), m.signs()),
+    "margin_ranking_loss": lambda m: F.margin_ranking_loss(m.r(4), m.r(4), m.signs()),
+    "cosine_embedding_loss": lambda m: F.cosine_embedding_loss(m.r(4, 3), m.r(4, 3), m.signs()),
+    "poisson_nll_loss": lambda m: F.poisson_nll_loss(m.r(4), m.r(4)),
+    "triplet_margin_loss": lambda m: F.triplet_margin_loss(m.r(4, 3), m.r(4, 3), m.r(4, 3)),
+    # ctc: log-probs made in fp32, handed over in the case's dtype; 5 steps, batch 2, 4 classes.
+    "ctc_loss.IntList": lambda m: torch.ctc_loss(
+        torch.log_softmax(torch.randn(5, 2, 4, device=m.d), 2).to(m.t),
+        m.idx(1, 2, 1, 3).view(2, 2), [5, 5], [2, 2]),
+    "ctc_loss.Tensor": lambda m: torch.ctc_loss(
+        torch.log_softmax(torch.randn(5, 2, 4, device=m.d), 2).to(m.t),
+        m.idx(1, 2, 1, 3).view(2, 2), m.idx(5, 5), m.idx(2, 2)),
 }
+
+# Mixed widths: the first input in the low dtype, the second in fp32.
 PROMOTE = {
-    "dot": lambda t: torch.dot(r(3, dtype=t), r(3)),
-    "addcmul": lambda t: torch.addcmul(r(3, dtype=t), r(3), r(3, dtype=t)),
-    "cross": lambda t: torch.linalg.cross(r(2, 3, dtype=t), r(2, 3)),
-    "add": lambda t: torch.add(r(3, dtype=t), r(3)),
-    "cat": lambda t: torch.cat([r(3, dtype=t), r(3)]),
-    "stack": lambda t: torch.stack([r(3, dtype=t), r(3)]),
+    "addcdiv": lambda m: torch.addcdiv(m.r(3), m.hi(3), m.r(3)),
+    "addcmul": lambda m: torch.addcmul(m.r(3), m.hi(3), m.r(3)),
+    "atan2": lambda m: torch.atan2(m.r(3), m.hi(3)),
+    "cross": lambda m: torch.cross(m.r(2, 3), m.hi(2, 3), 1),
+    "linalg_cross": lambda m: torch.linalg.cross(m.r(2, 3), m.hi(2, 3)),
+    "bilinear": lambda m: torch.bilinear(m.r(2, 3), m.hi(2, 4), m.hi(5, 3, 4), None),
+    "dot": lambda m: torch.dot(m.r(3), m.hi(3)),
+    "vdot": lambda m: torch.vdot(m.r(3), m.hi(3)),
+    "add.Tensor": lambda m: torch.add(m.r(3), m.hi(3)),
+    "sub.Tensor": lambda m: torch.sub(m.r(3), m.hi(3)),
+    "mul.Tensor": lambda m: torch.mul(m.r(3), m.hi(3)),
+    "div.Tensor": lambda m: torch.div(m.r(3), m.hi(3)),
+    "eq.Tensor": lambda m: torch.eq(m.r(3), m.hi(3)),
+    "ne.Tensor": lambda m: torch.ne(m.r(3), m.hi(3)),
+    "lt.Tensor": lambda m: torch.lt(m.r(3), m.hi(3)),
+    "le.Tensor": lambda m: torch.le(m.r(3), m.hi(3)),
+    "gt.Tensor": lambda m: torch.gt(m.r(3), m.hi(3)),
+    "ge.Tensor": lambda m: torch.ge(m.r(3), m.hi(3)),
+    "cat": lambda m: torch.cat([m.r(3), m.hi(3)]),
+    "stack": lambda m: torch.stack([m.r(3), m.hi(3)]),
+    "index_put": lambda m: torch.index_put(m.r(4), (m.idx(1, 2),), m.hi(2)),
+    "tensordot": lambda m: torch.tensordot(m.r(2, 3), m.hi(3, 4), ([1], [0])),
+    # A low-precision table with fp32 per-sample weights (mode sum): 4 indices in 2 bags.
+    "embedding_bag": lambda m: aten.embedding_bag.default(
+        m.r(5, 3), m.idx(0, 1, 2, 3), m.idx(0, 2), False, 0, False, m.hi(4))[0],
+    "embedding_bag.padding_idx": lambda m: F.embedding_bag(
+        m.idx(0, 1, 2, 3), m.r(5, 3), m.idx(0, 2), mode="sum", per_sample_weights=m.hi(4),
+        padding_idx=4),
 }
+# Comparisons return bool whatever they compare in; the widening shows in cast_count().
+RESULT = {f"{op}.Tensor": torch.bool for op in ("eq", "ne", "lt", "le", "gt", "ge")}
+
+# ---- public Python paths that reach a different operator than the C++ case -----------------
+LOWER_PY = {
+    "nn.Linear": lambda m: torch.nn.Linear(3, 2).to(m.d)(m.n(2, 3)),
+    "nn.LSTMCell": lambda m: torch.nn.LSTMCell(3, 4).to(m.d)(m.n(2, 3))[0],
+    "einsum_batched": lambda m: torch.einsum("bij,bjk->bik", m.n(2, 2, 3), m.n(2, 3, 2)),
+}
+FP32_PY = {
+    "F.kl_div": lambda m: F.kl_div(m.r(4), m.r(4), reduction="batchmean"),
+    "torch.norm": _u(torch.norm),
+    "torch.std": _u(torch.std),
+    "F.grid_sample": lambda m: F.grid_sample(m.r(1, 1, 3, 3), m.r(1, 2, 2, 2) - 1.0,
+                                             align_corners=False),
+    "interpolate_nearest": lambda m: F.interpolate(m.r(1, 1, 4, 4), scale_factor=2.0),
+    "interpolate_nearest_exact_1d": lambda m: F.interpolate(m.r(1, 1, 4), size=7,
+                                                            mode="nearest-exact"),
+    "interpolate_bilinear": lambda m: F.interpolate(m.r(1, 1, 4, 4), size=(3, 5), mode="bilinear"),
+    "interpolate_bicubic_antialias": lambda m: F.interpolate(m.r(1, 1, 4, 4), size=(2, 3),
+                                                             mode="bicubic", antialias=True),
+}
+PROMOTE_PY = {
+    "operator*": lambda m: m.r(3) * m.hi(3),
+    "F.bilinear": lambda m: F.bilinear(m.r(2, 3), m.hi(2, 4), m.hi(5, 3, 4)),
+    "F.embedding_bag": lambda m: F.embedding_bag(
+        m.idx(0, 1, 2, 3), m.r(5, 3), m.idx(0, 2), mode="sum", per_sample_weights=m.hi(4)),
+}
+TABLES = {"lower": LOWER, "fp32": FP32, "promote": PROMOTE}
 
 
-@pytest.mark.parametrize("level", list(LEVELS))
-def test_tables_through_initialize(fresh, level):  # noqa: F811
-    low = LEVELS[level]
-    init(Mlp(), opt_level=level)
-    for name, run in LOWER.items():
-        assert run(torch.float32).dtype == low, name
-        assert run(low).dtype == low, name
-    for name, run in FP32.items():
-        assert run(low).dtype == torch.float32, name
-        assert run(torch.float32).dtype == torch.float32, name
-    for name, run in PROMOTE.items():
-        assert run(low).dtype == torch.float32, name
-    a = r(3, dtype=low)
+def test_every_table_entry_has_a_python_case():
+    """The keys above are exactly the lower / fp32 / promote entries of the built policy table
+    (read in a fresh process: this one's registrations would show up in the report)."""
+    report = subprocess.run([sys.executable, "-c", "import optamp; print(optamp.policy_report())"],
+                            capture_output=True, text=True, check=True, timeout=120).stdout
+    entries = {"lower": set(), "fp32": set(), "promote": set()}
+    for line in report.splitlines()[1:]:
+        m = re.fullmatch(r"  aten::(\S+): (lower|fp32|fp32 \(loss\)|promote|banned)", line)
+        if m and m.group(2) != "banned":
+            entries[m.group(2).split()[0]].add(m.group(1))
+    assert sum(map(len, entries.values())) > 100, report
+    for category, table in TABLES.items():
+        assert set(table) == entries[category], (category, sorted(set(table) ^ entries[category]))
+
+
+def _top_level_ops(fn):
+    with torch.autograd.profiler.profile() as prof:
+        fn()
+    return {e.name for e in prof.function_events if e.cpu_parent is None}
+
+
+def test_every_case_calls_its_operator(fresh):  # noqa: F811
+    init(Mlp(), opt_level="O1")
+    for category, table in TABLES.items():
+        for name, run in table.items():
+            ops = _top_level_ops(lambda: run(In(torch.float16, "cpu")))
+            assert "aten::" + name.split(".")[0] in ops, (category, name, sorted(ops))
+
+
+def _check_tables(low, device):
+    m = In(low, device)
+    f = In(torch.float32, device)
+    for name, run in {**LOWER, **LOWER_PY}.items():
+        assert run(f).dtype == low, name
+        assert run(m).dtype == low, name
+    for name, run in {**FP32, **FP32_PY}.items():
+        assert run(m).dtype == torch.float32, name
+        assert run(f).dtype == torch.float32, name
+    for name, run in {**PROMOTE, **PROMOTE_PY}.items():
+        before = optamp.cast_count()
+        assert run(m).dtype == RESULT.get(name, torch.float32), name
+        assert optamp.cast_count() > before, f"{name}: no input was cast"
+    # Same widths: left alone.
+    a = r(3, dtype=low, device=device)
+    before = optamp.cast_count()
     assert torch.add(a, a).dtype == low
-    p = torch.rand(4).clamp(0.1, 0.9)
+    assert torch.cat([a, a]).dtype == low
+    assert torch.eq(a, a).dtype == torch.bool
+    assert optamp.cast_count() == before
+    p = torch.rand(4, device=device).clamp(0.1, 0.9)
     with pytest.raises(RuntimeError, match="binary_cross_entropy_with_logits"):
         F.binary_cross_entropy(p, p)
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+@pytest.mark.parametrize("level", list(LEVELS))
+def test_tables_through_initialize(fresh, level, device):  # noqa: F811
+    """Every C++ table case (and the Python-only paths) on the CPU, and on CUDA when visible."""
+    init(Mlp().to(device), opt_level=level)
+    _check_tables(LEVELS[level], device)
 
 
 def test_doubles_ints_and_no_grad_are_left_alone(fresh):  # noqa: F811
@@ -217,6 +470,61 @@ def test_register_ops_and_errors(fresh):  # noqa: F811
     assert torch.outer(r(3), r(3)).dtype == torch.float16
     optamp.register_float_op("aten::outer")  # newest wins
     assert torch.outer(r(3, dtype=torch.float16), r(3, dtype=torch.float16)).dtype == torch.float32
+
+
+# A dispatcher op of this test's own (the Python twin of the C++ tests' optamp_test library):
+# it refuses mixed dtypes, as many kernels do, so only a promote policy makes mixed calls work.
+_LIB = torch.library.Library("optamp_pytest", "DEF")
+_LIB.define("blend(Tensor a, Tensor b) -> Tensor")
+
+
+def _blend(a, b):
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"blend: mixed dtypes {a.dtype} and {b.dtype}")
+    return (a + b) / 2
+
+
+_LIB.impl("blend", _blend, "CompositeExplicitAutograd")
+
+
+def test_register_promote_op(fresh):  # noqa: F811
+    lo, hi = r(3, dtype=torch.bfloat16), r(3)
+    # aten::lerp is in no list, and its kernel refuses mixed dtypes.
+    with pytest.raises(RuntimeError, match="expected dtype"):
+        torch.lerp(lo, hi, 0.5)
+    optamp.register_promote_op("aten::lerp")  # before initialize: takes effect at initialize
+    with pytest.raises(RuntimeError, match="expected dtype"):
+        torch.lerp(lo, hi, 0.5)  # casting is not on yet
+    init(Mlp(), opt_level="O4")
+    before = optamp.cast_count()
+    out = torch.lerp(lo, hi, 0.5)  # lerp.Scalar
+    assert out.dtype == torch.float32 and optamp.cast_count() > before
+    torch.testing.assert_close(out, torch.lerp(lo.float(), hi, 0.5))
+    assert torch.lerp(lo, hi, torch.full((3,), 0.5)).dtype == torch.float32  # lerp.Tensor
+    assert torch.lerp(lo, lo, 0.5).dtype == torch.bfloat16  # same widths: left alone
+    with optamp.disable_casts():
+        with pytest.raises(RuntimeError, match="expected dtype"):
+            torch.lerp(lo, hi, 0.5)
+
+    blend = torch.ops.optamp_pytest.blend
+    with pytest.raises(RuntimeError, match="blend: mixed dtypes"):
+        blend(lo, hi)
+    optamp.register_promote_op("optamp_pytest::blend")  # after initialize: applies at once
+    out = blend(lo, hi)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, (lo.float() + hi) / 2)
+    assert blend(lo, lo).dtype == torch.bfloat16
+    report = optamp.policy_report()
+    assert "optamp_pytest::blend: promote" in report and "aten::lerp.Scalar: promote" in report
+    # Promote policies act at O1/O4 and in autocast regions only, not at O2.
+    optamp.reset()
+    init(Mlp(), opt_level="O5")
+    with pytest.raises(RuntimeError, match="blend: mixed dtypes"):
+        blend(lo, hi)
+    with optamp.autocast(dtype=torch.bfloat16):
+        assert blend(lo, hi).dtype == torch.float32
+    with pytest.raises(ValueError, match="nosuchns::nosuchop"):
+        optamp.register_promote_op("nosuchns::nosuchop")
 
 
 class _Funcs:
