@@ -1,5 +1,6 @@
 """optamp.initialize from Python: return shapes, optimizers, validation, levels, outputs."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -24,13 +25,16 @@ class MySGD(torch.optim.Optimizer):
 
 
 OPTIMIZERS = {
-    "SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-    "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
-    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-    "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
-    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
-    "custom": lambda ps: MySGD(ps, lr=0.1),
+    "SGD": lambda ps, eps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "Adam": lambda ps, eps: torch.optim.Adam(ps, lr=1e-2, **eps),
+    "AdamW": lambda ps, eps: torch.optim.AdamW(ps, lr=1e-2, **eps),
+    "RMSprop": lambda ps, eps: torch.optim.RMSprop(ps, lr=1e-2, **eps),
+    "Adagrad": lambda ps, eps: torch.optim.Adagrad(ps, lr=1e-2, **eps),
+    "custom": lambda ps, eps: MySGD(ps, lr=0.1),
 }
+# The dtype the optimizer steps (the model's parameters) at each level.
+PARAM_DTYPE = {"O1": torch.float32, "O2": torch.float32, "O3": torch.float16,
+               "O4": torch.float32, "O5": torch.float32}
 
 
 def step(model, opt, x, y, **kw):
@@ -43,22 +47,31 @@ def step(model, opt, x, y, **kw):
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-@pytest.mark.parametrize("level", ["O4", "O5"])
+@pytest.mark.parametrize("level", list(PARAM_DTYPE))
 def test_every_optimizer_trains(fresh, name, level):  # noqa: F811
     model = Mlp()
-    opt = OPTIMIZERS[name](model.parameters())
-    # Some optimizer state before initialize (the device check reads it).
-    F.cross_entropy(model(torch.randn(4, 4)), torch.tensor([0, 1, 2, 0])).backward()
-    opt.step()
-    m2, o2 = init(model, opt, opt_level=level)
+    # O3 steps fp16 weights: eps >= 1e-4 (docs/opt_levels.md, O3 caveats); the defaults warn.
+    eps = dict(eps=1e-4) if level == "O3" else {}
+    opt = OPTIMIZERS[name](model.parameters(), eps)
+    if level != "O3":
+        # Some optimizer state before initialize (the device check reads it). Not at O3: state
+        # made for the fp32 weights stays fp32 after they are cast to fp16.
+        F.cross_entropy(model(torch.randn(4, 4)), torch.tensor([0, 1, 2, 0])).backward()
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eps warning at O3 with eps=1e-4
+        m2, o2 = init(model, opt, opt_level=level)
     assert m2 is model and o2 is opt
     before = [p.detach().clone() for p in model.parameters()]
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     for _ in range(3):
         loss = step(model, opt, x, y)
     assert torch.isfinite(loss)
-    assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.dtype == PARAM_DTYPE[level] for p in model.parameters())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert optamp.loss_scaler().skipped_steps == 0
+    assert model(x).dtype == (torch.float16 if level in ("O1", "O2", "O3") else torch.bfloat16)
 
 
 def test_return_shapes_follow_the_inputs(fresh):  # noqa: F811
@@ -179,6 +192,37 @@ def test_properties_and_verbosity(fresh, capfd):  # noqa: F811
     assert optamp.loss_scaler().loss_scale() == 128.0
     optamp.reset()
     assert optamp.properties() is None and not optamp.is_initialized()
+
+
+def _overflowing_steps(opt_level, verbosity, **kw):
+    """One clean step, then one overflowing step per loss (two losses: ids 0 and 1)."""
+    torch.manual_seed(0)
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    optamp.initialize(model, opt, opt_level=opt_level, verbosity=verbosity, num_losses=2, **kw)
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    for poison in (1.0, math.inf):
+        for loss_id in (0, 1):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y) * poison
+            with optamp.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+                scaled.backward()
+            opt.step()
+            assert optamp.loss_scaler(loss_id).last_step_skipped == (poison == math.inf)
+
+
+def test_overflow_is_logged_apex_style_at_verbosity_1_only(fresh, capfd):  # noqa: F811
+    _overflowing_steps("O1", 1)  # default init_scale 65536
+    out, err = capfd.readouterr()
+    assert "Selected optimization level O1" in out  # the report, on stdout
+    # Printed by the C++ scaler on stderr, one line per skipped step, none for the clean ones.
+    assert err.splitlines() == [
+        "Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 32768.0",
+        "Gradient overflow. Skipping step, loss scaler 1 reducing loss scale to 32768.0",
+    ], err
+    optamp.reset()
+    _overflowing_steps("O1", 0)
+    assert capfd.readouterr() == ("", "")  # verbosity 0: neither the report nor the log
 
 
 def test_errors_from_cpp_keep_their_text(fresh):  # noqa: F811
