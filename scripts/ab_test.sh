@@ -65,8 +65,10 @@ else
   trainer=("$bin")
 fi
 
-# fp16 kernels on a CPU are slow (about 2 s a step for this CNN on 2 cores, 55x fp32): keep the
-# default CPU run short so O0/O1/O2 finish well inside 10 minutes; GPUs run a real schedule.
+# fp16 kernels on a CPU are slow: 80-475 ms a step for this CNN on 2 cores, 4.7-25.6x O0,
+# depending on the CPU (docs/ab_test.md has the numbers). Keep the default CPU run short (300
+# steps: up to about 2.5 min per fp16 level) so the five default levels finish inside 10 minutes;
+# GPUs run a real schedule.
 if [[ -z "$steps" ]]; then [[ "$device" == cuda ]] && steps=1000 || steps=300; fi
 if [[ -z "$levels" ]]; then [[ "$device" == cuda ]] && levels="O0,O1,O2" || levels="O0,O1,O2,O4,O5"; fi
 args=(--device "$device" --steps "$steps" --batch-size "$batch" --seed "$seed"
