@@ -78,6 +78,11 @@ const std::vector<TableEntry>& builtin_table() {
       {"aten::_upsample_bicubic2d_aa", "", F},
       {"aten::_upsample_bicubic2d_aa", "vec", F},
       {"aten::grid_sampler", "", F},
+      // Apex's local_response_norm: F.local_response_norm (and torch::nn::functional's) pools
+      // the squared input with avg_pool3d for 4-D/5-D input (avg_pool2d for 3-D), and CPU has
+      // no fp16/bf16 avg_pool3d kernel. avg_pool2d stays uncast: its result is raised to fp32 by
+      // the pow that follows, and it runs in fp16/bf16 everywhere.
+      {"aten::avg_pool3d", "", F},
       {"aten::softplus", "", F},
       {"aten::gelu", "", F},
       {"aten::layer_norm", "", F},

@@ -1,14 +1,21 @@
 // O1/O4 op-level casting on optamp's dispatch key (ARCHITECTURE §1-§2).
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/library.h>
+#include <torch/nn/functional/normalization.h>
+#include <torch/nn/module.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <functional>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "cache/cast_cache.h"
 #include "core/step_events.h"
@@ -71,10 +78,21 @@ at::Tensor targets(std::initializer_list<int64_t> v) {
   return at::tensor(v, at::kLong).to(g_case_device);
 }
 
+// One representative call of one table entry. `name` is the entry ("op" or "op.overload", in
+// aten::), and the call must dispatch exactly that overload at the top level:
+// EveryTableEntryHasACaseThatCallsIt checks both against builtin_table().
 struct OpCase {
   const char* name;
   std::function<at::Tensor(ScalarType)> run;  // builds inputs of the given dtype, runs the op
+  // The op's result dtype whatever it computes in (comparisons: bool); Undefined = the dtype
+  // the policy computes in.
+  ScalarType result = ScalarType::Undefined;
 };
+
+// +1/-1 targets of the margin losses, in dtype t.
+at::Tensor signs(ScalarType t) {
+  return at::tensor({1.0, -1.0, 1.0, -1.0}, on_device(at::kFloat)).to(t);
+}
 
 std::vector<OpCase> lower_cases() {
   auto r = [](at::IntArrayRef s, ScalarType t) { return at::randn(s, on_device(t)); };
@@ -91,15 +109,39 @@ std::vector<OpCase> lower_cases() {
        [r](ScalarType t) {
          return at::conv3d(r({1, 2, 4, 4, 4}, t), r({3, 2, 3, 3, 3}, t));
        }},
+      {"conv1d.padding",
+       [r](ScalarType t) {
+         return at::conv1d(r({1, 2, 8}, t), r({3, 2, 3}, t), {}, 1, "same");
+       }},
+      {"conv2d.padding",
+       [r](ScalarType t) {
+         return at::conv2d(r({1, 2, 6, 6}, t), r({3, 2, 3, 3}, t), {}, 1, "same");
+       }},
+      {"conv3d.padding",
+       [r](ScalarType t) {
+         return at::conv3d(r({1, 2, 4, 4, 4}, t), r({3, 2, 3, 3, 3}, t), {}, 1, "valid");
+       }},
+      {"convolution",
+       [r](ScalarType t) {
+         return at::convolution(r({1, 2, 6, 6}, t), r({3, 2, 3, 3}, t), r({3}, t), {1, 1}, {0, 0},
+                                {1, 1}, /*transposed=*/false, {0, 0}, /*groups=*/1);
+       }},
+      {"_convolution",
+       [r](ScalarType t) {
+         return at::_convolution(r({1, 2, 6, 6}, t), r({3, 2, 3, 3}, t), r({3}, t), {1, 1}, {0, 0},
+                                 {1, 1}, /*transposed=*/false, {0, 0}, /*groups=*/1,
+                                 /*benchmark=*/false, /*deterministic=*/false,
+                                 /*cudnn_enabled=*/true, /*allow_tf32=*/false);
+       }},
       {"conv_transpose1d",
        [r](ScalarType t) {
          return at::conv_transpose1d(r({1, 2, 5}, t), r({2, 3, 3}, t));
        }},
-      {"conv_transpose2d",
+      {"conv_transpose2d.input",
        [r](ScalarType t) {
          return at::conv_transpose2d(r({1, 2, 4, 4}, t), r({2, 3, 3, 3}, t));
        }},
-      {"conv_transpose3d",
+      {"conv_transpose3d.input",
        [r](ScalarType t) {
          return at::conv_transpose3d(r({1, 2, 3, 3, 3}, t), r({2, 3, 2, 2, 2}, t));
        }},
@@ -151,6 +193,10 @@ std::vector<OpCase> lower_cases() {
        [r](ScalarType t) {
          return at::bmm(r({3, 2, 4}, t), r({3, 4, 2}, t));
        }},
+      {"chain_matmul",  // deprecated (warns once), still dispatched
+       [r](ScalarType t) {
+         return at::chain_matmul({r({2, 3}, t), r({3, 4}, t), r({4, 2}, t)});
+       }},
       {"linalg_multi_dot",
        [r](ScalarType t) {
          return at::linalg_multi_dot({r({2, 3}, t), r({3, 4}, t), r({4, 2}, t)});
@@ -163,6 +209,12 @@ std::vector<OpCase> lower_cases() {
        [r](ScalarType t) {
          return at::scaled_dot_product_attention(r({1, 2, 4, 8}, t), r({1, 2, 4, 8}, t),
                                                  r({1, 2, 4, 8}, t));
+       }},
+      {"_native_multi_head_attention",  // what nn.MultiheadAttention's fast path calls
+       [r](ScalarType t) {
+         auto q = r({2, 3, 8}, t);  // batch 2, 3 tokens, embed_dim 8, 2 heads
+         return std::get<0>(at::_native_multi_head_attention(q, q, q, 8, 2, r({24, 8}, t),
+                                                             r({24}, t), r({8, 8}, t), r({8}, t)));
        }},
       {"lstm_cell",
        [r](ScalarType t) {
@@ -177,6 +229,10 @@ std::vector<OpCase> lower_cases() {
        [r](ScalarType t) {
          return at::rnn_tanh_cell(r({2, 3}, t), r({2, 4}, t), r({4, 3}, t), r({4, 4}, t));
        }},
+      {"rnn_relu_cell",
+       [r](ScalarType t) {
+         return at::rnn_relu_cell(r({2, 3}, t), r({2, 4}, t), r({4, 3}, t), r({4, 4}, t));
+       }},
   };
 }
 
@@ -185,14 +241,113 @@ std::vector<OpCase> fp32_cases() {
   auto u = [r](const char* name, at::Tensor (*fn)(const at::Tensor&)) {
     return OpCase{name, [r, fn](ScalarType t) { return fn(r({2, 3}, t)); }};
   };
+  // The ".vec" upsample overloads (what F.interpolate calls) take optional sizes and optional
+  // scale factors; spelling the scales' type keeps the "" overload (sizes, optional<double>
+  // scales) out of overload resolution.
+  const std::optional<at::ArrayRef<double>> no_scales;
+  const std::vector<int64_t> s1{8}, s2{4, 4}, s3{4, 4, 4};
   return {
+      {"upsample_nearest1d",
+       [r](ScalarType t) {
+         return at::upsample_nearest1d(r({1, 1, 4}, t), {8});
+       }},
+      {"upsample_nearest1d.vec",
+       [=](ScalarType t) {
+         return at::upsample_nearest1d(r({1, 1, 4}, t), s1, no_scales);
+       }},
       {"upsample_nearest2d",
        [r](ScalarType t) {
          return at::upsample_nearest2d(r({1, 1, 2, 2}, t), {4, 4});
        }},
+      {"upsample_nearest2d.vec",
+       [=](ScalarType t) {
+         return at::upsample_nearest2d(r({1, 1, 2, 2}, t), s2, no_scales);
+       }},
+      {"upsample_nearest3d",
+       [r](ScalarType t) {
+         return at::upsample_nearest3d(r({1, 1, 2, 2, 2}, t), {4, 4, 4});
+       }},
+      {"upsample_nearest3d.vec",
+       [=](ScalarType t) {
+         return at::upsample_nearest3d(r({1, 1, 2, 2, 2}, t), s3, no_scales);
+       }},
+      {"upsample_linear1d",
+       [r](ScalarType t) {
+         return at::upsample_linear1d(r({1, 1, 4}, t), {8}, false);
+       }},
+      {"upsample_linear1d.vec",
+       [=](ScalarType t) {
+         return at::upsample_linear1d(r({1, 1, 4}, t), s1, false, no_scales);
+       }},
       {"upsample_bilinear2d",
        [r](ScalarType t) {
          return at::upsample_bilinear2d(r({1, 1, 2, 2}, t), {4, 4}, false);
+       }},
+      {"upsample_bilinear2d.vec",
+       [=](ScalarType t) {
+         return at::upsample_bilinear2d(r({1, 1, 2, 2}, t), s2, false, no_scales);
+       }},
+      {"upsample_bicubic2d",
+       [r](ScalarType t) {
+         return at::upsample_bicubic2d(r({1, 1, 2, 2}, t), {4, 4}, false);
+       }},
+      {"upsample_bicubic2d.vec",
+       [=](ScalarType t) {
+         return at::upsample_bicubic2d(r({1, 1, 2, 2}, t), s2, false, no_scales);
+       }},
+      {"upsample_trilinear3d",
+       [r](ScalarType t) {
+         return at::upsample_trilinear3d(r({1, 1, 2, 2, 2}, t), {4, 4, 4}, false);
+       }},
+      {"upsample_trilinear3d.vec",
+       [=](ScalarType t) {
+         return at::upsample_trilinear3d(r({1, 1, 2, 2, 2}, t), s3, false, no_scales);
+       }},
+      {"_upsample_nearest_exact1d",
+       [r](ScalarType t) {
+         return at::_upsample_nearest_exact1d(r({1, 1, 4}, t), {8});
+       }},
+      {"_upsample_nearest_exact1d.vec",
+       [=](ScalarType t) {
+         return at::_upsample_nearest_exact1d(r({1, 1, 4}, t), s1, no_scales);
+       }},
+      {"_upsample_nearest_exact2d",
+       [r](ScalarType t) {
+         return at::_upsample_nearest_exact2d(r({1, 1, 2, 2}, t), {4, 4});
+       }},
+      {"_upsample_nearest_exact2d.vec",
+       [=](ScalarType t) {
+         return at::_upsample_nearest_exact2d(r({1, 1, 2, 2}, t), s2, no_scales);
+       }},
+      {"_upsample_nearest_exact3d",
+       [r](ScalarType t) {
+         return at::_upsample_nearest_exact3d(r({1, 1, 2, 2, 2}, t), {4, 4, 4});
+       }},
+      {"_upsample_nearest_exact3d.vec",
+       [=](ScalarType t) {
+         return at::_upsample_nearest_exact3d(r({1, 1, 2, 2, 2}, t), s3, no_scales);
+       }},
+      {"_upsample_bilinear2d_aa",
+       [r](ScalarType t) {
+         return at::_upsample_bilinear2d_aa(r({1, 1, 4, 4}, t), {2, 3}, false);
+       }},
+      {"_upsample_bilinear2d_aa.vec",
+       [r, no_scales](ScalarType t) {
+         const std::vector<int64_t> size{2, 3};
+         return at::_upsample_bilinear2d_aa(r({1, 1, 4, 4}, t), size, false, no_scales);
+       }},
+      {"_upsample_bicubic2d_aa",
+       [r](ScalarType t) {
+         return at::_upsample_bicubic2d_aa(r({1, 1, 4, 4}, t), {2, 3}, false);
+       }},
+      {"_upsample_bicubic2d_aa.vec",
+       [r, no_scales](ScalarType t) {
+         const std::vector<int64_t> size{2, 3};
+         return at::_upsample_bicubic2d_aa(r({1, 1, 4, 4}, t), size, false, no_scales);
+       }},
+      {"avg_pool3d",  // local_response_norm's pooling; no fp16/bf16 CPU kernel
+       [r](ScalarType t) {
+         return at::avg_pool3d(r({1, 1, 4, 4, 4}, t), {2, 2, 2});
        }},
       {"grid_sampler",
        [r](ScalarType t) {
@@ -202,11 +357,11 @@ std::vector<OpCase> fp32_cases() {
        [r](ScalarType t) {
          return at::softplus(r({2, 3}, t));
        }},
-      {"softmax",
+      {"softmax.int",
        [r](ScalarType t) {
          return at::softmax(r({2, 3}, t), 1);
        }},
-      {"log_softmax",
+      {"log_softmax.int",
        [r](ScalarType t) {
          return at::log_softmax(r({2, 3}, t), 1);
        }},
@@ -242,20 +397,54 @@ std::vector<OpCase> fp32_cases() {
       u("tan", [](const at::Tensor& x) { return at::tan(x); }),
       u("pow.Tensor_Scalar", [](const at::Tensor& x) { return at::pow(x, 2); }),
       u("pow.Tensor_Tensor", [](const at::Tensor& x) { return at::pow(x, x); }),
+      u("pow.Scalar", [](const at::Tensor& x) { return at::pow(2.0, x); }),
       u("cumprod", [](const at::Tensor& x) { return at::cumprod(x, 1); }),
       u("cumsum", [](const at::Tensor& x) { return at::cumsum(x, 1); }),
       u("dist", [](const at::Tensor& x) { return at::dist(x, x * 2); }),
-      u("norm", [](const at::Tensor& x) { return at::norm(x); }),
+      u("norm.Scalar", [](const at::Tensor& x) { return at::norm(x); }),
+      u("norm.ScalarOpt_dim",
+        [](const at::Tensor& x) {
+          return at::norm(x, std::optional<at::Scalar>(2), at::IntArrayRef{1});
+        }),
+      // The two overloads with a required `dtype`: the result has the caller's dtype; fp32 is
+      // the only one that works under the policy (see ExplicitLowDtypeOfNormIsRespected).
+      u("norm.ScalarOpt_dim_dtype",
+        [](const at::Tensor& x) {
+          return at::norm(x, std::optional<at::Scalar>(2), at::IntArrayRef{1}, false, at::kFloat);
+        }),
+      u("norm.ScalarOpt_dtype",
+        [](const at::Tensor& x) { return at::norm(x, std::optional<at::Scalar>(2), at::kFloat); }),
+      u("linalg_vector_norm", [](const at::Tensor& x) { return at::linalg_vector_norm(x); }),
       u("prod", [](const at::Tensor& x) { return at::prod(x); }),
-      u("std", [](const at::Tensor& x) { return at::std(x); }),
+      u("prod.dim_int", [](const at::Tensor& x) { return at::prod(x, 1); }),
+      u("std", [](const at::Tensor& x) { return at::std(x, /*unbiased=*/true); }),
+      u("std.dim", [](const at::Tensor& x) { return at::std(x, at::IntArrayRef{1}, true); }),
+      u("std.correction",
+        [](const at::Tensor& x) {
+          return at::std(x, at::IntArrayRef{1}, std::optional<at::Scalar>(1));
+        }),
       u("sum", [](const at::Tensor& x) { return at::sum(x); }),
       u("sum.dim_IntList", [](const at::Tensor& x) { return at::sum(x, {1}); }),
-      u("var", [](const at::Tensor& x) { return at::var(x); }),
+      u("var", [](const at::Tensor& x) { return at::var(x, /*unbiased=*/true); }),
+      u("var.dim", [](const at::Tensor& x) { return at::var(x, at::IntArrayRef{1}, true); }),
+      u("var.correction",
+        [](const at::Tensor& x) {
+          return at::var(x, at::IntArrayRef{1}, std::optional<at::Scalar>(1));
+        }),
       u("renorm", [](const at::Tensor& x) { return at::renorm(x, 2, 0, 1); }),
       // losses
       {"nll_loss",
        [r](ScalarType t) {
          return at::nll_loss(r({4, 3}, t), targets({0, 1, 2, 1}));
+       }},
+      {"nll_loss2d",
+       [r](ScalarType t) {
+         return at::nll_loss2d(r({2, 3, 2, 2}, t),
+                               targets({0, 1, 2, 1, 2, 0, 1, 1}).view({2, 2, 2}));
+       }},
+      {"nll_loss_nd",
+       [r](ScalarType t) {
+         return at::nll_loss_nd(r({4, 3}, t), targets({0, 1, 2, 1}));
        }},
       {"cross_entropy_loss",
        [r](ScalarType t) {
@@ -264,6 +453,7 @@ std::vector<OpCase> fp32_cases() {
       {"mse_loss", [r](ScalarType t) { return at::mse_loss(r({4}, t), r({4}, t)); }},
       {"l1_loss", [r](ScalarType t) { return at::l1_loss(r({4}, t), r({4}, t)); }},
       {"smooth_l1_loss", [r](ScalarType t) { return at::smooth_l1_loss(r({4}, t), r({4}, t)); }},
+      {"huber_loss", [r](ScalarType t) { return at::huber_loss(r({4}, t), r({4}, t)); }},
       {"kl_div", [r](ScalarType t) { return at::kl_div(r({4}, t), r({4}, t)); }},
       {"binary_cross_entropy_with_logits",
        [r](ScalarType t) {
@@ -271,6 +461,46 @@ std::vector<OpCase> fp32_cases() {
        }},
       {"soft_margin_loss",
        [r](ScalarType t) { return at::soft_margin_loss(r({4}, t), r({4}, t)); }},
+      {"multi_margin_loss",
+       [r](ScalarType t) {
+         return at::multi_margin_loss(r({4, 3}, t), targets({0, 1, 2, 1}));
+       }},
+      {"multilabel_margin_loss",
+       [r](ScalarType t) {
+         return at::multilabel_margin_loss(r({2, 3}, t),
+                                           targets({0, 2, -1, 1, -1, 0}).view({2, 3}));
+       }},
+      {"hinge_embedding_loss",
+       [r](ScalarType t) { return at::hinge_embedding_loss(r({4}, t), signs(t)); }},
+      {"margin_ranking_loss",
+       [r](ScalarType t) { return at::margin_ranking_loss(r({4}, t), r({4}, t), signs(t)); }},
+      {"cosine_embedding_loss",
+       [r](ScalarType t) {
+         return at::cosine_embedding_loss(r({4, 3}, t), r({4, 3}, t), signs(t));
+       }},
+      {"poisson_nll_loss",
+       [r](ScalarType t) {
+         return at::poisson_nll_loss(r({4}, t), r({4}, t), /*log_input=*/true, /*full=*/false,
+                                     /*eps=*/1e-8, at::Reduction::Mean);
+       }},
+      {"triplet_margin_loss",
+       [r](ScalarType t) {
+         return at::triplet_margin_loss(r({4, 3}, t), r({4, 3}, t), r({4, 3}, t));
+       }},
+      // ctc: log-probs made in fp32 (log_softmax is itself fp32 under the policy), then handed
+      // over in dtype t; 5 time steps, batch 2, 4 classes, targets of length 2.
+      {"ctc_loss.IntList",
+       [](ScalarType t) {
+         auto log_probs = at::log_softmax(at::randn({5, 2, 4}, on_device(at::kFloat)), 2).to(t);
+         return at::ctc_loss(log_probs, targets({1, 2, 1, 3}).view({2, 2}), at::IntArrayRef{5, 5},
+                             at::IntArrayRef{2, 2});
+       }},
+      {"ctc_loss.Tensor",
+       [](ScalarType t) {
+         auto log_probs = at::log_softmax(at::randn({5, 2, 4}, on_device(at::kFloat)), 2).to(t);
+         return at::ctc_loss(log_probs, targets({1, 2, 1, 3}).view({2, 2}), targets({5, 5}),
+                             targets({2, 2}));
+       }},
   };
 }
 
@@ -278,6 +508,9 @@ std::vector<OpCase> promote_cases() {
   // Mixed widths: the first input in the low dtype, the second in fp32.
   auto lo = [](at::IntArrayRef s, ScalarType t) { return at::rand(s, on_device(t)) + 0.5; };
   auto hi = [](at::IntArrayRef s) { return at::rand(s, on_device(at::kFloat)) + 0.5; };
+  auto compare = [=](const char* name, at::Tensor (*fn)(const at::Tensor&, const at::Tensor&)) {
+    return OpCase{name, [=](ScalarType t) { return fn(lo({3}, t), hi({3})); }, at::kBool};
+  };
   return {
       {"addcdiv", [=](ScalarType t) { return at::addcdiv(lo({3}, t), hi({3}), lo({3}, t)); }},
       {"addcmul", [=](ScalarType t) { return at::addcmul(lo({3}, t), hi({3}), lo({3}, t)); }},
@@ -286,13 +519,27 @@ std::vector<OpCase> promote_cases() {
        [=](ScalarType t) {
          return at::cross(lo({2, 3}, t), hi({2, 3}), 1);
        }},
+      {"linalg_cross",
+       [=](ScalarType t) {
+         return at::linalg_cross(lo({2, 3}, t), hi({2, 3}));
+       }},
       {"bilinear",
        [=](ScalarType t) {
          return at::bilinear(lo({2, 3}, t), hi({2, 4}), hi({5, 3, 4}), {});
        }},
       {"dot", [=](ScalarType t) { return at::dot(lo({3}, t), hi({3})); }},
-      {"add", [=](ScalarType t) { return at::add(lo({3}, t), hi({3})); }},
-      {"mul", [=](ScalarType t) { return at::mul(lo({3}, t), hi({3})); }},
+      {"vdot", [=](ScalarType t) { return at::vdot(lo({3}, t), hi({3})); }},
+      {"add.Tensor", [=](ScalarType t) { return at::add(lo({3}, t), hi({3})); }},
+      {"sub.Tensor", [=](ScalarType t) { return at::sub(lo({3}, t), hi({3})); }},
+      {"mul.Tensor", [=](ScalarType t) { return at::mul(lo({3}, t), hi({3})); }},
+      {"div.Tensor", [=](ScalarType t) { return at::div(lo({3}, t), hi({3})); }},
+      // Comparisons return bool whatever they compare in: the widening shows in cast_count().
+      compare("eq.Tensor", [](const at::Tensor& a, const at::Tensor& b) { return at::eq(a, b); }),
+      compare("ne.Tensor", [](const at::Tensor& a, const at::Tensor& b) { return at::ne(a, b); }),
+      compare("lt.Tensor", [](const at::Tensor& a, const at::Tensor& b) { return at::lt(a, b); }),
+      compare("le.Tensor", [](const at::Tensor& a, const at::Tensor& b) { return at::le(a, b); }),
+      compare("gt.Tensor", [](const at::Tensor& a, const at::Tensor& b) { return at::gt(a, b); }),
+      compare("ge.Tensor", [](const at::Tensor& a, const at::Tensor& b) { return at::ge(a, b); }),
       {"cat",
        [=](ScalarType t) {
          return at::cat({lo({3}, t), hi({3})});
@@ -305,7 +552,33 @@ std::vector<OpCase> promote_cases() {
        [=](ScalarType t) {
          return at::index_put(lo({4}, t), {std::optional<at::Tensor>(targets({1, 2}))}, hi({2}));
        }},
+      {"tensordot",
+       [=](ScalarType t) {
+         return at::tensordot(lo({2, 3}, t), hi({3, 4}), {1}, {0});
+       }},
+      // A low-precision table with fp32 per-sample weights (mode sum): 4 indices in 2 bags.
+      {"embedding_bag",
+       [=](ScalarType t) {
+         return std::get<0>(at::embedding_bag(lo({5, 3}, t), targets({0, 1, 2, 3}), targets({0, 2}),
+                                              false, /*mode=*/0, false, hi({4})));
+       }},
+      {"embedding_bag.padding_idx",
+       [=](ScalarType t) {
+         return std::get<0>(at::embedding_bag(lo({5, 3}, t), targets({0, 1, 2, 3}), targets({0, 2}),
+                                              false, /*mode=*/0, false, hi({4}),
+                                              /*include_last_offset=*/false, /*padding_idx=*/4));
+       }},
   };
+}
+
+// A promote case on mixed low/fp32 inputs: optamp (not ATen's type promotion, which would give
+// the same dtype for some ops) widened the low inputs, and the result is fp32 (or the op's own
+// result type).
+void expect_promoted(const OpCase& c, ScalarType low) {
+  const auto before = cast_count();
+  const at::Tensor out = c.run(low);
+  EXPECT_EQ(out.scalar_type(), c.result == ScalarType::Undefined ? at::kFloat : c.result);
+  EXPECT_GT(cast_count() - before, 0) << "no input was cast";
 }
 
 class CastingTable : public Casting, public ::testing::WithParamInterface<const char*> {};
@@ -335,12 +608,15 @@ TEST_P(CastingTable, PromoteOpsWidenMixedInputs) {
   const ScalarType low = detail::level_low_dtype();
   for (const auto& c : promote_cases()) {
     SCOPED_TRACE(c.name);
-    EXPECT_EQ(c.run(low).scalar_type(), at::kFloat);
+    expect_promoted(c, low);
   }
   // Same widths: left alone.
   auto a = randn({3}, low);
+  const auto before = cast_count();
   EXPECT_EQ(at::add(a, a).scalar_type(), low);
   EXPECT_EQ(at::cat({a, a}).scalar_type(), low);
+  EXPECT_EQ(at::eq(a, a).scalar_type(), at::kBool);
+  EXPECT_EQ(cast_count(), before);
 }
 
 TEST_P(CastingTable, BannedOpSaysWhatToUseInstead) {
@@ -351,6 +627,98 @@ TEST_P(CastingTable, BannedOpSaysWhatToUseInstead) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Levels, CastingTable, ::testing::Values("O1", "O4"));
+
+// Records the operators ("aten::op" / "aten::op.overload") that code dispatches at the top
+// level on this thread, leaving out the calls made inside them.
+class TopLevelOps {
+ public:
+  std::vector<std::string> record(const std::function<void()>& fn) {
+    std::vector<std::string> called;
+    sink_ = &called;
+    depth_ = 0;
+    const auto handle = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&enter, &leave).scopes({at::RecordScope::FUNCTION}));
+    try {
+      fn();
+    } catch (...) {
+      at::removeCallback(handle);
+      sink_ = nullptr;
+      throw;
+    }
+    at::removeCallback(handle);
+    sink_ = nullptr;
+    return called;
+  }
+
+ private:
+  static std::unique_ptr<at::ObserverContext> enter(const at::RecordFunction& fn) {
+    if (depth_++ == 0 && sink_ != nullptr) {
+      if (auto op = fn.operator_name()) {
+        sink_->push_back(op->overload_name.empty() ? op->name : op->name + "." + op->overload_name);
+      }
+    }
+    return nullptr;
+  }
+  static void leave(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) { --depth_; }
+  static thread_local std::vector<std::string>* sink_;
+  static thread_local int depth_;
+};
+thread_local std::vector<std::string>* TopLevelOps::sink_ = nullptr;
+thread_local int TopLevelOps::depth_ = 0;
+
+// The mechanical cross-check of the lists above against the policy table: every entry (except
+// the banned one, BannedOpSaysWhatToUseInstead) has a case of its name in its category's list,
+// that case really dispatches that overload, and no case names something not in the table.
+TEST_F(Casting, EveryTableEntryHasACaseThatCallsIt) {
+  enable("O1");
+  const std::vector<std::pair<const char*, std::vector<OpCase>>> lists = {
+      {"lower", lower_cases()}, {"fp32", fp32_cases()}, {"promote", promote_cases()}};
+  auto list_of = [](detail::Category c) -> const char* {
+    switch (c) {
+      case detail::Category::kLower:
+        return "lower";
+      case detail::Category::kFp32:
+      case detail::Category::kFp32Loss:
+        return "fp32";
+      case detail::Category::kPromote:
+        return "promote";
+      case detail::Category::kBanned:
+        break;
+    }
+    return nullptr;
+  };
+  std::vector<std::string> entries;
+  for (const auto& entry : detail::builtin_table()) {
+    const char* list = list_of(entry.category);
+    if (list == nullptr) continue;
+    std::string name = std::string(entry.name).substr(std::strlen("aten::"));
+    if (*entry.overload != '\0') name += std::string(".") + entry.overload;
+    entries.push_back(std::string(list) + " " + name);
+    const auto& cases = std::find_if(lists.begin(), lists.end(), [&](const auto& l) {
+                          return std::strcmp(l.first, list) == 0;
+                        })->second;
+    const auto found =
+        std::find_if(cases.begin(), cases.end(), [&](const OpCase& c) { return name == c.name; });
+    if (found == cases.end()) {
+      ADD_FAILURE() << "aten::" << name << " (" << list << ") has no case in " << list
+                    << "_cases()";
+      continue;
+    }
+    const auto called = TopLevelOps().record([&] { found->run(detail::level_low_dtype()); });
+    std::string seen;
+    for (const auto& op : called) seen += " " + op;
+    EXPECT_NE(std::find(called.begin(), called.end(), "aten::" + name), called.end())
+        << "the case \"" << name << "\" does not call aten::" << name << "; it calls:" << seen;
+  }
+  for (const auto& [list, cases] : lists) {
+    for (const auto& c : cases) {
+      EXPECT_NE(std::find(entries.begin(), entries.end(), std::string(list) + " " + c.name),
+                entries.end())
+          << list << "_cases() has \"" << c.name << "\", which is no " << list
+          << " entry of builtin_table()";
+    }
+  }
+}
 
 // The same tables on CUDA tensors (run whenever a GPU is visible).
 class CastingTable_CUDA : public CastingTable {
@@ -378,7 +746,7 @@ TEST_P(CastingTable_CUDA, AllListsOnCuda) {
   }
   for (const auto& c : promote_cases()) {
     SCOPED_TRACE(c.name);
-    EXPECT_EQ(c.run(low).scalar_type(), at::kFloat);
+    expect_promoted(c, low);
   }
 }
 
@@ -412,13 +780,24 @@ TEST_F(Casting, PatchTypeBF16AtO1) {
   EXPECT_EQ(at::mm(randn({2, 3}), randn({3, 2})).scalar_type(), at::kBFloat16);
 }
 
-TEST_F(Casting, DoublesIntegersAndBoolsAreNeverCast) {
+TEST_F(Casting, DoublesIntegersBoolsAndComplexAreNeverCast) {
   enable("O1");
+  const auto before = cast_count();
   EXPECT_EQ(at::mm(randn({2, 3}, at::kDouble), randn({3, 2}, at::kDouble)).scalar_type(),
             at::kDouble);
   auto ints = at::ones({2, 2}, at::kLong);
   EXPECT_EQ(at::mm(ints, ints).scalar_type(), at::kLong);
   EXPECT_EQ(at::sum(at::ones({3}, at::kBool)).scalar_type(), at::kLong);
+  // complex64 in a lower, an fp32 and a promote op: never a floating width to cast or count.
+  auto c = randn({2, 2}, at::kComplexFloat);
+  EXPECT_EQ(at::mm(c, c).scalar_type(), at::kComplexFloat);
+  EXPECT_EQ(at::exp(c).scalar_type(), at::kComplexFloat);
+  EXPECT_TRUE(at::equal(at::exp(c), [&] {
+    disable_casts off;
+    return at::exp(c);
+  }()));
+  EXPECT_EQ(at::add(c, randn({2, 2}, at::kHalf)).scalar_type(), at::kComplexFloat);
+  EXPECT_EQ(cast_count(), before);
 }
 
 // ---- autograd -------------------------------------------------------------------------------
@@ -518,6 +897,14 @@ TEST_F(Casting, OffMeansBitwiseFp32) {
   EXPECT_EQ(at::linear(x, w).scalar_type(), at::kHalf);  // back on after the scope
   detail::set_level_rules(resolve("O0"));
   EXPECT_TRUE(at::equal(at::log_softmax(at::linear(x, w), 1), reference));
+  // The enabled=false override: the thread is on, but a disabled level has no rules.
+  Options disabled;
+  disabled.enabled = false;
+  enable("O1", disabled);
+  const auto before = cast_count();
+  EXPECT_TRUE(at::equal(at::log_softmax(at::linear(x, w), 1), reference));
+  EXPECT_EQ(at::mm(x, w.t()).scalar_type(), at::kFloat);
+  EXPECT_EQ(cast_count(), before);
 }
 
 TEST_F(Casting, ThreadsWithoutAmpSeeFp32) {
@@ -753,8 +1140,9 @@ TEST_F(Casting, CacheSeparatesNoGradFromGradEntries) {
     autocast region;
     auto out = at::linear(x, w);
     EXPECT_FALSE(out.requires_grad());
-    // Leaving the outermost region clears the cache.
+    EXPECT_EQ(cache_size(), 1u);
   }
+  EXPECT_EQ(cache_size(), 0u);  // leaving the outermost region dropped the entry
   {
     c10::NoGradGuard no_grad;
     autocast outer;
@@ -766,6 +1154,40 @@ TEST_F(Casting, CacheSeparatesNoGradFromGradEntries) {
     EXPECT_TRUE(out.requires_grad());
     EXPECT_EQ(cache_size(), 2u);
   }
+  EXPECT_EQ(cache_size(), 0u);
+}
+
+TEST_F(Casting, CacheIsDroppedAtTheOutermostAutocastExitOnly) {
+  auto w = randn({4, 3}).requires_grad_();
+  auto x = randn({2, 3});
+  {
+    autocast outer;
+    at::linear(x, w);
+    EXPECT_EQ(cache_size(), 1u);
+    {
+      autocast inner(true, at::kBFloat16);
+      at::linear(x, w);
+      EXPECT_EQ(cache_size(), 2u);  // a bf16 copy next to the fp16 one
+    }
+    EXPECT_EQ(cache_size(), 2u) << "an inner exit must keep the entries";
+    { autocast off(false); }
+    { disable_casts no_casts; }
+    EXPECT_EQ(cache_size(), 2u);
+    at::linear(x, w);  // still served from the cache
+    EXPECT_EQ(cache_size(), 2u);
+  }
+  EXPECT_EQ(cache_size(), 0u) << "the outermost exit must drop every entry";
+  // The same when the thread is on through the level: entries made outside any region are
+  // dropped by the region's exit too.
+  enable("O1");
+  at::linear(x, w);
+  EXPECT_EQ(cache_size(), 1u);
+  {
+    autocast region;
+    at::linear(x, w);
+    EXPECT_EQ(cache_size(), 1u);
+  }
+  EXPECT_EQ(cache_size(), 0u);
 }
 
 TEST_F(Casting, CopiesMadeInsideKernelsAreNotServedToAutograd) {
@@ -801,8 +1223,9 @@ TEST_F(Casting, CacheStaysBoundedOverManyIterations) {
 }
 
 TEST_F(Casting, RealOptimizerStepIsSeenByTheNextForward) {
-  // torch::optim updates through p.data(), which does not bump the version counter: the
-  // step-boundary event (raised by scale_loss after its unscale) must drop the stale copy.
+  // torch::optim::SGD updates through p.data(), which does not bump the version counter (Adam
+  // in LibTorch 2.11 does bump it): the step-boundary event (raised by scale_loss after its
+  // unscale) must drop the stale copy.
   enable("O1");
   auto x = randn({2, 3});
   auto w_sgd = randn({4, 3}).requires_grad_();
@@ -823,6 +1246,129 @@ TEST_F(Casting, RealOptimizerStepIsSeenByTheNextForward) {
           << "stale working copy after step " << step;
     }
   }
+}
+
+// The same through the public loop: amp::initialize at O1, forward, the real scale_loss guard,
+// the unchanged optimizer.step(); the next forward must see the stepped weights. (With SGD the
+// version counter does not move, so without the guard's drop the copy would be served stale;
+// checked once by refilling the cache between the guard and the step.)
+struct OneWeight : torch::nn::Module {
+  at::Tensor w;
+  OneWeight() { w = register_parameter("w", at::randn({4, 3})); }
+};
+
+class CastingInitialized : public Casting {
+ protected:
+  void TearDown() override {
+    reset();
+    Casting::TearDown();
+  }
+  static Options quiet() {
+    Options o;
+    o.verbosity = 0;
+    return o;
+  }
+};
+
+TEST_F(CastingInitialized, ScaleLossGuardMakesRealOptimizerStepsVisible) {
+  for (const bool adam : {false, true}) {
+    SCOPED_TRACE(adam ? "Adam" : "SGD");
+    at::manual_seed(3);
+    auto model = std::make_shared<OneWeight>();
+    std::unique_ptr<torch::optim::Optimizer> optimizer;
+    if (adam) {
+      optimizer =
+          std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(0.1));
+    } else {
+      optimizer = std::make_unique<torch::optim::SGD>(model->parameters(),
+                                                      torch::optim::SGDOptions(0.5).momentum(0.9));
+    }
+    initialize(model, *optimizer, "O1", quiet());
+    const at::Tensor& w = model->w;
+    const auto x = randn({2, 3});
+    auto fresh = [&] { return at::linear(x.to(at::kHalf), w.detach().to(at::kHalf)); };
+    for (int step = 0; step < 4; ++step) {
+      optimizer->zero_grad();
+      const auto out = at::linear(x, w);
+      ASSERT_EQ(out.scalar_type(), at::kHalf);
+      EXPECT_TRUE(at::equal(out, fresh())) << "stale working copy at step " << step;
+      EXPECT_EQ(cache_size(), 1u);
+      {
+        auto scaled = scale_loss(out.to(at::kFloat).pow(2).mean(), *optimizer);
+        scaled.backward();
+      }
+      EXPECT_EQ(cache_size(), 0u) << "the guard's exit must drop the cached copy";
+      const auto before = w.detach().clone();
+      optimizer->step();
+      ASSERT_FALSE(at::equal(w.detach(), before)) << "the step did not change the weight";
+    }
+    EXPECT_TRUE(at::equal(at::linear(x, w), fresh()));
+    reset();
+  }
+}
+
+TEST_F(CastingInitialized, EnabledFalseIsBitwiseFp32AtEveryLevel) {
+  const auto x = randn({8, 3});
+  for (const char* level : {"O1", "O2", "O3", "O4", "O5"}) {
+    SCOPED_TRACE(level);
+    auto model = std::make_shared<OneWeight>();
+    const auto reference = at::log_softmax(at::linear(x, model->w), 1);
+    Options o = quiet();
+    o.enabled = false;
+    const Handle handle = initialize(model, level, o);
+    EXPECT_FALSE(handle.properties().enabled);
+    EXPECT_FALSE(is_casting_enabled());
+    EXPECT_EQ(model->w.scalar_type(), at::kFloat);  // O3 does not cast the model either
+    const auto before = cast_count();
+    const auto out = at::log_softmax(at::linear(x, model->w), 1);
+    EXPECT_EQ(out.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(out, reference));
+    EXPECT_EQ((model->w * 2).scalar_type(), at::kFloat);  // no O2/O5 working copy
+    EXPECT_EQ(cast_count(), before);
+    reset();
+  }
+}
+
+// ---- Apex's fp32 Python functions without an aten op of their own ---------------------------
+
+TEST_F(Casting, LocalResponseNormRunsInFp32) {
+  // local_response_norm squares its input, pools the squares (avg_pool2d for 3-D input,
+  // avg_pool3d otherwise), then pow and a division. avg_pool3d is in the fp32 list (CPU has no
+  // fp16/bf16 kernel for it); pow is, and the final division promotes, so every rank ends fp32.
+  namespace F = torch::nn::functional;
+  enable("O1");
+  const auto options = F::LocalResponseNormFuncOptions(3);
+  for (const auto& shape :
+       std::vector<std::vector<int64_t>>{{2, 4, 5}, {2, 4, 3, 3}, {1, 4, 2, 3, 3}}) {
+    SCOPED_TRACE(shape.size());
+    for (const ScalarType low : {at::kHalf, at::kBFloat16}) {
+      SCOPED_TRACE(c10::toString(low));
+      const auto x = (at::rand(shape) + 0.5).to(low);
+      const auto reference = [&] {
+        disable_casts off;
+        return F::local_response_norm(x.to(at::kFloat), options);
+      }();
+      const auto out = F::local_response_norm(x, options);
+      EXPECT_EQ(out.scalar_type(), at::kFloat);
+      EXPECT_TRUE(testing::all_close(out, reference, testing::tolerance(low)));
+    }
+  }
+}
+
+// Known bug, reported rather than fixed here (csrc/dispatch/cast_kernel.cpp): an fp32-list op
+// given a low `dtype` explicitly still gets its inputs cast to fp32, and linalg_vector_norm /
+// norm refuse the narrowing ("linalg.vector_norm: the dtype of the input (Float) should be
+// convertible without narrowing to the specified dtype (Half)"); plain ATen runs these calls.
+// sum/prod/cumsum/softmax accept the narrowing, so they return the requested dtype. Enable once
+// an explicit dtype is left alone.
+TEST_F(Casting, DISABLED_ExplicitLowDtypeOfNormIsRespected) {
+  enable("O1");
+  const auto h = randn({2, 3}, at::kHalf);
+  EXPECT_EQ(at::linalg_vector_norm(h, 2, std::nullopt, false, at::kHalf).scalar_type(), at::kHalf);
+  EXPECT_EQ(at::norm(h, std::optional<at::Scalar>(2), at::kHalf).scalar_type(), at::kHalf);
+  EXPECT_EQ(
+      at::norm(h, std::optional<at::Scalar>(2), at::IntArrayRef{1}, false, at::kHalf).scalar_type(),
+      at::kHalf);
 }
 
 }  // namespace
