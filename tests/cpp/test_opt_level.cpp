@@ -177,6 +177,23 @@ TEST(OptLevelValidation, MasterWeightsAtO1) {
   OPTAMP_EXPECT_THROW_WITH(resolve("O4", o), c10::ValueError, "master_weights", "O4");
 }
 
+TEST(OptLevelValidation, PatchingNeedsAType) {
+  // Only C++ can say "no patch type" (Undefined): Python's None means "not overridden".
+  for (const char* level : {"O1", "O4"}) {
+    SCOPED_TRACE(level);
+    Options o;
+    o.patch_torch_functions_type = kNone;  // the level's patch_torch_functions=True stays
+    OPTAMP_EXPECT_THROW_WITH(resolve(level, o), c10::ValueError,
+                             "patch_torch_functions=True needs patch_torch_functions_type "
+                             "torch.float16 or torch.bfloat16, got None");
+    o.patch_torch_functions = true;  // spelled out: the same
+    OPTAMP_EXPECT_THROW_WITH(resolve(level, o), c10::ValueError, "patch_torch_functions=True",
+                             "got None");
+    o.patch_torch_functions = false;  // nothing to patch, so no type is needed
+    EXPECT_NO_THROW(resolve(level, o));
+  }
+}
+
 TEST(OptLevelValidation, ContradictoryModelOverridesAtO2O3O5) {
   for (const char* level : {"O2", "O3", "O5"}) {
     Options fp32;
@@ -252,6 +269,13 @@ TEST(OptLevelValidation, VerbosityOutOfRange) {
   Options o;
   o.verbosity = 3;
   OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "verbosity must be 0, 1 or 2, got 3");
+  o.verbosity = -1;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError,
+                           "verbosity must be 0, 1 or 2, got -1");
+  for (int ok : {0, 1, 2}) {
+    o.verbosity = ok;
+    EXPECT_EQ(resolve("O1", o).verbosity, ok);
+  }
 }
 
 TEST(OptLevelValidation, BF16LevelsRejectFP16Types) {
