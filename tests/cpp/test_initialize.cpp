@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -815,6 +816,27 @@ TEST_F(Initialize, O2GradClippingAfterTheGuardSeesUnscaledGrads) {
     EXPECT_TRUE(testing::all_close(params[i], reference[i], testing::tolerance("train_float16")))
         << "parameter " << i;
   }
+}
+
+// After an overflow the guard leaves the grads undefined: clipping finds nothing (returns 0)
+// and the plain step changes nothing.
+TEST_F(Initialize, O2GradClippingAfterAnOverflowIsANoOp) {
+  const auto b = make_batches(1).front();
+  Net net = make_net();
+  auto opt = make_optimizer(net, Opt::kSgd);
+  initialize(net, *opt, "O2", quiet());
+  const auto before = fp32_cpu_params(net);
+  opt->zero_grad();
+  const auto loss = at::cross_entropy_loss(net->forward(b.x, b.tag), b.y);
+  {
+    auto scaled = scale_loss(loss * std::numeric_limits<float>::infinity(), *opt);
+    scaled.backward();
+  }
+  EXPECT_TRUE(loss_scaler(0).last_step_skipped());
+  EXPECT_EQ(torch::nn::utils::clip_grad_norm_(net->parameters(), 1.0), 0.0);
+  opt->step();
+  const auto after = fp32_cpu_params(net);
+  for (std::size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(at::equal(after[i], before[i])) << i;
 }
 
 // ---- checkpoints: resume is bit-exact at every level ------------------------------------------
