@@ -343,7 +343,7 @@ void expect_forward_dtypes(const ForwardCase& c, at::Device device) {
   EXPECT_EQ(net->ln_out, c.ln) << "layer-norm output";
   EXPECT_EQ(out.scalar_type(), c.out) << "model output";
   EXPECT_EQ(loss.scalar_type(), c.loss) << "loss";
-  EXPECT_EQ(out.device(), device);
+  EXPECT_EQ(out.device().type(), device.type());
   {
     auto scaled = scale_loss(loss, *opt);
     scaled.backward();
@@ -887,7 +887,7 @@ void expect_resume_bit_exact(const char* level, at::Device device) {
   load_state_dict(amp_state);
   // (Also a regression test: equal's kernel once left history-free working copies in the cache.)
   for (std::size_t i = 0; i < snapshot.size(); ++i) {
-    ASSERT_EQ(resumed->parameters()[i].device(), device) << "loaded parameter " << i;
+    ASSERT_EQ(resumed->parameters()[i].device().type(), device.type()) << "loaded parameter " << i;
     ASSERT_TRUE(at::equal(resumed->parameters()[i], snapshot[i])) << "loaded parameter " << i;
   }
   for (int s = 3; s < 6; ++s) train_step(resumed, *resumed_opt, batches[s % batches.size()]);
@@ -966,7 +966,7 @@ void expect_reinitialization_cycles_clean(at::Device device) {
     const double loss = train_step(net, *opt, b);
     ASSERT_TRUE(std::isfinite(loss)) << "cycle " << cycle;
     for (const auto& p : net->parameters()) {
-      ASSERT_EQ(p.device(), device);
+      ASSERT_EQ(p.device().type(), device.type());
       ASSERT_FALSE(p.isnan().any().item<bool>());
     }
     reset();
