@@ -7,10 +7,11 @@
 //   {"type":"config", ...}                      the run's settings
 //   {"type":"step","step":1,"loss":..,"loss_scale":..,"skipped":false,"step_ms":..}
 //   {"type":"summary","test_accuracy":..,"median_step_ms":..,...}
-// stdout gets Apex's properties report and a one-line summary; stderr a progress line with rate
-// and ETA when it is a terminal (OPTAMP_PROGRESS=1/0 forces it on/off). Exit status: 0 ok, 2 bad
-// arguments, 3 the opt level is not supported by this build/device (amp::initialize threw
-// c10::NotImplementedError), 1 otherwise.
+// stdout gets Apex's properties report (printed once, by amp::initialize at its default
+// verbosity 1) and a one-line summary; stderr Apex's "Gradient overflow" lines and a progress
+// line with rate and ETA when it is a terminal (OPTAMP_PROGRESS=1/0 forces it on/off).
+// Exit status: 0 ok, 2 bad arguments, 3 the opt level is not supported by this build/device
+// (amp::initialize threw c10::NotImplementedError), 1 otherwise.
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
@@ -47,8 +48,9 @@ struct AmpSession {
   amp::Handle handle;
   template <typename Model>
   AmpSession(Model& model, torch::optim::Optimizer& optimizer, const std::string& level)
+      // Prints Apex's properties report on stdout (verbosity 1, the default), and the scaler
+      // logs each skipped step on stderr.
       : handle(amp::initialize(model, optimizer, level, amp::Options{})) {}
-  std::string describe() { return handle.properties().describe(); }
   // backward through the scaled loss; on overflow the guard makes optimizer.step() a no-op.
   static void backward(const torch::Tensor& loss, torch::optim::Optimizer& optimizer) {
     auto scaled = amp::scale_loss(loss, optimizer);
@@ -258,7 +260,6 @@ int run(const Args& args) {
               << " unsupported: " << e.what_without_backtrace() << "\n";
     return 3;
   }
-  std::cout << amp_session->describe() << std::flush;
 
   std::ofstream metrics;
   if (!args.metrics.empty()) {

@@ -38,8 +38,9 @@ class AmpSession:
 
     def __init__(self, model, optimizer, opt_level):
         # Raises NotImplementedError when the level is unsupported by this build or device.
+        # Prints Apex's properties report on stdout (verbosity 1, the default), and the scaler
+        # logs each skipped step on stderr.
         self.model, self.optimizer = amp.initialize(model, optimizer, opt_level=opt_level)
-        self.description = amp.properties().describe()
 
     def backward(self, loss):
         with amp.scale_loss(loss, self.optimizer) as scaled_loss:
@@ -189,8 +190,6 @@ def run(args):
               file=sys.stderr)
         return 3
     model, optimizer = session.model, session.optimizer
-    if session.description:
-        print(session.description, end="", flush=True)
 
     metrics = open(args.metrics, "w") if args.metrics else None
 
