@@ -78,6 +78,17 @@ void rewrite_tensors(const Slots& slots, torch::jit::Stack& stack, std::size_t b
 
 }  // namespace
 
+namespace {
+
+// Schemas store a ScalarType argument under its "fake" type (int); the real type says what it is.
+bool is_scalar_type_arg(const c10::Argument& arg) {
+  c10::TypePtr real = arg.real_type();
+  if (auto opt = real->cast<c10::OptionalType>()) real = opt->getElementType();
+  return real->kind() == c10::TypeKind::ScalarTypeType;
+}
+
+}  // namespace
+
 CastKernel::CastKernel(const c10::FunctionSchema& schema, Category category)
     : category_(category), num_arguments_(schema.arguments().size()), name_(schema.name()) {
   if (!schema.overload_name().empty()) name_ += "." + schema.overload_name();
@@ -86,14 +97,13 @@ CastKernel::CastKernel(const c10::FunctionSchema& schema, Category category)
     const auto& arg = args[i];
     if (arg.alias_info() && arg.alias_info()->isWrite()) continue;  // in-place / out=
     const c10::TypePtr& type = arg.type();
-    if (type->kind() == c10::TypeKind::TensorType) {
+    if (arg.name() == "dtype" && is_scalar_type_arg(arg)) {
+      dtype_index_ = static_cast<int>(i);  // `ScalarType? dtype` or a required `ScalarType dtype`
+    } else if (type->kind() == c10::TypeKind::TensorType) {
       slots_.push_back({i, SlotKind::kTensor});
     } else if (auto opt = type->cast<c10::OptionalType>()) {
       if (opt->getElementType()->kind() == c10::TypeKind::TensorType) {
         slots_.push_back({i, SlotKind::kOptionalTensor});
-      } else if (arg.name() == "dtype" &&
-                 opt->getElementType()->kind() == c10::TypeKind::ScalarTypeType) {
-        dtype_index_ = static_cast<int>(i);
       }
     } else if (auto list = type->cast<c10::ListType>()) {
       const auto& elem = list->getElementType();
@@ -164,7 +174,14 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
     target = widest;
   } else {  // fp32, fp32 losses, banned treated as a loss at O2/O5
     target = ScalarType::Float;
-    if (dtype_index_ >= 0 && (*stack)[base + dtype_index_].isNone()) {
+    if (dtype_index_ >= 0 && !(*stack)[base + dtype_index_].isNone()) {
+      // The caller chose the result dtype: that is the precision asked for, and widening the
+      // inputs would make ops that refuse to narrow (linalg_vector_norm, norm) fail. Native
+      // autocast's fp32_set_opt_dtype leaves such calls alone too.
+      op.redispatchBoxed(below, stack);
+      return;
+    }
+    if (dtype_index_ >= 0) {
       // Ops with a dtype argument compute in fp32 without a separate input cast.
       bool any_reduced = false;
       rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {

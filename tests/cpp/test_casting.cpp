@@ -1355,15 +1355,15 @@ TEST_F(Casting, LocalResponseNormRunsInFp32) {
   }
 }
 
-// Known bug, reported rather than fixed here (csrc/dispatch/cast_kernel.cpp): an fp32-list op
-// given a low `dtype` explicitly still gets its inputs cast to fp32, and linalg_vector_norm /
-// norm refuse the narrowing ("linalg.vector_norm: the dtype of the input (Float) should be
-// convertible without narrowing to the specified dtype (Half)"); plain ATen runs these calls.
-// sum/prod/cumsum/softmax accept the narrowing, so they return the requested dtype. Enable once
-// an explicit dtype is left alone.
-TEST_F(Casting, DISABLED_ExplicitLowDtypeOfNormIsRespected) {
+// An fp32-list op given a result dtype runs as called: casting its inputs to fp32 would make
+// linalg_vector_norm / norm refuse the narrowing back to the dtype the caller asked for.
+TEST_F(Casting, AnExplicitResultDtypeIsLeftAlone) {
   enable("O1");
   const auto h = randn({2, 3}, at::kHalf);
+  const auto before = cast_count();
+  EXPECT_EQ(at::sum(h, at::kHalf).scalar_type(), at::kHalf);
+  EXPECT_EQ(cast_count(), before) << "nothing cast for a call that names its result dtype";
+  EXPECT_EQ(at::sum(h).scalar_type(), at::kFloat) << "without a dtype: fp32";
   EXPECT_EQ(at::linalg_vector_norm(h, 2, std::nullopt, false, at::kHalf).scalar_type(), at::kHalf);
   EXPECT_EQ(at::norm(h, std::optional<at::Scalar>(2), at::kHalf).scalar_type(), at::kHalf);
   EXPECT_EQ(
