@@ -1,8 +1,9 @@
 // Instruction-count twin of bench_dispatch, for run under callgrind (timings on a shared 2-core
 // machine are too noisy for a 3% target). Runs the same op loop for n and 2n calls in two
 // noinline functions; per-call cost = (Ir(loop_2n) - Ir(loop_n)) / n, which cancels set-up.
-//   valgrind --tool=callgrind dispatch_icount <noamp|native|optamp|optamp_o5> <mm|relu> <n>
-// optamp: O4 casting rules; optamp_o5: O5 (casting rules + parameter substitution, with one
+//   valgrind --tool=callgrind dispatch_icount <mode> <mm|relu> <n>
+// modes: noamp; native (at::autocast CPU bf16) vs optamp (O4 rules, bf16); native_fp16 (CPU
+// autocast with dtype float16) vs optamp_o1 (O1 rules, fp16), the O1 comparison; optamp_o5: O5 (casting rules + parameter substitution, with one
 // registered parameter that the looped op does not touch, the common case).
 // scripts/bench/dispatch_overhead.sh --icount runs every configuration and prints the ratios.
 #include <ATen/ATen.h>
@@ -39,7 +40,8 @@ __attribute__((noinline)) void loop_2n(int n) {
 
 int main(int argc, char** argv) {
   if (argc != 4) {
-    std::cerr << "usage: dispatch_icount <noamp|native|optamp|optamp_o5> <mm|relu> <n>\n";
+    std::cerr << "usage: dispatch_icount <noamp|native|native_fp16|optamp|optamp_o1|optamp_o5> "
+                 "<mm|relu> <n>\n";
     return 2;
   }
   const std::string mode = argv[1];
@@ -47,11 +49,11 @@ int main(int argc, char** argv) {
   const int n = std::atoi(argv[3]);
   g_a = at::randn({8, 8});
   g_b = at::randn({8, 8});
-  if (mode == "native") {
+  if (mode == "native" || mode == "native_fp16") {
     at::autocast::set_autocast_enabled(at::kCPU, true);
-    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
-  } else if (mode == "optamp") {
-    amp::detail::set_level_rules(amp::resolve("O4"));
+    at::autocast::set_autocast_dtype(at::kCPU, mode == "native" ? at::kBFloat16 : at::kHalf);
+  } else if (mode == "optamp" || mode == "optamp_o1") {
+    amp::detail::set_level_rules(amp::resolve(mode == "optamp" ? "O4" : "O1"));
     amp::detail::activate_thread(true);
   } else if (mode == "optamp_o5") {
     static const at::Tensor param = at::randn({8, 8});

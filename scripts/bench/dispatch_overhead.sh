@@ -10,7 +10,8 @@ if [[ "${1:-}" == "--icount" ]]; then
   # Deterministic instruction counts under callgrind (about a minute per configuration).
   cmake --build "$BUILD" --target dispatch_icount >/dev/null
   declare -A ir
-  for cfg in noamp:mm noamp:relu native:mm optamp:mm optamp:relu optamp_o5:relu; do
+  for cfg in noamp:mm noamp:relu native:mm optamp:mm optamp:relu optamp_o5:relu \
+             native_fp16:mm optamp_o1:mm; do
     f="$(mktemp)"
     valgrind --tool=callgrind --callgrind-out-file="$f" "$BUILD/scripts/bench/dispatch_icount" \
       "${cfg%%:*}" "${cfg##*:}" 200 >/dev/null 2>&1
@@ -20,9 +21,11 @@ if [[ "${1:-}" == "--icount" ]]; then
     echo "instructions/call $cfg: ${ir[$cfg]}"
   done
   awk -v a="${ir[noamp:mm]}" -v ar="${ir[noamp:relu]}" -v b="${ir[native:mm]}" \
-      -v c="${ir[optamp:mm]}" -v d="${ir[optamp:relu]}" -v e="${ir[optamp_o5:relu]}" 'BEGIN {
+      -v c="${ir[optamp:mm]}" -v d="${ir[optamp:relu]}" -v e="${ir[optamp_o5:relu]}" \
+      -v b16="${ir[native_fp16:mm]}" -v c16="${ir[optamp_o1:mm]}" 'BEGIN {
     printf "(d)/(a) unlisted op: %.3f (target <= 1.03)\n", d / ar;
-    printf "(c)-(a) = %d vs (b)-(a) = %d instructions: ratio %.2f (target <= 1.25)\n", c - a, b - a, (c - a) / (b - a);
+    printf "bf16: (c)-(a) = %d vs (b)-(a) = %d instructions: ratio %.2f (target <= 1.25)\n", c - a, b - a, (c - a) / (b - a);
+    printf "fp16, O1 vs native fp16 autocast: (c)-(a) = %d vs (b)-(a) = %d instructions: ratio %.2f (target <= 1.25)\n", c16 - a, b16 - a, (c16 - a) / (b16 - a);
     printf "(e)/(a) unlisted op at O5 (substitution fallback, boxed): %.3f (no target; see docs/benchmarks.md)\n", e / ar }'
   exit 0
 fi

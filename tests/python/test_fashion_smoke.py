@@ -1,6 +1,9 @@
-"""Fashion-MNIST smoke test (issue: initialize): a few hundred steps of the example CNN at O0, O1,
-O2 and O5 with the same seed and data; the mixed levels' test accuracy must be within 1 point of
-O0's. Marked slow (fp16 convolutions run reference kernels on CPUs): `PYTEST_ARGS=--run-slow`.
+"""Fashion-MNIST smoke test (issue: initialize): 600 steps of the example CNN at O0, O1, O2 and O5
+with the same seed and data; the mixed levels' test accuracy must be within 1 point of O0's.
+600, not 300: after 300 steps single-seed accuracies still differ by about a point either way
+(O1 85.54% vs O0 84.48% on an AVX2 machine); after 600 they agreed within 0.35 (O0 86.74, O1
+87.08, O5 86.87). Marked slow (fp16 convolutions run reference kernels on CPUs: 1-10 minutes):
+`PYTEST_ARGS=--run-slow`.
 """
 import json
 import os
@@ -10,7 +13,7 @@ import pytest
 
 from test_ab import BIN, DATA, env, trainer_binary  # noqa: F401  (shared paths and skips)
 
-STEPS = int(os.environ.get("OPTAMP_SMOKE_STEPS", "300"))
+STEPS = int(os.environ.get("OPTAMP_SMOKE_STEPS", "600"))
 
 
 def run_level(level, tmp_path):
