@@ -1053,6 +1053,21 @@ TEST_F(Initialize, ErrorSameOptimizerTwiceWithoutReset) {
   EXPECT_NO_THROW(initialize(net, *opt, "O2", quiet()));
 }
 
+TEST_F(Initialize, ErrorO3WithOptimizerStateMadeBeforeInitialize) {
+  // O3 casts the parameters, not the Adam moments already made for them: refuse, naming the fix.
+  Net net = make_net();
+  auto opt = make_optimizer(net, Opt::kAdam, 1e-4);
+  auto b = make_batches(1).front();
+  at::cross_entropy_loss(net->forward(b.x, b.tag), b.y).backward();
+  opt->step();
+  OPTAMP_EXPECT_THROW_WITH(initialize(net, *opt, "O3", quiet()), c10::ValueError,
+                           "optimizer 0 already has Float state for parameter conv.weight (",
+                           "O3 casts the model to Half",
+                           "call amp::initialize before the first optimizer step");
+  expect_untouched(net);
+  initialize(net, *opt, "O2", quiet());  // levels that keep fp32 parameters accept such state
+}
+
 TEST_F(Initialize, ErrorOptimizerStateOnAnotherDevice) {
   Net net = make_net();
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
