@@ -3,9 +3,10 @@
 // noinline functions; per-call cost = (Ir(loop_2n) - Ir(loop_n)) / n, which cancels set-up.
 //   valgrind --tool=callgrind dispatch_icount <mode> <mm|relu> <n>
 // modes: noamp; native (at::autocast CPU bf16) vs optamp (O4 rules, bf16); native_fp16 (CPU
-// autocast with dtype float16) vs optamp_o1 (O1 rules, fp16), the O1 comparison; optamp_o5: O5 (casting rules + parameter substitution, with one
-// registered parameter that the looped op does not touch, the common case).
-// scripts/bench/dispatch_overhead.sh --icount runs every configuration and prints the ratios.
+// autocast with dtype float16) vs optamp_o1 (O1 rules, fp16), the O1 comparison; optamp_o5:
+// O5 (casting rules + parameter substitution, with one registered parameter that the looped op does
+// not touch, the common case). scripts/bench/dispatch_overhead.sh --icount runs every configuration
+// and prints the ratios.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 
