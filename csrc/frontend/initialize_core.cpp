@@ -43,33 +43,22 @@ void check_model(const ModelTensors& model) {
                     "run in mixed precision");
 }
 
-// O3 casts the parameters but not what the optimizer already holds for them: a momentum buffer or
-// Adam moment left in fp32 next to an fp16 parameter fails in the optimizer's next step.
-void check_o3_state(const Properties& p, const ModelTensors& model,
-                    const std::vector<OptimizerTensors>& opts) {
-  if (!p.enabled || p.opt_level != OptLevel::O3) return;
-  std::unordered_set<const c10::TensorImpl*> cast;  // what cast_model will convert
+// O3 casts the parameters; what the optimizer already holds for them (Adagrad's accumulators
+// from its constructor, moments of steps taken before initialize) must follow, or the next step
+// mixes fp32 state with fp16 parameters and fails. Step counters and other shapes stay as they are.
+void cast_o3_state(const ModelTensors& model, const std::vector<OptimizerTensors>& opts,
+                   c10::ScalarType dtype) {
+  std::unordered_set<const c10::TensorImpl*> cast;  // what cast_model converted
   for (const auto& t : model.reduced) cast.insert(t.unsafeGetTensorImpl());
-  std::unordered_map<const c10::TensorImpl*, std::string> names;
-  if (model.names.size() == model.parameters.size()) {
-    for (const auto i : c10::irange(model.parameters.size())) {
-      names.emplace(model.parameters[i].unsafeGetTensorImpl(), model.names[i] + " ");
-    }
-  }
   for (const auto& opt : opts) {
     for (const auto i : c10::irange(opt.state.size())) {
-      const auto& state = opt.state[i];
       const auto& param = opt.state_owners[i];
+      at::Tensor state = opt.state[i];  // same TensorImpl: the optimizer sees the change
       if (!cast.count(param.unsafeGetTensorImpl()) || !state.is_floating_point() ||
-          state.sizes() != param.sizes() || state.scalar_type() == p.cast_model_type) {
-        continue;  // step counters and the like, or already in the model's dtype
+          state.sizes() != param.sizes() || state.scalar_type() == dtype) {
+        continue;
       }
-      TORCH_CHECK_VALUE(
-          false, opt.description, " already has ", state.scalar_type(), " state for parameter ",
-          names.count(param.unsafeGetTensorImpl()) ? names.at(param.unsafeGetTensorImpl()) : "",
-          "(", shape_of(param), "), but O3 casts the model to ", p.cast_model_type,
-          " and would leave that state behind: call amp::initialize before the first "
-          "optimizer step, and load optimizer checkpoints after it");
+      state.set_data(state.detach().to(dtype));
     }
   }
 }
@@ -174,7 +163,6 @@ Properties initialize_core(const ModelTensors& model, const std::vector<Optimize
                     "before initializing a new model/optimizer");
   check_model(model);
   check_optimizers(model, opts);
-  check_o3_state(p, model, opts);
   ensure_registered();  // key conflicts surface here, still before any change
   warn_fp16_epsilon(p, opts);
 
@@ -184,7 +172,10 @@ Properties initialize_core(const ModelTensors& model, const std::vector<Optimize
   configure_loss_scalers(scaler_properties);
   install_param_names(model);
   if (p.enabled) {
-    if (p.opt_level == OptLevel::O3) cast_model(model, p.cast_model_type);
+    if (p.opt_level == OptLevel::O3) {
+      cast_model(model, p.cast_model_type);
+      cast_o3_state(model, opts, p.cast_model_type);
+    }
     const bool master_weights = p.opt_level == OptLevel::O2 || p.opt_level == OptLevel::O5;
     if (master_weights) {
       set_working_copy_sources(model.reduced);

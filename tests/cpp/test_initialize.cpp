@@ -9,6 +9,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/lbfgs.h>
 #include <torch/optim/schedulers/step_lr.h>
@@ -1053,19 +1054,29 @@ TEST_F(Initialize, ErrorSameOptimizerTwiceWithoutReset) {
   EXPECT_NO_THROW(initialize(net, *opt, "O2", quiet()));
 }
 
-TEST_F(Initialize, ErrorO3WithOptimizerStateMadeBeforeInitialize) {
-  // O3 casts the parameters, not the Adam moments already made for them: refuse, naming the fix.
+TEST_F(Initialize, O3CastsOptimizerStateMadeBeforeInitialize) {
+  // O3 casts the parameters; Adam moments from an earlier step (and Adagrad's accumulators,
+  // made by its constructor) must follow, or the next step mixes fp32 state with fp16 params.
   Net net = make_net();
   auto opt = make_optimizer(net, Opt::kAdam, 1e-4);
   auto b = make_batches(1).front();
   at::cross_entropy_loss(net->forward(b.x, b.tag), b.y).backward();
   opt->step();
-  OPTAMP_EXPECT_THROW_WITH(initialize(net, *opt, "O3", quiet()), c10::ValueError,
-                           "optimizer 0 already has Float state for parameter conv.weight (",
-                           "O3 casts the model to Half",
-                           "call amp::initialize before the first optimizer step");
-  expect_untouched(net);
-  initialize(net, *opt, "O2", quiet());  // levels that keep fp32 parameters accept such state
+  initialize(net, *opt, "O3", quiet());
+  const auto& state = static_cast<torch::optim::AdamParamState&>(
+      *opt->state().at(net->conv->weight.unsafeGetTensorImpl()));
+  EXPECT_EQ(net->conv->weight.scalar_type(), at::kHalf);
+  EXPECT_EQ(state.exp_avg().scalar_type(), at::kHalf);
+  EXPECT_EQ(state.exp_avg_sq().scalar_type(), at::kHalf);
+  const auto before = net->conv->weight.detach().clone();
+  const double loss = train_step(net, *opt, b);  // the step runs, with fp16 state
+  EXPECT_TRUE(std::isfinite(loss));
+  EXPECT_FALSE(at::equal(before, net->conv->weight.detach()));
+  reset();
+  Net net2 = make_net();
+  torch::optim::Adagrad adagrad(net2->parameters(), torch::optim::AdagradOptions(0.01));
+  initialize(net2, adagrad, "O3", quiet());
+  EXPECT_TRUE(std::isfinite(train_step(net2, adagrad, b)));
 }
 
 TEST_F(Initialize, ErrorOptimizerStateOnAnotherDevice) {
