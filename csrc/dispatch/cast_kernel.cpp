@@ -174,14 +174,14 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
     target = widest;
   } else {  // fp32, fp32 losses, banned treated as a loss at O2/O5
     target = ScalarType::Float;
-    if (dtype_index_ >= 0 && !(*stack)[base + dtype_index_].isNone()) {
-      // The caller chose the result dtype: that is the precision asked for, and widening the
-      // inputs would make ops that refuse to narrow (linalg_vector_norm, norm) fail. Native
-      // autocast's fp32_set_opt_dtype leaves such calls alone too.
-      op.redispatchBoxed(below, stack);
-      return;
-    }
     if (dtype_index_ >= 0) {
+      if (!(*stack)[base + dtype_index_].isNone()) {
+        // The caller chose the result dtype: that is the precision asked for, and widening the
+        // inputs would make ops that refuse to narrow (linalg_vector_norm, norm) fail. Native
+        // autocast's fp32_set_opt_dtype leaves such calls alone too.
+        op.redispatchBoxed(below, stack);
+        return;
+      }
       // Ops with a dtype argument compute in fp32 without a separate input cast.
       bool any_reduced = false;
       rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {

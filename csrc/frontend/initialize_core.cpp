@@ -43,26 +43,6 @@ void check_model(const ModelTensors& model) {
                     "run in mixed precision");
 }
 
-// O3 casts the parameters; what the optimizer already holds for them (Adagrad's accumulators
-// from its constructor, moments of steps taken before initialize) must follow, or the next step
-// mixes fp32 state with fp16 parameters and fails. Step counters and other shapes stay as they are.
-void cast_o3_state(const ModelTensors& model, const std::vector<OptimizerTensors>& opts,
-                   c10::ScalarType dtype) {
-  std::unordered_set<const c10::TensorImpl*> cast;  // what cast_model converted
-  for (const auto& t : model.reduced) cast.insert(t.unsafeGetTensorImpl());
-  for (const auto& opt : opts) {
-    for (const auto i : c10::irange(opt.state.size())) {
-      const auto& param = opt.state_owners[i];
-      at::Tensor state = opt.state[i];  // same TensorImpl: the optimizer sees the change
-      if (!cast.count(param.unsafeGetTensorImpl()) || !state.is_floating_point() ||
-          state.sizes() != param.sizes() || state.scalar_type() == dtype) {
-        continue;
-      }
-      state.set_data(state.detach().to(dtype));
-    }
-  }
-}
-
 void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTensors>& opts) {
   // Model parameters by identity, with the model's name for them ("fc1.weight") when known.
   std::unordered_map<const c10::TensorImpl*, std::string> in_model;
@@ -122,13 +102,29 @@ void warn_fp16_epsilon(const Properties& p, const std::vector<OptimizerTensors>&
   }
 }
 
-// O3: the model's tensors become fp16/bf16 in place (set_data keeps the same Variable, so the
-// optimizer's references stay valid).
-void cast_model(const ModelTensors& model, c10::ScalarType dtype) {
+// set_data keeps the same Variable, so everything holding it (module, optimizer) sees the change.
+void cast_in_place(at::Tensor t, c10::ScalarType dtype) {
+  if (t.is_floating_point() && t.scalar_type() != dtype) t.set_data(t.detach().to(dtype));
+}
+
+// O3: the model's tensors become fp16/bf16 in place, and with them what the optimizer already
+// holds for a cast parameter (Adagrad's accumulators from its constructor, moments of steps taken
+// before initialize); fp32 state next to an fp16 parameter would fail the next step. State of
+// another shape (step counters) stays as it is.
+void cast_model(const ModelTensors& model, const std::vector<OptimizerTensors>& opts,
+                c10::ScalarType dtype) {
+  std::unordered_set<const c10::TensorImpl*> cast;
   for (const auto& t : model.reduced) {
-    if (!t.is_floating_point() || t.scalar_type() == dtype) continue;
-    at::Tensor alias = t;  // same TensorImpl
-    alias.set_data(t.detach().to(dtype));
+    cast_in_place(t, dtype);
+    cast.insert(t.unsafeGetTensorImpl());
+  }
+  for (const auto& opt : opts) {
+    for (const auto i : c10::irange(opt.state.size())) {
+      const auto& param = opt.state_owners[i];
+      if (cast.count(param.unsafeGetTensorImpl()) && opt.state[i].sizes() == param.sizes()) {
+        cast_in_place(opt.state[i], dtype);
+      }
+    }
   }
 }
 
@@ -172,10 +168,7 @@ Properties initialize_core(const ModelTensors& model, const std::vector<Optimize
   configure_loss_scalers(scaler_properties);
   install_param_names(model);
   if (p.enabled) {
-    if (p.opt_level == OptLevel::O3) {
-      cast_model(model, p.cast_model_type);
-      cast_o3_state(model, opts, p.cast_model_type);
-    }
+    if (p.opt_level == OptLevel::O3) cast_model(model, opts, p.cast_model_type);
     const bool master_weights = p.opt_level == OptLevel::O2 || p.opt_level == OptLevel::O5;
     if (master_weights) {
       set_working_copy_sources(model.reduced);

@@ -30,7 +30,7 @@ def check(running, built):
             f"optamp was built against torch {built} but torch {running} is imported; a C++ "
             "extension only loads under the torch release it was compiled with. Rebuild optamp "
             "(pip install . , or scripts/test.sh for the in-tree build) with this torch, or "
-            f"install torch=={_release(built)[0]}.{_release(built)[1]}.{_release(built)[2]}.")
+            f"install torch=={'.'.join(map(str, _release(built)))}.")
 
 
 def load_core():

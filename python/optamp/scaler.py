@@ -49,27 +49,21 @@ def max_reducer(process_group):
     def reduce(found_inf):
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=process_group)
 
-    reduce.process_group = process_group
     return reduce
 
 
-# loss_id -> the process group initialize(process_group=...) gave every scaler.
-_initialize_groups = {}
-
-
-def _reducer_for(loss_id):
-    group = _initialize_groups.get(loss_id)
-    return None if group is None else max_reducer(group)
+# The process group initialize(process_group=...) gave every loss scaler (None: none).
+_initialize_group = None
 
 
 def set_process_group(process_group, num_losses):
-    """Called by initialize: every loss scaler max-reduces its overflow flag over the group."""
-    _initialize_groups.clear()
-    if process_group is None:
-        return
-    for loss_id in range(num_losses):
-        _initialize_groups[loss_id] = process_group
-        _C.loss_scaler(loss_id).set_found_inf_reducer(max_reducer(process_group))
+    """Called by initialize (and reset, with None): every loss scaler max-reduces its overflow
+    flag over the group."""
+    global _initialize_group
+    _initialize_group = process_group
+    if process_group is not None:
+        for loss_id in range(num_losses):
+            _C.loss_scaler(loss_id).set_found_inf_reducer(max_reducer(process_group))
 
 
 @contextlib.contextmanager
@@ -113,7 +107,8 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
         try:
             guard.finish(False)
         finally:
-            scaler.set_found_inf_reducer(_reducer_for(loss_id))
+            scaler.set_found_inf_reducer(
+                None if _initialize_group is None else max_reducer(_initialize_group))
     if not delay_unscale and _C.loss_scaler(loss_id).last_step_skipped:
         for opt in optimizers:
             _skip_next_step(opt)
