@@ -1,4 +1,5 @@
 """Loss scaling: ``optamp.scale_loss`` (Apex's ``amp.scale_loss``) over the compiled core."""
+import atexit
 import contextlib
 
 import torch
@@ -64,6 +65,17 @@ def set_process_group(process_group, num_losses):
     if process_group is not None:
         for loss_id in range(num_losses):
             _C.loss_scaler(loss_id).set_found_inf_reducer(max_reducer(process_group))
+
+
+@atexit.register
+def _drop_reducers():
+    """A reducer holds its process group, and the scalers live in a C++ static that outlives the
+    interpreter: left there, the group (and its backend's threads) would outlive Python too,
+    still running while the process tears down. Drop them while Python is fully alive."""
+    global _initialize_group
+    _initialize_group = None
+    for loss_id in range(_C.num_loss_scalers()):
+        _C.loss_scaler(loss_id).set_found_inf_reducer(None)
 
 
 @contextlib.contextmanager

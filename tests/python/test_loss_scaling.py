@@ -388,3 +388,30 @@ def test_enabled_false_returns_objects_untouched_and_scale_loss_scales_by_one():
         assert optamp.properties().enabled
     finally:
         optamp.reset()
+
+
+def test_reducers_are_released_before_the_interpreter_exits():
+    """The scalers live in a C++ static that outlives Python; a reducer left there would keep
+    its process group (and the backend's threads) alive through teardown. optamp drops them at
+    exit, while Python still runs: the reducer's captured objects are released then."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import optamp, torch\n"
+        "from optamp import _C\n"
+        "class Group:\n"
+        "    def __del__(self):\n"
+        "        print('group released', flush=True)\n"
+        "_C.configure_loss_scalers(optamp.resolve('O1', verbosity=0))\n"
+        "group = Group()\n"
+        "_C.loss_scaler(0).set_found_inf_reducer(lambda f, g=group: None)\n"
+        "del group\n"
+        "print('exiting', flush=True)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "python"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["exiting", "group", "released"], proc.stdout
