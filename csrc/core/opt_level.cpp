@@ -14,6 +14,7 @@ namespace {
 
 using c10::ScalarType;
 constexpr ScalarType kNone = ScalarType::Undefined;
+constexpr double kFloatMax = 3.4028234663852886e38;  // float32's largest finite value
 
 constexpr std::array<const char*, 6> kLevelNames = {"O0", "O1", "O2", "O3", "O4", "O5"};
 
@@ -91,6 +92,7 @@ std::string format_options(const Properties& p) {
   row("min_loss_scale", p.min_loss_scale ? number_name(*p.min_loss_scale) : "None");
   row("max_loss_scale", number_name(p.max_loss_scale));
   row("verbosity", std::to_string(p.verbosity));
+  if (!p.loss_scale.is_dynamic()) row("overflow_check", bool_name(p.overflow_check));
   if (p.loss_scale.is_dynamic()) {
     row("init_scale", number_name(p.init_scale));
     row("growth_factor", number_name(p.growth_factor));
@@ -212,13 +214,21 @@ void check_model_level_overrides(const Properties& p, const Options& o) {
 }
 
 void check_scaler_knobs(const Properties& p, const Options& o) {
+  // Scales live in float32 and are inverted for unscaling: keep both finite.
+  auto in_float_range = [](double v) {
+    return std::isfinite(v) && v >= 0x1p-126 && v <= kFloatMax;
+  };
   if (!p.loss_scale.is_dynamic()) {
     const double v = p.loss_scale.value();
-    TORCH_CHECK_VALUE(std::isfinite(v) && v > 0,
-                      "loss_scale must be \"dynamic\" or a positive, "
-                      "finite number, got ",
+    TORCH_CHECK_VALUE(in_float_range(v),
+                      "loss_scale must be \"dynamic\" or a number within [2^-126, 3.4e38] "
+                      "(float32's normal range, so that 1/loss_scale is finite), got ",
                       v);
   }
+  TORCH_CHECK_VALUE(!(p.loss_scale.is_dynamic() && o.overflow_check && !*o.overflow_check),
+                    "overflow_check=False turns off the inf/NaN check of a fixed loss scale, "
+                    "but loss_scale is \"dynamic\", which needs the check to adjust the scale; "
+                    "set a fixed loss_scale too, or leave overflow_check unset");
   TORCH_CHECK_VALUE(p.num_losses >= 1, "num_losses must be >= 1, got ", p.num_losses);
   TORCH_CHECK_VALUE(p.verbosity >= 0 && p.verbosity <= 2, "verbosity must be 0, 1 or 2, got ",
                     p.verbosity);
@@ -226,13 +236,17 @@ void check_scaler_knobs(const Properties& p, const Options& o) {
                     "max_loss_scale must be a positive, finite number, got ", p.max_loss_scale);
   if (p.min_loss_scale) {
     const double lo = *p.min_loss_scale;
-    TORCH_CHECK_VALUE(std::isfinite(lo) && lo > 0,
-                      "min_loss_scale must be a positive, finite number or None, got ", lo);
+    TORCH_CHECK_VALUE(in_float_range(lo),
+                      "min_loss_scale must be None or a number within [2^-126, 3.4e38] "
+                      "(float32's normal range), got ",
+                      lo);
     TORCH_CHECK_VALUE(lo <= p.max_loss_scale, "min_loss_scale (", lo,
                       ") must not exceed max_loss_scale (", p.max_loss_scale, ")");
   }
-  TORCH_CHECK_VALUE(std::isfinite(p.init_scale) && p.init_scale > 0,
-                    "init_scale must be a positive, finite number, got ", p.init_scale);
+  TORCH_CHECK_VALUE(in_float_range(p.init_scale),
+                    "init_scale must be a number within [2^-126, 3.4e38] (float32's normal "
+                    "range), got ",
+                    p.init_scale);
   if (o.init_scale) {
     TORCH_CHECK_VALUE(
         p.init_scale <= p.max_loss_scale && p.init_scale >= p.min_loss_scale.value_or(0.0),
@@ -277,6 +291,7 @@ void apply_overrides(Properties& p, const Options& o, OverrideLog& log) {
   take("backoff_factor", p.backoff_factor, o.backoff_factor, number_name);
   take("growth_interval", p.growth_interval, o.growth_interval, as_int);
   take("hysteresis", p.hysteresis, o.hysteresis, as_int);
+  take("overflow_check", p.overflow_check, o.overflow_check, bool_name);
   // Apex: the initial scale never exceeds the ceiling unless the user asked for it explicitly.
   if (!o.init_scale && p.init_scale > p.max_loss_scale) p.init_scale = p.max_loss_scale;
 }
@@ -294,11 +309,20 @@ OptLevel parse_opt_level(std::string_view text) {
                            std::string(text), "\""));
 }
 
-std::string to_string(OptLevel level) {
+namespace {
+
+// The table row of `level`; an OptLevel made from an integer outside O0..O5 is a ValueError.
+std::size_t level_index(OptLevel level) {
   const auto index = static_cast<std::size_t>(level);
-  TORCH_INTERNAL_ASSERT(index < kLevelNames.size(), "invalid OptLevel ", index);
-  return kLevelNames[index];
+  TORCH_CHECK_VALUE(index < kLevelNames.size(),
+                    "opt_level must be one of OptLevel::O0 .. OptLevel::O5, got OptLevel(",
+                    static_cast<int>(level), ")");
+  return index;
 }
+
+}  // namespace
+
+std::string to_string(OptLevel level) { return kLevelNames[level_index(level)]; }
 
 bool is_bf16_level(OptLevel level) { return level == OptLevel::O4 || level == OptLevel::O5; }
 
@@ -340,7 +364,7 @@ c10::ScalarType Properties::low_dtype() const {
 }
 
 std::string Properties::describe() const {
-  const auto& row = kLevelTable[static_cast<std::size_t>(opt_level)];
+  const auto& row = kLevelTable[level_index(opt_level)];
   std::ostringstream out;
   out << "Selected optimization level " << to_string(opt_level) << ":  " << row.brief << "\n\n"
       << "Defaults for this optimization level are:\n"
@@ -353,7 +377,7 @@ std::string Properties::describe() const {
 }
 
 Properties level_defaults(OptLevel level) {
-  const auto& row = kLevelTable.at(static_cast<std::size_t>(level));
+  const auto& row = kLevelTable[level_index(level)];
   Properties p;
   p.opt_level = level;
   p.cast_model_type = row.cast_model_type;

@@ -35,6 +35,27 @@ std::string shape_of(const at::Tensor& t) {
 }
 
 void check_model(const ModelTensors& model) {
+  // A model on the meta device has no data: O2/O5 would make working copies of nothing and O3
+  // would cast nothing, and training fails later far from the cause.
+  for (const auto i : c10::irange(model.parameters.size())) {
+    TORCH_CHECK_VALUE(!model.parameters[i].is_meta(),
+                      "models must be materialized before "
+                      "amp::initialize, got parameter ",
+                      i < model.names.size() ? model.names[i] + " " : std::string(), "(",
+                      shape_of(model.parameters[i]),
+                      ") on the meta device; materialize the model first (model.to_empty(device) "
+                      "and initialize its parameters, or load a checkpoint), then initialize");
+  }
+  for (const auto* list : {&model.reduced, &model.keep_fp32}) {
+    for (const auto& t : *list) {
+      TORCH_CHECK_VALUE(!t.is_meta(),
+                        "models must be materialized before amp::initialize, got a "
+                        "buffer (",
+                        shape_of(t),
+                        ") on the meta device; materialize the model "
+                        "first (model.to_empty(device) and initialize it), then initialize");
+    }
+  }
   bool any_floating = false;
   for (const auto& t : model.parameters) any_floating = any_floating || t.is_floating_point();
   TORCH_CHECK_VALUE(any_floating, "models must have at least one floating-point parameter, got ",
@@ -166,6 +187,9 @@ Properties initialize_core(const ModelTensors& model, const std::vector<Optimize
   Properties scaler_properties = p;
   if (!p.enabled) scaler_properties.loss_scale = LossScale::fixed(1.0);
   configure_loss_scalers(scaler_properties);
+  std::vector<const void*> identities;
+  for (const auto& opt : opts) identities.push_back(opt.identity);
+  restrict_loss_scaling_to(identities);
   install_param_names(model);
   if (p.enabled) {
     if (p.opt_level == OptLevel::O3) cast_model(model, opts, p.cast_model_type);

@@ -5,11 +5,16 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <algorithm>
 #include <cmath>
 #include <iostream>
+#include <iterator>
+#include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
+#include <unordered_set>
 
 #include "ops/multi_tensor.h"
 #include "optamp/state_dict.h"
@@ -28,11 +33,15 @@ std::string format_scale(double v) {
   return s;
 }
 
+constexpr double kFloatMax = 3.4028234663852886e38;
+
 }  // namespace
 
 LossScaler::LossScaler(const Properties& props, int loss_id)
     : loss_id_(loss_id),
       dynamic_(props.enabled && props.loss_scale.is_dynamic()),
+      checks_(props.enabled && (dynamic_ || props.overflow_check)),
+      fixed_scale_(!props.enabled ? 1.0 : props.loss_scale.value()),
       init_scale_(props.init_scale),
       growth_factor_(props.growth_factor),
       backoff_factor_(props.backoff_factor),
@@ -40,58 +49,86 @@ LossScaler::LossScaler(const Properties& props, int loss_id)
       hysteresis_(props.hysteresis),
       min_loss_scale_(props.min_loss_scale.value_or(0.0)),
       max_loss_scale_(props.max_loss_scale),
+      lowest_scale_(std::max(props.min_loss_scale.value_or(0.0), kScaleFloor)),
       has_min_(props.min_loss_scale.has_value()),
       verbosity_(props.verbosity) {
   TORCH_CHECK_VALUE(loss_id >= 0, "loss_id must be >= 0, got ", loss_id);
   TORCH_CHECK_VALUE(growth_interval_ > 0, "growth_interval must be positive, got ",
                     growth_interval_);
   TORCH_CHECK_VALUE(hysteresis_ > 0, "hysteresis must be positive, got ", hysteresis_);
-  const double value =
-      !props.enabled ? 1.0 : (dynamic_ ? props.init_scale : props.loss_scale.value());
-  TORCH_CHECK_VALUE(std::isfinite(value) && value > 0,
-                    "loss scale must be positive and finite, got ", value);
+  const double value = dynamic_ ? props.init_scale : fixed_scale_;
+  TORCH_CHECK_VALUE(std::isfinite(value) && value >= kScaleFloor && value <= kFloatMax,
+                    "loss scale must lie within [2^-126, 3.4e38] (float32's normal range), got ",
+                    value);
   loss_scale_ = static_cast<float>(value);
   scale_ = at::full({}, value, at::kFloat);
   growth_tracker_ = at::zeros({}, at::kInt);
   hysteresis_tracker_ = at::full({}, hysteresis_, at::kInt);
 }
 
+at::Tensor LossScaler::scale_tensor() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return scale_;
+}
+at::Tensor LossScaler::growth_tracker() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return growth_tracker_;
+}
+at::Tensor LossScaler::hysteresis_tracker() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return hysteresis_tracker_;
+}
+bool LossScaler::pending() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pending_;
+}
+void LossScaler::set_found_inf_reducer(FoundInfReducer reducer) {
+  FoundInfReducer old;  // destroyed after the lock is released (it may take the GIL)
+  std::lock_guard<std::mutex> lock(mutex_);
+  old = std::move(found_inf_reducer_);
+  found_inf_reducer_ = std::move(reducer);
+}
+bool LossScaler::has_found_inf_reducer() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<bool>(found_inf_reducer_);
+}
+
 void LossScaler::to(const c10::Device& device) {
+  std::lock_guard<std::mutex> lock(mutex_);
   if (scale_.device() == device) return;
   scale_ = scale_.to(device);
   growth_tracker_ = growth_tracker_.to(device);
   hysteresis_tracker_ = hysteresis_tracker_.to(device);
-  inv_scale_.clear();  // recomputed from the moved scale
 }
 
-at::Tensor LossScaler::scale(const at::Tensor& loss) {
+at::Tensor LossScaler::scale(const at::Tensor& loss) { return scale_for_step(loss).scaled; }
+
+LossScaler::ScaledLossValue LossScaler::scale_for_step(const at::Tensor& loss) {
   to(loss.device());
-  return loss.to(at::kFloat) * scale_;
+  std::lock_guard<std::mutex> lock(mutex_);
+  // As torch.amp.GradScaler: 1/scale in double, rounded to float. Taken together with the
+  // multiplication, so a concurrent update of the scale cannot come between them.
+  return {loss.to(at::kFloat) * scale_,
+          scale_.to(at::kDouble).reciprocal().to(at::kFloat).reshape({1})};
 }
 
-at::Tensor LossScaler::found_inf_for(const c10::Device& device) {
-  for (auto& [d, t] : found_inf_)
+namespace {
+
+at::Tensor flag_for(std::vector<std::pair<c10::Device, at::Tensor>>& flags,
+                    const c10::Device& device) {
+  for (auto& [d, t] : flags)
     if (d == device) return t;
-  found_inf_.emplace_back(device, at::zeros({1}, at::TensorOptions(at::kFloat).device(device)));
-  return found_inf_.back().second;
+  flags.emplace_back(device, at::zeros({1}, at::TensorOptions(at::kFloat).device(device)));
+  return flags.back().second;
 }
 
-at::Tensor LossScaler::inv_scale_for(const c10::Device& device) {
-  for (auto& [d, t] : inv_scale_)
-    if (d == device) return t;
-  // As torch.amp.GradScaler: 1/scale in double, rounded to float.
-  at::Tensor inv = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
-  if (inv.device() != device) inv = inv.to(device, /*non_blocking=*/true);
-  inv_scale_.emplace_back(device, inv);
-  return inv;
-}
+}  // namespace
 
-void LossScaler::unscale(const std::vector<at::Tensor>& grads,
-                         const std::vector<at::Tensor>& stashed) {
+void LossScaler::check_gradients(const std::vector<at::Tensor>& grads,
+                                 const std::vector<at::Tensor>& stashed) {
   TORCH_CHECK_VALUE(stashed.empty() || stashed.size() == grads.size(),
                     "stashed must be empty or as long as grads (", grads.size(), "), got ",
                     stashed.size());
-  // Validate everything before touching anything: never leave grads half-unscaled.
   for (size_t i = 0; i < grads.size(); ++i) {
     const auto& g = grads[i];
     TORCH_CHECK_VALUE(g.defined(), "grads[", i, "] must be defined");
@@ -107,6 +144,13 @@ void LossScaler::unscale(const std::vector<at::Tensor>& grads,
                         "stashed[", i, "] must match grads[", i, "] in dtype, shape and device");
     }
   }
+}
+
+void LossScaler::unscale_into(const std::vector<at::Tensor>& grads,
+                              const std::vector<at::Tensor>& stashed, const at::Tensor& inv_scale,
+                              DeviceFlags& found) const {
+  // Validate everything before touching anything: never leave grads half-unscaled.
+  check_gradients(grads, stashed);
   struct DeviceGroup {
     c10::Device device;
     std::vector<at::Tensor> plain, out, stash;
@@ -126,24 +170,63 @@ void LossScaler::unscale(const std::vector<at::Tensor>& grads,
     }
   }
   for (auto& dg : groups) {
-    const at::Tensor found = found_inf_for(dg.device);
-    const at::Tensor inv = inv_scale_for(dg.device);
-    if (!dg.plain.empty()) ops::unscale_check_(dg.plain, found, inv);
-    if (!dg.out.empty()) ops::axpby_check_(dg.out, dg.out, dg.stash, inv, 1.0, found);
+    const at::Tensor flag = flag_for(found, dg.device);
+    const at::Tensor inv = inv_scale.device() == dg.device
+                               ? inv_scale
+                               : inv_scale.to(dg.device, /*non_blocking=*/true);
+    if (!dg.plain.empty()) ops::unscale_check_(dg.plain, flag, inv);
+    if (!dg.out.empty()) ops::axpby_check_(dg.out, dg.out, dg.stash, inv, 1.0, flag);
   }
+}
+
+void LossScaler::unscale(const std::vector<at::Tensor>& grads,
+                         const std::vector<at::Tensor>& stashed) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const at::Tensor inv = scale_.to(at::kDouble).reciprocal().to(at::kFloat).reshape({1});
+  unscale_into(grads, stashed, inv, found_inf_);
   pending_ = true;
 }
 
 bool LossScaler::update() {
-  pending_ = false;
-  auto found_list = std::move(found_inf_);
-  found_inf_.clear();
-  inv_scale_.clear();
-  if (!dynamic_) {
-    last_step_skipped_ = false;
-    return false;
+  DeviceFlags found;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_ = false;
+    found = std::move(found_inf_);
+    found_inf_.clear();
   }
-  const auto device = scale_.device();
+  return update_from(std::move(found)).skipped;
+}
+
+LossScaler::StepResult LossScaler::finish_step(const std::vector<at::Tensor>& grads,
+                                               const std::vector<at::Tensor>& stashed,
+                                               const at::Tensor& inv_scale) {
+  TORCH_CHECK_VALUE(
+      inv_scale.defined() && inv_scale.numel() == 1 && inv_scale.scalar_type() == at::kFloat,
+      "inv_scale must be a one-element float32 tensor");
+  bool any_stash = false;
+  for (const auto& t : stashed) any_stash |= t.defined();
+  DeviceFlags found;
+  // A fixed scale of 1.0 that checks nothing needs no pass at all (Apex's shortcut).
+  const bool identity = !checks_ && fixed_scale_ == 1.0 && !any_stash;
+  if (!identity && !grads.empty()) {
+    unscale_into(grads, any_stash ? stashed : std::vector<at::Tensor>{}, inv_scale, found);
+  }
+  return update_from(std::move(found));
+}
+
+LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list) {
+  if (!checks_) {
+    last_step_skipped_ = false;
+    return {false, loss_scale_.load(), floor_skips_.load()};
+  }
+  c10::Device device = scale_.device();
+  FoundInfReducer reducer;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    device = scale_.device();
+    reducer = found_inf_reducer_;
+  }
   at::Tensor found;
   if (found_list.size() == 1 && found_list[0].first == device) {
     found = found_list[0].second;
@@ -151,9 +234,9 @@ bool LossScaler::update() {
     found = at::zeros({1}, at::TensorOptions(at::kFloat).device(device));
     for (auto& [d, f] : found_list) found.add_(f.to(device, /*non_blocking=*/true));
   }
-  if (found_inf_reducer_) {
+  if (reducer) {
     try {
-      reduce_found_inf(found);
+      reduce_found_inf(reducer, found);
     } catch (...) {
       // The guard skips the step (see scale_loss.cpp); the scale stays as it was.
       last_step_skipped_ = true;
@@ -161,32 +244,48 @@ bool LossScaler::update() {
       throw;
     }
   }
-  ops::update_scale_(scale_, growth_tracker_, hysteresis_tracker_, found, growth_factor_,
-                     backoff_factor_, growth_interval_, hysteresis_, min_loss_scale_,
-                     max_loss_scale_);
-  // The one device->host copy of the step: overflow flag and new scale together.
-  const at::Tensor status = at::cat({found.reshape({1}), scale_.reshape({1})}).to(at::kCPU);
-  const float* s = status.const_data_ptr<float>();
-  const bool skip = s[0] != 0.0f;
-  const double used = loss_scale_;
-  loss_scale_ = s[1];
-  last_step_skipped_ = skip;
-  if (skip) {
-    ++skipped_steps_;
-    floor_skips_ = (has_min_ && used <= min_loss_scale_) ? floor_skips_ + 1 : 0;
-    if (verbosity_ >= 1) {
-      std::cerr << "Gradient overflow. Skipping step, loss scaler " << loss_id_
-                << " reducing loss scale to " << format_scale(loss_scale_) << std::endl;
+  StepResult result;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (found.device() != scale_.device()) found = found.to(scale_.device());
+    const double used = loss_scale_.load();
+    if (dynamic_) {
+      ops::update_scale_(scale_, growth_tracker_, hysteresis_tracker_, found, growth_factor_,
+                         backoff_factor_, growth_interval_, hysteresis_, lowest_scale_,
+                         max_loss_scale_);
     }
-  } else {
-    floor_skips_ = 0;
+    // The one device->host copy of the step: overflow flag and new scale together.
+    const at::Tensor status = at::cat({found.reshape({1}), scale_.reshape({1})}).to(at::kCPU);
+    const float* s = status.const_data_ptr<float>();
+    result.skipped = s[0] != 0.0f;
+    result.loss_scale = s[1];
+    loss_scale_ = s[1];
+    last_step_skipped_ = result.skipped;
+    if (result.skipped) {
+      ++skipped_steps_;
+      // At the bottom already: a fixed scale, or a dynamic one that cannot back off further.
+      const bool at_bottom = !dynamic_ || used <= lowest_scale_;
+      floor_skips_ = at_bottom && (dynamic_ || has_min_) ? floor_skips_ + 1 : 0;
+    } else {
+      floor_skips_ = 0;
+    }
+    result.floor_skips = floor_skips_;
   }
-  return skip;
+  if (result.skipped && verbosity_ >= 1) {
+    if (dynamic_) {
+      std::cerr << "Gradient overflow. Skipping step, loss scaler " << loss_id_
+                << " reducing loss scale to " << format_scale(result.loss_scale) << std::endl;
+    } else {
+      std::cerr << "Gradient overflow. Skipping step, loss scaler " << loss_id_
+                << " keeping its fixed loss scale " << format_scale(result.loss_scale) << std::endl;
+    }
+  }
+  return result;
 }
 
-void LossScaler::reduce_found_inf(at::Tensor& found) const {
+void LossScaler::reduce_found_inf(const FoundInfReducer& reducer, at::Tensor& found) const {
   const auto device = found.device();
-  found_inf_reducer_(found);
+  reducer(found);
   TORCH_CHECK_VALUE(found.defined() && found.numel() == 1 && found.scalar_type() == at::kFloat &&
                         found.device() == device,
                     "the found_inf reducer of loss scaler ", loss_id_,
@@ -196,38 +295,73 @@ void LossScaler::reduce_found_inf(at::Tensor& found) const {
                                     : std::string("an undefined tensor"));
 }
 
-void LossScaler::check_state(const StateDict& from, const std::string& prefix) {
-  auto check = [&](const char* name, at::ScalarType dtype) {
-    const std::string key = prefix + name;
-    const at::Tensor& t = from.at(key);
-    TORCH_CHECK_VALUE(t.defined() && t.scalar_type() == dtype && t.numel() == 1, "state entry '",
-                      key, "' must be a one-element ", dtype_name(dtype), " tensor, got ",
-                      t.defined() ? dtype_name(t.scalar_type()) : "undefined",
-                      t.defined() ? " with " + std::to_string(t.numel()) + " elements" : "");
-  };
-  check("scale", at::kFloat);
-  check("growth_tracker", at::kInt);
-  check("hysteresis", at::kInt);
-  check("skipped", at::kLong);
-  check("floor_skips", at::kLong);
-  const float scale = from.at(prefix + "scale").to(at::kCPU).item<float>();
-  TORCH_CHECK_VALUE(std::isfinite(scale) && scale > 0, "state entry '", prefix,
-                    "scale' must be positive and finite, got ", scale);
+namespace {
+
+// The 0-dim tensor `key` of `dtype`, as a CPU tensor.
+at::Tensor state_entry(const StateDict& from, const std::string& key, at::ScalarType dtype) {
+  const at::Tensor& t = from.at(key);
+  TORCH_CHECK_VALUE(t.defined() && t.scalar_type() == dtype && t.dim() == 0, "state entry '", key,
+                    "' must be a 0-dim ", dtype_name(dtype), " tensor, got ",
+                    t.defined() ? dtype_name(t.scalar_type()) + " of shape " + c10::str(t.sizes())
+                                : std::string("an undefined tensor"));
+  return t.to(at::kCPU);
+}
+
+template <typename T>
+void check_range(const std::string& key, T value, T lo, T hi, const char* why) {
+  TORCH_CHECK_VALUE(value >= lo && value <= hi, "state entry '", key, "' must lie within [", lo,
+                    ", ", hi, "] (", why, "), got ", value);
+}
+
+}  // namespace
+
+void LossScaler::check_state(const StateDict& from, const std::string& prefix) const {
+  const float scale = state_entry(from, prefix + "scale", at::kFloat).item<float>();
+  const int32_t growth = state_entry(from, prefix + "growth_tracker", at::kInt).item<int32_t>();
+  const int32_t hyst = state_entry(from, prefix + "hysteresis", at::kInt).item<int32_t>();
+  const int64_t skipped = state_entry(from, prefix + "skipped", at::kLong).item<int64_t>();
+  const int64_t floor = state_entry(from, prefix + "floor_skips", at::kLong).item<int64_t>();
+  const std::string key = prefix + "scale";
+  if (dynamic_) {
+    const double lo =
+        has_min_ ? std::max(kScaleFloor, std::min(min_loss_scale_, init_scale_)) : kScaleFloor;
+    const double hi = std::max(max_loss_scale_, init_scale_);
+    TORCH_CHECK_VALUE(std::isfinite(scale) && scale >= static_cast<float>(lo) && scale <= hi,
+                      "state entry '", key, "' must lie within [", format_scale(lo), ", ",
+                      format_scale(hi),
+                      "] (the configured scaler's [min_loss_scale or 2^-126, max_loss_scale]), "
+                      "got ",
+                      format_scale(scale));
+  } else {
+    TORCH_CHECK_VALUE(scale == static_cast<float>(fixed_scale_), "state entry '", key,
+                      "' must equal the configured fixed loss scale ", format_scale(fixed_scale_),
+                      " (a fixed scale never changes), got ", format_scale(scale),
+                      "; initialize with loss_scale=\"dynamic\" (or with this scale) to resume it");
+  }
+  check_range<int64_t>(prefix + "growth_tracker", growth, 0, growth_interval_ - 1,
+                       "0 to growth_interval - 1");
+  check_range<int64_t>(prefix + "hysteresis", hyst, 0, hysteresis_, "0 to the hysteresis setting");
+  check_range<int64_t>(prefix + "skipped", skipped, 0, std::numeric_limits<int64_t>::max(),
+                       "a count of skipped steps");
+  check_range<int64_t>(prefix + "floor_skips", floor, 0, skipped,
+                       "a count of consecutive skips, at most 'skipped'");
 }
 
 void LossScaler::save(StateDict& into, const std::string& prefix) const {
-  auto cpu = [](const at::Tensor& t) { return t.detach().to(at::kCPU).clone(); };
+  auto cpu = [](const at::Tensor& t) { return t.detach().to(at::kCPU).clone().reshape({}); };
+  std::lock_guard<std::mutex> lock(mutex_);
   into.insert(prefix + "scale", cpu(scale_));
   into.insert(prefix + "growth_tracker", cpu(growth_tracker_));
   into.insert(prefix + "hysteresis", cpu(hysteresis_tracker_));
-  into.insert(prefix + "skipped", at::scalar_tensor(skipped_steps_, at::kLong));
-  into.insert(prefix + "floor_skips", at::scalar_tensor(floor_skips_, at::kLong));
+  into.insert(prefix + "skipped", at::scalar_tensor(skipped_steps_.load(), at::kLong));
+  into.insert(prefix + "floor_skips", at::scalar_tensor(floor_skips_.load(), at::kLong));
 }
 
 void LossScaler::load(const StateDict& from, const std::string& prefix) {
   check_state(from, prefix);
   auto get = [&](const char* name) { return from.at(prefix + name).to(at::kCPU).reshape({}); };
   const at::Tensor scale = get("scale");
+  std::lock_guard<std::mutex> lock(mutex_);
   scale_.copy_(scale);
   growth_tracker_.copy_(get("growth_tracker"));
   hysteresis_tracker_.copy_(get("hysteresis"));
@@ -237,7 +371,6 @@ void LossScaler::load(const StateDict& from, const std::string& prefix) {
   last_step_skipped_ = false;
   pending_ = false;
   found_inf_.clear();
-  inv_scale_.clear();
 }
 
 // ---- registry ------------------------------------------------------------------------------
@@ -248,6 +381,8 @@ struct Registry {
   std::mutex mutex;
   bool configured = false;
   std::vector<std::shared_ptr<LossScaler>> scalers;
+  // The optimizers scale_loss accepts (nullopt: any; see restrict_loss_scaling_to).
+  std::optional<std::unordered_set<const void*>> optimizers;
 };
 
 Registry& registry() {
@@ -255,7 +390,26 @@ Registry& registry() {
   return instance;
 }
 
+constexpr const char* kEntryNames[] = {"scale", "growth_tracker", "hysteresis", "skipped",
+                                       "floor_skips"};
+constexpr size_t kEntriesPerScaler = std::size(kEntryNames);
+
 std::string scaler_prefix(int i) { return "loss_scaler" + std::to_string(i) + "."; }
+
+// Whether `key` is "loss_scaler<i>.<entry>" with i in [0, n) (as scaler_prefix writes i).
+bool is_entry_name(const std::string& key, int n) {
+  const std::string head = "loss_scaler";
+  const auto dot = key.find('.');
+  if (key.compare(0, head.size(), head) != 0 || dot == std::string::npos) return false;
+  const std::string index = key.substr(head.size(), dot - head.size());
+  if (index.empty() || index.size() > 9 || (index.size() > 1 && index[0] == '0') ||
+      index.find_first_not_of("0123456789") != std::string::npos) {
+    return false;
+  }
+  const std::string name = key.substr(dot + 1);
+  return std::stoi(index) < n &&
+         std::find(std::begin(kEntryNames), std::end(kEntryNames), name) != std::end(kEntryNames);
+}
 
 }  // namespace
 
@@ -284,6 +438,28 @@ void configure_loss_scalers(const Properties& props) {
   std::lock_guard<std::mutex> lock(r.mutex);
   r.scalers = std::move(scalers);
   r.configured = true;
+  r.optimizers.reset();
+}
+
+void restrict_loss_scaling_to(const std::vector<const void*>& optimizers) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.optimizers.emplace(optimizers.begin(), optimizers.end());
+}
+
+void check_optimizers_allowed(const std::vector<const void*>& identities,
+                              const std::vector<std::string>& descriptions) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (!r.optimizers) return;
+  for (size_t i = 0; i < identities.size(); ++i) {
+    TORCH_CHECK_VALUE(r.optimizers->count(identities[i]),
+                      i < descriptions.size() ? descriptions[i] : std::string("optimizer"),
+                      " must be an optimizer passed to amp::initialize, got one that was not "
+                      "(its parameters would be unscaled with the loss scaler of another "
+                      "optimizer's training); pass every optimizer to amp::initialize (a list), "
+                      "or call amp::reset() and initialize again with this one");
+  }
 }
 
 void reset_loss_scalers() {
@@ -291,6 +467,7 @@ void reset_loss_scalers() {
   std::lock_guard<std::mutex> lock(r.mutex);
   r.scalers.clear();
   r.configured = false;
+  r.optimizers.reset();
 }
 
 int num_loss_scalers() {
@@ -304,26 +481,21 @@ int num_loss_scalers() {
 // ---- state dict ----------------------------------------------------------------------------
 
 void StateDict::insert(const std::string& name, const at::Tensor& value) {
-  for (auto& [k, v] : items_) {
-    if (k == name) {
-      v = value;
-      return;
-    }
+  auto [it, added] = index_.try_emplace(name, items_.size());
+  if (added) {
+    items_.emplace_back(name, value);
+  } else {
+    items_[it->second].second = value;
   }
-  items_.emplace_back(name, value);
 }
 
-bool StateDict::contains(const std::string& name) const {
-  for (const auto& [k, v] : items_)
-    if (k == name) return true;
-  return false;
-}
+bool StateDict::contains(const std::string& name) const { return index_.count(name) != 0; }
 
 const at::Tensor& StateDict::at(const std::string& name) const {
-  for (const auto& [k, v] : items_)
-    if (k == name) return v;
-  TORCH_CHECK_VALUE(false, "state dict must contain '", name, "', got keys [",
+  auto it = index_.find(name);
+  TORCH_CHECK_VALUE(it != index_.end(), "state dict must contain '", name, "', got keys [",
                     c10::Join(", ", keys()), "]");
+  return items_[it->second].second;
 }
 
 std::vector<std::string> StateDict::keys() const {
@@ -351,7 +523,17 @@ void load_state_dict(const StateDict& state) {
   while (state.contains(scaler_prefix(saved) + "scale")) ++saved;
   TORCH_CHECK_VALUE(saved == n, "state dict must hold num_losses=", n,
                     " loss scalers (keys loss_scaler0.* .. loss_scaler", n - 1, ".*), got ", saved);
-  for (int i = 0; i < n; ++i) LossScaler::check_state(state, scaler_prefix(i));
+  for (int i = 0; i < n; ++i) r.scalers[i]->check_state(state, scaler_prefix(i));
+  // Every entry is one of those checked: nothing the caller meant to restore is dropped silently.
+  if (state.size() != static_cast<size_t>(n) * kEntriesPerScaler) {
+    for (const auto& [key, value] : state.items()) {
+      TORCH_CHECK_VALUE(is_entry_name(key, n),
+                        "state dict must hold only the entries of num_losses=", n,
+                        " loss scalers (loss_scaler<i>.{scale, growth_tracker, hysteresis, "
+                        "skipped, floor_skips}), got an unknown entry '",
+                        key, "'");
+    }
+  }
   for (int i = 0; i < n; ++i) r.scalers[i]->load(state, scaler_prefix(i));
 }
 

@@ -18,6 +18,13 @@ namespace amp::detail {
 
 // Creates props.num_losses scalers (replacing any previous ones). Called by amp::initialize.
 void configure_loss_scalers(const Properties& props);
+// From now until the next configure/reset, scale_loss accepts only these optimizers (the ones
+// amp::initialize was given; an empty list accepts none). Without it, any optimizer is accepted.
+void restrict_loss_scaling_to(const std::vector<const void*>& optimizers);
+// Throws a ValueError unless loss scaling is unrestricted or every identity is in the list
+// (descriptions[i] names identities[i] in the message).
+void check_optimizers_allowed(const std::vector<const void*>& identities,
+                              const std::vector<std::string>& descriptions);
 // Drops every scaler (scale_loss then fails with "call amp::initialize first").
 void reset_loss_scalers();
 // The scaler of `loss_id`, shared: a live guard keeps its scaler alive across a

@@ -5,6 +5,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/optim/optimizer.h>
 
+#include <atomic>
 #include <exception>
 #include <mutex>
 #include <sstream>
@@ -89,6 +90,10 @@ struct ScaleLossState {
   std::shared_ptr<LossScaler> scaler;
   ScaleLossOptions options;
   at::Tensor scaled_loss;
+  at::Tensor inv_scale;  // 1/scale the loss was multiplied by (unscaling uses this, see below)
+  // False once the guard has finished: a backward through scaled_loss then raises (its
+  // gradients would stay multiplied by the scale, since nothing unscales them any more).
+  std::shared_ptr<std::atomic<bool>> live = std::make_shared<std::atomic<bool>>(true);
   std::vector<at::Tensor> params;
   std::vector<std::string> labels;
   std::vector<bool> created_record;  // this guard stashed params[i] (and may restore it)
@@ -168,11 +173,6 @@ void finish_normally(ScaleLossState& s) {
     }
   }
 
-  // A fixed scale of 1.0 without stashes needs no pass at all (Apex's shortcut).
-  const bool identity = !scaler.dynamic() && scaler.loss_scale() == 1.0 && !any_stash;
-  if (!identity && !grads.empty()) {
-    scaler.unscale(grads, any_stash ? stashes : std::vector<at::Tensor>{});
-  }
   auto settle_book = [&s](bool overflowed) {
     auto& b = book();
     std::lock_guard<std::mutex> lock(b.mutex);
@@ -181,22 +181,25 @@ void finish_normally(ScaleLossState& s) {
       if (overflowed) b.mark_overflowed(p);
     }
   };
-  bool skip = false;
+  if (!any_stash) stashes.clear();
+  LossScaler::check_gradients(grads, stashes);  // bad gradients: an error, nothing changed
+  LossScaler::StepResult result;
   try {
-    skip = scaler.update();  // the step's only device->host sync
+    // Unscale with this guard's own 1/scale and overflow flag; the step's only device->host sync.
+    result = scaler.finish_step(grads, stashes, s.inv_scale);
   } catch (...) {
-    // Only a found_inf reducer can throw here (e.g. a collective that failed): whether another
-    // rank overflowed is unknown, so this step is skipped as on an overflow, and the error
-    // propagates. The scale is unchanged.
+    // A found_inf reducer failed (e.g. a collective timed out), or the unscale itself: whether
+    // this or another rank overflowed is unknown, so this step is skipped as on an overflow, and
+    // the error propagates. The scale is unchanged.
     settle_book(true);
     for (auto& p : s.params) p.mutable_grad() = at::Tensor();
     throw;
   }
-  settle_book(skip);
+  settle_book(result.skipped);
 
   std::string floor_error;
-  if (skip) {
-    if (scaler.floor_skips() > 0 && scaler.floor_skips() % LossScaler::kFloorSkipLimit == 0) {
+  if (result.skipped) {
+    if (result.floor_skips > 0 && result.floor_skips % LossScaler::kFloorSkipLimit == 0) {
       // Only now: a per-parameter check (one sync per gradient) to name the culprits.
       std::ostringstream names;
       int count = 0;
@@ -206,10 +209,14 @@ void finish_normally(ScaleLossState& s) {
         }
       }
       std::ostringstream msg;
-      msg << "amp: loss scaler " << scaler.loss_id() << " skipped " << scaler.floor_skips()
-          << " consecutive steps at min_loss_scale (" << scaler.loss_scale()
-          << ") because of non-finite gradients; the model diverged or min_loss_scale is too "
-             "high. Parameters with non-finite gradients in the last step: "
+      const char* bottom = !scaler.dynamic() ? "its fixed loss scale"
+                           : scaler.lowest_scale() > LossScaler::kScaleFloor ? "min_loss_scale"
+                                                                             : "the scale floor";
+      msg << "amp: loss scaler " << scaler.loss_id() << " skipped " << result.floor_skips
+          << " consecutive steps at " << bottom << " (" << result.loss_scale
+          << ") because of non-finite gradients; the model diverged"
+          << (scaler.dynamic() ? " or min_loss_scale is too high" : "")
+          << ". Parameters with non-finite gradients in the last step: "
           << (count ? names.str() : std::string("(none: the stashed gradients overflowed)"));
       floor_error = msg.str();
     }
@@ -224,6 +231,7 @@ void finish_normally(ScaleLossState& s) {
 void finish(ScaleLossState& s, bool unwinding) {
   if (s.finished) return;
   s.finished = true;
+  s.live->store(false);
   struct Release {
     ScaleLossState& s;
     ~Release() { release_active(s); }
@@ -291,7 +299,19 @@ ScaledLoss scale_loss_params(const at::Tensor& loss, std::vector<at::Tensor> par
                   "(leave its scope) first");
     }
   }
-  s->scaled_loss = scaler.scale(loss);  // no sync; moves the scaler state to the loss's device
+  // No sync; moves the scaler state to the loss's device.
+  LossScaler::ScaledLossValue scaled = scaler.scale_for_step(loss);
+  s->scaled_loss = std::move(scaled.scaled);
+  s->inv_scale = std::move(scaled.inv_scale);
+  s->scaled_loss.register_hook(
+      [live = s->live, loss_id = options.loss_id](const at::Tensor& /*grad*/) {
+        TORCH_CHECK(live->load(),
+                    "backward through the scaled loss of a scale_loss guard (loss_id ", loss_id,
+                    ") that has already finished: its gradients would stay multiplied by the "
+                    "loss scale, since the guard unscales only on its own exit. Call backward "
+                    "inside the guard (C++: while the ScaledLoss lives; Python: inside the "
+                    "`with amp.scale_loss(...) as scaled_loss:` block).");
+      });
 
   std::lock_guard<std::mutex> lock(b.mutex);
   s->created_record.assign(s->params.size(), false);
@@ -380,6 +400,13 @@ ScaledLoss scale_loss(const at::Tensor& loss,
   std::vector<at::Tensor> params;
   std::vector<std::string> labels;
   collect_params(optimizers, params, labels);
+  std::vector<const void*> identities(optimizers.begin(), optimizers.end());
+  std::vector<std::string> descriptions;
+  for (size_t k = 0; k < optimizers.size(); ++k) {
+    descriptions.push_back(optimizers.size() == 1 ? std::string("optimizer")
+                                                  : "optimizers[" + std::to_string(k) + "]");
+  }
+  detail::check_optimizers_allowed(identities, descriptions);
   return detail::scale_loss_params(loss, std::move(params), std::move(labels), options,
                                    "optimizer");
 }

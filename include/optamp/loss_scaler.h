@@ -9,8 +9,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -22,89 +24,135 @@ class StateDict;
 
 class LossScaler {
  public:
-  // Consecutive overflowing steps at min_loss_scale after which scale_loss raises an error that
-  // names the parameters with non-finite gradients (again after each further kFloorSkipLimit).
+  // Consecutive overflowing steps at the minimum scale (min_loss_scale, or kScaleFloor) after
+  // which scale_loss raises an error that names the parameters with non-finite gradients (again
+  // after each further kFloorSkipLimit).
   static constexpr int64_t kFloorSkipLimit = 50;
+  // The smallest scale a scaler ever holds: 2^-126, float32's smallest normal number. 1/scale is
+  // then finite (2^126), so unscaling never multiplies by inf (torch.amp.GradScaler backs off
+  // into the subnormals, where 1/scale rounds to inf and the next clean step writes 0 * inf =
+  // NaN into every gradient). Backoff stops here whatever min_loss_scale says; resolve() and
+  // load_state_dict() refuse smaller scales.
+  static constexpr double kScaleFloor = 0x1p-126;
 
   // Dynamic when props.loss_scale is "dynamic" (and props.enabled), else fixed at
   // props.loss_scale.value() (1.0 when disabled).
   LossScaler(const Properties& props, int loss_id);
+  LossScaler(const LossScaler&) = delete;
+  LossScaler& operator=(const LossScaler&) = delete;
 
   int loss_id() const { return loss_id_; }
   bool dynamic() const { return dynamic_; }
+  // Whether steps are checked for inf/NaN: always with a dynamic scale; with a fixed one unless
+  // Properties::overflow_check is false (Apex's behaviour) or amp is disabled.
+  bool checks_overflow() const { return checks_; }
   // The scale after the last update (host copy; no sync).
-  double loss_scale() const { return loss_scale_; }
-  bool last_step_skipped() const { return last_step_skipped_; }
+  double loss_scale() const { return loss_scale_.load(); }
+  bool last_step_skipped() const { return last_step_skipped_.load(); }
   // Total number of skipped (overflowing) steps.
-  int64_t skipped_steps() const { return skipped_steps_; }
-  // Consecutive skipped steps taken at min_loss_scale (see kFloorSkipLimit).
-  int64_t floor_skips() const { return floor_skips_; }
+  int64_t skipped_steps() const { return skipped_steps_.load(); }
+  // Consecutive skipped steps taken at the minimum scale (see kFloorSkipLimit).
+  int64_t floor_skips() const { return floor_skips_.load(); }
+  // The lowest scale this scaler can reach: max(min_loss_scale, kScaleFloor).
+  double lowest_scale() const { return lowest_scale_; }
 
   // The device tensors (0-dim): float32 scale, int32 growth and hysteresis trackers.
-  const at::Tensor& scale_tensor() const { return scale_; }
-  const at::Tensor& growth_tracker() const { return growth_tracker_; }
-  const at::Tensor& hysteresis_tracker() const { return hysteresis_tracker_; }
+  at::Tensor scale_tensor() const;
+  at::Tensor growth_tracker() const;
+  at::Tensor hysteresis_tracker() const;
 
   // Moves the state to `device` (a no-op when it is there already).
   void to(const c10::Device& device);
   // loss.float() * scale, on the loss's device (moves the state there first).
   at::Tensor scale(const at::Tensor& loss);
 
-  // --- one step: unscale (any number of calls), then update() once -----------------------------
+  // --- one step, the way amp::scale_loss takes it -----------------------------------------------
+  // Several threads may run steps on one scaler at once (e.g. two models trained by two threads
+  // with the same loss_id): each step unscales with the 1/scale its own loss was multiplied by
+  // and has its own overflow flag, and the scale updates are applied one at a time.
+  struct ScaledLossValue {
+    at::Tensor scaled;     // loss.float() * scale
+    at::Tensor inv_scale;  // 1/scale of that multiplication (one-element float32, same device)
+  };
+  ScaledLossValue scale_for_step(const at::Tensor& loss);
+  struct StepResult {
+    bool skipped = false;   // inf/NaN found: the caller must not step
+    double loss_scale = 1;  // the scale after this step's update
+    int64_t floor_skips = 0;
+  };
+  // Unscales grads with `inv_scale` (see unscale() for `stashed`), checks for inf/NaN and updates
+  // the scale: the step's one device->host sync (none when the scaler checks nothing).
+  StepResult finish_step(const std::vector<at::Tensor>& grads,
+                         const std::vector<at::Tensor>& stashed, const at::Tensor& inv_scale);
+
+  // --- the same step in two calls (one thread at a time): unscale any number of times, then
+  // update() once. -------------------------------------------------------------------------------
   // grads[i] *= 1/scale in place (fused, grouped by device and dtype) and records non-finite
   // values. Where stashed[i] is defined: grads[i] = grads[i]/scale + stashed[i] (the
   // gradient-accumulation path). `stashed` is empty or as long as `grads`.
   void unscale(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& stashed = {});
   // Updates the scale from the overflow flag gathered since the last update, with the single
-  // device->host sync of the step (none at all for a fixed scale). Returns true when the step
-  // must be skipped (an inf/NaN was found, dynamic scaling only).
+  // device->host sync of the step (none when the scaler checks nothing). Returns true when the
+  // step must be skipped (an inf/NaN was found).
   bool update();
+  // The validation of unscale() alone (ValueError naming the first bad gradient).
+  static void check_gradients(const std::vector<at::Tensor>& grads,
+                              const std::vector<at::Tensor>& stashed);
   // Whether unscale() has recorded work since the last update().
-  bool pending() const { return pending_; }
+  bool pending() const;
 
   // Combines this process's overflow flag with other processes' before the scale update, for
   // model parallelism, where ranks hold different gradients and nothing else spreads a
   // non-finite value (e.g. an all_reduce with MAX over a process group). update() calls it with
   // the step's flag: a one-element float32 tensor on the scale's device, > 0 when this process
   // overflowed; the reducer writes the combined flag into it in place. Every rank then skips
-  // (or not) the same steps and keeps the same scale. Dynamic scaling only; an empty function
-  // removes it. It runs before the step's one device->host copy and must not add another (an
-  // asynchronous collective does not).
+  // (or not) the same steps and keeps the same scale. Only while the scaler checks for overflow;
+  // an empty function removes it. It runs before the step's one device->host copy and must not
+  // add another (an asynchronous collective does not). It is called without the scaler's lock.
   using FoundInfReducer = std::function<void(at::Tensor& found_inf)>;
-  void set_found_inf_reducer(FoundInfReducer reducer) { found_inf_reducer_ = std::move(reducer); }
-  bool has_found_inf_reducer() const { return static_cast<bool>(found_inf_reducer_); }
+  void set_found_inf_reducer(FoundInfReducer reducer);
+  bool has_found_inf_reducer() const;
 
   // State for amp::state_dict(): "<prefix>scale", "growth_tracker", "hysteresis", "skipped",
-  // "floor_skips" (CPU copies, bit-exact).
+  // "floor_skips" (0-dim CPU copies, bit-exact).
   void save(StateDict& into, const std::string& prefix) const;
   // Validates every entry first; on error nothing changes.
   void load(const StateDict& from, const std::string& prefix);
-  // The validation of load() alone (throws a ValueError naming the bad or missing entry).
-  static void check_state(const StateDict& from, const std::string& prefix);
+  // The validation of load() alone: every entry present, a 0-dim tensor of its dtype, and a
+  // value this scaler could have produced (scale within [lowest_scale(), max_loss_scale], or the
+  // fixed scale; trackers within their ranges; counters >= 0). Throws a ValueError naming the
+  // entry, the expected range and the value.
+  void check_state(const StateDict& from, const std::string& prefix) const;
 
  private:
-  at::Tensor found_inf_for(const c10::Device& device);
-  at::Tensor inv_scale_for(const c10::Device& device);
-  void reduce_found_inf(at::Tensor& found) const;
+  using DeviceFlags = std::vector<std::pair<c10::Device, at::Tensor>>;
+  void unscale_into(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& stashed,
+                    const at::Tensor& inv_scale, DeviceFlags& found) const;
+  StepResult update_from(DeviceFlags found);
+  void reduce_found_inf(const FoundInfReducer& reducer, at::Tensor& found) const;
 
   int loss_id_;
-  bool dynamic_;
+  bool dynamic_, checks_;
+  double fixed_scale_;
   double init_scale_, growth_factor_, backoff_factor_;
   int64_t growth_interval_, hysteresis_;
-  double min_loss_scale_, max_loss_scale_;  // min: 0 when no floor
+  double min_loss_scale_, max_loss_scale_, lowest_scale_;  // min: 0 when no floor
   bool has_min_;
   int verbosity_;
 
+  // Guards the tensors, the two-call API's flags and the reducer; never held while calling the
+  // reducer or another scaler.
+  mutable std::mutex mutex_;
   at::Tensor scale_, growth_tracker_, hysteresis_tracker_;
-  // Per step: one found_inf flag and one 1/scale per device touched.
-  std::vector<std::pair<c10::Device, at::Tensor>> found_inf_, inv_scale_;
+  // The two-call API: one found_inf flag per device touched since the last update().
+  DeviceFlags found_inf_;
   bool pending_ = false;
   FoundInfReducer found_inf_reducer_;
 
-  double loss_scale_;
-  bool last_step_skipped_ = false;
-  int64_t skipped_steps_ = 0;
-  int64_t floor_skips_ = 0;
+  std::atomic<double> loss_scale_;
+  std::atomic<bool> last_step_skipped_{false};
+  std::atomic<int64_t> skipped_steps_{0};
+  std::atomic<int64_t> floor_skips_{0};
 };
 
 // The scaler of `loss_id`. Throws when loss scaling is not configured (amp::initialize has not

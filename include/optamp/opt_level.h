@@ -68,6 +68,9 @@ struct Options {
   std::optional<double> backoff_factor;
   std::optional<int> growth_interval;
   std::optional<int> hysteresis;
+  // Beyond Apex: check the gradients for inf/NaN and skip the step with a fixed loss scale too
+  // (default true; false is Apex's behaviour, where a fixed scale never skips a step).
+  std::optional<bool> overflow_check;
 };
 
 // The resolved, validated settings for one initialize() call.
@@ -93,6 +96,10 @@ struct Properties {
   double backoff_factor = 0.5;
   int growth_interval = 2000;
   int hysteresis = 1;
+  // A fixed loss scale (O0, O3, O4, O5, or loss_scale=<number>) still checks every step for
+  // inf/NaN and skips the steps that have them; false turns that off (Apex). Dynamic scaling
+  // always checks.
+  bool overflow_check = true;
 
   // The reduced-precision type the dispatcher casts to at this level: Half (O1/O2/O3),
   // BFloat16 (O4/O5), or Undefined (O0, or disabled).

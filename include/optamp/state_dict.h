@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -24,7 +25,8 @@ namespace amp {
 
 class StateDict {
  public:
-  // Adds or replaces `name`.
+  // Adds or replaces `name`. Lookups are hashed, so building or reading a dict is linear in its
+  // size (a run with many losses has five entries per loss).
   void insert(const std::string& name, const at::Tensor& value);
   bool contains(const std::string& name) const;
   // Throws a ValueError naming the missing key.
@@ -35,7 +37,8 @@ class StateDict {
   const std::vector<std::pair<std::string, at::Tensor>>& items() const { return items_; }
 
  private:
-  std::vector<std::pair<std::string, at::Tensor>> items_;
+  std::vector<std::pair<std::string, at::Tensor>> items_;  // in insertion order
+  std::unordered_map<std::string, size_t> index_;          // name -> position in items_
 };
 
 StateDict state_dict();

@@ -3,6 +3,7 @@
 
 #include <pybind11/stl.h>
 
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -35,7 +36,21 @@ T number_from_py(const py::handle& value, const char* name) {
     throw py::type_error(std::string(name) + (integral ? " must be an int" : " must be a number") +
                          ", got " + std::string(py::str(py::type::of(value).attr("__name__"))));
   }
-  return value.cast<T>();
+  if constexpr (integral) {
+    // Python ints are unbounded; C++'s are not: a value that does not fit is named, not
+    // reported as pybind11's "Unable to cast".
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+    if (overflow != 0 || v < std::numeric_limits<T>::min() || v > std::numeric_limits<T>::max()) {
+      throw py::value_error(std::string(name) + " must be an int within [" +
+                            std::to_string(std::numeric_limits<T>::min()) + ", " +
+                            std::to_string(std::numeric_limits<T>::max()) + "], got " +
+                            std::string(py::str(value)));
+    }
+    return static_cast<T>(v);
+  } else {
+    return value.cast<T>();
+  }
 }
 
 LossScale loss_scale_from_py(const py::handle& value) {
@@ -85,6 +100,8 @@ Options options_from_kwargs(const py::kwargs& kwargs) {
       o.growth_interval = number_from_py<int>(v, k);
     else if (key == "hysteresis")
       o.hysteresis = number_from_py<int>(v, k);
+    else if (key == "overflow_check")
+      o.overflow_check = bool_from_py(v, k);
     else
       throw py::type_error("unexpected keyword argument '" + key + "'");
   }
@@ -145,6 +162,7 @@ void bind_opt_level(py::module_& m) {
       .def_readonly("backoff_factor", &Properties::backoff_factor)
       .def_readonly("growth_interval", &Properties::growth_interval)
       .def_readonly("hysteresis", &Properties::hysteresis)
+      .def_readonly("overflow_check", &Properties::overflow_check)
       .def_property_readonly("low_dtype",
                              [](const Properties& p) { return dtype_to_py(p.low_dtype()); })
       .def("describe", &Properties::describe)

@@ -2,6 +2,7 @@
 // (optamp.scale_loss is a context manager on top), scaler accessors and the state dict.
 #include <pybind11/stl.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
@@ -118,7 +119,17 @@ void bind_scaler(py::module_& m) {
   m.def("_scale_loss",
         torch::wrap_pybind_function([](const at::Tensor& loss, std::vector<at::Tensor> params,
                                        int loss_id, bool delay_unscale,
-                                       std::vector<std::string> names) {
+                                       std::vector<std::string> names,
+                                       const std::vector<std::uintptr_t>& optimizer_ids) {
+          std::vector<const void*> identities;
+          std::vector<std::string> descriptions;
+          for (size_t k = 0; k < optimizer_ids.size(); ++k) {
+            identities.push_back(reinterpret_cast<const void*>(optimizer_ids[k]));
+            descriptions.push_back(optimizer_ids.size() == 1
+                                       ? std::string("optimizer")
+                                       : "optimizers[" + std::to_string(k) + "]");
+          }
+          detail::check_optimizers_allowed(identities, descriptions);
           auto guard = std::make_unique<ScaledLoss>(
               detail::scale_loss_params(loss, std::move(params), std::move(names),
                                         ScaleLossOptions{loss_id, delay_unscale}, "optimizer"));
@@ -127,7 +138,8 @@ void bind_scaler(py::module_& m) {
           return holder;
         }),
         py::arg("loss"), py::arg("params"), py::arg("loss_id") = 0,
-        py::arg("delay_unscale") = false, py::arg("names") = std::vector<std::string>{});
+        py::arg("delay_unscale") = false, py::arg("names") = std::vector<std::string>{},
+        py::arg("optimizer_ids") = std::vector<std::uintptr_t>{});
 
   m.def("state_dict", []() {
     py::dict out;
@@ -140,7 +152,18 @@ void bind_scaler(py::module_& m) {
       [](const py::dict& d) {
         StateDict sd;
         for (const auto& item : d) {
-          sd.insert(item.first.cast<std::string>(), item.second.cast<at::Tensor>());
+          if (!py::isinstance<py::str>(item.first)) {
+            throw py::type_error(
+                "state_dict keys must be str, got " +
+                py::str(py::type::of(item.first).attr("__name__")).cast<std::string>());
+          }
+          const auto key = item.first.cast<std::string>();
+          if (!THPVariable_Check(item.second.ptr())) {
+            throw py::type_error(
+                "state_dict['" + key + "'] must be a torch.Tensor, got " +
+                py::str(py::type::of(item.second).attr("__name__")).cast<std::string>());
+          }
+          sd.insert(key, item.second.cast<at::Tensor>());
         }
         amp::load_state_dict(sd);
       },

@@ -1,14 +1,28 @@
 """Loss scaling: ``optamp.scale_loss`` (Apex's ``amp.scale_loss``) over the compiled core."""
 import atexit
 import contextlib
+from collections.abc import Mapping
 
 import torch
 
 from . import _C, frontend
 
 
+def _check_int(value, name):
+    """TypeError/ValueError naming ``name`` unless ``value`` is an int that fits a C++ int."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not -(2**31) <= value < 2**31:
+        raise ValueError(f"{name} must be an int within [-2147483648, 2147483647], got {value}")
+
+
 def _as_optimizers(optimizers):
-    return [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers]
+    if isinstance(optimizers, (list, tuple)):
+        return list(optimizers)
+    raise TypeError("optimizers must be a torch.optim.Optimizer or a list of them, got "
+                    f"{type(optimizers).__name__}")
 
 
 def _params_of(optimizers):
@@ -103,9 +117,16 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     guard installs a one-shot step pre-hook that sets the grads to None before the step runs.
     """
     check_process_group(process_group)
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss must be a torch.Tensor (the loss of this step), got "
+                        f"{type(loss).__name__}")
+    _check_int(loss_id, "loss_id")
+    if not isinstance(delay_unscale, bool):
+        raise TypeError(f"delay_unscale must be a bool, got {type(delay_unscale).__name__}")
     optimizers = _as_optimizers(optimizers)
     params, names = _params_of(optimizers)
-    guard = _C._scale_loss(loss, params, loss_id, delay_unscale, names)
+    guard = _C._scale_loss(loss, params, loss_id, delay_unscale, names,
+                           [id(opt) for opt in optimizers])
     try:
         yield guard.loss
     except BaseException:
@@ -144,6 +165,7 @@ def _skip_next_step(optimizer):
 
 def loss_scaler(loss_id=0):
     """The :class:`optamp._C.LossScaler` of ``loss_id`` (after configuration)."""
+    _check_int(loss_id, "loss_id")
     return _C.loss_scaler(loss_id)
 
 
@@ -154,4 +176,7 @@ def state_dict():
 
 def load_state_dict(state_dict):
     """Restore :func:`state_dict` output (validated first; nothing changes on error)."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError("state_dict must be a mapping such as optamp.state_dict() returns, got "
+                        f"{type(state_dict).__name__}")
     _C.load_state_dict(dict(state_dict))

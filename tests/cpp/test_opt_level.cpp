@@ -229,14 +229,34 @@ TEST(OptLevelValidation, ContradictoryModelOverridesAtO2O3O5) {
   OPTAMP_EXPECT_THROW_WITH(resolve("O2", none), c10::ValueError, "cast_model_type", "None");
 }
 
-TEST(OptLevelValidation, LossScaleNonPositiveOrNonFinite) {
-  for (double bad : {0.0, -1.0, std::numeric_limits<double>::infinity(),
+TEST(OptLevelValidation, LossScaleOutsideFloat32NormalRange) {
+  // Below 2^-126, 1/scale is not finite in float32; above 3.4e38 the scale itself is not.
+  for (double bad : {0.0, -1.0, 0x1p-127, 1e39, std::numeric_limits<double>::infinity(),
                      std::numeric_limits<double>::quiet_NaN()}) {
     Options o;
     o.loss_scale = bad;
     OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "loss_scale",
-                             "positive, finite number");
+                             "within [2^-126, 3.4e38]");
+    Options m;
+    m.min_loss_scale = bad;
+    OPTAMP_EXPECT_THROW_WITH(resolve("O1", m), c10::ValueError, "min_loss_scale",
+                             "within [2^-126, 3.4e38]");
   }
+  Options edge;
+  edge.loss_scale = 0x1p-126;
+  EXPECT_EQ(resolve("O1", edge).loss_scale.value(), 0x1p-126);
+}
+
+TEST(OptLevelValidation, OverflowCheckOffNeedsAFixedScale) {
+  Options o;
+  o.overflow_check = false;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "overflow_check=False",
+                           "\"dynamic\"");
+  EXPECT_FALSE(resolve("O5", o).overflow_check);
+  EXPECT_TRUE(resolve("O5").overflow_check);
+  o.loss_scale = LossScale::fixed(128.0);
+  EXPECT_FALSE(resolve("O1", o).overflow_check);
+  EXPECT_NE(resolve("O5", o).describe().find("overflow_check=False"), std::string::npos);
 }
 
 TEST(OptLevelValidation, MinAboveMax) {
@@ -293,7 +313,8 @@ TEST(OptLevelValidation, InitScaleOutsideRange) {
   o.init_scale = 1e9;
   OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "init_scale", "max_loss_scale");
   o.init_scale = -1.0;
-  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "init_scale", "positive");
+  OPTAMP_EXPECT_THROW_WITH(resolve("O1", o), c10::ValueError, "init_scale",
+                           "within [2^-126, 3.4e38]");
 }
 
 TEST(OptLevelValidation, GrowthFactorNotAboveOne) {

@@ -218,7 +218,7 @@ TEST_F(ScaleLossTest, FoundInfReducerMakesEveryRankSkipWhenAnotherOverflowed) {
   EXPECT_FALSE(loss_scaler().has_found_inf_reducer());
 }
 
-TEST_F(ScaleLossTest, FoundInfReducerIsNotCalledForDelayedOrFixedScaling) {
+TEST_F(ScaleLossTest, FoundInfReducerIsNotCalledForDelayedOrUncheckedScaling) {
   detail::configure_loss_scalers(props());
   auto ranks = std::make_shared<FakeRanks>();
   loss_scaler().set_found_inf_reducer([ranks](at::Tensor& f) { (*ranks)(f); });
@@ -240,7 +240,16 @@ TEST_F(ScaleLossTest, FoundInfReducerIsNotCalledForDelayedOrFixedScaling) {
     auto scaled = scale_loss(m2.loss(batch(0)), opt2);
     scaled.backward();
   }
-  EXPECT_EQ(ranks->calls, 0) << "a fixed scale never skips, so there is nothing to agree on";
+  EXPECT_EQ(ranks->calls, 1) << "a fixed scale skips overflowing steps too: ranks must agree";
+  fixed.overflow_check = false;
+  detail::reset_loss_scalers();
+  detail::configure_loss_scalers(props(fixed));
+  loss_scaler().set_found_inf_reducer([ranks](at::Tensor& f) { (*ranks)(f); });
+  {
+    auto scaled = scale_loss(m2.loss(batch(0)), opt2);
+    scaled.backward();
+  }
+  EXPECT_EQ(ranks->calls, 1) << "overflow_check=False: nothing is checked, nothing to agree on";
 }
 
 TEST_F(ScaleLossTest, AFailingFoundInfReducerSkipsTheStepAndPropagates) {
@@ -439,7 +448,7 @@ TEST_F(ScaleLossTest, AmpStepRefusesScaledGradsAndStepsSeveralOptimizers) {
                            "optimizers must not be empty");
 }
 
-TEST_F(ScaleLossTest, FixedScaleUnscalesButNeverSkips) {
+TEST_F(ScaleLossTest, FixedScaleUnscalesAndSkipsOverflowsButKeepsItsScale) {
   Options o;
   o.loss_scale = LossScale::fixed(128.0);
   detail::configure_loss_scalers(props(o));
@@ -449,13 +458,30 @@ TEST_F(ScaleLossTest, FixedScaleUnscalesButNeverSkips) {
   {
     auto s = scale_loss(m.loss(batch(0)), opt);
     EXPECT_FALSE(loss_scaler().dynamic());
+    EXPECT_TRUE(loss_scaler().checks_overflow());
     s.backward();
   }
   EXPECT_TRUE(all_equal(grads(m.params()), expected));
   overflowing_step(m, opt, 1);
+  EXPECT_TRUE(loss_scaler().last_step_skipped());
+  EXPECT_FALSE(m.w1.grad().defined());
+  EXPECT_EQ(loss_scaler().loss_scale(), 128.0);
+  EXPECT_EQ(loss_scaler().skipped_steps(), 1);
+}
+
+TEST_F(ScaleLossTest, OverflowCheckOffIsApexsFixedScaleThatNeverSkips) {
+  Options o;
+  o.loss_scale = LossScale::fixed(128.0);
+  o.overflow_check = false;
+  detail::configure_loss_scalers(props(o));
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  EXPECT_FALSE(loss_scaler().checks_overflow());
+  overflowing_step(m, opt, 1);
   EXPECT_FALSE(loss_scaler().last_step_skipped());
   EXPECT_TRUE(m.w1.grad().defined());
   EXPECT_EQ(loss_scaler().loss_scale(), 128.0);
+  EXPECT_EQ(loss_scaler().skipped_steps(), 0);
 }
 
 TEST_F(ScaleLossTest, ScaleStaysWithinMinAndMaxAndGrowsEveryInterval) {

@@ -18,6 +18,7 @@
 
 #include "ops/multi_tensor.h"
 #include "ops/register_kernels.h"
+#include "ops/unscale_math.h"
 #include "ops/update_scale_math.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -36,23 +37,14 @@ constexpr int64_t kChunk = 1 << 16;
 template <typename T>
 bool unscale_scalar(T* p, int64_t n, float s) {
   bool bad = false;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(p[i]);
-    bad |= !std::isfinite(v);
-    p[i] = static_cast<T>(v * s);
-  }
+  for (int64_t i = 0; i < n; ++i) p[i] = unscale_element(p[i], s, bad);
   return bad;
 }
 
 template <typename T>
 bool axpby_scalar(T* out, const T* x, const T* y, int64_t n, float a, float b) {
   bool bad = false;
-  for (int64_t i = 0; i < n; ++i) {
-    const float xv = static_cast<float>(x[i]);
-    const float r = a * xv + b * static_cast<float>(y[i]);
-    bad |= !std::isfinite(xv) || !std::isfinite(r);
-    out[i] = static_cast<T>(r);
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = axpby_element(x[i], y[i], a, b, bad);
   return bad;
 }
 
@@ -88,6 +80,8 @@ inline bool any_nan(__m256 acc) {
   return _mm256_movemask_ps(_mm256_cmp_ps(acc, acc, _CMP_UNORD_Q)) != 0;
 }
 
+// The value as stored (rounded to T), re-read from L1, is what the non-finite check looks at
+// (see ops/unscale_math.h).
 template <typename T>
 bool unscale_avx2(T* p, int64_t n, float s) {
   const __m256 vs = _mm256_set1_ps(s);
@@ -95,12 +89,10 @@ bool unscale_avx2(T* p, int64_t n, float s) {
   __m256 acc0 = zero, acc1 = zero;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m256 v0 = load8(p + i);
-    const __m256 v1 = load8(p + i + 8);
-    acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(v0, zero));
-    acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(v1, zero));
-    store8(p + i, _mm256_mul_ps(v0, vs));
-    store8(p + i + 8, _mm256_mul_ps(v1, vs));
+    store8(p + i, _mm256_mul_ps(load8(p + i), vs));
+    store8(p + i + 8, _mm256_mul_ps(load8(p + i + 8), vs));
+    acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(load8(p + i), zero));
+    acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(load8(p + i + 8), zero));
   }
   const bool bad = any_nan(_mm256_add_ps(acc0, acc1));
   return unscale_scalar(p + i, n - i, s) || bad;
@@ -115,8 +107,9 @@ bool axpby_avx2(T* out, const T* x, const T* y, int64_t n, float a, float b) {
   for (; i + 8 <= n; i += 8) {
     const __m256 xv = load8(x + i);
     const __m256 r = _mm256_add_ps(_mm256_mul_ps(va, xv), _mm256_mul_ps(vb, load8(y + i)));
-    acc = _mm256_add_ps(acc, _mm256_add_ps(_mm256_mul_ps(xv, zero), _mm256_mul_ps(r, zero)));
     store8(out + i, r);
+    acc = _mm256_add_ps(
+        acc, _mm256_add_ps(_mm256_mul_ps(xv, zero), _mm256_mul_ps(load8(out + i), zero)));
   }
   const bool bad = any_nan(acc);
   return axpby_scalar(out + i, x + i, y + i, n - i, a, b) || bad;

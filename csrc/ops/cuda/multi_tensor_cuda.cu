@@ -16,6 +16,7 @@
 
 #include "ops/multi_tensor.h"
 #include "ops/register_kernels.h"
+#include "ops/unscale_math.h"
 #include "ops/update_scale_math.h"
 
 namespace amp::ops::detail {
@@ -76,8 +77,6 @@ void multi_tensor_apply(const std::vector<at::Tensor>* const (&lists)[Depth], La
   if (loc_block > 0) launch(meta, loc_block);
 }
 
-__device__ inline bool finite(float v) { return isfinite(v); }
-
 template <typename T>
 __global__ void unscale_kernel(TensorListMeta<1> meta, float* found_inf, const float* inv_scale) {
   const int t = meta.block_to_tensor[blockIdx.x];
@@ -94,20 +93,12 @@ __global__ void unscale_kernel(TensorListMeta<1> meta, float* found_inf, const f
     for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
       Vec<T, V> x = pv[i];
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        const float f = static_cast<float>(x.v[k]);
-        bad |= !finite(f);
-        x.v[k] = static_cast<T>(f * s);
-      }
+      for (int k = 0; k < V; ++k) x.v[k] = unscale_element(x.v[k], s, bad);
       pv[i] = x;
     }
     done = nv * V;
   }
-  for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
-    const float f = static_cast<float>(p[i]);
-    bad |= !finite(f);
-    p[i] = static_cast<T>(f * s);
-  }
+  for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) p[i] = unscale_element(p[i], s, bad);
   if (bad) *found_inf = 1.0f;
 }
 
@@ -135,21 +126,13 @@ __global__ void axpby_kernel(TensorListMeta<3> meta, float* found_inf, const flo
       const Vec<T, V> yv = reinterpret_cast<const Vec<T, V>*>(y)[i];
       Vec<T, V> r;
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        const float xf = static_cast<float>(xv.v[k]);
-        const float rf = __fadd_rn(__fmul_rn(a, xf), __fmul_rn(b, static_cast<float>(yv.v[k])));
-        bad |= !finite(xf) || !finite(rf);
-        r.v[k] = static_cast<T>(rf);
-      }
+      for (int k = 0; k < V; ++k) r.v[k] = axpby_element(xv.v[k], yv.v[k], a, b, bad);
       reinterpret_cast<Vec<T, V>*>(out)[i] = r;
     }
     done = nv * V;
   }
   for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
-    const float xf = static_cast<float>(x[i]);
-    const float rf = __fadd_rn(__fmul_rn(a, xf), __fmul_rn(b, static_cast<float>(y[i])));
-    bad |= !finite(xf) || !finite(rf);
-    out[i] = static_cast<T>(rf);
+    out[i] = axpby_element(x[i], y[i], a, b, bad);
   }
   if (bad) *found_inf = 1.0f;
 }

@@ -1,0 +1,57 @@
+#pragma once
+// The per-element math of optamp::unscale_check_ and optamp::axpby_check_, shared by the CPU
+// kernels (scalar path and the tails of the vector path) and the CUDA kernels.
+//
+// The non-finite check looks at the value as it is stored, after rounding to the gradient's
+// dtype: that catches inf/NaN in the input (inf * s stays inf, NaN stays NaN) and also finite
+// gradients that the multiplication or the rounding pushed out of range (a tiny loss scale gives
+// a large 1/scale; an fp16 gradient can overflow on the way back). A step that would write such
+// a value into a gradient is an overflow like any other.
+#include <c10/macros/Macros.h>
+
+#include <cmath>
+
+namespace amp::ops::detail {
+
+C10_HOST_DEVICE inline bool is_finite_float(float v) {
+#ifdef __CUDA_ARCH__
+  return isfinite(v);
+#else
+  return std::isfinite(v);
+#endif
+}
+
+// Products and sums rounded one at a time (no fused multiply-add), so CPU and CUDA agree bitwise.
+C10_HOST_DEVICE inline float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+C10_HOST_DEVICE inline float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// v * inv_scale in fp32, rounded to T; `bad` is set when the stored value is not finite.
+template <typename T>
+C10_HOST_DEVICE inline T unscale_element(T v, float inv_scale, bool& bad) {
+  const T out = static_cast<T>(mul_rn(static_cast<float>(v), inv_scale));
+  bad |= !is_finite_float(static_cast<float>(out));
+  return out;
+}
+
+// a * x + b * y in fp32, rounded to T; `bad` is set when x or the stored value is not finite.
+template <typename T>
+C10_HOST_DEVICE inline T axpby_element(T x, T y, float a, float b, bool& bad) {
+  const float xf = static_cast<float>(x);
+  const T out = static_cast<T>(add_rn(mul_rn(a, xf), mul_rn(b, static_cast<float>(y))));
+  bad |= !is_finite_float(xf) || !is_finite_float(static_cast<float>(out));
+  return out;
+}
+
+}  // namespace amp::ops::detail
