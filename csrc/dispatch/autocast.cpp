@@ -1,4 +1,5 @@
-// amp::autocast, amp::disable_casts and the thread-state carrier.
+// amp::autocast, amp::disable_casts and the thread-state carrier: each opens a frame on its
+// thread (dispatch/cast_state.h), and the thread's mode follows the frames still open.
 #include "optamp/autocast.h"
 
 #include <c10/util/Exception.h>
@@ -10,77 +11,87 @@
 #include "optamp/opt_level.h"
 
 namespace amp {
-
-using detail::thread_cast_state;
-
-autocast::autocast(bool enabled, c10::ScalarType dtype)
-    : prev_key_on_(detail::thread_key_on()),
-      prev_mode_(thread_cast_state().mode),
-      prev_dtype_(thread_cast_state().region_dtype) {
-  TORCH_CHECK_VALUE(dtype == c10::ScalarType::Undefined || dtype == c10::ScalarType::Half ||
-                        dtype == c10::ScalarType::BFloat16,
-                    "amp::autocast dtype must be torch.float16 or torch.bfloat16, got ",
-                    dtype_name(dtype));
-  auto& state = thread_cast_state();
-  if (enabled) {
-    detail::activate_thread(true);  // may throw (key conflict): nothing changed yet
-    const c10::ScalarType level = detail::level_low_dtype();
-    state.region_dtype = dtype != c10::ScalarType::Undefined   ? dtype
-                         : level != c10::ScalarType::Undefined ? level
-                                                               : c10::ScalarType::Half;
-    state.mode = detail::kRegion;
-  } else {
-    state.mode = detail::kDisabled;
-  }
-  ++state.region_depth;
-}
-
-autocast::~autocast() {
-  auto& state = thread_cast_state();
-  state.mode = prev_mode_;
-  state.region_dtype = prev_dtype_;
-  detail::set_thread_key(prev_key_on_);
-  // Weights may be updated after the region (and not through their version counter).
-  if (--state.region_depth == 0) clear_cache();
-}
-
-disable_casts::disable_casts() : prev_mode_(thread_cast_state().mode) {
-  thread_cast_state().mode = detail::kDisabled;
-}
-
-disable_casts::~disable_casts() { thread_cast_state().mode = prev_mode_; }
-
-ThreadState ThreadState::capture() {
-  const auto& state = thread_cast_state();
-  return ThreadState{detail::thread_key_on(), detail::substitution_thread_on(), state.mode,
-                     state.region_dtype};
-}
-
 namespace {
 
-void apply(const ThreadState& state) {
-  if (state.key_on)
-    detail::activate_thread(true);  // may throw (key conflict) before anything changed
-  else
-    detail::set_thread_key(false);
-  detail::activate_substitution_thread(state.substitution_on);
-  thread_cast_state().mode = state.mode;
-  thread_cast_state().region_dtype = state.dtype;
+using detail::CastFrame;
+
+// Ends frame `id` opened by `owner`: on its own thread now (warning when newer frames are still
+// open), from another thread at the owner's next op. Never throws (called by destructors).
+void end_frame(std::uint64_t id, std::thread::id owner, const char* what) noexcept {
+  try {
+    if (owner != std::this_thread::get_id()) {
+      detail::abandon_frame(id);
+      return;
+    }
+    const int depth_before = detail::thread_cast_state().region_depth;
+    bool out_of_order = false;
+    if (!detail::pop_frame(id, &out_of_order)) return;  // a reset ended it already
+    if (out_of_order) {
+      TORCH_WARN(what,
+                 " ended while guards entered after it on this thread were still open (e.g. two "
+                 "asyncio tasks interleaving their `with` blocks); optamp ended only this one "
+                 "and the thread follows the guards still open");
+    }
+    // Weights may be updated after the outermost region (and not through their version counter).
+    if (depth_before > 0 && detail::thread_cast_state().region_depth == 0) clear_cache();
+  } catch (...) {
+  }
 }
 
 }  // namespace
 
-ThreadStateGuard::ThreadStateGuard(const ThreadState& state) : previous_(ThreadState::capture()) {
-  apply(state);
+autocast::autocast(bool enabled, c10::ScalarType dtype) : owner_(std::this_thread::get_id()) {
+  TORCH_CHECK_VALUE(dtype == c10::ScalarType::Undefined || dtype == c10::ScalarType::Half ||
+                        dtype == c10::ScalarType::BFloat16,
+                    "amp::autocast dtype must be torch.float16 or torch.bfloat16, got ",
+                    dtype_name(dtype));
+  CastFrame frame;
+  frame.is_autocast = true;
+  if (enabled) {
+    detail::ensure_registered();  // may throw (key conflict): nothing changed yet
+    const c10::ScalarType level = detail::level_low_dtype();
+    frame.mode = detail::kRegion;
+    frame.dtype = dtype != c10::ScalarType::Undefined   ? dtype
+                  : level != c10::ScalarType::Undefined ? level
+                                                        : c10::ScalarType::Half;
+    frame.sets_key = true;
+    frame.key_on = true;
+  } else {
+    frame.mode = detail::kDisabled;
+  }
+  frame_ = detail::push_frame(frame);
 }
 
-ThreadStateGuard::~ThreadStateGuard() {
-  detail::set_thread_key(previous_.key_on);
-  detail::activate_substitution_thread(previous_.substitution_on);
-  thread_cast_state().mode = previous_.mode;
-  thread_cast_state().region_dtype = previous_.dtype;
+autocast::~autocast() { end_frame(frame_, owner_, "amp::autocast"); }
+
+disable_casts::disable_casts() : owner_(std::this_thread::get_id()) {
+  CastFrame frame;
+  frame.mode = detail::kDisabled;
+  frame_ = detail::push_frame(frame);
 }
 
-bool is_casting_enabled() { return detail::thread_key_on(); }
+disable_casts::~disable_casts() { end_frame(frame_, owner_, "amp::disable_casts"); }
+
+ThreadState ThreadState::capture() {
+  const auto& state = detail::thread_cast_state();
+  return ThreadState{detail::thread_key_on(), detail::substitution_thread_on(), state.mode,
+                     state.region_dtype};
+}
+
+ThreadStateGuard::ThreadStateGuard(const ThreadState& state) : owner_(std::this_thread::get_id()) {
+  if (state.key_on) detail::ensure_registered();  // may throw before anything changed
+  CastFrame frame;
+  frame.mode = state.mode;
+  frame.dtype = state.dtype;
+  frame.sets_key = true;
+  frame.key_on = state.key_on;
+  frame.sets_substitution = true;
+  frame.substitution_on = state.substitution_on;
+  frame_ = detail::push_frame(frame);
+}
+
+ThreadStateGuard::~ThreadStateGuard() { end_frame(frame_, owner_, "amp::ThreadStateGuard"); }
+
+bool is_casting_enabled() { return detail::rules_apply_now(); }
 
 }  // namespace amp

@@ -5,7 +5,10 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <atomic>
+#include <mutex>
+#include <unordered_set>
 
+#include "dispatch/substitution.h"
 #include "optamp/autocast.h"
 
 namespace amp::detail {
@@ -31,11 +34,118 @@ RuleSet rules_for(const Properties& p) {
   }
 }
 
+std::atomic<std::uint64_t> g_epoch{0};
+std::atomic<std::uint64_t> g_next_frame{1};
+
+// Recomputes the derived fields and the thread's keys from the frames left open.
+void apply_frames(ThreadCastState& state) {
+  state.mode = kFollowLevel;
+  state.region_dtype = c10::ScalarType::Undefined;
+  state.region_depth = 0;
+  bool key = state.base_key_on, substitution = state.base_substitution_on;
+  for (const CastFrame& f : state.frames) {
+    state.mode = f.mode;
+    state.region_dtype = f.dtype;
+    state.region_depth += f.is_autocast ? 1 : 0;
+    if (f.sets_key) key = f.key_on;
+    if (f.sets_substitution) substitution = f.substitution_on;
+  }
+  if (key != thread_key_on()) set_thread_key(key);
+  if (substitution != substitution_thread_on()) activate_substitution_thread(substitution);
+}
+
+// Bumped whenever some thread must look at its frames again: by every reset and by every frame
+// abandoned on another thread. thread_cast_state() compares it with the thread's last look (one
+// relaxed load per kernel call).
+std::atomic<std::uint64_t> g_generation{0};
+std::mutex g_abandoned_mutex;
+std::unordered_set<std::uint64_t> g_abandoned;  // frames whose guard ended on another thread
+
+void sync_with_other_threads(ThreadCastState& state) {
+  const std::uint64_t epoch = g_epoch.load(std::memory_order_acquire);
+  if (state.epoch != epoch) {
+    state.epoch = epoch;
+    const bool fresh = state.frames.empty() && !thread_key_on() && !substitution_thread_on();
+    if (fresh) return;
+    state.frames.clear();
+    state.base_key_on = false;
+    state.base_substitution_on = false;
+    apply_frames(state);
+    return;
+  }
+  if (state.frames.empty()) return;
+  bool changed = false;
+  {
+    std::lock_guard<std::mutex> lock(g_abandoned_mutex);
+    for (auto it = state.frames.begin(); it != state.frames.end();) {
+      if (g_abandoned.erase(it->id)) {
+        it = state.frames.erase(it);
+        changed = true;
+      } else {
+        ++it;
+      }
+    }
+  }
+  if (changed) apply_frames(state);
+}
+
 }  // namespace
 
 ThreadCastState& thread_cast_state() {
   thread_local ThreadCastState state;
+  const std::uint64_t generation = g_generation.load(std::memory_order_acquire);
+  if (C10_UNLIKELY(state.generation != generation)) {
+    state.generation = generation;
+    sync_with_other_threads(state);
+  }
   return state;
+}
+
+void abandon_frame(std::uint64_t id) {
+  {
+    std::lock_guard<std::mutex> lock(g_abandoned_mutex);
+    g_abandoned.insert(id);
+  }
+  g_generation.fetch_add(1, std::memory_order_acq_rel);
+}
+
+std::uint64_t push_frame(CastFrame frame) {
+  ThreadCastState& state = thread_cast_state();
+  if (state.frames.empty()) {
+    state.base_key_on = thread_key_on();
+    state.base_substitution_on = substitution_thread_on();
+  }
+  frame.id = g_next_frame.fetch_add(1, std::memory_order_relaxed);
+  state.frames.push_back(frame);
+  apply_frames(state);
+  return frame.id;
+}
+
+bool pop_frame(std::uint64_t id, bool* out_of_order) {
+  ThreadCastState& state = thread_cast_state();
+  *out_of_order = false;
+  for (auto it = state.frames.begin(); it != state.frames.end(); ++it) {
+    if (it->id != id) continue;
+    *out_of_order = std::next(it) != state.frames.end();
+    state.frames.erase(it);
+    apply_frames(state);
+    return true;
+  }
+  return false;
+}
+
+void reset_all_thread_states() {
+  {
+    std::lock_guard<std::mutex> lock(g_abandoned_mutex);
+    g_abandoned.clear();  // every frame ends anyway
+  }
+  g_epoch.fetch_add(1, std::memory_order_acq_rel);
+  g_generation.fetch_add(1, std::memory_order_acq_rel);
+  ThreadCastState& state = thread_cast_state();  // the caller: now
+  state.frames.clear();
+  state.base_key_on = false;
+  state.base_substitution_on = false;
+  apply_frames(state);
 }
 
 void set_level_rules(const Properties& properties) {
@@ -75,6 +185,15 @@ CastDecision decide(c10::DeviceType device) {
   if (rules == RuleSet::kNone) return {};
   if (rules != RuleSet::kPureLow && !c10::GradMode::is_enabled()) return {};
   return {rules, g_low.load(std::memory_order_relaxed)};
+}
+
+bool rules_apply_now() {
+  const ThreadCastState& state = thread_cast_state();
+  if (!thread_key_on() || state.mode == kDisabled) return false;
+  if (state.mode == kRegion) return true;
+  const RuleSet rules = g_rules.load(std::memory_order_relaxed);
+  if (rules == RuleSet::kNone) return false;
+  return rules == RuleSet::kPureLow || c10::GradMode::is_enabled();
 }
 
 }  // namespace amp::detail

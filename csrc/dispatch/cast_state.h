@@ -5,6 +5,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "optamp/opt_level.h"
 
@@ -21,15 +22,54 @@ enum class RuleSet : std::uint8_t {
   kPureLow,        // O3: lower only, always (the model has no fp32 weights to protect)
 };
 
-// Per-thread mode, saved/restored by the RAII guards.
+// Per-thread mode, derived from the guards open on the thread (see ThreadCastState::frames).
 enum ThreadMode : std::int32_t { kFollowLevel = 0, kRegion = 1, kDisabled = 2 };
 
+// One open guard on a thread: amp::autocast, amp::disable_casts or amp::ThreadStateGuard.
+struct CastFrame {
+  std::uint64_t id = 0;
+  std::int32_t mode = kFollowLevel;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  bool is_autocast = false;  // counts for the cache drop at the outermost autocast exit
+  bool sets_key = false;     // turns the casting key on/off (autocast, ThreadStateGuard)
+  bool key_on = false;
+  bool sets_substitution = false;  // ThreadStateGuard: O2/O5 substitution on/off
+  bool substitution_on = false;
+};
+
+// The guards open on a thread, in entry order, and what they add up to. Guards may exit in any
+// order (two asyncio tasks on one thread interleave their `with` blocks): an exit removes its own
+// frame wherever it is and the state is recomputed from the frames left, so a mismatched exit
+// cannot leave the thread in a mode no open guard asked for. reset() and initialize() end every
+// thread's frames (lazily, through `epoch`, for threads other than the caller).
 struct ThreadCastState {
+  // Derived from `frames` (read by every kernel call).
   std::int32_t mode = kFollowLevel;
   c10::ScalarType region_dtype = c10::ScalarType::Undefined;
-  int region_depth = 0;  // nesting of amp::autocast on this thread
+  int region_depth = 0;  // open amp::autocast frames on this thread
+  std::vector<CastFrame> frames;
+  bool base_key_on = false;           // the key before the first frame opened
+  bool base_substitution_on = false;  // likewise for O2/O5 substitution
+  std::uint64_t epoch = 0;            // the last reset this thread has seen
+  std::uint64_t generation = 0;       // the last reset or abandoned frame it has looked at
 };
+// This thread's state (brought back to its initial value first if a reset happened since).
 ThreadCastState& thread_cast_state();
+
+// Opens a frame on this thread (taking the key/substitution base when it is the first) and
+// applies it. Returns its id.
+std::uint64_t push_frame(CastFrame frame);
+// Closes frame `id` on this thread. Returns false when it was not open any more (a reset ended
+// it), true otherwise; `out_of_order` tells whether newer frames were still open above it.
+bool pop_frame(std::uint64_t id, bool* out_of_order);
+// A guard that ends on another thread than the one it opened its frame on: the frame is closed
+// on its own thread at that thread's next kernel call or guard (a thread can't touch another's
+// thread-local state).
+void abandon_frame(std::uint64_t id);
+// Ends every open frame of every thread and brings each thread's mode, key and substitution
+// back to their initial values: now for the calling thread, for other threads at their next
+// kernel call or guard.
+void reset_all_thread_states();
 
 // Level rules, read by every kernel call (atomics: set once per initialize).
 void set_level_rules(const Properties& properties);
@@ -53,5 +93,9 @@ struct CastDecision {
 // The gate: rules apply while GradMode is on, inside an amp::autocast region, or always at O3;
 // never under disable_casts, and never while native autocast is on for `device` (we defer).
 CastDecision decide(c10::DeviceType device);
+// Whether optamp's rules apply to ops on this thread now: the key is on, no disable_casts or
+// autocast(enabled=false) is innermost, and a level or an autocast region says so (with the
+// grad-mode gate). Native torch.autocast, where it is on, takes precedence over this.
+bool rules_apply_now();
 
 }  // namespace amp::detail

@@ -191,6 +191,8 @@ Properties initialize_core(const ModelTensors& model, const std::vector<Optimize
   for (const auto& opt : opts) identities.push_back(opt.identity);
   restrict_loss_scaling_to(identities);
   install_param_names(model);
+  // Regions and disable_casts left open on any thread (or stuck by mismatched exits) end here.
+  reset_all_thread_states();
   if (p.enabled) {
     if (p.opt_level == OptLevel::O3) cast_model(model, opts, p.cast_model_type);
     const bool master_weights = p.opt_level == OptLevel::O2 || p.opt_level == OptLevel::O5;
@@ -210,6 +212,7 @@ Properties initialize_core(const ModelTensors& model, const std::vector<Optimize
 void reset_core() {
   auto& state = frontend();
   std::lock_guard<std::mutex> lock(state.mutex);
+  reset_all_thread_states();  // every thread's regions, key and substitution: back to initial
   activate_thread(false);
   activate_substitution_thread(false);
   clear_level_rules();

@@ -8,6 +8,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <thread>
 
 namespace amp {
 
@@ -15,6 +16,12 @@ namespace amp {
 // inference). `dtype` Undefined = the initialized level's low dtype, or float16 if none.
 // enabled=false: rules off inside the region (like disable_casts). Nestable.
 // The outermost exit drops the cast cache (weights may change after the region).
+//
+// Guards may end in any order (two coroutines on one thread interleaving their regions): each
+// end removes only its own region, warns when newer ones are still open, and the thread then
+// follows the guards still open. A guard ended on another thread closes its region on its own
+// thread at that thread's next op. amp::reset() and amp::initialize() end every open region of
+// every thread.
 class autocast {  // NOLINT(readability-identifier-naming): mirrors torch.autocast
  public:
   explicit autocast(bool enabled = true, c10::ScalarType dtype = c10::ScalarType::Undefined);
@@ -23,12 +30,12 @@ class autocast {  // NOLINT(readability-identifier-naming): mirrors torch.autoca
   autocast& operator=(const autocast&) = delete;
 
  private:
-  bool prev_key_on_;
-  std::int32_t prev_mode_;
-  c10::ScalarType prev_dtype_;
+  std::uint64_t frame_;
+  std::thread::id owner_;
 };
 
-// RAII: no casting rules on this thread inside the scope (Apex's amp.disable_casts()).
+// RAII: no casting rules on this thread inside the scope (Apex's amp.disable_casts()). Ends like
+// autocast does (any order, any thread).
 class disable_casts {  // NOLINT(readability-identifier-naming): mirrors apex.amp.disable_casts
  public:
   disable_casts();
@@ -37,7 +44,8 @@ class disable_casts {  // NOLINT(readability-identifier-naming): mirrors apex.am
   disable_casts& operator=(const disable_casts&) = delete;
 
  private:
-  std::int32_t prev_mode_;
+  std::uint64_t frame_;
+  std::thread::id owner_;
 };
 
 // Carrying optamp's per-thread state into worker threads:
@@ -60,10 +68,14 @@ class ThreadStateGuard {
   ThreadStateGuard& operator=(const ThreadStateGuard&) = delete;
 
  private:
-  ThreadState previous_;
+  std::uint64_t frame_;
+  std::thread::id owner_;
 };
 
-// True when optamp's casting is on for this thread (initialized, or inside amp::autocast).
+// True when optamp's rules apply to ops on this thread now: it was initialized (O1-O5) or is in
+// an amp::autocast region, no disable_casts / autocast(false) is innermost, and grad mode is on
+// (or the region or O3 casts under no_grad too). Native torch.autocast, where it is on, takes
+// precedence over optamp and is not reported here.
 bool is_casting_enabled();
 
 }  // namespace amp

@@ -34,10 +34,12 @@ struct PyGuard {
   }
   void exit() {
     if (!guard) return;
-    TORCH_CHECK(owner == std::this_thread::get_id(),
+    const bool same_thread = owner == std::this_thread::get_id();
+    guard.reset();  // from another thread: its thread drops the guard's state at its next op
+    TORCH_CHECK(same_thread,
                 "optamp context managers must be exited on the thread that entered them "
-                "(casting state is per thread)");
-    guard.reset();
+                "(casting state is per thread); this one was ended, and its thread goes back "
+                "to the state of the guards still open there");
   }
 };
 

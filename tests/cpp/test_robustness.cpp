@@ -21,6 +21,7 @@
 
 #include "ops/multi_tensor.h"
 #include "optamp/amp.h"
+#include "optamp/autocast.h"
 #include "scaler/registry.h"
 #include "test_util.h"
 
@@ -378,6 +379,89 @@ TEST_F(Robustness, ScaleLossRefusesAnOptimizerNotPassedToInitialize) {
   initialize(net, "O1", quiet());  // inference: no optimizer at all
   OPTAMP_EXPECT_THROW_WITH(scale_loss(loss_of(net, 0, 1.0f, 0), opt), c10::ValueError,
                            "passed to amp::initialize");
+}
+
+// ---- 5. guards that end out of order or on another thread --------------------------------------
+
+at::ScalarType mm_dtype() {
+  const at::Tensor a = at::randn({2, 2}, at::requires_grad());
+  return at::mm(a, a).scalar_type();
+}
+
+TEST_F(Robustness, GuardsEndingOutOfOrderLeaveTheStateOfTheGuardsStillOpen) {
+  TinyNet net(1);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  initialize(net, opt, "O1", quiet());
+  ASSERT_EQ(mm_dtype(), at::kHalf);
+  // Two coroutines on one thread: A enters disable_casts, B enters autocast(bf16), A exits, B
+  // exits. Saving and restoring one mode variable left the thread in "disabled" for good.
+  auto a = std::make_unique<disable_casts>();
+  EXPECT_FALSE(is_casting_enabled());
+  auto b = std::make_unique<autocast>(true, at::kBFloat16);
+  EXPECT_EQ(mm_dtype(), at::kBFloat16);
+  ::testing::internal::CaptureStderr();
+  a.reset();  // out of order: warns, B's region stays
+  const std::string warning = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(warning.find("amp::disable_casts ended while guards entered after it"),
+            std::string::npos)
+      << warning;
+  EXPECT_EQ(mm_dtype(), at::kBFloat16);
+  b.reset();
+  EXPECT_EQ(mm_dtype(), at::kHalf) << "back to the level's rules";
+  EXPECT_TRUE(is_casting_enabled());
+  // The same with autocast first.
+  b = std::make_unique<autocast>(true, at::kBFloat16);
+  a = std::make_unique<disable_casts>();
+  b.reset();
+  EXPECT_EQ(mm_dtype(), at::kFloat) << "disable_casts is still open";
+  EXPECT_FALSE(is_casting_enabled());
+  a.reset();
+  EXPECT_EQ(mm_dtype(), at::kHalf);
+}
+
+TEST_F(Robustness, GuardEndedOnAnotherThreadFreesItsOwnThread) {
+  TinyNet net(1);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  initialize(net, opt, "O1", quiet());
+  auto guard = std::make_unique<disable_casts>();
+  EXPECT_EQ(mm_dtype(), at::kFloat);
+  std::thread([&] { guard.reset(); }).join();
+  EXPECT_EQ(mm_dtype(), at::kHalf) << "the first thread must not stay disabled";
+  EXPECT_TRUE(is_casting_enabled());
+}
+
+TEST_F(Robustness, ResetEndsEveryThreadsRegionsAndIsCastingEnabledTellsTheTruth) {
+  EXPECT_FALSE(is_casting_enabled());
+  auto stuck = std::make_unique<disable_casts>();
+  std::atomic<int> phase{0};
+  at::ScalarType worker_after = at::kByte;
+  bool worker_enabled_after = true;
+  std::thread worker([&] {
+    autocast region(true, at::kBFloat16);  // open across the reset below
+    phase = 1;
+    while (phase.load() != 2) std::this_thread::yield();
+    worker_after = mm_dtype();
+    worker_enabled_after = is_casting_enabled();
+  });
+  while (phase.load() != 1) std::this_thread::yield();
+  reset();  // the caller's disable_casts and the worker's region both end
+  phase = 2;
+  worker.join();
+  EXPECT_EQ(worker_after, at::kFloat);
+  EXPECT_FALSE(worker_enabled_after);
+  TinyNet net(1);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  initialize(net, opt, "O1", quiet());
+  EXPECT_EQ(mm_dtype(), at::kHalf) << "not stuck in the disabled mode of before the reset";
+  EXPECT_TRUE(is_casting_enabled());
+  stuck.reset();  // its frame ended with the reset: a no-op now
+  EXPECT_TRUE(is_casting_enabled());
+  {
+    at::NoGradGuard no_grad;
+    EXPECT_FALSE(is_casting_enabled()) << "O1 casts nothing under no_grad";
+    autocast region;
+    EXPECT_TRUE(is_casting_enabled()) << "an explicit region casts under no_grad";
+  }
 }
 
 // ---- 6. backward after the guard ---------------------------------------------------------------
