@@ -128,10 +128,11 @@ void bind_frontend(py::module_& m) {
              self.enter(self.enabled, self.dtype);
              return self;
            })
-      .def("__exit__", [](PyAutocast& self, const py::args&) {
-        self.exit();
-        return false;
-      });
+      // The out-of-order warning reaches Python's warnings module.
+      .def("__exit__", torch::wrap_pybind_function([](PyAutocast& self, const py::args&) {
+             self.exit();
+             return false;
+           }));
 
   py::class_<PyDisableCasts>(m, "disable_casts")
       .def(py::init<>(), "Context manager: no casting rules on this thread inside.")
@@ -140,10 +141,11 @@ void bind_frontend(py::module_& m) {
              self.enter();
              return self;
            })
-      .def("__exit__", [](PyDisableCasts& self, const py::args&) {
-        self.exit();
-        return false;
-      });
+      // The out-of-order warning reaches Python's warnings module.
+      .def("__exit__", torch::wrap_pybind_function([](PyDisableCasts& self, const py::args&) {
+             self.exit();
+             return false;
+           }));
 
   py::class_<amp::ThreadState>(m, "ThreadState")
       .def_static("capture", &amp::ThreadState::capture,
@@ -163,10 +165,11 @@ void bind_frontend(py::module_& m) {
              self.enter(self.state);
              return self;
            })
-      .def("__exit__", [](PyThreadStateGuard& self, const py::args&) {
-        self.exit();
-        return false;
-      });
+      // The out-of-order warning reaches Python's warnings module.
+      .def("__exit__", torch::wrap_pybind_function([](PyThreadStateGuard& self, const py::args&) {
+             self.exit();
+             return false;
+           }));
 
   // ---- policies and cache ---------------------------------------------------------------------
   m.def(

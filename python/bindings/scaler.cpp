@@ -15,6 +15,8 @@
 namespace amp::python {
 namespace {
 
+const double kScaleFloor = LossScaler::kScaleFloor;  // an addressable copy for def_readonly_static
+
 // Owns a C++ guard. Python ends it with finish(); a guard that is garbage-collected unfinished
 // is treated like an exception exit (stashes restored, nothing unscaled, nothing raised).
 struct PyScaledLoss {
@@ -62,6 +64,9 @@ void bind_scaler(py::module_& m) {
   py::class_<LossScaler, std::shared_ptr<LossScaler>>(m, "LossScaler")
       .def_property_readonly("loss_id", &LossScaler::loss_id)
       .def_property_readonly("dynamic", &LossScaler::dynamic)
+      .def_property_readonly("checks_overflow", &LossScaler::checks_overflow)
+      .def_property_readonly("lowest_scale", &LossScaler::lowest_scale)
+      .def_readonly_static("SCALE_FLOOR", &kScaleFloor)
       .def("loss_scale", &LossScaler::loss_scale)
       .def_property_readonly("last_step_skipped", &LossScaler::last_step_skipped)
       .def_property_readonly("skipped_steps", &LossScaler::skipped_steps)

@@ -14,6 +14,7 @@ from ._torch_check import load_core
 
 _C = load_core()
 from ._C import (
+    LossScaler,
     OptLevel,
     Properties,
     ThreadState,
@@ -54,6 +55,7 @@ def resolve(opt_level="O1", **overrides):
 
 
 __all__ = [
+    "LossScaler",
     "OptLevel",
     "Properties",
     "ThreadState",
