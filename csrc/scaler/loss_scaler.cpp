@@ -263,9 +263,10 @@ LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list) {
     last_step_skipped_ = result.skipped;
     if (result.skipped) {
       ++skipped_steps_;
-      // At the bottom already: a fixed scale, or a dynamic one that cannot back off further.
+      // At the bottom already: a fixed scale, or a dynamic one that cannot back off further
+      // (min_loss_scale or the floor). Skips there can only repeat: count them for the error.
       const bool at_bottom = !dynamic_ || used <= lowest_scale_;
-      floor_skips_ = at_bottom && (dynamic_ || has_min_) ? floor_skips_ + 1 : 0;
+      floor_skips_ = at_bottom ? floor_skips_ + 1 : 0;
     } else {
       floor_skips_ = 0;
     }

@@ -7,7 +7,9 @@ Compares, per dtype:
   naive   a per-tensor loop: isfinite().all() check + mul_ (two passes per tensor)
 
 Methods are interleaved round by round and the median is reported, which keeps a busy shared
-machine from favouring whichever ran first. The scale alternates 0.5 / 2.0 so values stay put.
+machine from favouring whichever ran first. Two kinds of step per dtype: a dynamic scale (1/scale
+alternates 0.5 / 2.0 so values stay put) and a fixed scale of 1.0, the pass every O0/O3/O4/O5
+step runs since fixed scales check for overflow too (overflow_check).
 
 On CUDA it also counts, per loss-scaling step over the same gradients, the kernel launches
 (torch.profiler, memcpy/memset included) and the device->host syncs (CUDA sync debug mode) of
@@ -129,34 +131,42 @@ def main():
         "torch": torch._amp_foreach_non_finite_check_and_unscale_,
         "naive": naive,
     }
-    for dtype in (torch.float32, torch.float16):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
         gen = torch.Generator().manual_seed(0)
         grads = [torch.randn(s, generator=gen).to(dtype).to(dev) for s in shapes]
-        found = torch.zeros(1, device=dev)
-        invs = [torch.full((1,), v, device=dev) for v in (0.5, 2.0)]
-        times = {k: [] for k in methods}
-        for rep in range(args.reps + 3):
-            for name, fn in methods.items():
-                for inv in invs:
-                    sync()
-                    t0 = time.perf_counter()
-                    fn(grads, found, inv)
-                    sync()
-                    if rep >= 3:
-                        times[name].append(time.perf_counter() - t0)
-        assert found.item() == 0.0
-        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        best = {k: min(v) * 1e3 for k, v in times.items()}  # least disturbed by other load
-        gbps = numel * grads[0].element_size() * 2 / (med["optamp"] * 1e-3) / 1e9
-        print(f"{str(dtype):15s} optamp {med['optamp']:8.2f} ms  torch {med['torch']:8.2f} ms  "
-              f"naive {med['naive']:8.2f} ms   optamp/torch {med['optamp'] / med['torch']:.2f}x  "
-              f"naive/torch {med['naive'] / med['torch']:.2f}x  optamp {gbps:.1f} GB/s")
-        print(f"{'':15s} min: optamp {best['optamp']:8.2f} ms  torch {best['torch']:8.2f} ms  "
-              f"optamp/torch {best['optamp'] / best['torch']:.2f}x")
+        for label, scales in (("dynamic", (0.5, 2.0)), ("fixed 1.0", (1.0,))):
+            med, best = time_methods(methods, grads, scales, args.reps, dev, sync)
+            gbps = numel * grads[0].element_size() * 2 / (med["optamp"] * 1e-3) / 1e9
+            print(f"{str(dtype):15s} {label:9s} optamp {med['optamp']:8.2f} ms  torch "
+                  f"{med['torch']:8.2f} ms  naive {med['naive']:8.2f} ms   optamp/torch "
+                  f"{med['optamp'] / med['torch']:.2f}x  naive/torch "
+                  f"{med['naive'] / med['torch']:.2f}x  optamp {gbps:.1f} GB/s")
+            print(f"{'':25s} min: optamp {best['optamp']:8.2f} ms  torch {best['torch']:8.2f} ms  "
+                  f"optamp/torch {best['optamp'] / best['torch']:.2f}x")
         if dev.type == "cuda":
             counts = launches_and_syncs(shapes, dtype, dev)
             print(f"{'':15s} per step: " + "  ".join(
                 f"{name} {k:.0f} launches, {n:.0f} syncs" for name, (k, n) in counts.items()))
+
+
+def time_methods(methods, grads, scales, reps, dev, sync):
+    """Median and minimum milliseconds per call of each method, interleaved round by round."""
+    found = torch.zeros(1, device=dev)
+    invs = [torch.full((1,), v, device=dev) for v in scales]
+    times = {k: [] for k in methods}
+    for rep in range(reps + 3):
+        for name, fn in methods.items():
+            for inv in invs:
+                sync()
+                t0 = time.perf_counter()
+                fn(grads, found, inv)
+                sync()
+                if rep >= 3:
+                    times[name].append(time.perf_counter() - t0)
+    assert found.item() == 0.0
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    best = {k: min(v) * 1e3 for k, v in times.items()}  # least disturbed by other load
+    return med, best
 
 
 if __name__ == "__main__":

@@ -233,6 +233,26 @@ TEST_F(Robustness, OverflowCheckOffLetsAFixedScaleStepThroughNaNAsApexDid) {
   EXPECT_EQ(loss_scaler().skipped_steps(), 0);
 }
 
+// A fixed scale cannot back off: 50 consecutive overflows there mean the model diverged, and the
+// guard says which parameters had non-finite gradients (as at min_loss_scale).
+TEST_F(Robustness, FixedScaleRaisesTheFloorErrorAfterFiftyConsecutiveSkips) {
+  TinyNet net(3);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  initialize(net, opt, "O5", quiet());
+  for (int i = 1; i < LossScaler::kFloorSkipLimit; ++i) {
+    auto scaled = scale_loss(loss_of(net, i, kNaN, 2), opt);
+    scaled.backward();
+  }
+  EXPECT_EQ(loss_scaler().floor_skips(), LossScaler::kFloorSkipLimit - 1);
+  auto last = [&] {
+    auto scaled = scale_loss(loss_of(net, 0, kNaN, 2), opt);
+    scaled.backward();
+  };
+  OPTAMP_EXPECT_THROW_WITH(last(), c10::Error, "skipped 50 consecutive steps at its fixed loss "
+                           "scale (1)", "w2 ");
+  for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+}
+
 // ---- 2. the scale floor ------------------------------------------------------------------------
 
 TEST_F(Robustness, ScaleNeverFallsBelowTheFloorAndTheNextCleanStepStaysFinite) {
