@@ -41,7 +41,8 @@ ScaledLoss scale_loss_params(const at::Tensor& loss, std::vector<at::Tensor> par
 
 // Ends a guard explicitly (the Python context manager's __exit__). `unwinding`: an exception is
 // in flight (restore and don't throw). Idempotent.
-void finish_scaled_loss(ScaledLoss& guard, bool unwinding);
+// Returns whether this guard's step overflowed (its grads were reset).
+bool finish_scaled_loss(ScaledLoss& guard, bool unwinding);
 
 // Optional: a better name for a parameter in the floor error (e.g. "fc.weight"), installed by
 // the frontend that knows the model. Returns nullopt when unknown.

@@ -99,6 +99,7 @@ struct ScaleLossState {
   std::vector<bool> created_record;  // this guard stashed params[i] (and may restore it)
   int uncaught_at_entry = 0;
   bool finished = false;
+  bool skipped = false;  // this guard's own step overflowed (not another thread's)
 };
 
 struct ScaledLossAccess {
@@ -196,6 +197,7 @@ void finish_normally(ScaleLossState& s) {
     throw;
   }
   settle_book(result.skipped);
+  s.skipped = result.skipped;
 
   std::string floor_error;
   if (result.skipped) {
@@ -245,8 +247,11 @@ void finish(ScaleLossState& s, bool unwinding) {
 
 }  // namespace
 
-void finish_scaled_loss(ScaledLoss& guard, bool unwinding) {
-  if (ScaleLossState* s = ScaledLossAccess::state(guard)) finish(*s, unwinding);
+bool finish_scaled_loss(ScaledLoss& guard, bool unwinding) {
+  ScaleLossState* s = ScaledLossAccess::state(guard);
+  if (!s) return false;
+  finish(*s, unwinding);
+  return s->skipped;
 }
 
 ScaledLoss scale_loss_params(const at::Tensor& loss, std::vector<at::Tensor> params,

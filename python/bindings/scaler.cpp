@@ -114,10 +114,12 @@ void bind_scaler(py::module_& m) {
                              })
       .def("finish",
            // Warnings raised while unscaling (e.g. torch.cuda.set_sync_debug_mode) reach Python.
+           // Returns whether this guard's own step overflowed (not read from the shared scaler,
+           // which another thread's guard may have updated since).
            torch::wrap_pybind_function([](PyScaledLoss& self, bool unwinding) {
-             if (!self.guard) return;
+             if (!self.guard) return false;
              auto guard = std::move(self.guard);
-             detail::finish_scaled_loss(*guard, unwinding);
+             return detail::finish_scaled_loss(*guard, unwinding);
            }),
            py::arg("unwinding") = false);
 

@@ -133,16 +133,16 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
         guard.finish(True)
         raise
     if process_group is None or delay_unscale:
-        guard.finish(False)
+        skipped = guard.finish(False)
     else:
         scaler = _C.loss_scaler(loss_id)
         scaler.set_found_inf_reducer(max_reducer(process_group))  # for this step only
         try:
-            guard.finish(False)
+            skipped = guard.finish(False)
         finally:
             scaler.set_found_inf_reducer(
                 None if _initialize_group is None else max_reducer(_initialize_group))
-    if not delay_unscale and _C.loss_scaler(loss_id).last_step_skipped:
+    if skipped:
         for opt in optimizers:
             _skip_next_step(opt)
 

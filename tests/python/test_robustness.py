@@ -70,6 +70,39 @@ def test_thousand_injected_steps_never_corrupt_weights_or_adam_state(level):
         assert _finite([s["exp_avg"], s["exp_avg_sq"]])
 
 
+def test_python_threads_sharing_one_loss_scaler_skip_exactly_their_own_overflows():
+    models = [Mlp() for _ in range(3)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+    init(models, opts, "O1", init_scale=1024.0, max_loss_scale=4096.0, growth_interval=5)
+    state = optamp.ThreadState.capture()
+    problems = []
+
+    def train(t):
+        with optamp.thread_state_guard(state):
+            for step in range(150):
+                inject = t == 0 and step % 3 == 0
+                opts[t].zero_grad()
+                loss = models[t](torch.randn(4, 4)).float().pow(2).mean()
+                if inject:
+                    loss = loss * math.inf
+                with optamp.scale_loss(loss, opts[t]) as scaled:
+                    scaled.backward()
+                skipped = models[t].fc1.weight.grad is None
+                if skipped != inject:
+                    problems.append((t, step, skipped))
+                opts[t].step()  # the one-shot skip hook belongs to this thread's optimizer only
+                if not _finite(models[t].parameters()):
+                    problems.append((t, step, "non-finite"))
+
+    threads = [threading.Thread(target=train, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert problems == []
+    assert optamp.loss_scaler().skipped_steps == 50
+
+
 def test_overflow_check_false_is_apexs_fixed_scale_and_needs_one():
     model = Mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
