@@ -17,8 +17,9 @@ elseif(NOT OPTAMP_SANITIZE STREQUAL "")
 endif()
 
 if(OPTAMP_SANITIZE_FLAGS)
-  add_compile_options($<$<COMPILE_LANGUAGE:CXX>:${OPTAMP_SANITIZE_FLAGS}>
-                      $<$<COMPILE_LANGUAGE:CXX>:-fno-omit-frame-pointer> $<$<COMPILE_LANGUAGE:CXX>:-g>)
+  foreach(flag IN LISTS OPTAMP_SANITIZE_FLAGS ITEMS -fno-omit-frame-pointer -g)
+    add_compile_options($<$<COMPILE_LANGUAGE:CXX>:${flag}>)
+  endforeach()
   add_link_options(${OPTAMP_SANITIZE_FLAGS})
   if(OPTAMP_BUILD_PYTHON)
     message(STATUS "optamp: OPTAMP_SANITIZE=${OPTAMP_SANITIZE} turns the Python bindings off")

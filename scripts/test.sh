@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Runs every test: bootstrap, configure, build, then ctest (GoogleTest + packaging) and pytest.
+# Runs every test: bootstrap, configure, build, then ctest (GoogleTest + packaging), the sanitizer
+# builds (scripts/sanitize.sh) and pytest.
 # Exits non-zero if anything fails; prints each runner's own summary.
 #   OPTAMP_BUILD_DIR=<dir>  build elsewhere (default: build/)
 #   OPTAMP_CMAKE_ARGS=...   extra CMake arguments (e.g. -DOPTAMP_GTEST_SOURCE_DIR=...)
 #   PYTEST_ARGS=...         extra pytest arguments (e.g. --run-slow)
+#   OPTAMP_SANITIZERS=...   sanitizer builds to run (default "thread address"; "" skips them)
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$OPTAMP_ROOT"
@@ -29,6 +31,12 @@ fi
 status=0
 echo "== ctest =="
 ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)" || status=1
+# The sanitizer builds (docs/testing.md): ThreadSanitizer over the concurrency tests, ASan+UBSan
+# over the C++ suite, each in its own build directory. OPTAMP_SANITIZERS="" skips them.
+for kind in ${OPTAMP_SANITIZERS-thread address}; do
+  echo "== sanitizer: $kind =="
+  bash scripts/sanitize.sh "$kind" || status=1
+done
 echo "== pytest =="
 PYTHONPATH="$OPTAMP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}" \
   "$PY" -m pytest tests/python -q -rs ${PYTEST_ARGS:-} || status=1

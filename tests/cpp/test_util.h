@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 namespace amp::testing {
 
@@ -36,7 +37,9 @@ Tolerance tolerance(at::ScalarType dtype);
       ADD_FAILURE() << "expected " #kind " from: " #stmt;      \
     } catch (const kind& e) {                                  \
       const std::string what = e.what_without_backtrace();     \
-      for (const char* needle : {__VA_ARGS__}) {               \
+      /* copied now: an argument may point into a temporary */ \
+      const std::vector<std::string> needles{__VA_ARGS__};     \
+      for (const std::string& needle : needles) {              \
         EXPECT_NE(what.find(needle), std::string::npos)        \
             << "message lacks \"" << needle << "\": " << what; \
       }                                                        \
