@@ -301,6 +301,19 @@ TEST_F(Robustness, UnscaleThatOverflowsFiniteGradientsIsAnOverflow) {
       EXPECT_EQ(found2.item<float>(), 1.0f) << dtype << " n=" << n;
     }
   }
+  // inv_scale 1.0 (a fixed scale of 1) is a read-only check: inf/NaN anywhere is found, nothing
+  // is written.
+  for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    for (int64_t at_index : {0, 17, 38}) {  // vector body and scalar tail
+      at::Tensor g = at::randn({40}).to(dtype);
+      g[at_index] = at_index == 17 ? kNaN : kInf;
+      const at::Tensor before = g.clone(), flag = at::zeros({1});
+      ops::unscale_check_({g}, flag, at::ones({1}));
+      EXPECT_EQ(flag.item<float>(), 1.0f) << dtype << " at " << at_index;
+      EXPECT_TRUE(at::equal(g.isnan(), before.isnan()) &&
+                  at::equal(g.nan_to_num(0), before.nan_to_num(0)));
+    }
+  }
   const at::Tensor fine = at::full({40}, 2.0), found = at::zeros({1});
   ops::unscale_check_({fine}, found, at::full({1}, 0.5f));
   EXPECT_EQ(found.item<float>(), 0.0f);

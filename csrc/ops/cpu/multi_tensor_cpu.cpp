@@ -42,6 +42,13 @@ bool unscale_scalar(T* p, int64_t n, float s) {
 }
 
 template <typename T>
+bool check_scalar(const T* p, int64_t n) {
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) check_element(p[i], bad);
+  return bad;
+}
+
+template <typename T>
 bool axpby_scalar(T* out, const T* x, const T* y, int64_t n, float a, float b) {
   bool bad = false;
   for (int64_t i = 0; i < n; ++i) out[i] = axpby_element(x[i], y[i], a, b, bad);
@@ -96,6 +103,20 @@ bool unscale_avx2(T* p, int64_t n, float s) {
   }
   const bool bad = any_nan(_mm256_add_ps(acc0, acc1));
   return unscale_scalar(p + i, n - i, s) || bad;
+}
+
+// The read-only check of an unscale by 1.0 (see check_element).
+template <typename T>
+bool check_avx2(const T* p, int64_t n) {
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 acc0 = zero, acc1 = zero;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(load8(p + i), zero));
+    acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(load8(p + i + 8), zero));
+  }
+  const bool bad = any_nan(_mm256_add_ps(acc0, acc1));
+  return check_scalar(p + i, n - i) || bad;
 }
 
 template <typename T>
@@ -181,9 +202,11 @@ void unscale_group_cpu(const std::vector<at::Tensor>& tensors, const at::Tensor&
     bad = for_each_chunk(tensors, [&](const Chunk& c) {
       scalar_t* p = ptrs[c.tensor] + c.begin;
 #ifdef OPTAMP_CPU_AVX2
-      if (cpu_has_avx2()) return unscale_avx2(p, c.end - c.begin, s);
+      if (cpu_has_avx2()) {
+        return s == 1.0f ? check_avx2(p, c.end - c.begin) : unscale_avx2(p, c.end - c.begin, s);
+      }
 #endif
-      return unscale_scalar(p, c.end - c.begin, s);
+      return s == 1.0f ? check_scalar(p, c.end - c.begin) : unscale_scalar(p, c.end - c.begin, s);
     });
   });
   if (bad) found_inf.fill_(1.0);
