@@ -3,6 +3,9 @@ OPTAMP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OPTAMP_PYTHON_FILE="$OPTAMP_ROOT/.venv/.optamp-python"
 # ccache keys on relative paths below the checkout, so fresh clones (CI) reuse earlier builds.
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$OPTAMP_ROOT}"
+# The sanitizer builds compile with -g, for which ccache also hashes the build directory unless
+# told not to: without this a fresh clone would rebuild them from scratch.
+export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
 
 # Prints the interpreter bootstrap.sh selected (and bootstraps first if it has not run).
 optamp_python() {
