@@ -93,6 +93,7 @@ std::string format_options(const Properties& p) {
   row("max_loss_scale", number_name(p.max_loss_scale));
   row("verbosity", std::to_string(p.verbosity));
   if (!p.loss_scale.is_dynamic()) row("overflow_check", bool_name(p.overflow_check));
+  row("rules_under_no_grad", bool_name(p.rules_under_no_grad));
   if (p.loss_scale.is_dynamic()) {
     row("init_scale", number_name(p.init_scale));
     row("growth_factor", number_name(p.growth_factor));
@@ -292,6 +293,7 @@ void apply_overrides(Properties& p, const Options& o, OverrideLog& log) {
   take("growth_interval", p.growth_interval, o.growth_interval, as_int);
   take("hysteresis", p.hysteresis, o.hysteresis, as_int);
   take("overflow_check", p.overflow_check, o.overflow_check, bool_name);
+  take("rules_under_no_grad", p.rules_under_no_grad, o.rules_under_no_grad, bool_name);
   // Apex: the initial scale never exceeds the ceiling unless the user asked for it explicitly.
   if (!o.init_scale && p.init_scale > p.max_loss_scale) p.init_scale = p.max_loss_scale;
 }

@@ -73,9 +73,20 @@ disable_casts::disable_casts() : owner_(std::this_thread::get_id()) {
 disable_casts::~disable_casts() { end_frame(frame_, owner_, "amp::disable_casts"); }
 
 ThreadState ThreadState::capture() {
-  const auto& state = detail::thread_cast_state();
-  return ThreadState{detail::thread_key_on(), detail::substitution_thread_on(), state.mode,
-                     state.region_dtype};
+  detail::thread_cast_state();
+  const detail::CarriedMode carried = detail::carried_mode();
+  return ThreadState{detail::thread_key_on(), detail::substitution_thread_on(), carried.mode,
+                     carried.dtype};
+}
+
+rules_under_no_grad::rules_under_no_grad() : owner_(std::this_thread::get_id()) {
+  CastFrame frame;
+  frame.ungate = true;
+  frame_ = detail::push_frame(frame);
+}
+
+rules_under_no_grad::~rules_under_no_grad() {
+  end_frame(frame_, owner_, "amp::rules_under_no_grad");
 }
 
 ThreadStateGuard::ThreadStateGuard(const ThreadState& state) : owner_(std::this_thread::get_id()) {

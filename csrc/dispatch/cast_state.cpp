@@ -17,6 +17,7 @@ namespace {
 std::atomic<RuleSet> g_rules{RuleSet::kNone};
 std::atomic<c10::ScalarType> g_low{c10::ScalarType::Undefined};
 std::atomic<int> g_verbosity{1};
+std::atomic<bool> g_rules_under_no_grad{false};
 
 RuleSet rules_for(const Properties& p) {
   if (!p.enabled) return RuleSet::kNone;
@@ -37,21 +38,47 @@ RuleSet rules_for(const Properties& p) {
 std::atomic<std::uint64_t> g_epoch{0};
 std::atomic<std::uint64_t> g_next_frame{1};
 
-// Recomputes the derived fields and the thread's keys from the frames left open.
+// Tags of the level modes in the PrivateUse1 autocast dtype slot (region dtypes are float16 or
+// bfloat16, so these never collide with one).
+constexpr c10::ScalarType kFollowLevelTag = c10::ScalarType::Float;
+constexpr c10::ScalarType kUngatedTag = c10::ScalarType::Double;
+// Disabled keeps the keys as they are (the kernels then only redispatch): a thread must still
+// reach thread_cast_state() at its next op to drop a disable_casts ended on another thread.
+constexpr c10::ScalarType kDisabledTag = c10::ScalarType::Bool;
+
+bool is_region_dtype(c10::ScalarType t) {
+  return t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16;
+}
+
+// Writes the effective mode where at::ThreadLocalState carries it.
+void write_carried(std::int32_t mode, c10::ScalarType dtype, bool key, bool substitution) {
+  if (key != thread_key_on()) set_thread_key(key);
+  if (substitution != substitution_thread_on()) activate_substitution_thread(substitution);
+  const c10::ScalarType tag = mode == kRegion              ? dtype
+                              : mode == kFollowLevelUngated ? kUngatedTag
+                              : mode == kDisabled           ? kDisabledTag
+                                                            : kFollowLevelTag;
+  at::autocast::set_autocast_dtype(c10::DeviceType::PrivateUse1, tag);
+}
+
+// Recomputes the derived fields and the thread's carried state from the frames left open.
 void apply_frames(ThreadCastState& state) {
-  state.mode = kFollowLevel;
-  state.region_dtype = c10::ScalarType::Undefined;
+  state.mode = state.base_mode;
+  state.region_dtype = state.base_dtype;
   state.region_depth = 0;
   bool key = state.base_key_on, substitution = state.base_substitution_on;
   for (const CastFrame& f : state.frames) {
+    state.region_depth += f.is_autocast ? 1 : 0;
+    if (f.ungate) {
+      if (state.mode == kFollowLevel) state.mode = kFollowLevelUngated;
+      continue;
+    }
     state.mode = f.mode;
     state.region_dtype = f.dtype;
-    state.region_depth += f.is_autocast ? 1 : 0;
     if (f.sets_key) key = f.key_on;
     if (f.sets_substitution) substitution = f.substitution_on;
   }
-  if (key != thread_key_on()) set_thread_key(key);
-  if (substitution != substitution_thread_on()) activate_substitution_thread(substitution);
+  write_carried(state.mode, state.region_dtype, key, substitution);
 }
 
 // Bumped whenever some thread must look at its frames again: by every reset and by every frame
@@ -70,6 +97,8 @@ void sync_with_other_threads(ThreadCastState& state) {
     state.frames.clear();
     state.base_key_on = false;
     state.base_substitution_on = false;
+    state.base_mode = kFollowLevel;
+    state.base_dtype = c10::ScalarType::Undefined;
     apply_frames(state);
     return;
   }
@@ -111,9 +140,12 @@ void abandon_frame(std::uint64_t id) {
 
 std::uint64_t push_frame(CastFrame frame) {
   ThreadCastState& state = thread_cast_state();
-  if (state.frames.empty()) {
+  if (state.frames.empty()) {  // the base may have come from elsewhere (at::ThreadLocalState)
     state.base_key_on = thread_key_on();
     state.base_substitution_on = substitution_thread_on();
+    const CarriedMode carried = carried_mode();
+    state.base_mode = carried.mode == kDisabled ? kFollowLevel : carried.mode;
+    state.base_dtype = carried.dtype;
   }
   frame.id = g_next_frame.fetch_add(1, std::memory_order_relaxed);
   state.frames.push_back(frame);
@@ -145,6 +177,8 @@ void reset_all_thread_states() {
   state.frames.clear();
   state.base_key_on = false;
   state.base_substitution_on = false;
+  state.base_mode = kFollowLevel;
+  state.base_dtype = c10::ScalarType::Undefined;
   apply_frames(state);
 }
 
@@ -164,15 +198,41 @@ c10::ScalarType level_low_dtype() { return g_low.load(std::memory_order_relaxed)
 int verbosity() { return g_verbosity.load(std::memory_order_relaxed); }
 
 void set_thread_key(bool on) {
+  const bool was_on = thread_key_on();
   c10::impl::tls_set_dispatch_key_included(kCastKey, on);
   c10::impl::tls_set_dispatch_key_excluded(kCastKey, !on);
+  // Turned on from off: the level's mode, whatever the slot held (its default is a dtype).
+  if (on && !was_on) at::autocast::set_autocast_dtype(c10::DeviceType::PrivateUse1, kFollowLevelTag);
 }
 
 bool thread_key_on() { return c10::impl::tls_is_dispatch_key_included(kCastKey); }
 
+CarriedMode carried_mode() {
+  if (!thread_key_on()) return {kDisabled, c10::ScalarType::Undefined};
+  const c10::ScalarType tag = at::autocast::get_autocast_dtype(c10::DeviceType::PrivateUse1);
+  if (is_region_dtype(tag)) return {kRegion, tag};
+  if (tag == kDisabledTag) return {kDisabled, c10::ScalarType::Undefined};
+  return {tag == kUngatedTag ? kFollowLevelUngated : kFollowLevel, c10::ScalarType::Undefined};
+}
+
+void set_rules_under_no_grad(bool on) { g_rules_under_no_grad.store(on); }
+
+namespace {
+
+// The level's rules (not a region's) for this call, with the no_grad gate.
+CastDecision level_decision(const CarriedMode& carried) {
+  const RuleSet rules = g_rules.load(std::memory_order_relaxed);
+  if (rules == RuleSet::kNone) return {};
+  const bool gated = rules != RuleSet::kPureLow && carried.mode != kFollowLevelUngated &&
+                     !g_rules_under_no_grad.load(std::memory_order_relaxed);
+  if (gated && !c10::GradMode::is_enabled()) return {};
+  return {rules, g_low.load(std::memory_order_relaxed)};
+}
+
+}  // namespace
+
 CastDecision decide(c10::DeviceType device) {
-  const ThreadCastState& state = thread_cast_state();
-  if (state.mode == kDisabled) return {};
+  thread_cast_state();  // catches up with resets and frames ended on other threads
   // Coexistence rule: inside native torch.autocast / at::autocast for this device, native
   // autocast owns the casting and optamp only redispatches.
   if (at::autocast::is_autocast_enabled(device)) {
@@ -180,20 +240,20 @@ CastDecision decide(c10::DeviceType device) {
     defer.native_owns = true;
     return defer;
   }
-  if (state.mode == kRegion) return {RuleSet::kFullLists, state.region_dtype};
-  const RuleSet rules = g_rules.load(std::memory_order_relaxed);
-  if (rules == RuleSet::kNone) return {};
-  if (rules != RuleSet::kPureLow && !c10::GradMode::is_enabled()) return {};
-  return {rules, g_low.load(std::memory_order_relaxed)};
+  const CarriedMode carried = carried_mode();
+  if (carried.mode == kDisabled) return {};
+  if (carried.mode == kRegion) return {RuleSet::kFullLists, carried.dtype};
+  return level_decision(carried);
 }
 
+RuleSet level_decision_rules() { return level_decision(carried_mode()).rules; }
+
 bool rules_apply_now() {
-  const ThreadCastState& state = thread_cast_state();
-  if (!thread_key_on() || state.mode == kDisabled) return false;
-  if (state.mode == kRegion) return true;
-  const RuleSet rules = g_rules.load(std::memory_order_relaxed);
-  if (rules == RuleSet::kNone) return false;
-  return rules == RuleSet::kPureLow || c10::GradMode::is_enabled();
+  thread_cast_state();
+  const CarriedMode carried = carried_mode();
+  if (carried.mode == kDisabled) return false;
+  if (carried.mode == kRegion) return true;
+  return level_decision(carried).rules != RuleSet::kNone;
 }
 
 }  // namespace amp::detail

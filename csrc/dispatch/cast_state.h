@@ -23,7 +23,28 @@ enum class RuleSet : std::uint8_t {
 };
 
 // Per-thread mode, derived from the guards open on the thread (see ThreadCastState::frames).
-enum ThreadMode : std::int32_t { kFollowLevel = 0, kRegion = 1, kDisabled = 2 };
+//  kFollowLevel         the level's rules, while autograd records (the no_grad gate)
+//  kRegion              an amp::autocast region: the full lists in its dtype, also under no_grad
+//  kDisabled            no rules (disable_casts, autocast(enabled=false))
+//  kFollowLevelUngated  the level's rules also under no_grad (amp::rules_under_no_grad; the
+//                       forward of a reentrant checkpoint)
+enum ThreadMode : std::int32_t {
+  kFollowLevel = 0,
+  kRegion = 1,
+  kDisabled = 2,
+  kFollowLevelUngated = 3
+};
+
+// The effective mode lives in state that at::ThreadLocalState carries to other threads (the
+// autograd engine's device threads, at::launch, torch.jit.fork): the dispatch-key TLS (casting
+// and substitution keys) and the autocast dtype slot of PrivateUse1, the
+// device type our key belongs to, which no backend uses in CPU/CUDA builds. The slot holds the
+// region dtype (float16/bfloat16), or a tag for the other modes (see carried_mode()).
+struct CarriedMode {
+  std::int32_t mode = kFollowLevel;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;  // the region dtype
+};
+CarriedMode carried_mode();
 
 // One open guard on a thread: amp::autocast, amp::disable_casts or amp::ThreadStateGuard.
 struct CastFrame {
@@ -35,6 +56,9 @@ struct CastFrame {
   bool key_on = false;
   bool sets_substitution = false;  // ThreadStateGuard: O2/O5 substitution on/off
   bool substitution_on = false;
+  // Lifts the no_grad gate without changing the mode otherwise (kFollowLevel becomes
+  // kFollowLevelUngated; regions and disabled stay).
+  bool ungate = false;
 };
 
 // The guards open on a thread, in entry order, and what they add up to. Guards may exit in any
@@ -50,6 +74,8 @@ struct ThreadCastState {
   std::vector<CastFrame> frames;
   bool base_key_on = false;           // the key before the first frame opened
   bool base_substitution_on = false;  // likewise for O2/O5 substitution
+  std::int32_t base_mode = kFollowLevel;  // and the mode (a carried region, say)
+  c10::ScalarType base_dtype = c10::ScalarType::Undefined;
   std::uint64_t epoch = 0;            // the last reset this thread has seen
   std::uint64_t generation = 0;       // the last reset or abandoned frame it has looked at
 };
@@ -97,5 +123,9 @@ CastDecision decide(c10::DeviceType device);
 // autocast(enabled=false) is innermost, and a level or an autocast region says so (with the
 // grad-mode gate). Native torch.autocast, where it is on, takes precedence over this.
 bool rules_apply_now();
+// The level's rule set for a call now, after the no_grad gate (kNone when gated off).
+RuleSet level_decision_rules();
+// Process-wide: the level's rules apply under no_grad too (Properties::rules_under_no_grad).
+void set_rules_under_no_grad(bool on);
 
 }  // namespace amp::detail

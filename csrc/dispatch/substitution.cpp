@@ -66,15 +66,20 @@ constexpr const char* kOwnDataOps[] = {
 };
 
 bool substitution_active(c10::ScalarType* dtype) {
-  const ThreadCastState& state = thread_cast_state();
-  if (state.mode == kDisabled) return false;
+  thread_cast_state();  // catches up with resets and frames ended on other threads
+  const CarriedMode carried = carried_mode();
+  if (carried.mode == kDisabled) return false;
   // Inside a kernel (below autograd) the tensors are the kernel's business: an op excluded from
   // substitution (equal, clone, ...) must see fp32 all the way down.
   if (c10::impl::tls_local_dispatch_key_set().excluded_.has_any(c10::autograd_dispatch_keyset)) {
     return false;
   }
-  if (!c10::GradMode::is_enabled() && state.mode != kRegion) return false;
-  *dtype = state.mode == kRegion ? state.region_dtype : level_low_dtype();
+  if (carried.mode == kRegion) {
+    *dtype = carried.dtype;
+    return true;
+  }
+  if (level_decision_rules() == RuleSet::kNone) return false;  // the no_grad gate
+  *dtype = level_low_dtype();
   return *dtype != c10::ScalarType::Undefined;
 }
 

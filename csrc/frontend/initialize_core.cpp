@@ -201,6 +201,7 @@ Properties initialize_core(const ModelTensors& model, const std::vector<Optimize
       activate_substitution_thread(true);
     }
     set_level_rules(p);
+    set_rules_under_no_grad(p.rules_under_no_grad);
     activate_thread(p.opt_level != OptLevel::O0);
   }
   for (const auto& opt : opts) state.optimizers.insert(opt.identity);
@@ -216,6 +217,7 @@ void reset_core() {
   activate_thread(false);
   activate_substitution_thread(false);
   clear_level_rules();
+  set_rules_under_no_grad(false);
   clear_working_copy_sources();
   clear_cache();
   reset_loss_scalers();

@@ -48,10 +48,29 @@ class disable_casts {  // NOLINT(readability-identifier-naming): mirrors apex.am
   std::thread::id owner_;
 };
 
-// Carrying optamp's per-thread state into worker threads:
+// RAII: the initialized level's rules apply on this thread also under no_grad / inference mode
+// inside the scope (as Apex's and torch.amp's always do). For a forward that runs under no_grad
+// but must match a later recompute with grad on: the reentrant checkpoint (optamp wraps
+// torch.utils.checkpoint for Python itself), or a hand-written torch::autograd::Function. A
+// region or disable_casts in effect stays in effect. Ends like autocast does.
+class rules_under_no_grad {  // NOLINT(readability-identifier-naming): a guard, like autocast
+ public:
+  rules_under_no_grad();
+  ~rules_under_no_grad();
+  rules_under_no_grad(const rules_under_no_grad&) = delete;
+  rules_under_no_grad& operator=(const rules_under_no_grad&) = delete;
+
+ private:
+  std::uint64_t frame_;
+  std::thread::id owner_;
+};
+
+// optamp's per-thread state lives in the dispatcher's thread-local state, so whatever carries
+// at::ThreadLocalState (the autograd engine's device threads, at::launch, torch.jit.fork,
+// at::ThreadLocalStateGuard) carries it too. For threads you start yourself:
 //   auto state = amp::ThreadState::capture();           // on the thread that initialized
 //   std::thread t([state] { amp::ThreadStateGuard g(state); /* ops here follow the rules */ });
-// (at::ThreadLocalStateGuard carries the dispatch-key part but not optamp's region state.)
+// (equivalent to capturing and restoring at::ThreadLocalState; this carries only optamp's part.)
 struct ThreadState {
   bool key_on = false;
   bool substitution_on = false;  // O2/O5: ops see model tensors as their working copies

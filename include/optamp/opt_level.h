@@ -71,6 +71,8 @@ struct Options {
   // Beyond Apex: check the gradients for inf/NaN and skip the step with a fixed loss scale too
   // (default true; false is Apex's behaviour, where a fixed scale never skips a step).
   std::optional<bool> overflow_check;
+  // Beyond Apex: apply the level's rules under no_grad / inference mode too (default false).
+  std::optional<bool> rules_under_no_grad;
 };
 
 // The resolved, validated settings for one initialize() call.
@@ -100,6 +102,11 @@ struct Properties {
   // inf/NaN and skips the steps that have them; false turns that off (Apex). Dynamic scaling
   // always checks.
   bool overflow_check = true;
+  // optamp's gate: the level's rules apply while autograd records, so validation under no_grad
+  // runs in the dtypes it is given (fp32). True lifts the gate for the whole process: inference
+  // under no_grad runs in reduced precision, as with Apex and torch.amp. (O3 and amp::autocast
+  // regions apply their rules under no_grad anyway.)
+  bool rules_under_no_grad = false;
 
   // The reduced-precision type the dispatcher casts to at this level: Half (O1/O2/O3),
   // BFloat16 (O4/O5), or Undefined (O0, or disabled).

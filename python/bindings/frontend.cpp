@@ -48,6 +48,7 @@ struct PyAutocast : PyGuard<amp::autocast> {
   c10::ScalarType dtype;
 };
 struct PyDisableCasts : PyGuard<amp::disable_casts> {};
+struct PyRulesUnderNoGrad : PyGuard<amp::rules_under_no_grad> {};
 struct PyThreadStateGuard : PyGuard<amp::ThreadStateGuard> {
   amp::ThreadState state;
 };
@@ -143,6 +144,20 @@ void bind_frontend(py::module_& m) {
            })
       // The out-of-order warning reaches Python's warnings module.
       .def("__exit__", torch::wrap_pybind_function([](PyDisableCasts& self, const py::args&) {
+             self.exit();
+             return false;
+           }));
+
+  py::class_<PyRulesUnderNoGrad>(m, "rules_under_no_grad")
+      .def(py::init<>(),
+           "Context manager: the initialized level's rules apply on this thread also under "
+           "no_grad inside (Apex/torch.amp behaviour).")
+      .def("__enter__",
+           [](PyRulesUnderNoGrad& self) -> PyRulesUnderNoGrad& {
+             self.enter();
+             return self;
+           })
+      .def("__exit__", torch::wrap_pybind_function([](PyRulesUnderNoGrad& self, const py::args&) {
              self.exit();
              return false;
            }));

@@ -102,6 +102,8 @@ Options options_from_kwargs(const py::kwargs& kwargs) {
       o.hysteresis = number_from_py<int>(v, k);
     else if (key == "overflow_check")
       o.overflow_check = bool_from_py(v, k);
+    else if (key == "rules_under_no_grad")
+      o.rules_under_no_grad = bool_from_py(v, k);
     else
       throw py::type_error("unexpected keyword argument '" + key + "'");
   }
@@ -163,6 +165,7 @@ void bind_opt_level(py::module_& m) {
       .def_readonly("growth_interval", &Properties::growth_interval)
       .def_readonly("hysteresis", &Properties::hysteresis)
       .def_readonly("overflow_check", &Properties::overflow_check)
+      .def_readonly("rules_under_no_grad", &Properties::rules_under_no_grad)
       .def_property_readonly("low_dtype",
                              [](const Properties& p) { return dtype_to_py(p.low_dtype()); })
       .def("describe", &Properties::describe)
