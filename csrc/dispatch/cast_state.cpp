@@ -54,7 +54,7 @@ bool is_region_dtype(c10::ScalarType t) {
 void write_carried(std::int32_t mode, c10::ScalarType dtype, bool key, bool substitution) {
   if (key != thread_key_on()) set_thread_key(key);
   if (substitution != substitution_thread_on()) activate_substitution_thread(substitution);
-  const c10::ScalarType tag = mode == kRegion              ? dtype
+  const c10::ScalarType tag = mode == kRegion               ? dtype
                               : mode == kFollowLevelUngated ? kUngatedTag
                               : mode == kDisabled           ? kDisabledTag
                                                             : kFollowLevelTag;
@@ -92,8 +92,9 @@ void sync_with_other_threads(ThreadCastState& state) {
   const std::uint64_t epoch = g_epoch.load(std::memory_order_acquire);
   if (state.epoch != epoch) {
     state.epoch = epoch;
-    const bool fresh = state.frames.empty() && !thread_key_on() && !substitution_thread_on();
-    if (fresh) return;
+    // Only guards this thread opened end here. A thread without any (a pool thread running with
+    // a caller's at::ThreadLocalState, say) keeps the state it was handed.
+    if (state.frames.empty()) return;
     state.frames.clear();
     state.base_key_on = false;
     state.base_substitution_on = false;
@@ -202,7 +203,8 @@ void set_thread_key(bool on) {
   c10::impl::tls_set_dispatch_key_included(kCastKey, on);
   c10::impl::tls_set_dispatch_key_excluded(kCastKey, !on);
   // Turned on from off: the level's mode, whatever the slot held (its default is a dtype).
-  if (on && !was_on) at::autocast::set_autocast_dtype(c10::DeviceType::PrivateUse1, kFollowLevelTag);
+  if (on && !was_on)
+    at::autocast::set_autocast_dtype(c10::DeviceType::PrivateUse1, kFollowLevelTag);
 }
 
 bool thread_key_on() { return c10::impl::tls_is_dispatch_key_included(kCastKey); }

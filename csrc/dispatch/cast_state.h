@@ -72,12 +72,12 @@ struct ThreadCastState {
   c10::ScalarType region_dtype = c10::ScalarType::Undefined;
   int region_depth = 0;  // open amp::autocast frames on this thread
   std::vector<CastFrame> frames;
-  bool base_key_on = false;           // the key before the first frame opened
-  bool base_substitution_on = false;  // likewise for O2/O5 substitution
+  bool base_key_on = false;               // the key before the first frame opened
+  bool base_substitution_on = false;      // likewise for O2/O5 substitution
   std::int32_t base_mode = kFollowLevel;  // and the mode (a carried region, say)
   c10::ScalarType base_dtype = c10::ScalarType::Undefined;
-  std::uint64_t epoch = 0;            // the last reset this thread has seen
-  std::uint64_t generation = 0;       // the last reset or abandoned frame it has looked at
+  std::uint64_t epoch = 0;       // the last reset this thread has seen
+  std::uint64_t generation = 0;  // the last reset or abandoned frame it has looked at
 };
 // This thread's state (brought back to its initial value first if a reset happened since).
 ThreadCastState& thread_cast_state();

@@ -27,6 +27,7 @@ from ._C import (
     is_initialized,
     parse_opt_level,
     policy_report,
+    rules_under_no_grad,
     thread_state_guard,
 )
 from .frontend import initialize, keep_in_fp32, master_params, properties, reset
@@ -42,6 +43,9 @@ from .functions import (
     register_promote_op,
 )
 from .scaler import load_state_dict, loss_scaler, scale_loss, state_dict
+from . import _checkpoint
+
+_checkpoint.install()  # forward and recompute of torch.utils.checkpoint under the same rules
 
 __version__ = "0.1.0"
 
@@ -85,6 +89,7 @@ __all__ = [
     "register_promote_op",
     "reset",
     "resolve",
+    "rules_under_no_grad",
     "scale_loss",
     "state_dict",
     "thread_state_guard",

@@ -1,0 +1,63 @@
+"""Activation checkpointing under optamp: forward and recompute run under the same rules.
+
+``torch.utils.checkpoint`` runs the checkpointed function twice: in the forward and again in
+the backward. optamp's casting depends on per-thread state, so the two runs need the same state:
+
+* the reentrant variant runs the forward under ``no_grad``, where optamp's gate would turn the
+  level's rules off (fp32 forward, fp16/bf16 recompute: the gradient of another function);
+* both variants recompute during backward, usually after the ``amp.autocast(...)`` or
+  ``amp.disable_casts()`` region around the forward has ended.
+
+optamp wraps the checkpointed function at the point where both variants take it: it captures the
+thread's optamp state at the checkpoint call and runs the function under that state both times,
+lifting the no_grad gate when autograd was recording at the call (as it was for the forward the
+function stands in for). Native ``torch.autocast`` state is restored by torch itself.
+"""
+import functools
+
+import torch
+import torch.utils.checkpoint as _ckpt
+
+from . import _C
+
+
+def _same_state(function):
+    """``function`` run under the optamp state of this moment (a no-op wrapper when optamp is off
+    on this thread)."""
+    state = _C.ThreadState.capture()
+    if not state.key_on:
+        return function
+    ungate = torch.is_grad_enabled()
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        with _C.thread_state_guard(state):
+            if not ungate:
+                return function(*args, **kwargs)
+            with _C.rules_under_no_grad():
+                return function(*args, **kwargs)
+
+    return run
+
+
+def install():
+    """Wraps the two entry points of torch.utils.checkpoint (once; idempotent). They are looked up
+    at call time, so code that imported ``checkpoint`` before optamp is covered too."""
+    fn_class = _ckpt.CheckpointFunction
+    if not getattr(fn_class, "_optamp_wrapped", False):
+        original_apply = fn_class.apply
+
+        def apply(cls, function, preserve_rng_state, *args):
+            return original_apply(_same_state(function), preserve_rng_state, *args)
+
+        fn_class.apply = classmethod(apply)
+        fn_class._optamp_wrapped = True
+    generator = _ckpt._checkpoint_without_reentrant_generator
+    if not getattr(generator, "_optamp_wrapped", False):
+
+        @functools.wraps(generator)
+        def wrapped_generator(fn, *args, **kwargs):
+            return generator(_same_state(fn), *args, **kwargs)
+
+        wrapped_generator._optamp_wrapped = True
+        _ckpt._checkpoint_without_reentrant_generator = wrapped_generator

@@ -1,0 +1,187 @@
+"""optamp composed with the rest of PyTorch's training stack: activation checkpointing (both
+variants), state carried by at::ThreadLocalState (torch.jit.fork), inference under no_grad /
+inference_mode, the ungated option, and torch.compile."""
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint  # imported before initialize, as users do
+
+import optamp
+from _amp_helpers import fresh, init  # noqa: F401  (fresh is a fixture)
+
+pytestmark = pytest.mark.usefixtures("fresh")
+
+LEVELS = ["O1", "O2", "O3", "O4", "O5"]
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(torch.nn.Module):
+    """Block (maybe checkpointed) -> head, recording the block's output dtype."""
+
+    def __init__(self, mode=None):
+        super().__init__()
+        self.block = Block()
+        self.head = torch.nn.Linear(16, 4)
+        self.mode = mode  # None, "reentrant", "non_reentrant"
+        self.block_dtype = None
+
+    def forward(self, x):
+        if self.mode is None:
+            h = self.block(x)
+        else:
+            h = checkpoint(self.block, x, use_reentrant=self.mode == "reentrant")
+        self.block_dtype = h.dtype
+        return self.head(h)
+
+
+def _grads_and_dtypes(level, mode, region=None):
+    torch.manual_seed(0)
+    net = Net(mode)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = init(net, opt, level)
+    x = torch.randn(8, 16, requires_grad=True)
+    seen = []
+    net.block.fc1.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    if region == "bf16":
+        with optamp.autocast(dtype=torch.bfloat16):
+            out = net(x)
+    elif region == "disabled":
+        with optamp.disable_casts():
+            out = net(x)
+    else:
+        out = net(x)
+    loss = out.float().pow(2).mean()
+    loss.backward()  # after the region, as a training loop does
+    grads = [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
+    return net.block_dtype, seen, grads
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_checkpoint_forward_and_recompute_follow_the_same_rules(level, mode):
+    plain_dtype, plain_seen, plain_grads = _grads_and_dtypes(level, None)
+    optamp.reset()
+    dtype, seen, grads = _grads_and_dtypes(level, mode)
+    assert dtype == plain_dtype, (level, mode)
+    assert len(seen) == 2, "forward + recompute"
+    assert seen[0] == seen[1] == plain_seen[0], (level, mode, seen, plain_seen)
+    for g, ref in zip(grads, plain_grads):
+        assert torch.equal(g, ref), (level, mode)
+
+
+@pytest.mark.parametrize("region", ["bf16", "disabled"])
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_checkpoint_recompute_after_the_region_uses_the_regions_rules(mode, region):
+    plain_dtype, plain_seen, plain_grads = _grads_and_dtypes("O1", None, region)
+    optamp.reset()
+    dtype, seen, grads = _grads_and_dtypes("O1", mode, region)
+    expected = torch.bfloat16 if region == "bf16" else torch.float32
+    assert plain_seen == [expected] and seen == [expected, expected], (mode, region, seen)
+    assert dtype == plain_dtype
+    for g, ref in zip(grads, plain_grads):
+        assert torch.equal(g, ref)
+
+
+def test_checkpoint_without_optamp_is_untouched():
+    net = Net("reentrant")
+    x = torch.randn(8, 16, requires_grad=True)
+    net(x).sum().backward()
+    assert net.block_dtype == torch.float32
+
+
+# ---- state carried by at::ThreadLocalState ------------------------------------------------
+
+
+def _mm_dtype():
+    a = torch.randn(4, 4, requires_grad=True)
+    return (a @ a).dtype
+
+
+def _forked_mm_source(a: torch.Tensor) -> torch.Tensor:
+    # TorchScript runs the fork on the inter-op thread pool (at::launch), restoring the caller's
+    # at::ThreadLocalState there, as the autograd engine does on its device threads.
+    future = torch.jit.fork(torch.mm, a, a)
+    return torch.jit.wait(future)
+
+
+@pytest.fixture
+def jit_autocast_pass_off():
+    """TorchScript's own autocast pass (on by default) runs forked tasks with every autocast key
+    excluded, optamp's too; turned off, forks carry the caller's state (docs/python.md)."""
+    previous = torch._C._jit_set_autocast_mode(False)
+    yield
+    torch._C._jit_set_autocast_mode(previous)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.(fork|wait)` is deprecated")
+@pytest.mark.filterwarnings("ignore:`torch.jit.(fork|wait)` is deprecated")
+def test_eager_fork_runs_inline_under_the_callers_state():
+    model = torch.nn.Linear(4, 4)
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1")
+    with optamp.autocast(dtype=torch.bfloat16):
+        assert torch.jit.wait(torch.jit.fork(_mm)).dtype == torch.bfloat16
+
+
+def _mm():
+    a = torch.randn(4, 4, requires_grad=True)
+    return a @ a
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.(fork|wait)` is deprecated")
+def test_scripted_fork_carries_regions_and_disable_casts_to_the_pool_thread(
+        jit_autocast_pass_off):
+    _forked_mm = torch.jit.script(_forked_mm_source)  # compiled with the pass off
+    model = torch.nn.Linear(4, 4)
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1")
+    a = torch.randn(4, 4, requires_grad=True)
+    _forked_mm(a)  # the first (profiling) run of a scripted fork drops every autocast key
+    assert _forked_mm(a).dtype == torch.float16
+    with optamp.autocast(dtype=torch.bfloat16):
+        assert _forked_mm(a).dtype == torch.bfloat16
+    with optamp.disable_casts():
+        assert _forked_mm(a).dtype == torch.float32
+    with torch.no_grad():
+        assert _forked_mm(a).dtype == torch.float32
+        with optamp.rules_under_no_grad():
+            assert _forked_mm(a).dtype == torch.float16
+
+
+# ---- inference -----------------------------------------------------------------------------
+
+
+def test_inference_under_no_grad_and_inference_mode_is_fp32_by_default():
+    model = torch.nn.Linear(4, 4)
+    model = init(model, None, "O1")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert model(x).dtype == torch.float32
+    with torch.inference_mode():
+        assert model(x).dtype == torch.float32
+    with torch.no_grad(), optamp.autocast():
+        assert model(x).dtype == torch.float16
+    with torch.no_grad(), optamp.rules_under_no_grad():
+        assert model(x).dtype == torch.float16
+
+
+@pytest.mark.parametrize("level, low", [("O1", torch.float16), ("O5", torch.bfloat16)])
+def test_rules_under_no_grad_option_is_apex_and_torch_amp_inference(level, low):
+    model = torch.nn.Linear(4, 4)
+    model = init(model, None, level, rules_under_no_grad=True)
+    assert optamp.properties().rules_under_no_grad is True
+    with torch.no_grad():
+        assert model(torch.randn(2, 4)).dtype == low
+        assert optamp.is_casting_enabled()
+    with torch.inference_mode():
+        assert model(torch.randn(2, 4)).dtype == low
+    optamp.reset()
+    model = init(torch.nn.Linear(4, 4), None, level)
+    with torch.no_grad():
+        assert model(torch.randn(2, 4)).dtype == torch.float32, "reset restores the gate"
