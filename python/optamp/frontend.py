@@ -12,7 +12,7 @@ import weakref
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _C
+from . import _C, _compile
 
 _lock = threading.Lock()
 _fp32_marks = weakref.WeakSet()  # modules kept in fp32 (keep_in_fp32)
@@ -215,6 +215,7 @@ def initialize(
                 _patch_forward(model, cast_model_outputs)
     global _properties
     _properties = props
+    _compile.on_initialize(props.enabled and props.opt_level != "O0")
 
     models_out = model_list if models_was_list else model_list[0]
     if optimizers_was_list:
@@ -255,6 +256,7 @@ def reset():
         _param_names.clear()
         _fp32_marks.clear()
         _properties = None
+        _compile.on_reset()
 
 
 def master_params(optimizer):

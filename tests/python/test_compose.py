@@ -185,3 +185,103 @@ def test_rules_under_no_grad_option_is_apex_and_torch_amp_inference(level, low):
     model = init(torch.nn.Linear(4, 4), None, level)
     with torch.no_grad():
         assert model(torch.randn(2, 4)).dtype == torch.float32, "reset restores the gate"
+
+
+# ---- torch.compile -------------------------------------------------------------------------
+
+ALL_LEVELS = ["O0"] + LEVELS
+
+
+class CNet(torch.nn.Module):
+    """Linear -> (checkpointed) relu block -> linear, for compile tests."""
+
+    def __init__(self, mode=None):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 4)
+        self.mode = mode
+
+    def forward(self, x):
+        if self.mode is None:
+            h = self.a(x)
+        else:
+            h = checkpoint(self.a, x, use_reentrant=self.mode == "reentrant")
+        return self.b(torch.relu(h))
+
+
+def _train(level, backend, mode=None, steps=4):
+    """Losses and the last output dtype of a few training steps, eager or compiled."""
+    torch.manual_seed(0)
+    net = CNet(mode)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    net, opt = init(net, opt, level)
+    run = net if backend is None else torch.compile(net, backend=backend)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=gen).requires_grad_()
+        y = torch.randint(0, 4, (8,), generator=gen)
+        opt.zero_grad()
+        out = run(x)
+        loss = torch.nn.functional.cross_entropy(out.float(), y)
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        losses.append(loss.item())
+    optamp.reset()
+    return losses, out.dtype
+
+
+@pytest.mark.parametrize("mode", [None, "reentrant", "non_reentrant"])
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_compiled_training_matches_eager_at_every_level(level, mode):
+    eager = _train(level, None, mode)
+    compiled = _train(level, "aot_eager", mode)
+    assert compiled[1] == eager[1], (level, mode)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=0)
+
+
+def test_inductor_levels_one_after_another_keep_their_precision():
+    # AOTAutograd's cache keys artifacts by the Dynamo graph, which holds no casts: without
+    # optamp turning it off, O5 got O1's fp16 graph.
+    for level in ["O1", "O5", "O4", "O2"]:
+        eager = _train(level, None, steps=2)
+        compiled = _train(level, "inductor", steps=2)
+        assert compiled[1] == eager[1], level
+        torch.testing.assert_close(compiled[0], eager[0], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_model_follows_regions_no_grad_and_reinitialization(backend):
+    torch.manual_seed(0)
+    net = CNet()
+    net = init(net, None, "O1")
+    compiled = torch.compile(net, backend=backend)
+    x = torch.randn(8, 16, requires_grad=True)
+    assert compiled(x).dtype == net(x).dtype == torch.float16
+    with optamp.autocast(dtype=torch.bfloat16):
+        assert compiled(x).dtype == torch.bfloat16
+    with optamp.disable_casts():
+        assert compiled(x).dtype == torch.float32
+    with torch.no_grad():
+        assert compiled(x).dtype == torch.float32
+    assert compiled(x).dtype == torch.float16
+    optamp.reset()
+    assert compiled(x).dtype == torch.float32, "after reset nothing is cast"
+    init(net, None, "O4")  # the same compiled module, another level: traced again
+    assert compiled(x).dtype == torch.bfloat16
+    with torch.no_grad(), optamp.rules_under_no_grad():
+        assert compiled(x).dtype == torch.bfloat16
+
+
+def test_initialize_turns_the_autograd_cache_off_and_reset_restores_it():
+    import torch._functorch.config as functorch_config
+
+    before = functorch_config.enable_autograd_cache
+    net = init(CNet(), None, "O2")
+    assert functorch_config.enable_autograd_cache is False
+    optamp.reset()
+    assert functorch_config.enable_autograd_cache == before
+    init(CNet(), None, "O0")
+    assert functorch_config.enable_autograd_cache == before, "O0 casts nothing"
+    del net
