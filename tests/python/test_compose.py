@@ -285,3 +285,29 @@ def test_initialize_turns_the_autograd_cache_off_and_reset_restores_it():
     init(CNet(), None, "O0")
     assert functorch_config.enable_autograd_cache == before, "O0 casts nothing"
     del net
+
+
+class RegionInsideForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.c = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        with optamp.autocast(dtype=torch.bfloat16):
+            g = self.b(h)
+        with optamp.disable_casts():
+            k = self.c(g.float())
+        return h, g, k
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_optamp_context_managers_inside_a_compiled_forward_keep_their_dtypes(backend):
+    net = init(RegionInsideForward(), None, "O1")
+    x = torch.randn(4, 16, requires_grad=True)
+    eager = [t.dtype for t in net(x)]
+    compiled = [t.dtype for t in torch.compile(net, backend=backend)(x)]
+    assert eager == compiled == [torch.float16, torch.bfloat16, torch.float32]
