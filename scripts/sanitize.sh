@@ -10,7 +10,7 @@ cd "$OPTAMP_ROOT"
 
 KIND="${1:-}"
 case "$KIND" in
-  thread) FILTER="${2:-Robustness.*:Levels/FaultInjection.*:ScaleLossTest.*:Initialize.ThreadState*}"
+  thread) FILTER="${2:-Robustness.*:Levels/FaultInjection.*:ScaleLossTest.*:Initialize.ThreadState*:Compose.*}"
           BUILD="$OPTAMP_ROOT/build-tsan" ;;
   address) FILTER="${2:-*}"; BUILD="$OPTAMP_ROOT/build-asan" ;;
   *) echo "usage: bash scripts/sanitize.sh thread|address [gtest filter]" >&2; exit 2 ;;
