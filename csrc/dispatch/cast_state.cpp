@@ -81,6 +81,16 @@ void apply_frames(ThreadCastState& state) {
   write_carried(state.mode, state.region_dtype, key, substitution);
 }
 
+// Every frame of this thread ends; key, substitution and mode go back to their initial values.
+void end_all_frames(ThreadCastState& state) {
+  state.frames.clear();
+  state.base_key_on = false;
+  state.base_substitution_on = false;
+  state.base_mode = kFollowLevel;
+  state.base_dtype = c10::ScalarType::Undefined;
+  apply_frames(state);
+}
+
 // Bumped whenever some thread must look at its frames again: by every reset and by every frame
 // abandoned on another thread. thread_cast_state() compares it with the thread's last look (one
 // relaxed load per kernel call).
@@ -94,13 +104,7 @@ void sync_with_other_threads(ThreadCastState& state) {
     state.epoch = epoch;
     // Only guards this thread opened end here. A thread without any (a pool thread running with
     // a caller's at::ThreadLocalState, say) keeps the state it was handed.
-    if (state.frames.empty()) return;
-    state.frames.clear();
-    state.base_key_on = false;
-    state.base_substitution_on = false;
-    state.base_mode = kFollowLevel;
-    state.base_dtype = c10::ScalarType::Undefined;
-    apply_frames(state);
+    if (!state.frames.empty()) end_all_frames(state);
     return;
   }
   if (state.frames.empty()) return;
@@ -174,13 +178,7 @@ void reset_all_thread_states() {
   }
   g_epoch.fetch_add(1, std::memory_order_acq_rel);
   g_generation.fetch_add(1, std::memory_order_acq_rel);
-  ThreadCastState& state = thread_cast_state();  // the caller: now
-  state.frames.clear();
-  state.base_key_on = false;
-  state.base_substitution_on = false;
-  state.base_mode = kFollowLevel;
-  state.base_dtype = c10::ScalarType::Undefined;
-  apply_frames(state);
+  end_all_frames(thread_cast_state());  // the caller: now, whether or not it has frames
 }
 
 void set_level_rules(const Properties& properties) {
