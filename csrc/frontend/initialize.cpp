@@ -29,21 +29,26 @@ bool is_batchnorm(const torch::nn::Module& m) {
          dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&m) != nullptr;
 }
 
+// The module's own tensors, then its children's, depth first. Module::modules(include_self)
+// would need the root to be owned by a shared_ptr (shared_from_this); a module on the stack is
+// not. Children are always held by shared_ptrs.
+void collect_tree(const torch::nn::Module& module, bool keep_batchnorm, detail::ModelTensors& out) {
+  const bool keep = (keep_batchnorm && is_batchnorm(module)) || fp32_marks().count(&module);
+  auto& target = keep ? out.keep_fp32 : out.reduced;
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) target.push_back(p.value());
+  for (const auto& b : module.named_buffers(/*recurse=*/false)) {
+    if (b.value().defined() && b.value().is_floating_point()) target.push_back(b.value());
+  }
+  for (const auto& child : module.children()) collect_tree(*child, keep_batchnorm, out);
+}
+
 detail::ModelTensors collect_models(const std::vector<ModulePtr>& models, bool keep_batchnorm) {
   TORCH_CHECK_VALUE(!models.empty(), "models must contain at least one module, got none");
   detail::ModelTensors out;
   std::lock_guard<std::mutex> lock(g_marks_mutex);
   for (std::size_t i = 0; i < models.size(); ++i) {
     TORCH_CHECK_VALUE(models[i] != nullptr, "models[", i, "] must be a module, got nullptr");
-    for (const auto& module : models[i]->modules(/*include_self=*/true)) {
-      const bool keep =
-          (keep_batchnorm && is_batchnorm(*module)) || fp32_marks().count(module.get());
-      auto& target = keep ? out.keep_fp32 : out.reduced;
-      for (const auto& p : module->named_parameters(/*recurse=*/false)) target.push_back(p.value());
-      for (const auto& b : module->named_buffers(/*recurse=*/false)) {
-        if (b.value().defined() && b.value().is_floating_point()) target.push_back(b.value());
-      }
-    }
+    collect_tree(*models[i], keep_batchnorm, out);
   }
   for (std::size_t i = 0; i < models.size(); ++i) {
     const std::string prefix = models.size() > 1 ? "models[" + std::to_string(i) + "]." : "";
@@ -137,6 +142,39 @@ Handle initialize(const std::vector<ModulePtr>& models,
                   const std::vector<torch::optim::Optimizer*>& optimizers, std::string_view level,
                   const Options& options) {
   return initialize(models, optimizers, parse_opt_level(level), options);
+}
+
+ModuleRef::ModuleRef(torch::nn::Module& module) : ptr_(module.weak_from_this().lock()) {
+  // Not owned by a shared_ptr (a module on the stack): a non-owning pointer to it.
+  if (!ptr_) ptr_ = ModulePtr(ModulePtr(), &module);
+}
+
+namespace {
+
+std::vector<ModulePtr> module_ptrs(std::initializer_list<ModuleRef> models) {
+  std::vector<ModulePtr> out;
+  for (const auto& m : models) out.push_back(m.ptr());
+  return out;
+}
+
+std::vector<torch::optim::Optimizer*> optimizer_ptrs(std::initializer_list<OptimizerRef> opts) {
+  std::vector<torch::optim::Optimizer*> out;
+  for (const auto& o : opts) out.push_back(o.ptr());
+  return out;
+}
+
+}  // namespace
+
+Handle initialize(std::initializer_list<ModuleRef> models,
+                  std::initializer_list<OptimizerRef> optimizers, OptLevel level,
+                  const Options& options) {
+  return initialize(module_ptrs(models), optimizer_ptrs(optimizers), level, options);
+}
+
+Handle initialize(std::initializer_list<ModuleRef> models,
+                  std::initializer_list<OptimizerRef> optimizers, std::string_view level,
+                  const Options& options) {
+  return initialize(module_ptrs(models), optimizer_ptrs(optimizers), level, options);
 }
 
 void reset() {

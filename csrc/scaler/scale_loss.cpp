@@ -416,6 +416,28 @@ ScaledLoss scale_loss(const at::Tensor& loss,
                                    "optimizer");
 }
 
+namespace {
+
+std::vector<torch::optim::Optimizer*> pointers(std::initializer_list<OptimizerRef> optimizers) {
+  std::vector<torch::optim::Optimizer*> out;
+  for (const auto& o : optimizers) out.push_back(o.ptr());
+  return out;
+}
+
+}  // namespace
+
+ScaledLoss scale_loss(const at::Tensor& loss, std::initializer_list<OptimizerRef> optimizers,
+                      ScaleLossOptions options) {
+  return scale_loss(loss, pointers(optimizers), options);
+}
+
+ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer& optimizer, int loss_id,
+                      bool delay_unscale) {
+  return scale_loss(loss, one(optimizer), ScaleLossOptions{loss_id, delay_unscale});
+}
+
+bool step(std::initializer_list<OptimizerRef> optimizers) { return step(pointers(optimizers)); }
+
 bool step(torch::optim::Optimizer& optimizer) { return step(one(optimizer)); }
 
 bool step(const std::vector<torch::optim::Optimizer*>& optimizers) {

@@ -15,11 +15,14 @@
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
 
+#include <initializer_list>
 #include <memory>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "optamp/opt_level.h"
+#include "optamp/optimizer_ref.h"
 
 namespace amp {
 
@@ -47,6 +50,34 @@ Handle initialize(const std::vector<ModulePtr>& models,
                   const std::vector<torch::optim::Optimizer*>& optimizers, std::string_view level,
                   const Options& options = {});
 
+// A model as the list form takes it: a ModuleHolder (`Net net;` from TORCH_MODULE), a
+// shared_ptr to a module, or a module itself (also one on the stack, which initialize uses
+// without owning it: keep it alive while amp is initialized).
+class ModuleRef {
+ public:
+  template <typename Contained>
+  ModuleRef(torch::nn::ModuleHolder<Contained>& holder)  // NOLINT(google-explicit-constructor)
+      : ptr_(holder.ptr()) {}
+  template <typename T, typename = std::enable_if_t<std::is_base_of_v<torch::nn::Module, T>>>
+  ModuleRef(const std::shared_ptr<T>& module)  // NOLINT(google-explicit-constructor)
+      : ptr_(module) {}
+  ModuleRef(torch::nn::Module& module);  // NOLINT(google-explicit-constructor)
+  const ModulePtr& ptr() const { return ptr_; }
+
+ private:
+  ModulePtr ptr_;
+};
+
+// The list form with the natural spellings: initialize({generator, discriminator},
+// {g_opt, d_opt}, "O1", options) with holders, shared_ptrs or modules, and optimizer
+// references or pointers.
+Handle initialize(std::initializer_list<ModuleRef> models,
+                  std::initializer_list<OptimizerRef> optimizers, OptLevel level,
+                  const Options& options = {});
+Handle initialize(std::initializer_list<ModuleRef> models,
+                  std::initializer_list<OptimizerRef> optimizers, std::string_view level,
+                  const Options& options = {});
+
 // One model (a ModuleHolder such as torch::nn::Linear or a user `TORCH_MODULE`, or a
 // shared_ptr) and one optimizer, or none.
 template <typename Model, typename Level>
@@ -71,7 +102,7 @@ namespace detail {
 template <typename Model>
 ModulePtr as_module_ptr(Model& model) {
   if constexpr (std::is_base_of_v<torch::nn::Module, std::decay_t<Model>>) {
-    return model.shared_from_this();
+    return ModuleRef(model).ptr();  // owned by a shared_ptr or not (a module on the stack)
   } else if constexpr (std::is_convertible_v<Model&, ModulePtr>) {
     return model;
   } else {

@@ -20,9 +20,12 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <vector>
+
+#include "optamp/optimizer_ref.h"
 
 namespace torch::optim {
 class Optimizer;
@@ -69,6 +72,12 @@ ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer& optimizer
 ScaledLoss scale_loss(const at::Tensor& loss,
                       const std::vector<torch::optim::Optimizer*>& optimizers,
                       ScaleLossOptions options = {});
+// scale_loss(loss, {opt_a, opt_b}) with references (or pointers).
+ScaledLoss scale_loss(const at::Tensor& loss, std::initializer_list<OptimizerRef> optimizers,
+                      ScaleLossOptions options = {});
+// scale_loss(loss, optimizer, loss_id[, delay_unscale]): Apex's positional loss_id.
+ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer& optimizer, int loss_id,
+                      bool delay_unscale = false);
 
 // Steps the optimizer(s) unless a scale_loss guard covering any of their parameters overflowed
 // since the previous amp::step of them; then every parameter's gradient is reset to undefined
@@ -76,5 +85,6 @@ ScaledLoss scale_loss(const at::Tensor& loss,
 // gradients are still scaled, i.e. when the last guard used delay_unscale.
 bool step(torch::optim::Optimizer& optimizer);
 bool step(const std::vector<torch::optim::Optimizer*>& optimizers);
+bool step(std::initializer_list<OptimizerRef> optimizers);
 
 }  // namespace amp

@@ -5,6 +5,7 @@
 #include <ATen/ThreadLocalState.h>
 #include <torch/autograd.h>
 #include <torch/nn/module.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
 #include <thread>
@@ -129,6 +130,92 @@ TEST_F(Compose, RecomputeFunctionCastsItsNoGradForwardLikeItsRecompute) {
   ASSERT_TRUE(x.grad().defined() && net_->w.grad().defined());
   EXPECT_TRUE(at::equal(x.grad(), x2.grad()));
   EXPECT_TRUE(at::equal(net_->w.grad(), w2.grad()));
+}
+
+// ---- the spellings LibTorch programs use (issue 16, items 1-2) ----------------------------------
+
+struct TwoLayerImpl : torch::nn::Module {
+  at::Tensor w1, w2;
+  explicit TwoLayerImpl(int seed = 0) {
+    at::manual_seed(seed);
+    w1 = register_parameter("w1", at::randn({8, 8}) * 0.3);
+    w2 = register_parameter("w2", at::randn({8, 2}) * 0.3);
+  }
+  at::Tensor forward(const at::Tensor& x) { return at::relu(at::mm(x, w1)).mm(w2); }
+};
+TORCH_MODULE(TwoLayer);
+
+class Spellings : public ::testing::Test {
+ protected:
+  void TearDown() override { reset(); }
+  static Options quiet() {
+    Options o;
+    o.verbosity = 0;
+    return o;
+  }
+};
+
+// The official MNIST example declares `Net model;`: a module on the stack, not owned by a
+// shared_ptr (shared_from_this threw std::bad_weak_ptr and ended the program).
+TEST_F(Spellings, ModuleOnTheStackInitializesAndTrains) {
+  TwoLayerImpl model(1);
+  torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1));
+  initialize(model, opt, "O1", quiet());
+  const at::Tensor before = model.w1.detach().clone();
+  const at::Tensor x = at::randn({4, 8});
+  EXPECT_EQ(model.forward(x).scalar_type(), at::kHalf);
+  {
+    auto scaled = scale_loss(model.forward(x).to(at::kFloat).pow(2).mean(), opt);
+    scaled.backward();
+  }
+  opt.step();
+  EXPECT_FALSE(at::equal(model.w1, before));
+  reset();
+  TwoLayerImpl other(2);  // O2 registers the stack module's parameters for substitution
+  torch::optim::SGD opt2(other.parameters(), torch::optim::SGDOptions(0.1));
+  initialize(other, opt2, "O2", quiet());
+  EXPECT_EQ(at::add(other.w1, 1.0).scalar_type(), at::kHalf);
+  reset();
+  initialize(other, "O4", quiet());  // and without an optimizer
+  EXPECT_EQ(other.forward(x).scalar_type(), at::kBFloat16);
+}
+
+// The DCGAN example: two holders, two optimizers by reference, a loss id.
+TEST_F(Spellings, ListFormsTakeHoldersReferencesAndLossIds) {
+  TwoLayer generator(1), discriminator(2);
+  torch::optim::Adam g_opt(generator->parameters(), torch::optim::AdamOptions(1e-3));
+  torch::optim::Adam d_opt(discriminator->parameters(), torch::optim::AdamOptions(1e-3));
+  Options o = quiet();
+  o.num_losses = 2;
+  initialize({generator, discriminator}, {g_opt, d_opt}, "O1", o);
+  const at::Tensor x = at::randn({4, 8});
+  {
+    auto scaled = scale_loss(discriminator->forward(x).to(at::kFloat).mean(), d_opt, 1);
+    scaled.backward();
+  }
+  EXPECT_TRUE(step(d_opt));
+  {
+    auto scaled = scale_loss((generator->forward(x).to(at::kFloat).mean() +
+                              discriminator->forward(x).to(at::kFloat).mean()),
+                             {g_opt, d_opt});
+    scaled.backward();
+  }
+  EXPECT_TRUE(step({g_opt, d_opt}));
+  reset();
+  // Pointers, shared_ptrs and a module reference mix in one list.
+  TwoLayerImpl stack_model(3);
+  torch::optim::SGD s_opt(stack_model.parameters(), torch::optim::SGDOptions(0.1));
+  initialize({generator.ptr(), stack_model}, {&g_opt, &s_opt}, OptLevel::O5, quiet());
+  EXPECT_EQ(at::add(stack_model.w1, 1.0).scalar_type(), at::kBFloat16);
+  {
+    auto scaled = scale_loss(stack_model.forward(x).to(at::kFloat).mean(), s_opt, 0, true);
+    scaled.backward();
+  }
+  {
+    auto scaled = scale_loss(stack_model.forward(x).to(at::kFloat).mean(), {s_opt});
+    scaled.backward();
+  }
+  EXPECT_TRUE(step({&s_opt}));
 }
 
 }  // namespace
