@@ -13,6 +13,7 @@
 #include <unordered_set>
 
 #include "core/step_events.h"
+#include "dispatch/cast_state.h"
 #include "optamp/loss_scaler.h"
 #include "scaler/registry.h"
 
@@ -245,6 +246,18 @@ void finish(ScaleLossState& s, bool unwinding) {
   finish_normally(s);
 }
 
+// initialize turns casting on for the thread that calls it. A loss scaled on another thread was
+// (most likely) computed there in plain fp32: say so once instead of training silently in fp32.
+void warn_if_casting_is_off_here() {
+  if (level_low_dtype() == c10::ScalarType::Undefined || thread_key_on()) return;
+  TORCH_WARN_ONCE(
+      "amp::scale_loss runs on a thread where optamp's casting is off, although amp::initialize "
+      "set up a casting level: initialize turns casting on only for the thread that called it, "
+      "so the forward on this thread ran in plain fp32. Carry the state over with "
+      "amp::ThreadState::capture() / amp::ThreadStateGuard (Python: optamp.ThreadState.capture() "
+      "/ optamp.thread_state_guard), or call initialize on the training thread.");
+}
+
 }  // namespace
 
 bool finish_scaled_loss(ScaledLoss& guard, bool unwinding) {
@@ -304,6 +317,7 @@ ScaledLoss scale_loss_params(const at::Tensor& loss, std::vector<at::Tensor> par
                   "(leave its scope) first");
     }
   }
+  warn_if_casting_is_off_here();
   // No sync; moves the scaler state to the loss's device.
   LossScaler::ScaledLossValue scaled = scaler.scale_for_step(loss);
   s->scaled_loss = std::move(scaled.scaled);

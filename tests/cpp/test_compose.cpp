@@ -218,5 +218,24 @@ TEST_F(Spellings, ListFormsTakeHoldersReferencesAndLossIds) {
   EXPECT_TRUE(step({&s_opt}));
 }
 
+// initialize on a worker thread left the main thread silently in fp32 (issue 16, item 5).
+TEST_F(Spellings, ScaleLossWarnsOnceOnAThreadWhereCastingIsOff) {
+  TwoLayer net(1);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  std::thread([&] { initialize(net, opt, "O1", quiet()); }).join();
+  EXPECT_TRUE(is_initialized());
+  const at::Tensor x = at::randn({4, 8});
+  EXPECT_EQ(net->forward(x).scalar_type(), at::kFloat) << "this thread was never turned on";
+  ::testing::internal::CaptureStderr();
+  for (int i = 0; i < 2; ++i) {
+    auto scaled = scale_loss(net->forward(x).pow(2).mean(), opt);
+    scaled.backward();
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  const std::string needle = "scale_loss runs on a thread where optamp's casting is off";
+  ASSERT_NE(err.find(needle), std::string::npos) << err;
+  EXPECT_EQ(err.find(needle), err.rfind(needle)) << "once";
+}
+
 }  // namespace
 }  // namespace amp
