@@ -378,6 +378,15 @@ std::string Properties::describe() const {
   return out.str();
 }
 
+std::string Properties::summary() const {
+  const auto& row = kLevelTable[level_index(opt_level)];
+  std::string brief = row.brief;
+  if (!brief.empty() && brief.back() == '.') brief.pop_back();
+  return "optamp: opt_level " + to_string(opt_level) + (enabled ? "" : " (disabled)") + " (" +
+         brief + "), loss scale " + loss_scale.to_string() +
+         " (verbosity=2 prints the full report)\n";
+}
+
 Properties level_defaults(OptLevel level) {
   const auto& row = kLevelTable[level_index(level)];
   Properties p;

@@ -206,7 +206,12 @@ Properties initialize_core(const ModelTensors& model, const std::vector<Optimize
   }
   for (const auto& opt : opts) state.optimizers.insert(opt.identity);
   state.initialized = true;
-  if (p.verbosity >= 1) std::cout << p.describe() << std::flush;
+  // Apex printed its ~40-line report on every start; here it takes verbosity 2.
+  if (p.verbosity >= 2) {
+    std::cout << p.describe() << std::flush;
+  } else if (p.verbosity == 1) {
+    std::cout << p.summary() << std::flush;
+  }
   return p;
 }
 

@@ -48,9 +48,11 @@ struct AmpSession {
   amp::Handle handle;
   template <typename Model>
   AmpSession(Model& model, torch::optim::Optimizer& optimizer, const std::string& level)
-      // Prints Apex's properties report on stdout (verbosity 1, the default), and the scaler
-      // logs each skipped step on stderr.
-      : handle(amp::initialize(model, optimizer, level, amp::Options{})) {}
+      // initialize prints one line (verbosity 1, the default); the scaler logs each skipped
+      // step on stderr. The A/B logs keep Apex's full report, printed here once.
+      : handle(amp::initialize(model, optimizer, level, amp::Options{})) {
+    std::cout << handle.describe() << std::flush;
+  }
   // backward through the scaled loss; on overflow the guard makes optimizer.step() a no-op.
   static void backward(const torch::Tensor& loss, torch::optim::Optimizer& optimizer) {
     auto scaled = amp::scale_loss(loss, optimizer);

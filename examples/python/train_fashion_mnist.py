@@ -38,9 +38,10 @@ class AmpSession:
 
     def __init__(self, model, optimizer, opt_level):
         # Raises NotImplementedError when the level is unsupported by this build or device.
-        # Prints Apex's properties report on stdout (verbosity 1, the default), and the scaler
-        # logs each skipped step on stderr.
+        # initialize prints one line (verbosity 1, the default); the scaler logs each skipped
+        # step on stderr. The A/B logs keep Apex's full report, printed here once.
         self.model, self.optimizer = amp.initialize(model, optimizer, opt_level=opt_level)
+        print(amp.properties().describe(), end="", flush=True)
 
     def backward(self, loss):
         with amp.scale_loss(loss, self.optimizer) as scaled_loss:

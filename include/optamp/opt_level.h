@@ -114,6 +114,9 @@ struct Properties {
 
   // Apex-style report: the level's defaults, the overrides applied, and the final options.
   std::string describe() const;
+  // One line: "optamp: opt_level O1 (<what it does>), loss scale dynamic". What initialize
+  // prints at verbosity 1 (the default); verbosity 2 prints describe().
+  std::string summary() const;
 
   // Filled by resolve(): the level's defaults and "name=value" for each override.
   std::string defaults_description;

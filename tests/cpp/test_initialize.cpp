@@ -16,6 +16,7 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -1140,13 +1141,27 @@ TEST_F(Initialize, FloorErrorNamesTheModelsParameters) {
   EXPECT_NE(message.find("bias"), std::string::npos) << message;
 }
 
-TEST_F(Initialize, VerbosityOnePrintsTheProperties) {
+TEST_F(Initialize, VerbosityOnePrintsOneLineAndTwoTheApexReport) {
   Net net = make_net();
   auto opt = make_optimizer(net, Opt::kSgd);
   ::testing::internal::CaptureStdout();
   initialize(net, *opt, "O2");
   const auto out = ::testing::internal::GetCapturedStdout();
-  EXPECT_NE(out.find("Selected optimization level O2"), std::string::npos) << out;
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << out;
+  EXPECT_NE(out.find("optamp: opt_level O2 ("), std::string::npos) << out;
+  EXPECT_NE(out.find("loss scale dynamic"), std::string::npos) << out;
+  EXPECT_EQ(out.find("Selected optimization level"), std::string::npos) << out;
+  reset();
+  Options two;
+  two.verbosity = 2;
+  ::testing::internal::CaptureStdout();
+  initialize(net, *opt, "O0", two);
+  const auto report = ::testing::internal::GetCapturedStdout();
+  EXPECT_NE(report.find("Selected optimization level O0"), std::string::npos) << report;
+  reset();
+  ::testing::internal::CaptureStdout();
+  initialize(net, *opt, "O0", quiet());
+  EXPECT_EQ(::testing::internal::GetCapturedStdout(), "");
 }
 
 }  // namespace
