@@ -43,6 +43,10 @@ struct KeyHash {
 struct Entry {
   c10::weak_intrusive_ptr<c10::TensorImpl> source;
   std::uint32_t version;
+  // The source's storage when it was cast. set_data (what Module::to(device/dtype) does to every
+  // parameter) swaps the storage of the same TensorImpl without bumping its version, so the
+  // version alone would serve a copy of the old data, on the old device.
+  const c10::StorageImpl* storage;
   at::Tensor cast;
   bool hit_since_sweep;  // served from the cache since the last sweep
 };
@@ -55,7 +59,10 @@ class CastCache {
     std::vector<Entry> dropped;  // destroyed after the lock is released (see clear())
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = entries_.find(key);
-    if (it != entries_.end() && !it->second.source.expired() && it->second.version == version) {
+    const c10::StorageImpl* storage =
+        source.has_storage() ? source.storage().unsafeGetStorageImpl() : nullptr;
+    if (it != entries_.end() && !it->second.source.expired() && it->second.version == version &&
+        it->second.storage == storage) {
       it->second.hit_since_sweep = true;
       return {it->second.cast, false};
     }
@@ -63,7 +70,7 @@ class CastCache {
     at::Tensor cast = source.to(dtype);
     entries_.insert_or_assign(
         key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()), version,
-                   cast, false});
+                   storage, cast, false});
     sweep_if_grown(dropped);
     return {cast, true};
   }

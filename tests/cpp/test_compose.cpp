@@ -237,5 +237,31 @@ TEST_F(Spellings, ScaleLossWarnsOnceOnAThreadWhereCastingIsOff) {
   EXPECT_EQ(err.find(needle), err.rfind(needle)) << "once";
 }
 
+// Module::to(device / dtype) replaces every parameter's data through set_data, which keeps the
+// TensorImpl and its version: an O2 working copy of the old data must not be served after it
+// (issue 16 item 4, the cache half).
+TEST_F(Spellings, O2WorkingCopyFollowsSetDataAsModuleToDoes) {
+  TwoLayer net(1);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  initialize(net, opt, "O2", quiet());
+  const at::Tensor x = at::randn({4, 8});
+  const at::Tensor before = net->forward(x);
+  const auto version = net->w1._version();
+  {
+    at::NoGradGuard no_grad;
+    net->w1.set_data(net->w1.detach() * 2);  // what Module::to does to each parameter
+  }
+  ASSERT_EQ(net->w1._version(), version)
+      << "set_data keeps the version: the cache must look further";
+  EXPECT_TRUE(at::equal(at::add(net->w1, 0.0), (net->w1.detach() * 1).to(at::kHalf)));
+  EXPECT_FALSE(at::equal(net->forward(x), before));
+  net->to(at::Device(at::kCPU));  // a device move on CPU: CPU -> CPU keeps training
+  {
+    auto scaled = scale_loss(net->forward(x).to(at::kFloat).pow(2).mean(), opt);
+    scaled.backward();
+  }
+  EXPECT_TRUE(step(opt));
+}
+
 }  // namespace
 }  // namespace amp
