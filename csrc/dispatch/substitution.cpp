@@ -20,8 +20,12 @@
 namespace amp::detail {
 namespace {
 
-using SourceMap =
-    std::unordered_map<const c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>>;
+// A registered model tensor and its dtype at initialize (the master's, fp32 normally).
+struct Source {
+  c10::weak_intrusive_ptr<c10::TensorImpl> ref;
+  c10::ScalarType dtype;
+};
+using SourceMap = std::unordered_map<const c10::TensorImpl*, Source>;
 
 // Read on every op at O2, written only by initialize/reset: an immutable snapshot swapped
 // atomically, so readers take no lock.
@@ -97,7 +101,19 @@ void substitute_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys
   c10::impl::ExcludeDispatchKeyGuard no_recursion(kSubstituteKey);
   auto working_copy = [&](const at::Tensor& t) -> std::optional<at::Tensor> {
     if (!t.defined() || t.scalar_type() == dtype || !t.is_floating_point()) return std::nullopt;
-    if (sources->find(t.unsafeGetTensorImpl()) == sources->end()) return std::nullopt;
+    const auto source = sources->find(t.unsafeGetTensorImpl());
+    if (source == sources->end()) return std::nullopt;
+    // The model was cast after initialize (model->to(torch::kDouble)): its masters are no longer
+    // what the working copies stand for, and torch would fail further down with a mixed-dtype
+    // error that does not say why.
+    TORCH_CHECK_VALUE(t.scalar_type() == source->second.dtype,
+                      "a model tensor registered by amp::initialize (O2/O5) must still be ",
+                      dtype_name(source->second.dtype), ", got ", dtype_name(t.scalar_type()),
+                      " of shape ", t.sizes(),
+                      ": the model was cast after initialize (e.g. model->to(torch::kDouble)), "
+                      "which optamp does not follow. Call amp::reset(), cast the model, and "
+                      "initialize again (or cast before initialize); moving it to another device "
+                      "is fine.");
     c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
     return cast_through_cache(t, dtype, /*always_cache=*/true).tensor;
   };
@@ -147,8 +163,9 @@ void set_working_copy_sources(const std::vector<at::Tensor>& tensors) {
   ensure_substitution_registered();
   auto map = std::make_shared<SourceMap>();
   for (const auto& t : tensors) {
-    map->emplace(t.unsafeGetTensorImpl(),
-                 c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+    map->emplace(
+        t.unsafeGetTensorImpl(),
+        Source{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), t.scalar_type()});
   }
   std::atomic_store(&sources_slot(), std::shared_ptr<const SourceMap>(std::move(map)));
 }

@@ -204,6 +204,7 @@ Properties initialize_core(const ModelTensors& model, const std::vector<Optimize
     set_rules_under_no_grad(p.rules_under_no_grad);
     activate_thread(p.opt_level != OptLevel::O0);
   }
+  record_parameter_dtypes(model.parameters);  // after O3's cast: the dtypes training runs in
   for (const auto& opt : opts) state.optimizers.insert(opt.identity);
   state.initialized = true;
   // Apex printed its ~40-line report on every start; here it takes verbosity 2.

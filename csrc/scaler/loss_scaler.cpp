@@ -2,6 +2,7 @@
 #include "optamp/loss_scaler.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
@@ -14,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "ops/multi_tensor.h"
@@ -384,6 +386,11 @@ struct Registry {
   std::vector<std::shared_ptr<LossScaler>> scalers;
   // The optimizers scale_loss accepts (nullopt: any; see restrict_loss_scaling_to).
   std::optional<std::unordered_set<const void*>> optimizers;
+  // Parameter dtypes at initialize (record_parameter_dtypes), keyed by TensorImpl with a weak
+  // reference so a reused address is not mistaken for the parameter.
+  std::unordered_map<const c10::TensorImpl*,
+                     std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, at::ScalarType>>
+      dtypes;
 };
 
 Registry& registry() {
@@ -440,6 +447,38 @@ void configure_loss_scalers(const Properties& props) {
   r.scalers = std::move(scalers);
   r.configured = true;
   r.optimizers.reset();
+  r.dtypes.clear();
+}
+
+void record_parameter_dtypes(const std::vector<at::Tensor>& parameters) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.dtypes.clear();
+  for (const auto& p : parameters) {
+    r.dtypes.insert_or_assign(
+        p.unsafeGetTensorImpl(),
+        std::make_pair(c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()),
+                       p.scalar_type()));
+  }
+}
+
+void check_parameter_dtypes(const std::vector<at::Tensor>& params,
+                            const std::vector<std::string>& labels) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto it = r.dtypes.find(params[i].unsafeGetTensorImpl());
+    if (it == r.dtypes.end() || it->second.first.lock().get() != params[i].unsafeGetTensorImpl())
+      continue;
+    TORCH_CHECK_VALUE(params[i].scalar_type() == it->second.second,
+                      i < labels.size() ? labels[i] : std::string("a parameter"), " must still be ",
+                      dtype_name(it->second.second), " as when amp::initialize ran, got ",
+                      dtype_name(params[i].scalar_type()),
+                      ": the model was cast after initialize (e.g. model->to(torch::kDouble)), "
+                      "which optamp does not follow. Call amp::reset(), cast the model, and "
+                      "initialize again (or cast before initialize); moving it to another device "
+                      "is fine.");
+  }
 }
 
 void restrict_loss_scaling_to(const std::vector<const void*>& optimizers) {
@@ -469,6 +508,7 @@ void reset_loss_scalers() {
   r.scalers.clear();
   r.configured = false;
   r.optimizers.reset();
+  r.dtypes.clear();
 }
 
 int num_loss_scalers() {

@@ -25,6 +25,14 @@ void restrict_loss_scaling_to(const std::vector<const void*>& optimizers);
 // (descriptions[i] names identities[i] in the message).
 void check_optimizers_allowed(const std::vector<const void*>& identities,
                               const std::vector<std::string>& descriptions);
+// The model parameters' dtypes as initialize left them. scale_loss refuses a parameter whose
+// dtype changed since (the model was cast after initialize, e.g. model->to(torch::kDouble)),
+// which would otherwise fail later in a forward with torch's mixed-dtype errors. Cleared by
+// configure/reset.
+void record_parameter_dtypes(const std::vector<at::Tensor>& parameters);
+// Throws a ValueError naming labels[i] when params[i]'s dtype differs from the recorded one.
+void check_parameter_dtypes(const std::vector<at::Tensor>& params,
+                            const std::vector<std::string>& labels);
 // Drops every scaler (scale_loss then fails with "call amp::initialize first").
 void reset_loss_scalers();
 // The scaler of `loss_id`, shared: a live guard keeps its scaler alive across a

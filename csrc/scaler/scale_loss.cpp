@@ -296,6 +296,7 @@ ScaledLoss scale_loss_params(const at::Tensor& loss, std::vector<at::Tensor> par
       s->labels.push_back(labels.size() > i ? labels[i] : "param " + std::to_string(i));
     }
   }
+  check_parameter_dtypes(s->params, s->labels);
   for (size_t i = 0; i < s->params.size(); ++i) {
     const auto t = s->params[i].scalar_type();
     TORCH_CHECK_VALUE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16,

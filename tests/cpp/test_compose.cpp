@@ -263,5 +263,63 @@ TEST_F(Spellings, O2WorkingCopyFollowsSetDataAsModuleToDoes) {
   EXPECT_TRUE(step(opt));
 }
 
+// model->to(dtype) after initialize failed later with torch's "mixed dtype" errors; now the next
+// scale_loss says what happened and what to do, and changes nothing (issue 16 item 4).
+TEST_F(Spellings, CastingTheModelAfterInitializeIsRefusedWithWhatToDo) {
+  for (const char* level : {"O1", "O5"}) {
+    TwoLayer net(1);
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    initialize(net, opt, level, quiet());
+    net->to(at::kDouble);
+    const at::Tensor x = at::randn({4, 8}, at::kDouble);
+    if (std::string(level) == "O1") {  // the forward runs; the next scale_loss says why not
+      const at::Tensor loss = at::mm(x, net->w1).sum();
+      OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, opt), c10::ValueError,
+                               "must still be torch.float32", "got torch.float64", "amp::reset()",
+                               "cast the model");
+    } else {  // O5: the first op that sees the cast master says it (not torch's mixed dtypes)
+      OPTAMP_EXPECT_THROW_WITH(at::mm(x, net->w1), c10::ValueError, "must still be torch.float32",
+                               "got torch.float64", "amp::reset()", "cast the model");
+    }
+    EXPECT_FALSE(net->w1.grad().defined());
+    reset();  // what the message says: reset, cast (back to fp32 here), initialize again
+    net->to(at::kFloat);
+    initialize(net, opt, level, quiet());
+    {
+      auto scaled = scale_loss(at::mm(x.to(at::kFloat), net->w1).to(at::kFloat).mean(), opt);
+      scaled.backward();
+    }
+    EXPECT_TRUE(net->w1.grad().defined());
+    reset();
+  }
+}
+
+// A device move after initialize keeps training: the working copies follow (storage check), the
+// scaler's tensors follow the loss. (The CPU half is O2WorkingCopyFollowsSetDataAsModuleToDoes.)
+TEST_F(Spellings, DeviceMoveAfterInitializeKeepsTraining_CUDA) {
+  OPTAMP_SKIP_WITHOUT_CUDA();
+  TwoLayer net(1);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  initialize(net, opt, "O2", quiet());
+  const at::Tensor x = at::randn({4, 8});
+  {
+    auto scaled = scale_loss(net->forward(x).to(at::kFloat).mean(), opt);
+    scaled.backward();
+  }
+  opt.step();
+  net->to(at::kCUDA);
+  const at::Tensor before = net->w1.detach().clone();
+  const at::Tensor out = net->forward(x.cuda());
+  EXPECT_TRUE(out.is_cuda());
+  EXPECT_EQ(out.scalar_type(), at::kHalf);
+  opt.zero_grad();
+  {
+    auto scaled = scale_loss(out.to(at::kFloat).pow(2).mean(), opt);
+    scaled.backward();
+  }
+  EXPECT_TRUE(step(opt));
+  EXPECT_FALSE(at::equal(net->w1, before));
+}
+
 }  // namespace
 }  // namespace amp
