@@ -61,24 +61,24 @@ void write_carried(std::int32_t mode, c10::ScalarType dtype, bool key, bool subs
   at::autocast::set_autocast_dtype(c10::DeviceType::PrivateUse1, tag);
 }
 
-// Recomputes the derived fields and the thread's carried state from the frames left open.
+// Recomputes the region depth and the thread's carried state from the frames left open.
 void apply_frames(ThreadCastState& state) {
-  state.mode = state.base_mode;
-  state.region_dtype = state.base_dtype;
+  std::int32_t mode = state.base_mode;
+  c10::ScalarType dtype = state.base_dtype;
   state.region_depth = 0;
   bool key = state.base_key_on, substitution = state.base_substitution_on;
   for (const CastFrame& f : state.frames) {
     state.region_depth += f.is_autocast ? 1 : 0;
     if (f.ungate) {
-      if (state.mode == kFollowLevel) state.mode = kFollowLevelUngated;
+      if (mode == kFollowLevel) mode = kFollowLevelUngated;
       continue;
     }
-    state.mode = f.mode;
-    state.region_dtype = f.dtype;
+    mode = f.mode;
+    dtype = f.dtype;
     if (f.sets_key) key = f.key_on;
     if (f.sets_substitution) substitution = f.substitution_on;
   }
-  write_carried(state.mode, state.region_dtype, key, substitution);
+  write_carried(mode, dtype, key, substitution);
 }
 
 // Every frame of this thread ends; key, substitution and mode go back to their initial values.

@@ -67,9 +67,8 @@ struct CastFrame {
 // cannot leave the thread in a mode no open guard asked for. reset() and initialize() end every
 // thread's frames (lazily, through `epoch`, for threads other than the caller).
 struct ThreadCastState {
-  // Derived from `frames` (read by every kernel call).
-  std::int32_t mode = kFollowLevel;
-  c10::ScalarType region_dtype = c10::ScalarType::Undefined;
+  // The mode itself is not kept here: apply_frames writes it where at::ThreadLocalState carries
+  // it (carried_mode()), which is what the kernels read.
   int region_depth = 0;  // open amp::autocast frames on this thread
   std::vector<CastFrame> frames;
   bool base_key_on = false;               // the key before the first frame opened

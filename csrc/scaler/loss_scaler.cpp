@@ -103,15 +103,20 @@ void LossScaler::to(const c10::Device& device) {
   hysteresis_tracker_ = hysteresis_tracker_.to(device);
 }
 
+// As torch.amp.GradScaler: 1/scale in double, rounded to float (one element, the scale's
+// device). Callers hold mutex_.
+at::Tensor LossScaler::inverse_scale() const {
+  return scale_.to(at::kDouble).reciprocal().to(at::kFloat).reshape({1});
+}
+
 at::Tensor LossScaler::scale(const at::Tensor& loss) { return scale_for_step(loss).scaled; }
 
 LossScaler::ScaledLossValue LossScaler::scale_for_step(const at::Tensor& loss) {
   to(loss.device());
   std::lock_guard<std::mutex> lock(mutex_);
-  // As torch.amp.GradScaler: 1/scale in double, rounded to float. Taken together with the
+  // 1/scale is taken together with the
   // multiplication, so a concurrent update of the scale cannot come between them.
-  return {loss.to(at::kFloat) * scale_,
-          scale_.to(at::kDouble).reciprocal().to(at::kFloat).reshape({1})};
+  return {loss.to(at::kFloat) * scale_, inverse_scale()};
 }
 
 namespace {
@@ -184,8 +189,7 @@ void LossScaler::unscale_into(const std::vector<at::Tensor>& grads,
 void LossScaler::unscale(const std::vector<at::Tensor>& grads,
                          const std::vector<at::Tensor>& stashed) {
   std::lock_guard<std::mutex> lock(mutex_);
-  const at::Tensor inv = scale_.to(at::kDouble).reciprocal().to(at::kFloat).reshape({1});
-  unscale_into(grads, stashed, inv, found_inf_);
+  unscale_into(grads, stashed, inverse_scale(), found_inf_);
   pending_ = true;
 }
 
@@ -222,10 +226,10 @@ LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list) {
     last_step_skipped_ = false;
     return {false, loss_scale_.load(), floor_skips_.load()};
   }
-  c10::Device device = scale_.device();
+  c10::Device device(c10::kCPU);
   FoundInfReducer reducer;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(mutex_);  // scale_ may be moved by to() on another thread
     device = scale_.device();
     reducer = found_inf_reducer_;
   }

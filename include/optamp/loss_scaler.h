@@ -126,6 +126,7 @@ class LossScaler {
 
  private:
   using DeviceFlags = std::vector<std::pair<c10::Device, at::Tensor>>;
+  at::Tensor inverse_scale() const;
   void unscale_into(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& stashed,
                     const at::Tensor& inv_scale, DeviceFlags& found) const;
   StepResult update_from(DeviceFlags found);
