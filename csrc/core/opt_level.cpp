@@ -130,7 +130,7 @@ void check_model_types(const Properties& p, const Options& o) {
     TORCH_CHECK_VALUE(!op_level || t == kNone || t == ScalarType::Float, "opt_level ", level,
                       " inserts casts around Torch functions rather than casting model weights, "
                       "so the model weights themselves should remain FP32 (cast_model_type must "
-                      "be None or torch.float32, got ",
+                      "be None, False or torch.float32, got ",
                       dtype_name(t),
                       "). To cast the model use opt_level='O2'/'O3' (fp16) or "
                       "'O5' (bf16).");
@@ -179,39 +179,21 @@ void check_level_conflicts(const Properties& p, const Options& o) {
                     "torch.bfloat16, got None");
 }
 
-// O2/O5 (fp32 masters, low-precision working copies) and O3 (the model itself cast) are defined
-// by their model type and master-weight setting: overrides that contradict them would otherwise
-// be silently ignored, so they are refused with the level that does what was asked.
-void check_model_level_overrides(const Properties& p, const Options& o) {
-  const bool working_copies = p.opt_level == OptLevel::O2 || p.opt_level == OptLevel::O5;
-  if (!working_copies && p.opt_level != OptLevel::O3) return;
+// The model levels (O0, O2, O3, O5) cast ops to the model's type, so a different patch type
+// would be silently ignored. Everything else Apex accepted is accepted: cast_model_type fp32,
+// None or False (the model is not cast and no op is: Apex cast nothing then either), and
+// master_weights either way (ModelCast: O2 without masters casts the model in place, O3 with
+// them keeps fp32 masters and working copies).
+void check_model_level_overrides(const Properties& p) {
+  if (p.opt_level == OptLevel::O1 || p.opt_level == OptLevel::O4) return;
   const std::string level = to_string(p.opt_level);
-  TORCH_CHECK_VALUE(is_reduced_float(p.cast_model_type), "opt_level ", level,
-                    working_copies ? " runs ops on reduced-precision working copies of the FP32 "
-                                     "model"
-                                   : " casts the model to reduced precision",
-                    ", so cast_model_type must be torch.float16 or torch.bfloat16, got ",
-                    dtype_name(p.cast_model_type),
-                    ". For an FP32 model with op-level casting use opt_level 'O1' (fp16) or "
-                    "'O4' (bf16); for no casting at all, 'O0'.");
+  const ScalarType cast = is_reduced_float(p.cast_model_type) ? p.cast_model_type : kNone;
   TORCH_CHECK_VALUE(
-      p.patch_torch_functions_type == kNone || p.patch_torch_functions_type == p.cast_model_type,
-      "opt_level ", level,
-      " runs ops in the model's type (cast_model_type=", dtype_name(p.cast_model_type),
-      "), so patch_torch_functions_type must be None or ", dtype_name(p.cast_model_type), ", got ",
-      dtype_name(p.patch_torch_functions_type),
-      ". To change the type, set cast_model_type instead.");
-  TORCH_CHECK_VALUE(!(working_copies && o.master_weights && !*o.master_weights), "opt_level ",
-                    level,
-                    " keeps the FP32 weights in the model as master weights and steps them, so "
-                    "master_weights must be True or None, got False. To step reduced-precision "
-                    "weights without masters (Apex's O2 with master_weights=False), use "
-                    "opt_level 'O3' with keep_batchnorm_fp32=True and loss_scale='dynamic'.");
-  TORCH_CHECK_VALUE(!(!working_copies && o.master_weights && *o.master_weights),
-                    "opt_level O3 casts the model and steps its reduced-precision weights "
-                    "directly, so master_weights must be False or None, got True. For FP32 "
-                    "master weights use opt_level 'O2' (with keep_batchnorm_fp32=False it also "
-                    "runs batch-norm in reduced precision, as O3 does).");
+      p.patch_torch_functions_type == kNone || p.patch_torch_functions_type == cast, "opt_level ",
+      level, " runs ops in the model's type (cast_model_type=", dtype_name(p.cast_model_type),
+      "), so patch_torch_functions_type must be None",
+      cast == kNone ? std::string() : " or " + dtype_name(cast), ", got ",
+      dtype_name(p.patch_torch_functions_type), ". To change the type, set cast_model_type instead.");
 }
 
 void check_scaler_knobs(const Properties& p, const Options& o) {
@@ -358,11 +340,34 @@ std::string dtype_name(c10::ScalarType type) {
   }
 }
 
+ModelCast Properties::model_cast() const {
+  if (!enabled || !is_reduced_float(cast_model_type)) return ModelCast::kNone;
+  return master_weights.value_or(false) ? ModelCast::kWorkingCopies : ModelCast::kInPlace;
+}
+
+bool Properties::casts() const {
+  if (!enabled) return false;
+  if (opt_level == OptLevel::O1 || opt_level == OptLevel::O4) return patch_torch_functions;
+  return model_cast() != ModelCast::kNone;
+}
+
 c10::ScalarType Properties::low_dtype() const {
-  if (!enabled || opt_level == OptLevel::O0) return kNone;
+  if (!casts()) return kNone;
   if (patch_torch_functions_type != kNone) return patch_torch_functions_type;
   if (is_reduced_float(cast_model_type)) return cast_model_type;
   return is_bf16_level(opt_level) ? ScalarType::BFloat16 : ScalarType::Half;
+}
+
+std::string to_string(ModelCast cast) {
+  switch (cast) {
+    case ModelCast::kWorkingCopies:
+      return "working copies";
+    case ModelCast::kInPlace:
+      return "cast in place";
+    case ModelCast::kNone:
+      break;
+  }
+  return "not cast";
 }
 
 std::string Properties::describe() const {
@@ -382,8 +387,14 @@ std::string Properties::summary() const {
   const auto& row = kLevelTable[level_index(opt_level)];
   std::string brief = row.brief;
   if (!brief.empty() && brief.back() == '.') brief.pop_back();
+  // Overrides that change what happens to the model (cast_model_type, master_weights) are
+  // named, since the level's brief no longer describes the run.
+  std::string model;
+  if (enabled && model_cast() != level_defaults(opt_level).model_cast()) {
+    model = ", model " + to_string(model_cast()) + (casts() ? "" : ", no op cast");
+  }
   return "optamp: opt_level " + to_string(opt_level) + (enabled ? "" : " (disabled)") + " (" +
-         brief + "), loss scale " + loss_scale.to_string() +
+         brief + ")" + model + ", loss scale " + loss_scale.to_string() +
          " (verbosity=2 prints the full report)\n";
 }
 
@@ -408,7 +419,7 @@ Properties resolve(OptLevel level, const Options& options) {
   p.overrides_description = log.str();
   check_model_types(p, options);
   check_level_conflicts(p, options);
-  check_model_level_overrides(p, options);
+  check_model_level_overrides(p);
   check_scaler_knobs(p, options);
   return p;
 }

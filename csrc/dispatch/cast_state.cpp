@@ -19,21 +19,25 @@ std::atomic<c10::ScalarType> g_low{c10::ScalarType::Undefined};
 std::atomic<int> g_verbosity{1};
 std::atomic<bool> g_rules_under_no_grad{false};
 
+// The level's rules: the lists at O1/O4; at the model levels, the rules of the level when the
+// model is cast (Apex cast no op when it did not cast the model).
 RuleSet rules_for(const Properties& p) {
-  if (!p.enabled) return RuleSet::kNone;
+  if (!p.casts()) return RuleSet::kNone;
   switch (p.opt_level) {
     case OptLevel::O1:
     case OptLevel::O4:
-      return p.patch_torch_functions ? RuleSet::kFullLists : RuleSet::kNone;
+      return RuleSet::kFullLists;
     case OptLevel::O2:
     case OptLevel::O5:
       return RuleSet::kMasterWeights;
-    case OptLevel::O3:
+    default:  // O3, and O0 with a reduced cast_model_type
       return RuleSet::kPureLow;
-    default:
-      return RuleSet::kNone;
   }
 }
+
+// A model cast in place has no fp32 weights to meet fp32 inputs under no_grad: its rules apply
+// there too (the no_grad gate protects fp32 evaluation, which such a model cannot do).
+std::atomic<bool> g_level_ungated{false};
 
 std::atomic<std::uint64_t> g_epoch{0};
 std::atomic<std::uint64_t> g_next_frame{1};
@@ -184,11 +188,13 @@ void reset_all_thread_states() {
 void set_level_rules(const Properties& properties) {
   g_low.store(properties.low_dtype());
   g_verbosity.store(properties.verbosity);
+  g_level_ungated.store(properties.model_cast() == ModelCast::kInPlace);
   g_rules.store(rules_for(properties));
 }
 
 void clear_level_rules() {
   g_rules.store(RuleSet::kNone);
+  g_level_ungated.store(false);
   g_low.store(c10::ScalarType::Undefined);
   g_verbosity.store(1);
 }
@@ -223,7 +229,8 @@ namespace {
 CastDecision level_decision(const CarriedMode& carried) {
   const RuleSet rules = g_rules.load(std::memory_order_relaxed);
   if (rules == RuleSet::kNone) return {};
-  const bool gated = rules != RuleSet::kPureLow && carried.mode != kFollowLevelUngated &&
+  const bool gated = !g_level_ungated.load(std::memory_order_relaxed) &&
+                     carried.mode != kFollowLevelUngated &&
                      !g_rules_under_no_grad.load(std::memory_order_relaxed);
   if (gated && !c10::GradMode::is_enabled()) return {};
   return {rules, g_low.load(std::memory_order_relaxed)};

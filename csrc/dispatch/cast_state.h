@@ -19,7 +19,7 @@ enum class RuleSet : std::uint8_t {
   kNone,           // O0, disabled, not initialized
   kFullLists,      // O1/O4 and amp::autocast regions: lower, fp32, promote, banned
   kMasterWeights,  // O2/O5: lower and losses-in-fp32; everything else follows type promotion
-  kPureLow,        // O3: lower only, always (the model has no fp32 weights to protect)
+  kPureLow,        // O3 (and O0 with a reduced cast_model_type): lower only
 };
 
 // Per-thread mode, derived from the guards open on the thread (see ThreadCastState::frames).
@@ -115,7 +115,8 @@ struct CastDecision {
   // which would otherwise look like "native autocast off" to us).
   bool native_owns = false;
 };
-// The gate: rules apply while GradMode is on, inside an amp::autocast region, or always at O3;
+// The gate: rules apply while GradMode is on, inside an amp::autocast region, or always when the
+// model is cast in place (O3);
 // never under disable_casts, and never while native autocast is on for `device` (we defer).
 CastDecision decide(c10::DeviceType device);
 // Whether optamp's rules apply to ops on this thread now: the key is on, no disable_casts or

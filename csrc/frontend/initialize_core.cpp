@@ -112,13 +112,13 @@ void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTens
 }
 
 void warn_fp16_epsilon(const Properties& p, const std::vector<OptimizerTensors>& opts) {
-  if (p.opt_level != OptLevel::O3 || p.cast_model_type != c10::ScalarType::Half) return;
+  if (p.model_cast() != ModelCast::kInPlace || p.cast_model_type != c10::ScalarType::Half) return;
   constexpr double kSmallestNormalHalf = 6.103515625e-05;  // 2^-14
   for (const auto& opt : opts) {
     if (opt.smallest_eps > 0 && opt.smallest_eps < kSmallestNormalHalf) {
-      TORCH_WARN("O3 (pure fp16): ", opt.description, " has eps=", opt.smallest_eps,
+      TORCH_WARN(to_string(p.opt_level), " (fp16 parameters stepped directly): ", opt.description, " has eps=", opt.smallest_eps,
                  ", below fp16's smallest normal number (6.1e-05); its denominator can "
-                 "underflow and steps blow up. Use eps >= 1e-4, or O2.");
+                 "underflow and steps blow up. Use eps >= 1e-4, or fp32 master weights (O2).");
     }
   }
 }
@@ -194,15 +194,15 @@ Properties initialize_core(const ModelTensors& model, const std::vector<Optimize
   // Regions and disable_casts left open on any thread (or stuck by mismatched exits) end here.
   reset_all_thread_states();
   if (p.enabled) {
-    if (p.opt_level == OptLevel::O3) cast_model(model, opts, p.cast_model_type);
-    const bool master_weights = p.opt_level == OptLevel::O2 || p.opt_level == OptLevel::O5;
-    if (master_weights) {
+    const ModelCast model_cast = p.model_cast();
+    if (model_cast == ModelCast::kInPlace) cast_model(model, opts, p.cast_model_type);
+    if (model_cast == ModelCast::kWorkingCopies) {
       set_working_copy_sources(model.reduced);
       activate_substitution_thread(true);
     }
     set_level_rules(p);
     set_rules_under_no_grad(p.rules_under_no_grad);
-    activate_thread(p.opt_level != OptLevel::O0);
+    activate_thread(p.casts());
   }
   record_parameter_dtypes(model.parameters);  // after O3's cast: the dtypes training runs in
   for (const auto& opt : opts) state.optimizers.insert(opt.identity);

@@ -46,6 +46,18 @@ class LossScale {
   double value_;
 };
 
+// What initialize does to the model's floating tensors, as Apex decided it: from
+// cast_model_type (a reduced type casts, fp32/None leaves the model alone) and master_weights
+// (fp32 masters, or the reduced tensors are stepped directly). Properties::model_cast().
+enum class ModelCast : std::uint8_t {
+  kNone,           // the model is not cast (O0, O1, O4; O2/O3/O5 with cast_model_type fp32/None)
+  kWorkingCopies,  // O2/O5 (and O3 with master_weights=True): the fp32 parameters stay in the
+                   // model as master weights; ops see cached reduced-precision working copies
+  kInPlace,        // O3 (and O2/O5 with master_weights=False): the model itself is cast and its
+                   // reduced-precision parameters are stepped directly
+};
+std::string to_string(ModelCast cast);
+
 // User overrides, Apex names. Unset fields take the level's default.
 //
 // For the two type fields, c10::ScalarType::Undefined stands for Python's `None`
@@ -109,8 +121,14 @@ struct Properties {
   bool rules_under_no_grad = false;
 
   // The reduced-precision type the dispatcher casts to at this level: Half (O1/O2/O3),
-  // BFloat16 (O4/O5), or Undefined (O0, or disabled).
+  // BFloat16 (O4/O5), or Undefined when casts() is false.
   c10::ScalarType low_dtype() const;
+  // What initialize does to the model (see ModelCast); kNone when disabled.
+  ModelCast model_cast() const;
+  // Whether initialize turns casting on at all: O1/O4 with patch_torch_functions, or a model
+  // level whose model is cast. False at O0, with enabled=False, and for O2/O3/O5 with
+  // cast_model_type fp32/None (Apex's "cast nothing").
+  bool casts() const;
 
   // Apex-style report: the level's defaults, the overrides applied, and the final options.
   std::string describe() const;

@@ -5,57 +5,107 @@
 
 #include <limits>
 #include <string>
-#include <type_traits>
+#include <optional>
 
 #include "common.h"
 
 namespace amp::python {
 namespace {
 
-// Apex also accepts the strings "True"/"False" for keep_batchnorm_fp32.
+std::string type_name(const py::handle& value) {
+  return py::str(py::type::of(value).attr("__name__"));
+}
+
+// operator.index(value) for ints and integer-like objects (numpy integers), nullopt otherwise.
+std::optional<long long> as_index(const py::handle& value, const char* name) {
+  if (!PyIndex_Check(value.ptr())) return std::nullopt;
+  int overflow = 0;
+  py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
+  if (!index) throw py::error_already_set();
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow != 0) {
+    throw py::value_error(std::string(name) + " must be an int within the range of a C++ int, got " +
+                          std::string(py::str(value)));
+  }
+  return v;
+}
+
+// The flags take what Apex's scripts pass: bools, the strings "True"/"False" (Apex's
+// keep_batchnorm_fp32 spelling, e.g. from argparse), the ints 0/1 and numpy booleans.
 bool bool_from_py(const py::handle& value, const char* name) {
+  const std::string expected =
+      std::string(name) + " must be True, False, \"True\", \"False\", 1 or 0, got ";
+  if (py::isinstance<py::bool_>(value)) return value.cast<bool>();
   if (py::isinstance<py::str>(value)) {
     const auto text = value.cast<std::string>();
     if (text == "True") return true;
     if (text == "False") return false;
-    throw py::value_error(std::string(name) +
-                          " must be True, False, \"True\" or \"False\", got \"" + text + "\"");
+    throw py::value_error(expected + "\"" + text + "\"");
   }
-  if (!py::isinstance<py::bool_>(value)) {
-    throw py::type_error(std::string(name) + " must be a bool, got " +
-                         std::string(py::str(py::type::of(value).attr("__name__"))));
+  if (py::hasattr(value, "dtype") && py::hasattr(value, "ndim") &&
+      py::str(value.attr("dtype").attr("kind")).cast<std::string>() == "b" &&
+      value.attr("ndim").cast<int>() == 0) {
+    return PyObject_IsTrue(value.ptr()) == 1;  // numpy.bool_
   }
-  return value.cast<bool>();
+  if (auto v = as_index(value, name)) {
+    if (*v == 0 || *v == 1) return *v == 1;
+    throw py::value_error(expected + std::to_string(*v));
+  }
+  throw py::type_error(expected + "a " + type_name(value));
 }
 
+// Integers: Python ints and integer-like objects (numpy integers, and bool, which Python counts
+// as an int: Apex's verbosity=False).
 template <typename T>
-T number_from_py(const py::handle& value, const char* name) {
-  constexpr bool integral = std::is_integral_v<T>;
-  const bool is_int = py::isinstance<py::int_>(value) && !py::isinstance<py::bool_>(value);
-  if (!(is_int || (!integral && py::isinstance<py::float_>(value)))) {
-    throw py::type_error(std::string(name) + (integral ? " must be an int" : " must be a number") +
-                         ", got " + std::string(py::str(py::type::of(value).attr("__name__"))));
+T int_from_py(const py::handle& value, const char* name) {
+  const auto v = as_index(value, name);
+  if (!v) throw py::type_error(std::string(name) + " must be an int, got " + type_name(value));
+  if (*v < std::numeric_limits<T>::min() || *v > std::numeric_limits<T>::max()) {
+    throw py::value_error(std::string(name) + " must be an int within [" +
+                          std::to_string(std::numeric_limits<T>::min()) + ", " +
+                          std::to_string(std::numeric_limits<T>::max()) + "], got " +
+                          std::string(py::str(value)));
   }
-  if constexpr (integral) {
-    // Python ints are unbounded; C++'s are not: a value that does not fit is named, not
-    // reported as pybind11's "Unable to cast".
-    int overflow = 0;
-    const long long v = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
-    if (overflow != 0 || v < std::numeric_limits<T>::min() || v > std::numeric_limits<T>::max()) {
-      throw py::value_error(std::string(name) + " must be an int within [" +
-                            std::to_string(std::numeric_limits<T>::min()) + ", " +
-                            std::to_string(std::numeric_limits<T>::max()) + "], got " +
-                            std::string(py::str(value)));
-    }
-    return static_cast<T>(v);
-  } else {
-    return value.cast<T>();
-  }
+  return static_cast<T>(*v);
 }
 
+// Real numbers: anything float() takes except text and bools (numpy scalars, a 0-dim tensor, as
+// Apex's float(loss_scale) took them). A bool here is a mistake, not a scale.
+double float_from_py(const py::handle& value, const char* name) {
+  if (py::isinstance<py::bool_>(value) || py::isinstance<py::str>(value) ||
+      !(PyFloat_Check(value.ptr()) || PyIndex_Check(value.ptr()) ||
+        Py_TYPE(value.ptr())->tp_as_number != nullptr)) {
+    throw py::type_error(std::string(name) + " must be a number, got " + type_name(value));
+  }
+  py::object number = py::reinterpret_steal<py::object>(PyNumber_Float(value.ptr()));
+  if (!number) {
+    PyErr_Clear();
+    throw py::type_error(std::string(name) + " must be a number, got " + type_name(value) + " (" +
+                         std::string(py::str(value)) + ")");
+  }
+  return PyFloat_AsDouble(number.ptr());
+}
+
+// "dynamic", a number, or a string float() reads ("128.0", Apex's documented spelling).
 LossScale loss_scale_from_py(const py::handle& value) {
   if (py::isinstance<py::str>(value)) return LossScale(value.cast<std::string>());
-  return LossScale::fixed(number_from_py<double>(value, "loss_scale"));
+  return LossScale::fixed(float_from_py(value, "loss_scale"));
+}
+
+// cast_model_type: a torch.dtype, or False ("do not cast the model", Apex's spelling of None).
+c10::ScalarType model_type_from_py(const py::handle& value) {
+  if (py::isinstance<py::bool_>(value)) {
+    if (!value.cast<bool>()) return c10::ScalarType::Undefined;
+    throw py::type_error(
+        "cast_model_type must be a torch.dtype, False (do not cast the model) or None, got True");
+  }
+  try {
+    return dtype_from_py(value, "cast_model_type");
+  } catch (const py::type_error&) {
+    throw py::type_error(
+        "cast_model_type must be a torch.dtype, False (do not cast the model) or None, got " +
+        type_name(value));
+  }
 }
 
 }  // namespace
@@ -71,7 +121,7 @@ Options options_from_kwargs(const py::kwargs& kwargs) {
     if (key == "enabled")
       o.enabled = bool_from_py(v, k);
     else if (key == "cast_model_type")
-      o.cast_model_type = dtype_from_py(v, k);
+      o.cast_model_type = model_type_from_py(v);
     else if (key == "patch_torch_functions")
       o.patch_torch_functions = bool_from_py(v, k);
     else if (key == "patch_torch_functions_type")
@@ -83,23 +133,23 @@ Options options_from_kwargs(const py::kwargs& kwargs) {
     else if (key == "loss_scale")
       o.loss_scale = loss_scale_from_py(v);
     else if (key == "num_losses")
-      o.num_losses = number_from_py<int>(v, k);
+      o.num_losses = int_from_py<int>(v, k);
     else if (key == "min_loss_scale")
-      o.min_loss_scale = number_from_py<double>(v, k);
+      o.min_loss_scale = float_from_py(v, k);
     else if (key == "max_loss_scale")
-      o.max_loss_scale = number_from_py<double>(v, k);
+      o.max_loss_scale = float_from_py(v, k);
     else if (key == "verbosity")
-      o.verbosity = number_from_py<int>(v, k);
+      o.verbosity = int_from_py<int>(v, k);
     else if (key == "init_scale")
-      o.init_scale = number_from_py<double>(v, k);
+      o.init_scale = float_from_py(v, k);
     else if (key == "growth_factor")
-      o.growth_factor = number_from_py<double>(v, k);
+      o.growth_factor = float_from_py(v, k);
     else if (key == "backoff_factor")
-      o.backoff_factor = number_from_py<double>(v, k);
+      o.backoff_factor = float_from_py(v, k);
     else if (key == "growth_interval")
-      o.growth_interval = number_from_py<int>(v, k);
+      o.growth_interval = int_from_py<int>(v, k);
     else if (key == "hysteresis")
-      o.hysteresis = number_from_py<int>(v, k);
+      o.hysteresis = int_from_py<int>(v, k);
     else if (key == "overflow_check")
       o.overflow_check = bool_from_py(v, k);
     else if (key == "rules_under_no_grad")
@@ -168,6 +218,9 @@ void bind_opt_level(py::module_& m) {
       .def_readonly("rules_under_no_grad", &Properties::rules_under_no_grad)
       .def_property_readonly("low_dtype",
                              [](const Properties& p) { return dtype_to_py(p.low_dtype()); })
+      .def_property_readonly("model_cast",
+                             [](const Properties& p) { return to_string(p.model_cast()); })
+      .def_property_readonly("casts", &Properties::casts)
       .def("describe", &Properties::describe)
       .def("__repr__", [](const Properties& p) {
         return "optamp.Properties(opt_level=" + to_string(p.opt_level) +

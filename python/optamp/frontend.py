@@ -195,6 +195,10 @@ def initialize(
             "cast_model_outputs must be a torch.dtype or None, got "
             f"{type(cast_model_outputs).__name__}"
         )
+    if opt_level is None and not _C.resolve("O0", enabled=enabled).enabled:
+        # Apex returned at once when disabled, so scripts pass the level of a run that never
+        # casts as None (``opt_level=args.opt_level, enabled=args.amp``).
+        opt_level = "O0"
     from . import scaler  # (scaler imports this module)
 
     scaler.check_process_group(process_group)
@@ -215,7 +219,7 @@ def initialize(
                 _patch_forward(model, cast_model_outputs)
     global _properties
     _properties = props
-    _compile.on_initialize(props.enabled and props.opt_level != "O0")
+    _compile.on_initialize(props.casts)
 
     models_out = model_list if models_was_list else model_list[0]
     if optimizers_was_list:

@@ -309,6 +309,8 @@ struct ForwardCase {
   std::optional<bool> keep_batchnorm_fp32;
   ScalarType conv, bn, fc, ln, out, loss;  // activations, the model output, the loss
   ScalarType param, bn_param;              // the model's own tensors (masters at O2/O5)
+  std::optional<bool> master_weights = std::nullopt;      // Apex's overrides of what happens to
+  std::optional<ScalarType> cast_model_type = std::nullopt;  // the model (ModelCast)
 };
 
 void PrintTo(const ForwardCase& c, std::ostream* os) { *os << c.name; }
@@ -327,6 +329,18 @@ const ForwardCase kForwardCases[] = {
     {"O4", "O4", std::nullopt, B, B, B, F, B, F, F, F},
     {"O5", "O5", std::nullopt, B, B, B, B, B, F, F, F},
     {"O2_NoKeepBatchnormFp32", "O2", false, H, H, H, H, H, F, F, F},
+    // Apex's overrides: O2 without masters casts the model in place (batch-norm kept fp32) and
+    // keeps O2's fp32 losses; O3 with masters keeps the fp32 model and runs O3's working
+    // copies; cast_model_type None/fp32 at a model level casts nothing; O0 with fp16 casts
+    // the model (batch-norm too: keep_batchnorm_fp32 is None at O0) and its lower ops.
+    {"O2_NoMasterWeights", "O2", std::nullopt, H, H, H, H, H, F, H, F, false},
+    {"O3_MasterWeights", "O3", std::nullopt, H, H, H, H, H, H, F, F, true},
+    {"O2_CastModelTypeNone", "O2", std::nullopt, F, F, F, F, F, F, F, F, std::nullopt,
+     ScalarType::Undefined},
+    {"O3_CastModelTypeFp32", "O3", std::nullopt, F, F, F, F, F, F, F, F, std::nullopt, F},
+    {"O5_CastModelTypeNone", "O5", std::nullopt, F, F, F, F, F, F, F, F, std::nullopt,
+     ScalarType::Undefined},
+    {"O0_CastModelTypeFp16", "O0", std::nullopt, H, H, H, H, H, H, H, H, std::nullopt, H},
 };
 
 void expect_forward_dtypes(const ForwardCase& c, at::Device device) {
@@ -335,6 +349,8 @@ void expect_forward_dtypes(const ForwardCase& c, at::Device device) {
   auto opt = make_optimizer(net, Opt::kSgd);
   Options o = quiet();
   o.keep_batchnorm_fp32 = c.keep_batchnorm_fp32;
+  o.master_weights = c.master_weights;
+  o.cast_model_type = c.cast_model_type;
   initialize(net, *opt, c.level, o);
   opt->zero_grad();
   const auto out = net->forward(b.x, b.tag);

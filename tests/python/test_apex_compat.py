@@ -1,0 +1,129 @@
+"""A script written for NVIDIA Apex runs with ``import optamp as amp``: every option value Apex's
+``amp.initialize`` accepted, Apex-format ``amp.state_dict()`` checkpoints, and Apex-style
+training end to end (several models, optimizers and losses, ``add_param_group``, a checkpoint
+saved in one process and loaded in another) at O0-O3."""
+import numpy as np
+import pytest
+import torch
+
+import optamp
+from _amp_helpers import Mlp, TinyNet, fresh, init  # noqa: F401  (fresh is a fixture)
+
+pytestmark = pytest.mark.usefixtures("fresh")
+
+
+# ---- 1. every option value Apex accepted ---------------------------------------------------
+# Apex's Properties.__setattr__ and initialize(): keep_batchnorm_fp32 as "True"/"False",
+# loss_scale through float() (numbers, numeric strings, numpy scalars, a 0-dim tensor),
+# cast_model_type=False for "do not cast", truthy flags, and no validation at all with
+# enabled=False (so opt_level=None passes).
+
+APEX_VALUES = [
+    ("O1", dict(enabled=1)),
+    ("O1", dict(enabled=np.bool_(True))),
+    ("O1", dict(cast_model_type=False)),
+    ("O1", dict(cast_model_type=torch.float32)),
+    ("O2", dict(keep_batchnorm_fp32="False")),
+    ("O3", dict(keep_batchnorm_fp32="True")),
+    ("O2", dict(master_weights=False)),
+    ("O3", dict(master_weights=True)),
+    ("O2", dict(cast_model_type=False)),
+    ("O2", dict(cast_model_type=torch.float32)),
+    ("O0", dict(cast_model_type=torch.float16)),
+    ("O1", dict(patch_torch_functions=True)),
+    ("O2", dict(patch_torch_functions=False)),
+    ("O1", dict(loss_scale="128.0")),
+    ("O1", dict(loss_scale="128")),
+    ("O1", dict(loss_scale=128)),
+    ("O1", dict(loss_scale=np.float32(8.0))),
+    ("O1", dict(loss_scale=torch.tensor(4.0))),
+    ("O3", dict(loss_scale="dynamic")),
+    ("O0", dict(loss_scale="dynamic")),
+    ("O1", dict(min_loss_scale=1, max_loss_scale=2**24)),
+    ("O1", dict(min_loss_scale=np.float64(0.5))),
+    ("O1", dict(num_losses=np.int64(3))),
+    ("O1", dict(verbosity=False)),
+    ("O1", dict(cast_model_outputs=torch.float16)),
+]
+
+
+@pytest.mark.parametrize("level,kwargs", APEX_VALUES, ids=lambda v: repr(v))
+def test_every_value_apex_accepted_initializes(level, kwargs):
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = {"verbosity": 0, **kwargs}
+    m, o = optamp.initialize(model, opt, opt_level=level, **kwargs)
+    assert m is model and o is opt
+    loss = m(torch.randn(2, 1, 4, 4)).float().sum()
+    with optamp.scale_loss(loss, o) as scaled:
+        scaled.backward()
+    o.step()
+
+
+def test_values_read_as_apex_read_them():
+    p = optamp.resolve("O1", enabled=0, loss_scale="128", num_losses=np.int64(2), verbosity=False)
+    assert p.enabled is False and p.loss_scale == 128.0 and p.num_losses == 2 and p.verbosity == 0
+    assert optamp.resolve("O1", loss_scale=torch.tensor(4.0)).loss_scale == 4.0
+    assert optamp.resolve("O2", keep_batchnorm_fp32="False").keep_batchnorm_fp32 is False
+    assert optamp.resolve("O2", cast_model_type=False).cast_model_type is None
+
+
+@pytest.mark.parametrize(
+    "level,kwargs,model_cast,casts",
+    [
+        ("O2", {}, "working copies", True),
+        ("O2", dict(master_weights=False), "cast in place", True),
+        ("O2", dict(cast_model_type=False), "not cast", False),
+        ("O3", {}, "cast in place", True),
+        ("O3", dict(master_weights=True), "working copies", True),
+        ("O3", dict(cast_model_type=torch.float32), "not cast", False),
+        ("O0", dict(cast_model_type=torch.float16), "cast in place", True),
+        ("O1", dict(cast_model_type=False), "not cast", True),
+    ],
+)
+def test_model_overrides_do_what_apex_did_to_the_model(level, kwargs, model_cast, casts):
+    props = optamp.resolve(level, **kwargs)
+    assert (props.model_cast, props.casts) == (model_cast, casts)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, level, **kwargs)
+    expected = {"not cast": torch.float32, "working copies": torch.float32,
+                "cast in place": torch.float16}[model_cast]
+    assert model.conv.weight.dtype == expected
+    out = model(torch.randn(2, 1, 4, 4))
+    assert out.dtype == (torch.float16 if casts else torch.float32)
+
+
+def test_disabled_run_accepts_opt_level_none():
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    m, o = optamp.initialize(model, opt, opt_level=None, enabled=False, verbosity=0)
+    assert m is model and o is opt and optamp.properties().enabled is False
+    loss = m(torch.randn(2, 4)).sum()
+    with optamp.scale_loss(loss, o) as scaled:
+        assert torch.equal(scaled, loss.float())
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(opt_level=None), TypeError, "opt_level must be a str"),
+        (dict(cast_model_type=True), TypeError, r"cast_model_type must be a torch.dtype, False"),
+        (dict(cast_model_type="half"), TypeError, r"cast_model_type must be a torch.dtype, False"),
+        (dict(enabled=2), ValueError, r"enabled must be True, False, .* got 2"),
+        (dict(enabled="yes"), ValueError, r"enabled must be True, False"),
+        (dict(loss_scale=True), TypeError, "loss_scale must be a number, got bool"),
+        (dict(loss_scale=[1.0]), TypeError, "loss_scale must be a number, got list"),
+        (dict(num_losses=1.5), TypeError, "num_losses must be an int, got float"),
+        (dict(opt_level="O2", cast_model_type=torch.float16, patch_torch_functions=True),
+         ValueError, "patch_torch_functions=True is only valid"),
+    ],
+)
+def test_values_apex_refused_or_misread_are_refused(kwargs, error, message):
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(error, match=message):
+        optamp.initialize(model, opt, **{"opt_level": "O1", "verbosity": 0, **kwargs})
+    assert not optamp.is_initialized()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
