@@ -1,7 +1,9 @@
 """Loss scaling: ``optamp.scale_loss`` (Apex's ``amp.scale_loss``) over the compiled core."""
 import atexit
 import contextlib
-from collections.abc import Mapping
+import numbers
+import re
+from collections.abc import Mapping, MutableMapping
 
 import torch
 
@@ -169,14 +171,99 @@ def loss_scaler(loss_id=0):
     return _C.loss_scaler(loss_id)
 
 
-def state_dict():
-    """``{"loss_scaler0.scale": tensor, ...}``: every loss scaler's state (CPU tensors)."""
-    return _C.state_dict()
+def state_dict(destination=None):
+    """``{"loss_scaler0.scale": tensor, ...}``: every loss scaler's state (CPU tensors).
+
+    ``destination`` (Apex's argument): a mapping to fill and return instead of a new dict."""
+    state = _C.state_dict()
+    if destination is None:
+        return state
+    if not isinstance(destination, MutableMapping):
+        raise TypeError("destination must be a mutable mapping (a dict) or None, got "
+                        f"{type(destination).__name__}")
+    destination.update(state)
+    return destination
+
+
+# Apex's amp.state_dict(): {"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}.
+_APEX_ENTRIES = ("loss_scale", "unskipped")
+
+
+def _is_apex_layout(state):
+    return any(isinstance(v, Mapping) for v in state.values())
+
+
+def _apex_number(value, where, integral):
+    kinds = "an int" if integral else "a number"
+    ok = isinstance(value, numbers.Integral if integral else numbers.Real) or (
+        isinstance(value, torch.Tensor) and value.numel() == 1
+        and (not integral or not value.is_floating_point()))
+    if not ok or isinstance(value, bool):
+        raise TypeError(f"{where} must be {kinds}, got {type(value).__name__}")
+    return int(value) if integral else float(value)
+
+
+def _from_apex_layout(state):
+    """Apex's nested layout -> optamp's flat one. Apex kept the scale and the count of steps
+    since the last overflow ("unskipped", the growth tracker with Apex's scale_window=2000);
+    the rest starts as in a fresh scaler: the full hysteresis, no skipped steps."""
+    props = frontend.properties()
+    flat = {}
+    for key, entry in state.items():
+        if not isinstance(key, str) or not key.startswith("loss_scaler"):
+            raise ValueError(f"state_dict in Apex's layout must hold only 'loss_scaler<i>' "
+                             f"entries (as apex.amp.state_dict() writes), got {key!r}")
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"state_dict[{key!r}] must be a mapping with 'loss_scale' and "
+                            f"'unskipped' (Apex's layout), got {type(entry).__name__}")
+        if set(entry) != set(_APEX_ENTRIES):
+            raise ValueError(f"state_dict[{key!r}] must hold exactly 'loss_scale' and "
+                             f"'unskipped' (Apex's layout), got {sorted(map(str, entry))}")
+        scale = _apex_number(entry["loss_scale"], f"state_dict[{key!r}]['loss_scale']", False)
+        unskipped = _apex_number(entry["unskipped"], f"state_dict[{key!r}]['unskipped']", True)
+        index = key[len("loss_scaler"):]
+        dynamic = (index.isdigit() and int(index) < _C.num_loss_scalers()
+                   and _C.loss_scaler(int(index)).dynamic)
+        # A fixed scale never grows, and Apex counted its steps past the window: nothing to keep.
+        growth = unskipped if dynamic else 0
+        hysteresis = props.hysteresis if props is not None else 1
+        flat[f"{key}.scale"] = torch.tensor(scale, dtype=torch.float32)
+        flat[f"{key}.growth_tracker"] = torch.tensor(growth, dtype=torch.int32) \
+            if -(2**31) <= growth < 2**31 else torch.tensor(growth)
+        flat[f"{key}.hysteresis"] = torch.tensor(hysteresis, dtype=torch.int32)
+        flat[f"{key}.skipped"] = torch.tensor(0, dtype=torch.int64)
+        flat[f"{key}.floor_skips"] = torch.tensor(0, dtype=torch.int64)
+    return flat
+
+
+def _apex_names(message):
+    """optamp's entry names in a validation error -> the Apex keys the caller wrote."""
+    message = re.sub(r"'(loss_scaler\d+)\.growth_tracker'", r"'\1']['unskipped']", message)
+    message = re.sub(r"'(loss_scaler\d+)\.scale'", r"'\1']['loss_scale']", message)
+    return message.replace("state entry 'loss_scaler", "state_dict['loss_scaler")
 
 
 def load_state_dict(state_dict):
-    """Restore :func:`state_dict` output (validated first; nothing changes on error)."""
+    """Restore :func:`state_dict` output (validated first; nothing changes on error).
+
+    Also takes Apex's layout, ``{"loss_scaler0": {"loss_scale": ..., "unskipped": ...}}``, so a
+    run trained with Apex resumes here (see docs/loss_scaling.md)."""
     if not isinstance(state_dict, Mapping):
         raise TypeError("state_dict must be a mapping such as optamp.state_dict() returns, got "
                         f"{type(state_dict).__name__}")
-    _C.load_state_dict(dict(state_dict))
+    if not (state_dict and _is_apex_layout(state_dict)):
+        _C.load_state_dict(dict(state_dict))
+        return
+    if not _C.num_loss_scalers():
+        _C.load_state_dict({})  # the "call initialize first" error
+    flat = _from_apex_layout(state_dict)
+    expected = [f"loss_scaler{i}" for i in range(_C.num_loss_scalers())]
+    if sorted(state_dict) != sorted(expected):
+        # Apex warned and loaded what matched; a resumed loss would silently start over here.
+        raise ValueError(f"state_dict (Apex's layout) must hold the {len(expected)} loss "
+                         f"scaler(s) initialize configured (num_losses={len(expected)}: "
+                         f"{', '.join(expected)}), got {', '.join(map(str, state_dict))}")
+    try:
+        _C.load_state_dict(flat)
+    except (ValueError, TypeError) as error:
+        raise type(error)(_apex_names(str(error))) from None

@@ -127,3 +127,111 @@ def test_values_apex_refused_or_misread_are_refused(kwargs, error, message):
         optamp.initialize(model, opt, **{"opt_level": "O1", "verbosity": 0, **kwargs})
     assert not optamp.is_initialized()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# ---- 2. Apex-format checkpoints --------------------------------------------------------------
+# apex.amp.state_dict() wrote {"loss_scaler<i>": {"loss_scale": float, "unskipped": int}}; a run
+# trained with Apex resumes from it here.
+
+def _apex_state(*pairs):
+    from collections import OrderedDict
+
+    return OrderedDict((f"loss_scaler{i}", {"loss_scale": scale, "unskipped": unskipped})
+                       for i, (scale, unskipped) in enumerate(pairs))
+
+
+def _clean_step(model, opt, loss_id=0):
+    opt.zero_grad()
+    loss = model(torch.randn(4, 4)).float().pow(2).mean()
+    with optamp.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+        scaled.backward()
+    opt.step()
+
+
+def test_apex_layout_resumes_scale_and_growth_count():
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    init(model, opt, "O1", num_losses=2)
+    optamp.load_state_dict(_apex_state((1024.0, 1998), (2.0**15, 0)))
+    s0, s1 = optamp.loss_scaler(0), optamp.loss_scaler(1)
+    assert (s0.loss_scale(), int(s0.growth_tracker)) == (1024.0, 1998)
+    assert (s1.loss_scale(), int(s1.growth_tracker)) == (2.0**15, 0)
+    assert int(s0.hysteresis_tracker) == optamp.properties().hysteresis and s0.skipped_steps == 0
+    # Apex doubled the scale when "unskipped" reached its window of 2000: so does optamp.
+    _clean_step(model, opt)
+    assert s0.loss_scale() == 1024.0
+    _clean_step(model, opt)
+    assert s0.loss_scale() == 2048.0 and int(s0.growth_tracker) == 0
+    # optamp's own layout is what it writes, and it round-trips.
+    saved = optamp.state_dict()
+    assert set(saved) == {f"loss_scaler{i}.{e}" for i in range(2)
+                          for e in ("scale", "growth_tracker", "hysteresis", "skipped",
+                                    "floor_skips")}
+
+
+@pytest.mark.parametrize("level", ["O0", "O3"])
+def test_apex_layout_of_a_fixed_scale_loads(level):
+    # Apex kept counting "unskipped" past its window for a static scaler; nothing grows here.
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    init(model, opt, level)
+    optamp.load_state_dict(_apex_state((1.0, 5000)))
+    assert optamp.loss_scaler(0).loss_scale() == 1.0
+    assert int(optamp.loss_scaler(0).growth_tracker) == 0
+
+
+def test_apex_layout_values_apex_wrote_as_tensors_and_numpy_load():
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    init(model, opt, "O2")
+    optamp.load_state_dict(_apex_state((torch.tensor(512.0), np.int64(3))))
+    assert optamp.loss_scaler(0).loss_scale() == 512.0
+    assert int(optamp.loss_scaler(0).growth_tracker) == 3
+
+
+@pytest.mark.parametrize(
+    "state,error,message",
+    [
+        (_apex_state((1024.0, 0)), ValueError,
+         r"must hold the 2 loss scaler\(s\) initialize configured \(num_losses=2: "
+         r"loss_scaler0, loss_scaler1\), got loss_scaler0"),
+        (_apex_state((1024.0, 2000), (1.0, 0)), ValueError,
+         r"state_dict\['loss_scaler0'\]\['unskipped'\] must lie within \[0, 1999\]"),
+        (_apex_state((1e30, 0), (1.0, 0)), ValueError,
+         r"state_dict\['loss_scaler0'\]\['loss_scale'\] must lie within"),
+        (_apex_state((1.0, 0), (-4.0, 0)), ValueError,
+         r"state_dict\['loss_scaler1'\]\['loss_scale'\] must lie within"),
+        ({"loss_scaler0": {"loss_scale": 8.0}, "loss_scaler1": {"loss_scale": 8.0,
+                                                                "unskipped": 0}},
+         ValueError, r"state_dict\['loss_scaler0'\] must hold exactly 'loss_scale' and "
+                     r"'unskipped'"),
+        ({"loss_scaler0": {"loss_scale": "8", "unskipped": 0}}, TypeError,
+         r"state_dict\['loss_scaler0'\]\['loss_scale'\] must be a number, got str"),
+        ({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 1.5}}, TypeError,
+         r"\['unskipped'\] must be an int, got float"),
+        ({"epoch": {"n": 1}}, ValueError, r"only 'loss_scaler<i>' entries .* got 'epoch'"),
+    ],
+)
+def test_bad_apex_layout_is_refused_by_its_apex_keys_and_changes_nothing(state, error,
+                                                                         message):
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    init(model, opt, "O1", num_losses=2)
+    before = {k: v.clone() for k, v in optamp.state_dict().items()}
+    with pytest.raises(error, match=message):
+        optamp.load_state_dict(state)
+    after = optamp.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_state_dict_fills_apexs_destination_argument():
+    from collections import OrderedDict
+
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    init(model, opt, "O1")
+    dest = OrderedDict(kept=1)
+    assert optamp.state_dict(destination=dest) is dest
+    assert dest["kept"] == 1 and "loss_scaler0.scale" in dest
+    with pytest.raises(TypeError, match="destination must be a mutable mapping"):
+        optamp.state_dict(destination=[])
