@@ -51,6 +51,18 @@ const std::vector<TableEntry>& builtin_table() {
       {"aten::gru_cell", "", L},
       {"aten::rnn_tanh_cell", "", L},
       {"aten::rnn_relu_cell", "", L},
+      // Whole RNN layers (nn.LSTM/GRU/RNN; ".data" is the PackedSequence form), as Apex's O1
+      // (its RNN casts) and native autocast (AutocastCPU's mkldnn_rnn_layer, AutocastCUDA's
+      // _cudnn_rnn) cast them. Without these, nn.RNN came out fp16 through its listed inner ops
+      // while nn.LSTM/GRU, whose kernels call none, stayed fp32.
+      {"aten::lstm", "input", L},
+      {"aten::lstm", "data", L},
+      {"aten::gru", "input", L},
+      {"aten::gru", "data", L},
+      {"aten::rnn_tanh", "input", L},
+      {"aten::rnn_tanh", "data", L},
+      {"aten::rnn_relu", "input", L},
+      {"aten::rnn_relu", "data", L},
       // ---- fp32 (Apex FP32_FUNCS) ---------------------------------------------------------
       {"aten::upsample_nearest1d", "", F},
       {"aten::upsample_nearest1d", "vec", F},

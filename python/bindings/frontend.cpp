@@ -1,6 +1,7 @@
 // Bindings for the initialize core, the per-thread casting guards, op registration and the
 // cast cache. optamp.initialize (python/optamp/frontend.py) collects tensors from torch.nn.Module
 // and torch.optim objects and hands them to the same core the LibTorch front uses.
+#include <ATen/autocast_mode.h>
 #include <c10/core/Device.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/Exceptions.h>
@@ -98,6 +99,22 @@ void bind_frontend(py::module_& m) {
   m.def("is_casting_enabled", &amp::is_casting_enabled,
         "True when optamp's casting is on for the calling thread (initialize turns it on for "
         "the thread that called it; autocast regions turn it on locally).");
+  m.def(
+      "_is_any_autocast_enabled",
+      []() {
+        // torch._C._is_any_autocast_enabled() as torch means it: "ops are autocast now". Its own
+        // version reads whether each device's autocast key is excluded, and optamp's key
+        // (AutocastPrivateUse1) stays on inside disable_casts and under the no_grad gate, where
+        // optamp casts nothing. nn.RNN skips its dtype check on the answer, AOTAutograd
+        // disables autocast around a compiled graph on it.
+        for (const auto device : {c10::DeviceType::CPU, c10::DeviceType::CUDA, c10::DeviceType::XPU,
+                                  c10::DeviceType::IPU, c10::DeviceType::XLA, c10::DeviceType::HPU}) {
+          if (at::autocast::is_autocast_enabled(device)) return true;
+        }
+        return amp::is_casting_enabled();
+      },
+      "Native autocast on for a device, or optamp's rules apply to ops on this thread now "
+      "(installed as torch._C._is_any_autocast_enabled).");
   m.def(
       "_cast_rules",
       [](const std::string& device) {

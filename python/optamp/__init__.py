@@ -43,9 +43,10 @@ from .functions import (
     register_promote_op,
 )
 from .scaler import load_state_dict, loss_scaler, scale_loss, state_dict
-from . import _checkpoint
+from . import _autocast_flag, _checkpoint
 
 _checkpoint.install()  # forward and recompute of torch.utils.checkpoint under the same rules
+_autocast_flag.install()  # torch._C._is_any_autocast_enabled(): True only where ops are cast
 
 __version__ = "0.1.0"
 

@@ -94,6 +94,9 @@ at::Tensor signs(ScalarType t) {
   return at::tensor({1.0, -1.0, 1.0, -1.0}, on_device(at::kFloat)).to(t);
 }
 
+// Batch sizes of a packed sequence of lengths {3, 2} (5 rows): always a CPU int64 tensor.
+at::Tensor packed_batch_sizes() { return at::tensor({2, 2, 1}, at::kLong); }
+
 std::vector<OpCase> lower_cases() {
   auto r = [](at::IntArrayRef s, ScalarType t) { return at::randn(s, on_device(t)); };
   return {
@@ -232,6 +235,55 @@ std::vector<OpCase> lower_cases() {
       {"rnn_relu_cell",
        [r](ScalarType t) {
          return at::rnn_relu_cell(r({2, 3}, t), r({2, 4}, t), r({4, 3}, t), r({4, 4}, t));
+       }},
+      // Whole layers: one layer without biases, sequence 3, batch 2, input 3, hidden 4. The
+      // ".data" form takes a packed sequence (rows of all steps, CPU batch sizes).
+      {"lstm.input",
+       [r](ScalarType t) {
+         return std::get<0>(at::lstm(r({3, 2, 3}, t), {r({1, 2, 4}, t), r({1, 2, 4}, t)},
+                                     {r({16, 3}, t), r({16, 4}, t)}, false, 1, 0.0, true, false,
+                                     false));
+       }},
+      {"lstm.data",
+       [r](ScalarType t) {
+         return std::get<0>(at::lstm(r({5, 3}, t), packed_batch_sizes(),
+                                     {r({1, 2, 4}, t), r({1, 2, 4}, t)},
+                                     {r({16, 3}, t), r({16, 4}, t)}, false, 1, 0.0, true, false));
+       }},
+      {"gru.input",
+       [r](ScalarType t) {
+         return std::get<0>(at::gru(r({3, 2, 3}, t), r({1, 2, 4}, t),
+                                    {r({12, 3}, t), r({12, 4}, t)}, false, 1, 0.0, true, false,
+                                    false));
+       }},
+      {"gru.data",
+       [r](ScalarType t) {
+         return std::get<0>(at::gru(r({5, 3}, t), packed_batch_sizes(), r({1, 2, 4}, t),
+                                    {r({12, 3}, t), r({12, 4}, t)}, false, 1, 0.0, true, false));
+       }},
+      {"rnn_tanh.input",
+       [r](ScalarType t) {
+         return std::get<0>(at::rnn_tanh(r({3, 2, 3}, t), r({1, 2, 4}, t),
+                                         {r({4, 3}, t), r({4, 4}, t)}, false, 1, 0.0, true, false,
+                                         false));
+       }},
+      {"rnn_tanh.data",
+       [r](ScalarType t) {
+         return std::get<0>(at::rnn_tanh(r({5, 3}, t), packed_batch_sizes(), r({1, 2, 4}, t),
+                                         {r({4, 3}, t), r({4, 4}, t)}, false, 1, 0.0, true,
+                                         false));
+       }},
+      {"rnn_relu.input",
+       [r](ScalarType t) {
+         return std::get<0>(at::rnn_relu(r({3, 2, 3}, t), r({1, 2, 4}, t),
+                                         {r({4, 3}, t), r({4, 4}, t)}, false, 1, 0.0, true, false,
+                                         false));
+       }},
+      {"rnn_relu.data",
+       [r](ScalarType t) {
+         return std::get<0>(at::rnn_relu(r({5, 3}, t), packed_batch_sizes(), r({1, 2, 4}, t),
+                                         {r({4, 3}, t), r({4, 4}, t)}, false, 1, 0.0, true,
+                                         false));
        }},
   };
 }

@@ -235,3 +235,169 @@ def test_state_dict_fills_apexs_destination_argument():
     assert dest["kept"] == 1 and "loss_scaler0.scale" in dest
     with pytest.raises(TypeError, match="destination must be a mutable mapping"):
         optamp.state_dict(destination=[])
+
+
+# ---- 3. what Apex's casting tests expect (test_rnn.py, test_basic_casts.py) ----------------
+# Apex's amp.init() becomes an optamp.autocast(float16) region; each case trains a step.
+
+RNN_CONFIGS = [(1, False), (2, False), (2, True)]  # (layers, bidirectional), Apex's
+
+
+@pytest.mark.parametrize("cls", [torch.nn.RNN, torch.nn.GRU, torch.nn.LSTM])
+@pytest.mark.parametrize("layers,bidir", RNN_CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_whole_rnn_layers_run_in_fp16_as_in_apex(cls, layers, bidir, dtype):
+    rnn = cls(input_size=6, hidden_size=6, num_layers=layers, bidirectional=bidir)
+    x = torch.randn(4, 3, 6, dtype=dtype, requires_grad=True)
+    h = torch.zeros(layers * (2 if bidir else 1), 3, 6, dtype=dtype)
+    with optamp.autocast(dtype=torch.float16):
+        out, _ = rnn(x, (h, h.clone()) if cls is torch.nn.LSTM else h)
+    assert out.dtype == torch.float16
+    out[-1].float().sum().backward()
+    assert x.grad.dtype == dtype
+    assert all(p.grad.dtype == torch.float32 for p in rnn.parameters())
+
+
+@pytest.mark.parametrize("cls", [torch.nn.RNN, torch.nn.GRU, torch.nn.LSTM])
+def test_packed_sequences_run_in_fp16_too(cls):
+    rnn = cls(input_size=6, hidden_size=6, num_layers=2)
+    x = torch.randn(5, 3, 6, requires_grad=True)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor([5, 4, 2]))
+    with optamp.autocast(dtype=torch.float16):
+        out, _ = rnn(packed)
+    assert out.data.dtype == torch.float16
+    out.data.float().sum().backward()
+    assert x.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("cls", [torch.nn.RNNCell, torch.nn.GRUCell, torch.nn.LSTMCell])
+def test_rnn_cells_run_in_fp16_as_in_apex(cls):
+    cell = cls(6, 6)
+    for dtype in (torch.float32, torch.float16):
+        xs = [torch.randn(3, 6, dtype=dtype, requires_grad=True) for _ in range(3)]
+        hidden = torch.zeros(3, 6, dtype=dtype)
+        hidden = (hidden, hidden.clone()) if cls is torch.nn.LSTMCell else hidden
+        with optamp.autocast(dtype=torch.float16):
+            for x in xs:
+                hidden = cell(x, hidden)
+        out = hidden[0] if cls is torch.nn.LSTMCell else hidden
+        assert out.dtype == torch.float16
+        out.float().sum().backward()
+        assert all(x.grad.dtype == dtype for x in xs)
+
+
+@pytest.mark.parametrize("level", ["O1", "O4"])
+def test_rnn_layers_at_the_op_levels_train(level):
+    model = torch.nn.LSTM(6, 6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, level)
+    low = optamp.properties().low_dtype
+    out, _ = model(torch.randn(4, 3, 6))
+    assert out.dtype == low
+    with optamp.scale_loss(out.float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_cpu_keeps_the_dtype_unlike_apex():
+    # Apex listed Tensor.cpu as an fp32 function (CPUs had no fp16 kernels then). .cpu() is
+    # aten::_to_copy, the op every cast is made of; optamp leaves it alone (docs/python.md).
+    init(Mlp(), None, "O1")
+    x = torch.randn(2, 3, requires_grad=True)
+    with optamp.autocast(dtype=torch.float16):
+        assert x.half().cpu().dtype == torch.float16
+        assert x.cpu().dtype == torch.float32
+
+
+FP32_INPLACE = ["exp_", "log_", "log2_", "log10_", "log1p_", "expm1_", "reciprocal_", "rsqrt_",
+                "sinh_", "cosh_", "tan_", "asin_", "acos_", "erfinv_"]
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_inplace_fp32_list_ops_on_reduced_tensors_run_as_if_in_fp32(low):
+    # Apex raised on exp_ & co. applied to an fp16 tensor under O1: an in-place op cannot return
+    # fp32. optamp runs them, as native autocast does, and the result is what computing in fp32
+    # and storing in the tensor's dtype gives: ATen's reduced-precision kernels compute in fp32
+    # (opmath) and round once.
+    init(Mlp(), None, "O1" if low == torch.float16 else "O4")
+    base = (torch.rand(512) * 0.9 + 0.05).to(low)
+    with torch.enable_grad():
+        for name in FP32_INPLACE:
+            got = getattr(base.clone(), name)()
+            want = getattr(base.float(), name[:-1])().to(low)
+            assert got.dtype == low
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=name)
+        for name, args in [("pow_", (2.5,)), ("cumsum_", (0,)), ("cumprod_", (0,))]:
+            got = getattr(base[:32].clone(), name)(*args)
+            want = getattr(base[:32].float(), name[:-1])(*args).to(low)
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+
+
+# ---- 4. torch code that reads torch._C._is_any_autocast_enabled() --------------------------
+# optamp installs a version that is True where ops are cast now (native autocast, or optamp's
+# rules), not merely where an autocast key is on (see python/optamp/_autocast_flag.py).
+
+def _bf16_lstm():
+    return torch.nn.LSTM(6, 6).bfloat16()
+
+
+def test_flag_is_true_exactly_where_ops_are_cast():
+    flag = torch._C._is_any_autocast_enabled
+    assert not flag()
+    init(Mlp(), None, "O1")
+    assert flag()
+    with optamp.disable_casts():
+        assert not flag()
+    with optamp.autocast(enabled=False):
+        assert not flag()
+    with torch.no_grad():
+        assert not flag()  # optamp's no_grad gate: nothing is cast
+        with optamp.autocast(dtype=torch.bfloat16):
+            assert flag()
+    with optamp.disable_casts(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert flag()  # native autocast still counts
+    optamp.reset()
+    assert not flag()
+
+
+def test_rnn_dtype_check_behaves_as_under_native_autocast_where_optamp_casts():
+    x = torch.randn(4, 3, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        native = _bf16_lstm()(x)[0].dtype
+    init(Mlp(), None, "O4")
+    assert _bf16_lstm()(x)[0].dtype == native == torch.bfloat16
+
+
+@pytest.mark.parametrize("where", ["disable_casts", "autocast(enabled=False)", "no_grad"])
+def test_rnn_dtype_check_behaves_as_without_optamp_where_it_does_not_cast(where):
+    x = torch.randn(4, 3, 6)
+    with pytest.raises(ValueError, match=r"RNN input dtype \(torch.float32\) does not match "
+                                         r"weight dtype \(torch.bfloat16\)") as plain:
+        _bf16_lstm()(x)
+    init(Mlp(), None, "O4")
+    ctx = {"disable_casts": optamp.disable_casts, "no_grad": torch.no_grad,
+           "autocast(enabled=False)": lambda: optamp.autocast(enabled=False)}[where]
+    with ctx(), pytest.raises(ValueError) as under_optamp:
+        _bf16_lstm()(x)
+    assert str(under_optamp.value) == str(plain.value)
+
+
+@pytest.mark.parametrize("level", ["O1", "O4"])
+def test_aot_runs_a_compiled_graph_with_casting_off_as_under_native_autocast(level):
+    # The graph already holds the casts it was traced with; AOTAutograd disables autocast
+    # around it when the flag was True at compile time. So a compiled call makes no casts of
+    # its own where the eager call makes some, and returns the same dtype.
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    init(net, None, level)
+    x = torch.randn(5, 8)
+    compiled = torch.compile(net, backend="aot_eager")
+    compiled(x)
+    before = optamp.cast_count()
+    out = compiled(x)
+    assert optamp.cast_count() == before
+    eager_before = optamp.cast_count()
+    assert net(x).dtype == out.dtype == optamp.properties().low_dtype
+    assert optamp.cast_count() > eager_before
+    with optamp.disable_casts():
+        assert compiled(x).dtype == torch.float32

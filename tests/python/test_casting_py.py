@@ -54,6 +54,10 @@ def _quiet(fn):
 
 aten = torch.ops.aten
 
+def _BATCH_SIZES():  # noqa: N802  (a constant, built per call: always CPU int64)
+    return torch.tensor([2, 2, 1])
+
+
 # ---- the C++ tables (tests/cpp/test_casting.cpp lower_cases / fp32_cases / promote_cases) ----
 # Keyed, like them, by the policy-table entry ("op" or "op.overload" in aten::) each case calls at
 # the top level, with the same shapes. A public Python function is used where it reaches that
@@ -99,6 +103,30 @@ LOWER = {
     "gru_cell": lambda m: torch.gru_cell(m.n(2, 3), m.n(2, 4), m.n(12, 3), m.n(12, 4)),
     "rnn_tanh_cell": lambda m: torch.rnn_tanh_cell(m.n(2, 3), m.n(2, 4), m.n(4, 3), m.n(4, 4)),
     "rnn_relu_cell": lambda m: torch.rnn_relu_cell(m.n(2, 3), m.n(2, 4), m.n(4, 3), m.n(4, 4)),
+    # Whole layers (what nn.LSTM/GRU/RNN call; ".data" with a PackedSequence): one layer, no
+    # biases, sequence 3, batch 2, input 3, hidden 4; packed: lengths {3, 2}, 5 rows.
+    "lstm.input": lambda m: aten.lstm.input(m.n(3, 2, 3), [m.n(1, 2, 4), m.n(1, 2, 4)],
+                                            [m.n(16, 3), m.n(16, 4)], False, 1, 0.0, True,
+                                            False, False)[0],
+    "lstm.data": lambda m: aten.lstm.data(m.n(5, 3), _BATCH_SIZES(), [m.n(1, 2, 4), m.n(1, 2, 4)],
+                                          [m.n(16, 3), m.n(16, 4)], False, 1, 0.0, True,
+                                          False)[0],
+    "gru.input": lambda m: aten.gru.input(m.n(3, 2, 3), m.n(1, 2, 4), [m.n(12, 3), m.n(12, 4)],
+                                          False, 1, 0.0, True, False, False)[0],
+    "gru.data": lambda m: aten.gru.data(m.n(5, 3), _BATCH_SIZES(), m.n(1, 2, 4),
+                                        [m.n(12, 3), m.n(12, 4)], False, 1, 0.0, True, False)[0],
+    "rnn_tanh.input": lambda m: aten.rnn_tanh.input(m.n(3, 2, 3), m.n(1, 2, 4),
+                                                    [m.n(4, 3), m.n(4, 4)], False, 1, 0.0, True,
+                                                    False, False)[0],
+    "rnn_tanh.data": lambda m: aten.rnn_tanh.data(m.n(5, 3), _BATCH_SIZES(), m.n(1, 2, 4),
+                                                  [m.n(4, 3), m.n(4, 4)], False, 1, 0.0, True,
+                                                  False)[0],
+    "rnn_relu.input": lambda m: aten.rnn_relu.input(m.n(3, 2, 3), m.n(1, 2, 4),
+                                                    [m.n(4, 3), m.n(4, 4)], False, 1, 0.0, True,
+                                                    False, False)[0],
+    "rnn_relu.data": lambda m: aten.rnn_relu.data(m.n(5, 3), _BATCH_SIZES(), m.n(1, 2, 4),
+                                                  [m.n(4, 3), m.n(4, 4)], False, 1, 0.0, True,
+                                                  False)[0],
 }
 
 

@@ -1,0 +1,44 @@
+"""``torch._C._is_any_autocast_enabled()`` that tells the truth under optamp.
+
+torch answers it from the dispatch-key TLS: autocast is "on" for a device when its autocast key
+is not excluded. optamp's casting key is such a key (AutocastPrivateUse1), and it stays on where
+optamp casts nothing (inside ``disable_casts`` / ``autocast(enabled=False)``, under the no_grad
+gate), so torch's answer was True there. Two torch code paths read it:
+
+* ``nn.RNNBase.check_input`` skips its input/weight dtype check when it is True (autocast will
+  cast both): a bf16 LSTM fed fp32 input then failed deep in oneDNN instead of raising torch's
+  ``ValueError``. optamp casts whole RNN layers wherever its rules apply (as native autocast and
+  Apex do), so "True" must mean "the rules apply now".
+* AOTAutograd (and Inductor) run a compiled graph under ``torch._C._DisableAutocast`` when it was
+  True at compile time: the traced graph already holds the casts. That stays so where optamp
+  casts; where it does not, the graph holds no casts and nothing needs disabling.
+
+The replacement answers: native autocast is on for a device, or optamp's rules apply to ops on
+this thread now (``optamp.is_casting_enabled()``). Dynamo folds it to a constant while tracing,
+as it folds torch's own; optamp's state is part of Dynamo's guards (see ``_compile``).
+"""
+import torch
+
+from . import _C
+
+_torch_version = None
+
+
+@torch.compiler.assume_constant_result
+def _is_any_autocast_enabled():
+    return _C._is_any_autocast_enabled()
+
+
+def install():
+    global _torch_version
+    if _torch_version is None:
+        _torch_version = torch._C._is_any_autocast_enabled
+        torch._C._is_any_autocast_enabled = _is_any_autocast_enabled
+
+
+def uninstall():
+    """Back to torch's own (tests)."""
+    global _torch_version
+    if _torch_version is not None:
+        torch._C._is_any_autocast_enabled = _torch_version
+        _torch_version = None
