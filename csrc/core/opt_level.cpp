@@ -188,12 +188,12 @@ void check_model_level_overrides(const Properties& p) {
   if (p.opt_level == OptLevel::O1 || p.opt_level == OptLevel::O4) return;
   const std::string level = to_string(p.opt_level);
   const ScalarType cast = is_reduced_float(p.cast_model_type) ? p.cast_model_type : kNone;
-  TORCH_CHECK_VALUE(
-      p.patch_torch_functions_type == kNone || p.patch_torch_functions_type == cast, "opt_level ",
-      level, " runs ops in the model's type (cast_model_type=", dtype_name(p.cast_model_type),
-      "), so patch_torch_functions_type must be None",
-      cast == kNone ? std::string() : " or " + dtype_name(cast), ", got ",
-      dtype_name(p.patch_torch_functions_type), ". To change the type, set cast_model_type instead.");
+  TORCH_CHECK_VALUE(p.patch_torch_functions_type == kNone || p.patch_torch_functions_type == cast,
+                    "opt_level ", level, " runs ops in the model's type (cast_model_type=",
+                    dtype_name(p.cast_model_type), "), so patch_torch_functions_type must be None",
+                    cast == kNone ? std::string() : " or " + dtype_name(cast), ", got ",
+                    dtype_name(p.patch_torch_functions_type),
+                    ". To change the type, set cast_model_type instead.");
 }
 
 void check_scaler_knobs(const Properties& p, const Options& o) {

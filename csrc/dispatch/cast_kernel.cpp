@@ -137,8 +137,10 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
     op.redispatchBoxed(below, stack);
     return;
   }
-  TORCH_CHECK(!(category == Category::kBanned && decision.rules == RuleSet::kFullLists),
-              banned_message(name_.c_str()));
+  // NotImplementedError in Python, as Apex raised (a RuntimeError subclass, c10::Error in C++).
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !(category == Category::kBanned && decision.rules == RuleSet::kFullLists),
+      banned_message(name_.c_str()));
 
   // Casts must not come back into optamp's kernels (nor should composite ops' inner calls).
   c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);

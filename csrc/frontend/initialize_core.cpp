@@ -64,6 +64,32 @@ void check_model(const ModelTensors& model) {
                     "run in mixed precision");
 }
 
+// Apex's check: the levels that keep fp32 weights (O1/O4, and O2/O5's masters) need fp32
+// trainable parameters, or the "fp32 master weights" are fp16 and nothing says so. A model cast
+// in place (O3), or whose dtypes the caller keeps (cast_model_type=False, what Apex's own tests
+// did with allow_incoming_model_not_fp32), takes any dtype; frozen parameters (requires_grad
+// false, e.g. an fp16 teacher) are not stepped and are not checked.
+void check_model_dtypes(const ModelTensors& model, const Properties& p, const Options& o) {
+  const bool kept_as_is = o.cast_model_type && *o.cast_model_type == c10::ScalarType::Undefined;
+  if (!p.casts() || p.model_cast() == ModelCast::kInPlace || kept_as_is) return;
+  for (const auto i : c10::irange(model.parameters.size())) {
+    const at::Tensor& t = model.parameters[i];
+    if (!t.is_floating_point() || !t.requires_grad() || t.scalar_type() == at::kFloat) continue;
+    TORCH_CHECK_VALUE(
+        false, "models' trainable parameters must be torch.float32 at opt_level ",
+        to_string(p.opt_level), ", got parameter ",
+        i < model.names.size() ? model.names[i] + " " : std::string(), "(", shape_of(t), ") of ",
+        dtype_name(t.scalar_type()),
+        ": do not call .half()/.bfloat16() on the model before initialize (as in "
+        "Apex); the level casts what it needs and keeps fp32 weights ",
+        p.model_cast() == ModelCast::kWorkingCopies ? "as master weights" : "for the optimizer",
+        ". To train reduced-precision weights directly use opt_level 'O3'; to "
+        "keep the model's dtypes as they are, pass cast_model_type=False (C++: "
+        "c10::ScalarType::Undefined; at O2/O3/O5 nothing is cast then); frozen "
+        "parameters need requires_grad=False.");
+  }
+}
+
 void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTensors>& opts) {
   // Model parameters by identity, with the model's name for them ("fc1.weight") when known.
   std::unordered_map<const c10::TensorImpl*, std::string> in_model;
@@ -116,7 +142,8 @@ void warn_fp16_epsilon(const Properties& p, const std::vector<OptimizerTensors>&
   constexpr double kSmallestNormalHalf = 6.103515625e-05;  // 2^-14
   for (const auto& opt : opts) {
     if (opt.smallest_eps > 0 && opt.smallest_eps < kSmallestNormalHalf) {
-      TORCH_WARN(to_string(p.opt_level), " (fp16 parameters stepped directly): ", opt.description, " has eps=", opt.smallest_eps,
+      TORCH_WARN(to_string(p.opt_level), " (fp16 parameters stepped directly): ", opt.description,
+                 " has eps=", opt.smallest_eps,
                  ", below fp16's smallest normal number (6.1e-05); its denominator can "
                  "underflow and steps blow up. Use eps >= 1e-4, or fp32 master weights (O2).");
     }
@@ -179,6 +206,7 @@ Properties initialize_core(const ModelTensors& model, const std::vector<Optimize
                     "amp::initialize was already called; call amp::reset() "
                     "before initializing a new model/optimizer");
   check_model(model);
+  check_model_dtypes(model, p, options);
   check_optimizers(model, opts);
   ensure_registered();  // key conflicts surface here, still before any change
   warn_fp16_epsilon(p, opts);

@@ -107,8 +107,9 @@ void bind_frontend(py::module_& m) {
         // (AutocastPrivateUse1) stays on inside disable_casts and under the no_grad gate, where
         // optamp casts nothing. nn.RNN skips its dtype check on the answer, AOTAutograd
         // disables autocast around a compiled graph on it.
-        for (const auto device : {c10::DeviceType::CPU, c10::DeviceType::CUDA, c10::DeviceType::XPU,
-                                  c10::DeviceType::IPU, c10::DeviceType::XLA, c10::DeviceType::HPU}) {
+        for (const auto device :
+             {c10::DeviceType::CPU, c10::DeviceType::CUDA, c10::DeviceType::XPU,
+              c10::DeviceType::IPU, c10::DeviceType::XLA, c10::DeviceType::HPU}) {
           if (at::autocast::is_autocast_enabled(device)) return true;
         }
         return amp::is_casting_enabled();

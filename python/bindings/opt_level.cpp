@@ -4,8 +4,8 @@
 #include <pybind11/stl.h>
 
 #include <limits>
-#include <string>
 #include <optional>
+#include <string>
 
 #include "common.h"
 
@@ -24,7 +24,8 @@ std::optional<long long> as_index(const py::handle& value, const char* name) {
   if (!index) throw py::error_already_set();
   const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
   if (overflow != 0) {
-    throw py::value_error(std::string(name) + " must be an int within the range of a C++ int, got " +
+    throw py::value_error(std::string(name) +
+                          " must be an int within the range of a C++ int, got " +
                           std::string(py::str(value)));
   }
   return v;

@@ -270,8 +270,7 @@ std::vector<OpCase> lower_cases() {
       {"rnn_tanh.data",
        [r](ScalarType t) {
          return std::get<0>(at::rnn_tanh(r({5, 3}, t), packed_batch_sizes(), r({1, 2, 4}, t),
-                                         {r({4, 3}, t), r({4, 4}, t)}, false, 1, 0.0, true,
-                                         false));
+                                         {r({4, 3}, t), r({4, 4}, t)}, false, 1, 0.0, true, false));
        }},
       {"rnn_relu.input",
        [r](ScalarType t) {
@@ -282,8 +281,7 @@ std::vector<OpCase> lower_cases() {
       {"rnn_relu.data",
        [r](ScalarType t) {
          return std::get<0>(at::rnn_relu(r({5, 3}, t), packed_batch_sizes(), r({1, 2, 4}, t),
-                                         {r({4, 3}, t), r({4, 4}, t)}, false, 1, 0.0, true,
-                                         false));
+                                         {r({4, 3}, t), r({4, 4}, t)}, false, 1, 0.0, true, false));
        }},
   };
 }

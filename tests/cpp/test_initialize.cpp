@@ -307,9 +307,9 @@ struct ForwardCase {
   const char* name;
   const char* level;
   std::optional<bool> keep_batchnorm_fp32;
-  ScalarType conv, bn, fc, ln, out, loss;  // activations, the model output, the loss
-  ScalarType param, bn_param;              // the model's own tensors (masters at O2/O5)
-  std::optional<bool> master_weights = std::nullopt;      // Apex's overrides of what happens to
+  ScalarType conv, bn, fc, ln, out, loss;             // activations, the model output, the loss
+  ScalarType param, bn_param;                         // the model's own tensors (masters at O2/O5)
+  std::optional<bool> master_weights = std::nullopt;  // Apex's overrides of what happens to
   std::optional<ScalarType> cast_model_type = std::nullopt;  // the model (ModelCast)
 };
 
@@ -1032,6 +1032,31 @@ TEST_F(Initialize, ErrorModelWithoutFloatingParams) {
   OPTAMP_EXPECT_THROW_WITH(initialize(model, "O1", quiet()), c10::ValueError,
                            "floating-point parameter");
   EXPECT_FALSE(is_initialized());
+}
+
+// Apex's check: a model .half()'d before initialize has no fp32 weights for O1/O2 to keep.
+TEST_F(Initialize, ErrorReducedTrainableParametersWhereTheLevelKeepsFp32Weights) {
+  for (const char* level : {"O1", "O2", "O4", "O5"}) {
+    Net net = make_net();
+    net->fc1->weight.set_data(net->fc1->weight.detach().to(at::kHalf));
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    OPTAMP_EXPECT_THROW_WITH(initialize(net, opt, level, quiet()), c10::ValueError,
+                             "trainable parameters must be torch.float32 at opt_level", level,
+                             "fc1.weight", "torch.float16", "cast_model_type=False");
+    EXPECT_FALSE(is_initialized()) << level;
+    EXPECT_EQ(net->conv->weight.scalar_type(), at::kFloat) << level;
+  }
+  // Accepted: O3 (casts the model anyway), nothing cast, and frozen reduced parameters.
+  for (const char* level : {"O0", "O3", "O2_nothing_cast", "O2_frozen"}) {
+    Net net = make_net();
+    net->fc1->weight.set_data(net->fc1->weight.detach().to(at::kHalf));
+    Options o = quiet();
+    const std::string name = level;
+    if (name == "O2_nothing_cast") o.cast_model_type = ScalarType::Undefined;
+    if (name == "O2_frozen") net->fc1->weight.set_requires_grad(false);
+    EXPECT_NO_THROW(initialize(net, name.substr(0, 2), o)) << level;
+    reset();
+  }
 }
 
 TEST_F(Initialize, ErrorOptimizerParamsNotInModel) {

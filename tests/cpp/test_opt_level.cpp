@@ -227,10 +227,10 @@ TEST(OptLevelValidation, ApexModelOverridesChooseWhatHappensToTheModel) {
     o.cast_model_type = c.cast_model_type;
     o.master_weights = c.master_weights;
     const Properties p = resolve(c.level, o);
-    const std::string what = std::string(c.level) + " cast_model_type=" +
-                             (c.cast_model_type ? dtype_name(*c.cast_model_type) : "unset") +
-                             " master_weights=" +
-                             (c.master_weights ? (*c.master_weights ? "True" : "False") : "unset");
+    const std::string what =
+        std::string(c.level) +
+        " cast_model_type=" + (c.cast_model_type ? dtype_name(*c.cast_model_type) : "unset") +
+        " master_weights=" + (c.master_weights ? (*c.master_weights ? "True" : "False") : "unset");
     EXPECT_EQ(p.model_cast(), c.model_cast) << what;
     EXPECT_EQ(p.low_dtype(), c.low) << what;
     EXPECT_EQ(p.casts(), c.low != kNone) << what;

@@ -616,3 +616,25 @@ def test_apex_add_param_group_with_a_mixed_precision_model(level, zero_before_ad
     final = run(True)
     for want, got in zip(reference, final):
         torch.testing.assert_close(got, want.to(got.dtype))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_a_model_halved_before_initialize_is_refused_as_in_apex(level):
+    model = Mlp().half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=rf"trainable parameters must be torch.float32 at "
+                                         rf"opt_level {level}, got parameter fc1.weight \(Half\[8, 4\]\) "
+                                         r"of torch.float16"):
+        optamp.initialize(model, opt, opt_level=level, verbosity=0)
+    assert not optamp.is_initialized() and model.fc1.weight.dtype == torch.float16
+    # What Apex's tests did with allow_incoming_model_not_fp32: nothing cast, any dtype.
+    optamp.initialize(model, opt, opt_level=level, cast_model_type=False, verbosity=0)
+
+
+def test_banned_loss_raises_not_implemented_error_as_in_apex():
+    init(Mlp(), None, "O1")
+    x = torch.rand(2, 3, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="binary_cross_entropy_with_logits"):
+        torch.nn.functional.binary_cross_entropy(x, torch.rand(2, 3))
+    with optamp.disable_casts():  # Apex's allow_banned=True, for one call
+        torch.nn.functional.binary_cross_entropy(x.float(), torch.rand(2, 3))
