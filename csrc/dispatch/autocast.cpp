@@ -41,8 +41,10 @@ void end_frame(std::uint64_t id, std::thread::id owner, const char* what) noexce
 }  // namespace
 
 autocast::autocast(bool enabled, c10::ScalarType dtype) : owner_(std::this_thread::get_id()) {
-  TORCH_CHECK_VALUE(dtype == c10::ScalarType::Undefined || dtype == c10::ScalarType::Half ||
-                        dtype == c10::ScalarType::BFloat16,
+  // A disabled region casts to nothing, so its dtype is not looked at (torch.autocast accepts
+  // `dtype=torch.float32, enabled=False` too: code passes the same arguments either way).
+  TORCH_CHECK_VALUE(!enabled || dtype == c10::ScalarType::Undefined ||
+                        dtype == c10::ScalarType::Half || dtype == c10::ScalarType::BFloat16,
                     "amp::autocast dtype must be torch.float16 or torch.bfloat16, got ",
                     dtype_name(dtype));
   CastFrame frame;

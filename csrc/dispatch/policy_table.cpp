@@ -34,6 +34,7 @@ const std::vector<TableEntry>& builtin_table() {
       {"aten::linear", "", L},
       {"aten::prelu", "", L},
       {"aten::addmm", "", L},
+      {"aten::_addmm_activation", "", L},  // addmm + relu/gelu, fused (native CPU lists it)
       {"aten::addmv", "", L},
       {"aten::addr", "", L},
       {"aten::matmul", "", L},

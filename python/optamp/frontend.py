@@ -18,6 +18,7 @@ _lock = threading.Lock()
 _fp32_marks = weakref.WeakSet()  # modules kept in fp32 (keep_in_fp32)
 _patched_forwards = []  # (weakref to module, had an instance attribute "forward" before)
 _param_names = {}  # id(param) -> "fc.weight" / "models[1].fc.weight" (scale_loss messages)
+_state_dict_hooks = []  # handles of the fp32 state_dict hooks of models cast in place
 
 
 def _is_tensor(x):
@@ -136,6 +137,18 @@ def _patch_forward(model, dtype):
     _patched_forwards.append((weakref.ref(model), had_instance_forward))
 
 
+def _fp32_state_dict(module, state_dict, prefix, local_metadata):
+    """Apex's O2StateDictHook: a model cast in place still saves fp32 tensors, so its
+    checkpoints load anywhere (fp32 inference, another level). Loading them back casts to the
+    model's dtype exactly (the values were fp16/bf16)."""
+    own = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
+    for key, value in state_dict.items():
+        if (key.startswith(prefix) and _is_tensor(value)
+                and id(value) not in own  # keep_vars=True asked for the tensors themselves
+                and value.dtype in (torch.float16, torch.bfloat16)):
+            state_dict[key] = value.float()
+
+
 def initialize(
     models,
     optimizers=None,
@@ -217,6 +230,9 @@ def initialize(
         if props.enabled and cast_model_outputs is not None:
             for model in model_list:
                 _patch_forward(model, cast_model_outputs)
+        if props.model_cast == "cast in place":
+            for model in model_list:
+                _state_dict_hooks.append(model.register_state_dict_post_hook(_fp32_state_dict))
     global _properties
     _properties = props
     _compile.on_initialize(props.casts)
@@ -257,6 +273,9 @@ def reset():
                 else:
                     del model.forward
         _patched_forwards.clear()
+        for handle in _state_dict_hooks:
+            handle.remove()
+        _state_dict_hooks.clear()
         _param_names.clear()
         _fp32_marks.clear()
         _properties = None

@@ -164,6 +164,10 @@ std::vector<OpCase> lower_cases() {
        [r](ScalarType t) {
          return at::addmm(r({2, 2}, t), r({2, 3}, t), r({3, 2}, t));
        }},
+      {"_addmm_activation",
+       [r](ScalarType t) {
+         return at::_addmm_activation(r({2, 2}, t), r({2, 3}, t), r({3, 2}, t), 1, 1, true);
+       }},
       {"addmv",
        [r](ScalarType t) {
          return at::addmv(r({2}, t), r({2, 3}, t), r({3}, t));

@@ -638,3 +638,29 @@ def test_banned_loss_raises_not_implemented_error_as_in_apex():
         torch.nn.functional.binary_cross_entropy(x, torch.rand(2, 3))
     with optamp.disable_casts():  # Apex's allow_banned=True, for one call
         torch.nn.functional.binary_cross_entropy(x.float(), torch.rand(2, 3))
+
+
+@pytest.mark.parametrize("level,kwargs", [("O3", {}), ("O2", dict(master_weights=False)),
+                                          ("O3", dict(cast_model_type=torch.bfloat16))])
+def test_a_model_cast_in_place_saves_fp32_state_as_apex_did(level, kwargs):
+    # Apex's O2StateDictHook: checkpoints of an fp16 model hold fp32 tensors, and load back
+    # into it exactly.
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, level, **kwargs)
+    model(torch.randn(2, 1, 4, 4)).float().sum().backward()
+    opt.step()
+    sd = model.state_dict()
+    assert all(v.dtype in (torch.float32, torch.int64) for v in sd.values()), \
+        {k: v.dtype for k, v in sd.items()}
+    assert torch.nn.Sequential(model).state_dict()["0.conv.weight"].dtype == torch.float32
+    raw = model.state_dict(keep_vars=True)  # the tensors themselves, as asked
+    assert raw["conv.weight"] is model.conv.weight and raw["conv.weight"].dtype != torch.float32
+    optamp.reset()
+    other = TinyNet()
+    init(other, torch.optim.SGD(other.parameters(), lr=0.1), level, **kwargs)
+    other.load_state_dict(sd)
+    for name, t in other.state_dict(keep_vars=True).items():
+        torch.testing.assert_close(t, raw[name], rtol=0, atol=0, msg=name)
+    optamp.reset()
+    assert model.state_dict()["conv.weight"].dtype == model.conv.weight.dtype  # hook removed

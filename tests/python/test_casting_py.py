@@ -83,6 +83,8 @@ LOWER = {
     "linear": lambda m: F.linear(m.n(2, 4), m.n(3, 4), m.n(3)),
     "prelu": lambda m: F.prelu(m.n(2, 3), m.n(1)),
     "addmm": lambda m: torch.addmm(m.n(2, 2), m.n(2, 3), m.n(3, 2)),
+    "_addmm_activation": lambda m: torch._addmm_activation(m.n(2, 2), m.n(2, 3), m.n(3, 2),
+                                                           use_gelu=True),
     "addmv": lambda m: torch.addmv(m.n(2), m.n(2, 3), m.n(3)),
     "addr": lambda m: torch.addr(m.n(2, 3), m.n(2), m.n(3)),
     "matmul": lambda m: torch.matmul(m.n(2, 3), m.n(3, 2)),
@@ -401,6 +403,9 @@ def test_disable_casts_and_autocast_are_context_managers(fresh):  # noqa: F811
     with pytest.raises(ValueError, match="torch.float64"):
         with optamp.autocast(dtype=torch.float64):
             pass
+    # As torch.autocast: a disabled region's dtype is not looked at.
+    with optamp.autocast(dtype=torch.float32, enabled=False):
+        assert torch.mm(x, x).dtype == torch.float32
     with pytest.raises(TypeError, match="dtype"):
         optamp.autocast(dtype="half")
 
