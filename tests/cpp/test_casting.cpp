@@ -97,6 +97,29 @@ at::Tensor signs(ScalarType t) {
 // Batch sizes of a packed sequence of lengths {3, 2} (5 rows): always a CPU int64 tensor.
 at::Tensor packed_batch_sizes() { return at::tensor({2, 2, 1}, at::kLong); }
 
+// at::rnn_tanh / at::rnn_relu share their two signatures: one layer without biases, input or
+// packed (".data") form by the case name.
+using SimpleRnnInput = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor&, const at::Tensor&,
+                                                              at::TensorList, bool, int64_t, double,
+                                                              bool, bool, bool);
+using SimpleRnnData = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor&, const at::Tensor&,
+                                                             const at::Tensor&, at::TensorList,
+                                                             bool, int64_t, double, bool, bool);
+OpCase simple_rnn_input_case(const char* name, SimpleRnnInput input_form) {
+  return {name, [input_form](ScalarType t) {
+            auto r = [t](at::IntArrayRef s) { return at::randn(s, on_device(t)); };
+            return std::get<0>(input_form(r({3, 2, 3}), r({1, 2, 4}), {r({4, 3}), r({4, 4})}, false,
+                                          1, 0.0, true, false, false));
+          }};
+}
+OpCase simple_rnn_data_case(const char* name, SimpleRnnData data_form) {
+  return {name, [data_form](ScalarType t) {
+            auto r = [t](at::IntArrayRef s) { return at::randn(s, on_device(t)); };
+            return std::get<0>(data_form(r({5, 3}), packed_batch_sizes(), r({1, 2, 4}),
+                                         {r({4, 3}), r({4, 4})}, false, 1, 0.0, true, false));
+          }};
+}
+
 std::vector<OpCase> lower_cases() {
   auto r = [](at::IntArrayRef s, ScalarType t) { return at::randn(s, on_device(t)); };
   return {
@@ -265,28 +288,10 @@ std::vector<OpCase> lower_cases() {
          return std::get<0>(at::gru(r({5, 3}, t), packed_batch_sizes(), r({1, 2, 4}, t),
                                     {r({12, 3}, t), r({12, 4}, t)}, false, 1, 0.0, true, false));
        }},
-      {"rnn_tanh.input",
-       [r](ScalarType t) {
-         return std::get<0>(at::rnn_tanh(r({3, 2, 3}, t), r({1, 2, 4}, t),
-                                         {r({4, 3}, t), r({4, 4}, t)}, false, 1, 0.0, true, false,
-                                         false));
-       }},
-      {"rnn_tanh.data",
-       [r](ScalarType t) {
-         return std::get<0>(at::rnn_tanh(r({5, 3}, t), packed_batch_sizes(), r({1, 2, 4}, t),
-                                         {r({4, 3}, t), r({4, 4}, t)}, false, 1, 0.0, true, false));
-       }},
-      {"rnn_relu.input",
-       [r](ScalarType t) {
-         return std::get<0>(at::rnn_relu(r({3, 2, 3}, t), r({1, 2, 4}, t),
-                                         {r({4, 3}, t), r({4, 4}, t)}, false, 1, 0.0, true, false,
-                                         false));
-       }},
-      {"rnn_relu.data",
-       [r](ScalarType t) {
-         return std::get<0>(at::rnn_relu(r({5, 3}, t), packed_batch_sizes(), r({1, 2, 4}, t),
-                                         {r({4, 3}, t), r({4, 4}, t)}, false, 1, 0.0, true, false));
-       }},
+      simple_rnn_input_case("rnn_tanh.input", &at::rnn_tanh),
+      simple_rnn_data_case("rnn_tanh.data", &at::rnn_tanh),
+      simple_rnn_input_case("rnn_relu.input", &at::rnn_relu),
+      simple_rnn_data_case("rnn_relu.data", &at::rnn_relu),
   };
 }
 

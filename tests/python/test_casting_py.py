@@ -58,6 +58,16 @@ def _BATCH_SIZES():  # noqa: N802  (a constant, built per call: always CPU int64
     return torch.tensor([2, 2, 1])
 
 
+def _simple_rnn(op, form):
+    """aten.rnn_tanh / aten.rnn_relu (same signatures), one layer without biases."""
+    overload = getattr(getattr(aten, op), form)
+    if form == "input":
+        return lambda m: overload(m.n(3, 2, 3), m.n(1, 2, 4), [m.n(4, 3), m.n(4, 4)], False, 1,
+                                  0.0, True, False, False)[0]
+    return lambda m: overload(m.n(5, 3), _BATCH_SIZES(), m.n(1, 2, 4), [m.n(4, 3), m.n(4, 4)],
+                              False, 1, 0.0, True, False)[0]
+
+
 # ---- the C++ tables (tests/cpp/test_casting.cpp lower_cases / fp32_cases / promote_cases) ----
 # Keyed, like them, by the policy-table entry ("op" or "op.overload" in aten::) each case calls at
 # the top level, with the same shapes. A public Python function is used where it reaches that
@@ -117,18 +127,8 @@ LOWER = {
                                           False, 1, 0.0, True, False, False)[0],
     "gru.data": lambda m: aten.gru.data(m.n(5, 3), _BATCH_SIZES(), m.n(1, 2, 4),
                                         [m.n(12, 3), m.n(12, 4)], False, 1, 0.0, True, False)[0],
-    "rnn_tanh.input": lambda m: aten.rnn_tanh.input(m.n(3, 2, 3), m.n(1, 2, 4),
-                                                    [m.n(4, 3), m.n(4, 4)], False, 1, 0.0, True,
-                                                    False, False)[0],
-    "rnn_tanh.data": lambda m: aten.rnn_tanh.data(m.n(5, 3), _BATCH_SIZES(), m.n(1, 2, 4),
-                                                  [m.n(4, 3), m.n(4, 4)], False, 1, 0.0, True,
-                                                  False)[0],
-    "rnn_relu.input": lambda m: aten.rnn_relu.input(m.n(3, 2, 3), m.n(1, 2, 4),
-                                                    [m.n(4, 3), m.n(4, 4)], False, 1, 0.0, True,
-                                                    False, False)[0],
-    "rnn_relu.data": lambda m: aten.rnn_relu.data(m.n(5, 3), _BATCH_SIZES(), m.n(1, 2, 4),
-                                                  [m.n(4, 3), m.n(4, 4)], False, 1, 0.0, True,
-                                                  False)[0],
+    **{f"{op}.{form}": _simple_rnn(op, form) for op in ("rnn_tanh", "rnn_relu")
+       for form in ("input", "data")},
 }
 
 
