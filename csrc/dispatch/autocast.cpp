@@ -1,6 +1,7 @@
 // amp::autocast, amp::disable_casts and the thread-state carrier: each opens a frame on its
 // thread (dispatch/cast_state.h), and the thread's mode follows the frames still open.
 #include "optamp/autocast.h"
+#include "optamp/policy.h"
 
 #include <c10/util/Exception.h>
 
@@ -106,5 +107,12 @@ ThreadStateGuard::ThreadStateGuard(const ThreadState& state) : owner_(std::this_
 ThreadStateGuard::~ThreadStateGuard() { end_frame(frame_, owner_, "amp::ThreadStateGuard"); }
 
 bool is_casting_enabled() { return detail::rules_apply_now(); }
+
+CastRules cast_rules_now(c10::DeviceType device) {
+  if (!detail::thread_key_on()) return {};
+  const detail::CastDecision decision = detail::decide(device);
+  if (decision.native_owns || decision.rules == RuleSet::kNone) return {};
+  return {decision.rules, decision.low};
+}
 
 }  // namespace amp

@@ -39,20 +39,6 @@ void log_cast_once(ScalarType from, ScalarType to, const std::string& op) {
   if (seen.insert(line).second) std::cerr << "optamp: " << line << "\n";
 }
 
-bool category_applies(Category category, RuleSet rules) {
-  switch (rules) {
-    case RuleSet::kFullLists:
-      return true;
-    case RuleSet::kMasterWeights:
-      return category == Category::kLower || category == Category::kFp32Loss ||
-             category == Category::kBanned;
-    case RuleSet::kPureLow:
-      return category == Category::kLower;
-    default:
-      return false;
-  }
-}
-
 // Visits every tensor in the read-only slots; `fn(tensor) -> optional<replacement>`.
 template <typename Slots, typename Fn>
 void rewrite_tensors(const Slots& slots, torch::jit::Stack& stack, std::size_t base, Fn&& fn) {
@@ -89,8 +75,12 @@ bool is_scalar_type_arg(const c10::Argument& arg) {
 
 }  // namespace
 
-CastKernel::CastKernel(const c10::FunctionSchema& schema, Category category)
-    : category_(category), num_arguments_(schema.arguments().size()), name_(schema.name()) {
+CastKernel::CastKernel(const c10::FunctionSchema& schema, CastPolicy policy,
+                       const char* banned_message)
+    : policy_(policy),
+      banned_message_(banned_message),
+      num_arguments_(schema.arguments().size()),
+      name_(schema.name()) {
   if (!schema.overload_name().empty()) name_ += "." + schema.overload_name();
   const auto& args = schema.arguments();
   for (std::size_t i = 0; i < args.size(); ++i) {
@@ -130,8 +120,8 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
     return std::nullopt;
   });
   const CastDecision decision = device ? decide(*device) : CastDecision{};
-  const Category category = category_.load(std::memory_order_relaxed);
-  if (!category_applies(category, decision.rules)) {
+  const CastPolicy policy = policy_.load(std::memory_order_relaxed);
+  if (!policy_applies(policy, decision.rules)) {
     std::optional<c10::impl::ExcludeDispatchKeyGuard> stay_out;
     if (decision.native_owns) stay_out.emplace(kCastKey);
     op.redispatchBoxed(below, stack);
@@ -139,8 +129,8 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
   }
   // NotImplementedError in Python, as Apex raised (a RuntimeError subclass, c10::Error in C++).
   TORCH_CHECK_NOT_IMPLEMENTED(
-      !(category == Category::kBanned && decision.rules == RuleSet::kFullLists),
-      banned_message(name_.c_str()));
+      !(policy == CastPolicy::kBanned && decision.rules == RuleSet::kFullLists),
+      banned_message_ != nullptr ? banned_message_ : "this op is banned under optamp casting");
 
   // Casts must not come back into optamp's kernels (nor should composite ops' inner calls).
   c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);
@@ -151,9 +141,9 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
   };
 
   ScalarType target = ScalarType::Undefined;
-  if (category == Category::kLower) {
+  if (policy == CastPolicy::kLower) {
     target = decision.low;
-  } else if (category == Category::kPromote) {
+  } else if (policy == CastPolicy::kPromote) {
     // Widest floating width among the inputs; fp16 mixed with bf16 widens to fp32.
     ScalarType widest = ScalarType::Undefined;
     bool mixed = false;
@@ -198,7 +188,7 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
 
   rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
     if (!is_castable(t) || t.scalar_type() == target) return std::nullopt;
-    if (category != Category::kLower && category != Category::kPromote &&
+    if (policy != CastPolicy::kLower && policy != CastPolicy::kPromote &&
         !is_reduced(t.scalar_type())) {
       return std::nullopt;  // fp32 policy: only reduced inputs are widened
     }

@@ -12,9 +12,11 @@ namespace amp::detail {
 
 class CastKernel final : public c10::OperatorKernel {
  public:
-  CastKernel(const c10::FunctionSchema& schema, Category category);
-  void set_category(Category category) { category_.store(category); }
-  Category category() const { return category_.load(); }
+  // `banned_message`: the error of a kBanned policy (the table's; static storage).
+  CastKernel(const c10::FunctionSchema& schema, CastPolicy policy,
+             const char* banned_message = nullptr);
+  void set_policy(CastPolicy policy) { policy_.store(policy); }
+  CastPolicy policy() const { return policy_.load(); }
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                   torch::jit::Stack* stack);
@@ -26,7 +28,8 @@ class CastKernel final : public c10::OperatorKernel {
     SlotKind kind;
   };
 
-  std::atomic<Category> category_;
+  std::atomic<CastPolicy> policy_;
+  const char* banned_message_;
   std::vector<Slot> slots_;  // read-only tensor arguments (written ones are never cast)
   std::size_t num_arguments_;
   int dtype_index_ = -1;  // the op's `ScalarType? dtype` argument, if any

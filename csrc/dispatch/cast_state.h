@@ -8,19 +8,15 @@
 #include <vector>
 
 #include "optamp/opt_level.h"
+#include "optamp/policy.h"
 
 namespace amp::detail {
 
 // The key optamp's casting kernels live on: above AutocastCUDA/CPU, free in CPU/CUDA builds.
 constexpr c10::DispatchKey kCastKey = c10::DispatchKey::AutocastPrivateUse1;
 
-// Which table categories apply (set by the opt level, or by an explicit amp::autocast region).
-enum class RuleSet : std::uint8_t {
-  kNone,           // O0, disabled, not initialized
-  kFullLists,      // O1/O4 and amp::autocast regions: lower, fp32, promote, banned
-  kMasterWeights,  // O2/O5: lower and losses-in-fp32; everything else follows type promotion
-  kPureLow,        // O3 (and O0 with a reduced cast_model_type): lower only
-};
+// The rule sets are public (optamp/policy.h): Python's function wrappers apply them too.
+using amp::RuleSet;
 
 // Per-thread mode, derived from the guards open on the thread (see ThreadCastState::frames).
 //  kFollowLevel         the level's rules, while autograd records (the no_grad gate)

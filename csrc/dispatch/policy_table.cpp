@@ -8,216 +8,260 @@
 namespace amp::detail {
 namespace {
 
-constexpr Category L = Category::kLower;
-constexpr Category F = Category::kFp32;
-constexpr Category S = Category::kFp32Loss;
-constexpr Category P = Category::kPromote;
-constexpr Category B = Category::kBanned;
+struct OpName {
+  const char* name;      // "aten::mm"
+  const char* overload;  // "" = the default overload
+};
+
+// lower: Apex's FP16_FUNCS, plus newer ops users hit.
+constexpr OpName kLowerOps[] = {
+    {"aten::conv1d", ""},
+    {"aten::conv1d", "padding"},
+    {"aten::conv2d", ""},
+    {"aten::conv2d", "padding"},
+    {"aten::conv3d", ""},
+    {"aten::conv3d", "padding"},
+    {"aten::conv_transpose1d", ""},
+    {"aten::conv_transpose2d", "input"},
+    {"aten::conv_transpose3d", "input"},
+    {"aten::conv_tbc", ""},
+    {"aten::convolution", ""},
+    {"aten::_convolution", ""},
+    {"aten::linear", ""},
+    {"aten::prelu", ""},
+    {"aten::addmm", ""},
+    {"aten::_addmm_activation", ""},  // addmm + relu/gelu, fused (native CPU lists it)
+    {"aten::addmv", ""},
+    {"aten::addr", ""},
+    {"aten::matmul", ""},
+    {"aten::mm", ""},
+    {"aten::mv", ""},
+    {"aten::addbmm", ""},
+    {"aten::baddbmm", ""},
+    {"aten::bmm", ""},
+    {"aten::chain_matmul", ""},
+    {"aten::linalg_multi_dot", ""},
+    {"aten::einsum", ""},
+    {"aten::scaled_dot_product_attention", ""},
+    {"aten::_native_multi_head_attention", ""},
+    {"aten::lstm_cell", ""},
+    {"aten::gru_cell", ""},
+    {"aten::rnn_tanh_cell", ""},
+    {"aten::rnn_relu_cell", ""},
+    // Whole RNN layers (nn.LSTM/GRU/RNN; ".data" is the PackedSequence form), as Apex's O1
+    // (its RNN casts) and native autocast (AutocastCPU's mkldnn_rnn_layer, AutocastCUDA's
+    // _cudnn_rnn) cast them. Without these, nn.RNN came out fp16 through its listed inner ops
+    // while nn.LSTM/GRU, whose kernels call none, stayed fp32.
+    {"aten::lstm", "input"},
+    {"aten::lstm", "data"},
+    {"aten::gru", "input"},
+    {"aten::gru", "data"},
+    {"aten::rnn_tanh", "input"},
+    {"aten::rnn_tanh", "data"},
+    {"aten::rnn_relu", "input"},
+    {"aten::rnn_relu", "data"},
+};
+
+// fp32 (O1/O4 and regions): Apex's FP32_FUNCS.
+constexpr OpName kFp32Ops[] = {
+    {"aten::upsample_nearest1d", ""},
+    {"aten::upsample_nearest1d", "vec"},
+    {"aten::upsample_nearest2d", ""},
+    {"aten::upsample_nearest2d", "vec"},
+    {"aten::upsample_nearest3d", ""},
+    {"aten::upsample_nearest3d", "vec"},
+    {"aten::upsample_linear1d", ""},
+    {"aten::upsample_linear1d", "vec"},
+    {"aten::upsample_bilinear2d", ""},
+    {"aten::upsample_bilinear2d", "vec"},
+    {"aten::upsample_bicubic2d", ""},
+    {"aten::upsample_bicubic2d", "vec"},
+    {"aten::upsample_trilinear3d", ""},
+    {"aten::upsample_trilinear3d", "vec"},
+    // interpolate(mode="nearest-exact") and antialias=True (newer than Apex's lists)
+    {"aten::_upsample_nearest_exact1d", ""},
+    {"aten::_upsample_nearest_exact1d", "vec"},
+    {"aten::_upsample_nearest_exact2d", ""},
+    {"aten::_upsample_nearest_exact2d", "vec"},
+    {"aten::_upsample_nearest_exact3d", ""},
+    {"aten::_upsample_nearest_exact3d", "vec"},
+    {"aten::_upsample_bilinear2d_aa", ""},
+    {"aten::_upsample_bilinear2d_aa", "vec"},
+    {"aten::_upsample_bicubic2d_aa", ""},
+    {"aten::_upsample_bicubic2d_aa", "vec"},
+    {"aten::grid_sampler", ""},
+    // Apex's local_response_norm: F.local_response_norm (and torch::nn::functional's) pools
+    // the squared input with avg_pool3d for 4-D/5-D input (avg_pool2d for 3-D), and CPU has
+    // no fp16/bf16 avg_pool3d kernel. avg_pool2d stays uncast: its result is raised to fp32 by
+    // the pow that follows, and it runs in fp16/bf16 everywhere.
+    {"aten::avg_pool3d", ""},
+    {"aten::softplus", ""},
+    {"aten::gelu", ""},
+    {"aten::layer_norm", ""},
+    {"aten::group_norm", ""},
+    {"aten::cosine_similarity", ""},
+    {"aten::acos", ""},
+    {"aten::asin", ""},
+    {"aten::cosh", ""},
+    {"aten::erfinv", ""},
+    {"aten::exp", ""},
+    {"aten::expm1", ""},
+    {"aten::log", ""},
+    {"aten::log10", ""},
+    {"aten::log2", ""},
+    {"aten::log1p", ""},
+    {"aten::reciprocal", ""},
+    {"aten::rsqrt", ""},
+    {"aten::sinh", ""},
+    {"aten::tan", ""},
+    {"aten::pow", "Tensor_Scalar"},
+    {"aten::pow", "Tensor_Tensor"},
+    {"aten::pow", "Scalar"},
+    {"aten::cumprod", ""},
+    {"aten::cumsum", ""},
+    {"aten::dist", ""},
+    {"aten::norm", "Scalar"},
+    {"aten::norm", "ScalarOpt_dim"},
+    {"aten::norm", "ScalarOpt_dim_dtype"},
+    {"aten::norm", "ScalarOpt_dtype"},
+    {"aten::linalg_vector_norm", ""},
+    {"aten::prod", ""},
+    {"aten::prod", "dim_int"},
+    {"aten::std", ""},
+    {"aten::std", "dim"},
+    {"aten::std", "correction"},
+    {"aten::sum", ""},
+    {"aten::sum", "dim_IntList"},
+    {"aten::var", ""},
+    {"aten::var", "dim"},
+    {"aten::var", "correction"},
+    {"aten::renorm", ""},
+};
+
+// fp32 (loss): softmaxes and every loss, fp32 at every casting level (O2/O5 included).
+constexpr OpName kFp32LossOps[] = {
+    {"aten::softmax", "int"},
+    {"aten::log_softmax", "int"},
+    {"aten::nll_loss", ""},
+    {"aten::nll_loss2d", ""},
+    {"aten::nll_loss_nd", ""},
+    {"aten::cross_entropy_loss", ""},
+    {"aten::mse_loss", ""},
+    {"aten::l1_loss", ""},
+    {"aten::smooth_l1_loss", ""},
+    {"aten::huber_loss", ""},
+    {"aten::kl_div", ""},
+    {"aten::binary_cross_entropy_with_logits", ""},
+    {"aten::soft_margin_loss", ""},
+    {"aten::multi_margin_loss", ""},
+    {"aten::multilabel_margin_loss", ""},
+    {"aten::hinge_embedding_loss", ""},
+    {"aten::margin_ranking_loss", ""},
+    {"aten::cosine_embedding_loss", ""},
+    {"aten::poisson_nll_loss", ""},
+    {"aten::triplet_margin_loss", ""},
+    {"aten::ctc_loss", "IntList"},
+    {"aten::ctc_loss", "Tensor"},
+};
+
+// promote: Apex's CASTS.
+constexpr OpName kPromoteOps[] = {
+    {"aten::addcdiv", ""},   {"aten::addcmul", ""},       {"aten::atan2", ""},
+    {"aten::cross", ""},     {"aten::linalg_cross", ""},  {"aten::bilinear", ""},
+    {"aten::dot", ""},       {"aten::vdot", ""},          {"aten::add", "Tensor"},
+    {"aten::sub", "Tensor"}, {"aten::mul", "Tensor"},     {"aten::div", "Tensor"},
+    {"aten::eq", "Tensor"},  {"aten::ne", "Tensor"},      {"aten::lt", "Tensor"},
+    {"aten::le", "Tensor"},  {"aten::gt", "Tensor"},      {"aten::ge", "Tensor"},
+    {"aten::cat", ""},       {"aten::stack", ""},         {"aten::index_put", ""},
+    {"aten::tensordot", ""}, {"aten::embedding_bag", ""}, {"aten::embedding_bag", "padding_idx"},
+};
+
+// banned: refused at O1/O4 and in regions with the message (what to use instead); at O2/O5 an
+// fp32 loss.
+struct BannedOp {
+  OpName op;
+  const char* message;
+};
+constexpr BannedOp kBannedOps[] = {
+    {{"aten::binary_cross_entropy", ""},
+     "amp does not work out-of-the-box with binary_cross_entropy (torch::nn::BCELoss, "
+     "F.binary_cross_entropy): it is unsafe to autocast because sigmoid outputs in "
+     "reduced precision lose the accuracy the loss needs. Use "
+     "binary_cross_entropy_with_logits (torch::nn::BCEWithLogitsLoss), which fuses the "
+     "sigmoid and is safe, or run the loss in fp32 inside an amp::disable_casts() scope. "
+     "(Refused at O1/O4 and in amp::autocast regions, as Apex's O1 did; at O2/O5 it runs "
+     "as an fp32 loss, and at O0/O3 it is not cast.)"},
+};
+
+template <std::size_t N>
+void append(std::vector<TableEntry>& table, const OpName (&ops)[N], CastPolicy policy) {
+  for (const OpName& op : ops) table.push_back({op.name, op.overload, policy, nullptr});
+}
 
 }  // namespace
 
 const std::vector<TableEntry>& builtin_table() {
-  static const std::vector<TableEntry> table = {
-      // ---- lower (Apex FP16_FUNCS + modern) ----------------------------------------------
-      {"aten::conv1d", "", L},
-      {"aten::conv1d", "padding", L},
-      {"aten::conv2d", "", L},
-      {"aten::conv2d", "padding", L},
-      {"aten::conv3d", "", L},
-      {"aten::conv3d", "padding", L},
-      {"aten::conv_transpose1d", "", L},
-      {"aten::conv_transpose2d", "input", L},
-      {"aten::conv_transpose3d", "input", L},
-      {"aten::conv_tbc", "", L},
-      {"aten::convolution", "", L},
-      {"aten::_convolution", "", L},
-      {"aten::linear", "", L},
-      {"aten::prelu", "", L},
-      {"aten::addmm", "", L},
-      {"aten::_addmm_activation", "", L},  // addmm + relu/gelu, fused (native CPU lists it)
-      {"aten::addmv", "", L},
-      {"aten::addr", "", L},
-      {"aten::matmul", "", L},
-      {"aten::mm", "", L},
-      {"aten::mv", "", L},
-      {"aten::addbmm", "", L},
-      {"aten::baddbmm", "", L},
-      {"aten::bmm", "", L},
-      {"aten::chain_matmul", "", L},
-      {"aten::linalg_multi_dot", "", L},
-      {"aten::einsum", "", L},
-      {"aten::scaled_dot_product_attention", "", L},
-      {"aten::_native_multi_head_attention", "", L},
-      {"aten::lstm_cell", "", L},
-      {"aten::gru_cell", "", L},
-      {"aten::rnn_tanh_cell", "", L},
-      {"aten::rnn_relu_cell", "", L},
-      // Whole RNN layers (nn.LSTM/GRU/RNN; ".data" is the PackedSequence form), as Apex's O1
-      // (its RNN casts) and native autocast (AutocastCPU's mkldnn_rnn_layer, AutocastCUDA's
-      // _cudnn_rnn) cast them. Without these, nn.RNN came out fp16 through its listed inner ops
-      // while nn.LSTM/GRU, whose kernels call none, stayed fp32.
-      {"aten::lstm", "input", L},
-      {"aten::lstm", "data", L},
-      {"aten::gru", "input", L},
-      {"aten::gru", "data", L},
-      {"aten::rnn_tanh", "input", L},
-      {"aten::rnn_tanh", "data", L},
-      {"aten::rnn_relu", "input", L},
-      {"aten::rnn_relu", "data", L},
-      // ---- fp32 (Apex FP32_FUNCS) ---------------------------------------------------------
-      {"aten::upsample_nearest1d", "", F},
-      {"aten::upsample_nearest1d", "vec", F},
-      {"aten::upsample_nearest2d", "", F},
-      {"aten::upsample_nearest2d", "vec", F},
-      {"aten::upsample_nearest3d", "", F},
-      {"aten::upsample_nearest3d", "vec", F},
-      {"aten::upsample_linear1d", "", F},
-      {"aten::upsample_linear1d", "vec", F},
-      {"aten::upsample_bilinear2d", "", F},
-      {"aten::upsample_bilinear2d", "vec", F},
-      {"aten::upsample_bicubic2d", "", F},
-      {"aten::upsample_bicubic2d", "vec", F},
-      {"aten::upsample_trilinear3d", "", F},
-      {"aten::upsample_trilinear3d", "vec", F},
-      // interpolate(mode="nearest-exact") and antialias=True (newer than Apex's lists)
-      {"aten::_upsample_nearest_exact1d", "", F},
-      {"aten::_upsample_nearest_exact1d", "vec", F},
-      {"aten::_upsample_nearest_exact2d", "", F},
-      {"aten::_upsample_nearest_exact2d", "vec", F},
-      {"aten::_upsample_nearest_exact3d", "", F},
-      {"aten::_upsample_nearest_exact3d", "vec", F},
-      {"aten::_upsample_bilinear2d_aa", "", F},
-      {"aten::_upsample_bilinear2d_aa", "vec", F},
-      {"aten::_upsample_bicubic2d_aa", "", F},
-      {"aten::_upsample_bicubic2d_aa", "vec", F},
-      {"aten::grid_sampler", "", F},
-      // Apex's local_response_norm: F.local_response_norm (and torch::nn::functional's) pools
-      // the squared input with avg_pool3d for 4-D/5-D input (avg_pool2d for 3-D), and CPU has
-      // no fp16/bf16 avg_pool3d kernel. avg_pool2d stays uncast: its result is raised to fp32 by
-      // the pow that follows, and it runs in fp16/bf16 everywhere.
-      {"aten::avg_pool3d", "", F},
-      {"aten::softplus", "", F},
-      {"aten::gelu", "", F},
-      {"aten::layer_norm", "", F},
-      {"aten::group_norm", "", F},
-      {"aten::cosine_similarity", "", F},
-      {"aten::acos", "", F},
-      {"aten::asin", "", F},
-      {"aten::cosh", "", F},
-      {"aten::erfinv", "", F},
-      {"aten::exp", "", F},
-      {"aten::expm1", "", F},
-      {"aten::log", "", F},
-      {"aten::log10", "", F},
-      {"aten::log2", "", F},
-      {"aten::log1p", "", F},
-      {"aten::reciprocal", "", F},
-      {"aten::rsqrt", "", F},
-      {"aten::sinh", "", F},
-      {"aten::tan", "", F},
-      {"aten::pow", "Tensor_Scalar", F},
-      {"aten::pow", "Tensor_Tensor", F},
-      {"aten::pow", "Scalar", F},
-      {"aten::cumprod", "", F},
-      {"aten::cumsum", "", F},
-      {"aten::dist", "", F},
-      {"aten::norm", "Scalar", F},
-      {"aten::norm", "ScalarOpt_dim", F},
-      {"aten::norm", "ScalarOpt_dim_dtype", F},
-      {"aten::norm", "ScalarOpt_dtype", F},
-      {"aten::linalg_vector_norm", "", F},
-      {"aten::prod", "", F},
-      {"aten::prod", "dim_int", F},
-      {"aten::std", "", F},
-      {"aten::std", "dim", F},
-      {"aten::std", "correction", F},
-      {"aten::sum", "", F},
-      {"aten::sum", "dim_IntList", F},
-      {"aten::var", "", F},
-      {"aten::var", "dim", F},
-      {"aten::var", "correction", F},
-      {"aten::renorm", "", F},
-      // ---- fp32 at every casting level: softmaxes and every loss ---------------------------
-      {"aten::softmax", "int", S},
-      {"aten::log_softmax", "int", S},
-      {"aten::nll_loss", "", S},
-      {"aten::nll_loss2d", "", S},
-      {"aten::nll_loss_nd", "", S},
-      {"aten::cross_entropy_loss", "", S},
-      {"aten::mse_loss", "", S},
-      {"aten::l1_loss", "", S},
-      {"aten::smooth_l1_loss", "", S},
-      {"aten::huber_loss", "", S},
-      {"aten::kl_div", "", S},
-      {"aten::binary_cross_entropy_with_logits", "", S},
-      {"aten::soft_margin_loss", "", S},
-      {"aten::multi_margin_loss", "", S},
-      {"aten::multilabel_margin_loss", "", S},
-      {"aten::hinge_embedding_loss", "", S},
-      {"aten::margin_ranking_loss", "", S},
-      {"aten::cosine_embedding_loss", "", S},
-      {"aten::poisson_nll_loss", "", S},
-      {"aten::triplet_margin_loss", "", S},
-      {"aten::ctc_loss", "IntList", S},
-      {"aten::ctc_loss", "Tensor", S},
-      // ---- promote (Apex CASTS) -----------------------------------------------------------
-      {"aten::addcdiv", "", P},
-      {"aten::addcmul", "", P},
-      {"aten::atan2", "", P},
-      {"aten::cross", "", P},
-      {"aten::linalg_cross", "", P},
-      {"aten::bilinear", "", P},
-      {"aten::dot", "", P},
-      {"aten::vdot", "", P},
-      {"aten::add", "Tensor", P},
-      {"aten::sub", "Tensor", P},
-      {"aten::mul", "Tensor", P},
-      {"aten::div", "Tensor", P},
-      {"aten::eq", "Tensor", P},
-      {"aten::ne", "Tensor", P},
-      {"aten::lt", "Tensor", P},
-      {"aten::le", "Tensor", P},
-      {"aten::gt", "Tensor", P},
-      {"aten::ge", "Tensor", P},
-      {"aten::cat", "", P},
-      {"aten::stack", "", P},
-      {"aten::index_put", "", P},
-      {"aten::tensordot", "", P},
-      {"aten::embedding_bag", "", P},
-      {"aten::embedding_bag", "padding_idx", P},
-      // ---- banned -------------------------------------------------------------------------
-      {"aten::binary_cross_entropy", "", B},
-  };
+  static const std::vector<TableEntry> table = [] {
+    std::vector<TableEntry> t;
+    append(t, kLowerOps, CastPolicy::kLower);
+    append(t, kFp32Ops, CastPolicy::kFp32);
+    append(t, kFp32LossOps, CastPolicy::kFp32Loss);
+    append(t, kPromoteOps, CastPolicy::kPromote);
+    for (const BannedOp& b : kBannedOps) {
+      t.push_back({b.op.name, b.op.overload, CastPolicy::kBanned, b.message});
+    }
+    return t;
+  }();
   return table;
 }
 
-const char* category_name(Category c) {
-  switch (c) {
-    case Category::kLower:
+}  // namespace amp::detail
+
+namespace amp {
+
+const char* to_string(CastPolicy policy) {
+  switch (policy) {
+    case CastPolicy::kLower:
       return "lower";
-    case Category::kFp32:
+    case CastPolicy::kFp32:
       return "fp32";
-    case Category::kFp32Loss:
+    case CastPolicy::kFp32Loss:
       return "fp32 (loss)";
-    case Category::kPromote:
+    case CastPolicy::kPromote:
       return "promote";
-    case Category::kBanned:
+    case CastPolicy::kBanned:
       return "banned";
   }
   return "?";
 }
 
-const char* banned_message(const char* name) {
-  if (std::strcmp(name, "aten::binary_cross_entropy") == 0) {
-    return "amp does not work out-of-the-box with binary_cross_entropy (torch::nn::BCELoss, "
-           "F.binary_cross_entropy): it is unsafe to autocast because sigmoid outputs in "
-           "reduced precision lose the accuracy the loss needs. Use "
-           "binary_cross_entropy_with_logits (torch::nn::BCEWithLogitsLoss), which fuses the "
-           "sigmoid and is safe, or run the loss in fp32 inside an amp::disable_casts() scope. "
-           "(Refused at O1/O4 and in amp::autocast regions, as Apex's O1 did; at O2/O5 it runs "
-           "as an fp32 loss, and at O0/O3 it is not cast.)";
+const char* to_string(RuleSet rules) {
+  switch (rules) {
+    case RuleSet::kNone:
+      return "none";
+    case RuleSet::kFullLists:
+      return "full lists";
+    case RuleSet::kMasterWeights:
+      return "master weights";
+    case RuleSet::kPureLow:
+      return "pure low";
   }
-  return "this op is banned under optamp casting";
+  return "?";
 }
 
-}  // namespace amp::detail
+bool policy_applies(CastPolicy policy, RuleSet rules) {
+  switch (rules) {
+    case RuleSet::kFullLists:
+      return true;
+    case RuleSet::kMasterWeights:
+      return policy == CastPolicy::kLower || policy == CastPolicy::kFp32Loss ||
+             policy == CastPolicy::kBanned;
+    case RuleSet::kPureLow:
+      return policy == CastPolicy::kLower;
+    case RuleSet::kNone:
+      break;
+  }
+  return false;
+}
+
+}  // namespace amp

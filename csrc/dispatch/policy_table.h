@@ -1,30 +1,19 @@
 #pragma once
-// The op lists (ARCHITECTURE §2) as data: operator name + overload -> category.
-#include <cstdint>
+// The built-in op lists as data: operator name + overload -> CastPolicy (docs/casting.md).
 #include <vector>
 
-namespace amp::detail {
+#include "optamp/policy.h"
 
-enum class Category : std::uint8_t {
-  kLower,     // whitelist: run in the low dtype
-  kFp32,      // blacklist: run in fp32 (O1/O4)
-  kFp32Loss,  // losses and their softmaxes: fp32 at every casting level, O2/O5 included
-  kPromote,   // mixed widths -> widest
-  kBanned,    // O1/O4: refuse with a replacement; O2/O5: treated as an fp32 loss
-};
+namespace amp::detail {
 
 struct TableEntry {
   const char* name;      // "aten::mm"
   const char* overload;  // "" = the default overload
-  Category category;
+  CastPolicy policy;
+  const char* message;  // kBanned: the error, naming what to use instead; else nullptr
 };
 
+// Every list, in policy order (lower, fp32, fp32 (loss), promote, banned).
 const std::vector<TableEntry>& builtin_table();
-
-// The category as policy_report() prints it ("lower", "fp32 (loss)", ...).
-const char* category_name(Category c);
-
-// Error text for a banned op (what to use instead).
-const char* banned_message(const char* name);
 
 }  // namespace amp::detail

@@ -47,10 +47,11 @@ void check_key_is_free() {
 }
 
 // Registers (or re-targets) the kernel for one existing operator. Caller holds the mutex.
-void set_policy_locked(Registry& r, const c10::OperatorHandle& op, Category category) {
+void set_policy_locked(Registry& r, const c10::OperatorHandle& op, CastPolicy policy,
+                       const char* banned_message = nullptr) {
   const c10::OperatorName& name = op.operator_name();
   if (auto it = r.kernels.find(name); it != r.kernels.end()) {
-    it->second->set_category(category);
+    it->second->set_policy(policy);
     return;
   }
   const std::string ns = name.name.substr(0, name.name.find("::"));
@@ -59,7 +60,7 @@ void set_policy_locked(Registry& r, const c10::OperatorHandle& op, Category cate
     library =
         std::make_unique<torch::Library>(torch::Library::IMPL, ns, kCastKey, __FILE__, __LINE__);
   }
-  auto kernel = std::make_unique<CastKernel>(op.schema(), category);
+  auto kernel = std::make_unique<CastKernel>(op.schema(), policy, banned_message);
   r.kernels[name] = kernel.get();
   library->impl(qualified(name).c_str(),
                 torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
@@ -73,7 +74,7 @@ void register_builtin_tables_locked(Registry& r) {
       r.skipped.push_back(qualified({entry.name, entry.overload}));
       continue;
     }
-    set_policy_locked(r, *op, entry.category);
+    set_policy_locked(r, *op, entry.policy, entry.message);
   }
 }
 
@@ -117,12 +118,12 @@ std::vector<c10::OperatorHandle> resolve_ops(std::string_view qualified_name) {
   return ops;
 }
 
-void register_user_op(std::string_view qualified_name, Category category) {
+void register_user_op(std::string_view qualified_name, CastPolicy policy) {
   auto ops = resolve_ops(qualified_name);  // validate before touching anything
   ensure_registered();
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  for (const auto& op : ops) set_policy_locked(r, op, category);
+  for (const auto& op : ops) set_policy_locked(r, op, policy);
 }
 
 }  // namespace
@@ -149,28 +150,10 @@ void activate_thread(bool on) {
 
 namespace amp {
 
-const char* to_string(CastPolicy policy) {
-  switch (policy) {
-    case CastPolicy::kLower:
-      return "lower";
-    case CastPolicy::kFp32:
-      return "fp32";
-    case CastPolicy::kPromote:
-      return "promote";
-    case CastPolicy::kBanned:
-      return "banned";
-  }
-  return "?";
-}
-
-void register_half_op(std::string_view name) {
-  detail::register_user_op(name, detail::Category::kLower);
-}
-void register_float_op(std::string_view name) {
-  detail::register_user_op(name, detail::Category::kFp32);
-}
+void register_half_op(std::string_view name) { detail::register_user_op(name, CastPolicy::kLower); }
+void register_float_op(std::string_view name) { detail::register_user_op(name, CastPolicy::kFp32); }
 void register_promote_op(std::string_view name) {
-  detail::register_user_op(name, detail::Category::kPromote);
+  detail::register_user_op(name, CastPolicy::kPromote);
 }
 
 std::string policy_report() {
@@ -179,11 +162,11 @@ std::string policy_report() {
   std::lock_guard<std::mutex> lock(r.mutex);
   std::map<std::string, std::string> rows;
   for (const auto& [name, kernel] : r.kernels) {
-    rows[detail::qualified(name)] = detail::category_name(kernel->category());
+    rows[detail::qualified(name)] = to_string(kernel->policy());
   }
   std::ostringstream out;
   out << "optamp casting policies (" << rows.size() << " operators):\n";
-  for (const auto& [name, category] : rows) out << "  " << name << ": " << category << "\n";
+  for (const auto& [name, policy] : rows) out << "  " << name << ": " << policy << "\n";
   out << "skipped (not in this LibTorch): " << r.skipped.size() << "\n";
   for (const auto& name : r.skipped) out << "  " << name << "\n";
   return out.str();

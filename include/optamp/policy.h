@@ -1,9 +1,12 @@
 #pragma once
-// Casting policies and user registration of operators (ARCHITECTURE §2).
+// Casting policies and user registration of operators (docs/casting.md).
 //
 // Policies are applied by kernels on optamp's dispatch key, so they hold for every ATen call,
 // from C++ or Python. Names are "namespace::op" or "namespace::op.overload"; without an
 // overload, every overload of the op gets the policy.
+
+#include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <string>
@@ -11,14 +14,37 @@
 
 namespace amp {
 
+// What a listed op's kernel does with its inputs (the lists: docs/casting.md).
 enum class CastPolicy : std::uint8_t {
-  kLower,    // cast floating (non-double) inputs to the level's low dtype (fp16 / bf16)
-  kFp32,     // cast fp16/bf16 inputs to fp32 (or set the op's dtype argument)
-  kPromote,  // if floating inputs mix widths, cast all to the widest
-  kBanned,   // refuse, naming the replacement
+  kLower,     // cast floating (non-double) inputs to the level's low dtype (fp16 / bf16)
+  kFp32,      // cast fp16/bf16 inputs to fp32 (or set the op's dtype argument); O1/O4, regions
+  kFp32Loss,  // as kFp32, at every casting level (losses and their softmaxes; O2/O5 included)
+  kPromote,   // if floating inputs mix widths, cast all to the widest
+  kBanned,    // refuse with the table's message (O1/O4, regions); an fp32 loss at O2/O5
 };
 
+// "lower", "fp32", "fp32 (loss)", "promote", "banned" (as policy_report() prints them).
 const char* to_string(CastPolicy policy);
+
+// Which policies apply: chosen by the level (or an amp::autocast region), per call after the
+// no_grad gate (docs/casting.md, "When ops are cast").
+enum class RuleSet : std::uint8_t {
+  kNone,           // nothing is cast (O0, disabled, disable_casts, gated off)
+  kFullLists,      // O1/O4 and amp::autocast regions: every policy
+  kMasterWeights,  // O2/O5: lower, fp32 (loss) and banned-as-a-loss
+  kPureLow,        // O3 (and O0 with a reduced cast_model_type): lower only
+};
+const char* to_string(RuleSet rules);
+
+bool policy_applies(CastPolicy policy, RuleSet rules);
+
+// What a kernel for an op on `device` would apply on this thread now, and the low dtype.
+// {kNone, Undefined} where optamp is off, disabled or gated, or native autocast owns `device`.
+struct CastRules {
+  RuleSet rules = RuleSet::kNone;
+  c10::ScalarType low = c10::ScalarType::Undefined;
+};
+CastRules cast_rules_now(c10::DeviceType device);
 
 // Apex's register_half_function / register_float_function / register_promote_function for
 // dispatcher ops (ATen or custom TORCH_LIBRARY ops). Usable before or after amp::initialize;

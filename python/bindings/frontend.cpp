@@ -116,20 +116,27 @@ void bind_frontend(py::module_& m) {
       },
       "Native autocast on for a device, or optamp's rules apply to ops on this thread now "
       "(installed as torch._C._is_any_autocast_enabled).");
+  py::enum_<CastPolicy>(m, "CastPolicy", "What a listed op's kernel does (docs/casting.md).")
+      .value("LOWER", CastPolicy::kLower)
+      .value("FP32", CastPolicy::kFp32)
+      .value("FP32_LOSS", CastPolicy::kFp32Loss)
+      .value("PROMOTE", CastPolicy::kPromote)
+      .value("BANNED", CastPolicy::kBanned);
+  py::enum_<RuleSet>(m, "RuleSet", "Which policies apply (set by the level or a region).")
+      .value("NONE", RuleSet::kNone)
+      .value("FULL_LISTS", RuleSet::kFullLists)
+      .value("MASTER_WEIGHTS", RuleSet::kMasterWeights)
+      .value("PURE_LOW", RuleSet::kPureLow);
+  m.def("policy_applies", &policy_applies, py::arg("policy"), py::arg("rules"));
   m.def(
-      "_cast_rules",
+      "cast_rules_now",
       [](const std::string& device) {
-        // What a kernel on `device` would do now on this thread: (rules, low dtype).
-        // rules: 0 none, 1 full lists (O1/O4, autocast regions), 2 master weights (O2/O5),
-        // 3 pure low (O3).
-        if (!detail::thread_key_on()) return py::make_tuple(0, py::none());
-        const auto decision = detail::decide(c10::Device(device).type());
-        if (decision.native_owns || decision.rules == detail::RuleSet::kNone) {
-          return py::make_tuple(0, py::none());
-        }
-        return py::make_tuple(static_cast<int>(decision.rules), dtype_to_py(decision.low));
+        const CastRules now = cast_rules_now(c10::Device(device).type());
+        return py::make_tuple(now.rules, dtype_to_py(now.low));
       },
-      py::arg("device") = "cpu");
+      py::arg("device") = "cpu",
+      "(RuleSet, low dtype or None): what a kernel for an op on `device` applies on this "
+      "thread now.");
 
   py::class_<PyAutocast>(m, "autocast")
       .def(py::init([](bool enabled, const py::object& dtype) {

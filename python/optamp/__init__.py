@@ -14,6 +14,7 @@ from ._torch_check import load_core
 
 _C = load_core()
 from ._C import (
+    CastPolicy,
     LossScaler,
     OptLevel,
     Properties,
@@ -27,6 +28,9 @@ from ._C import (
     is_initialized,
     parse_opt_level,
     policy_report,
+    RuleSet,
+    cast_rules_now,
+    policy_applies,
     rules_under_no_grad,
     thread_state_guard,
 )
@@ -60,6 +64,7 @@ def resolve(opt_level="O1", **overrides):
 
 
 __all__ = [
+    "CastPolicy",
     "LossScaler",
     "OptLevel",
     "Properties",
@@ -90,6 +95,9 @@ __all__ = [
     "register_promote_op",
     "reset",
     "resolve",
+    "RuleSet",
+    "cast_rules_now",
+    "policy_applies",
     "rules_under_no_grad",
     "scale_loss",
     "state_dict",

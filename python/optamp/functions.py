@@ -27,8 +27,8 @@ register_half_op = _C.register_half_op
 register_float_op = _C.register_float_op
 register_promote_op = _C.register_promote_op
 
-_FULL, _MASTER, _PURE = 1, 2, 3
-_APPLIES = {"half": (_FULL, _MASTER, _PURE), "float": (_FULL,), "promote": (_FULL,)}
+_POLICY = {"half": _C.CastPolicy.LOWER, "float": _C.CastPolicy.FP32,
+           "promote": _C.CastPolicy.PROMOTE}
 
 
 def _tensors(value, out):
@@ -86,8 +86,8 @@ def _wrap(fn, kind):
     def wrapper(*args, **kwargs):
         tensors = _tensors(kwargs, _tensors(args, []))
         device = tensors[0].device.type if tensors else "cpu"
-        rules, low = _C._cast_rules(device)
-        if rules not in _APPLIES[kind]:
+        rules, low = _C.cast_rules_now(device)
+        if not _C.policy_applies(_POLICY[kind], rules):
             return original(*args, **kwargs)
         cast = _caster(kind, tensors, low)
         if cast is not None:

@@ -688,6 +688,46 @@ TEST_P(CastingTable, BannedOpSaysWhatToUseInstead) {
 
 INSTANTIATE_TEST_SUITE_P(Levels, CastingTable, ::testing::Values("O1", "O4"));
 
+// The one vocabulary: which policies each rule set applies (docs/design.md, "Policies per level").
+TEST(CastPolicies, EachRuleSetAppliesItsPolicies) {
+  const CastPolicy all[] = {CastPolicy::kLower, CastPolicy::kFp32, CastPolicy::kFp32Loss,
+                            CastPolicy::kPromote, CastPolicy::kBanned};
+  auto applied = [&](RuleSet rules) {
+    std::string out;
+    for (const CastPolicy p : all) {
+      if (policy_applies(p, rules)) out += std::string(out.empty() ? "" : ", ") + to_string(p);
+    }
+    return out;
+  };
+  EXPECT_EQ(applied(RuleSet::kNone), "");
+  EXPECT_EQ(applied(RuleSet::kFullLists), "lower, fp32, fp32 (loss), promote, banned");
+  EXPECT_EQ(applied(RuleSet::kMasterWeights), "lower, fp32 (loss), banned");
+  EXPECT_EQ(applied(RuleSet::kPureLow), "lower");
+  EXPECT_STREQ(to_string(RuleSet::kMasterWeights), "master weights");
+  // Only the banned entries carry a message, and each of them does.
+  for (const auto& entry : detail::builtin_table()) {
+    EXPECT_EQ(entry.message != nullptr, entry.policy == CastPolicy::kBanned) << entry.name;
+  }
+}
+
+TEST_F(Casting, CastRulesNowFollowTheLevelTheGateAndRegions) {
+  EXPECT_EQ(cast_rules_now(at::kCPU).rules, RuleSet::kNone);  // no level yet
+  enable("O1");
+  EXPECT_EQ(cast_rules_now(at::kCPU).rules, RuleSet::kFullLists);
+  EXPECT_EQ(cast_rules_now(at::kCPU).low, at::kHalf);
+  {
+    at::NoGradGuard no_grad;
+    EXPECT_EQ(cast_rules_now(at::kCPU).rules, RuleSet::kNone);
+    amp::autocast region(true, at::kBFloat16);
+    EXPECT_EQ(cast_rules_now(at::kCPU).rules, RuleSet::kFullLists);
+    EXPECT_EQ(cast_rules_now(at::kCPU).low, at::kBFloat16);
+  }
+  {
+    disable_casts off;
+    EXPECT_EQ(cast_rules_now(at::kCPU).rules, RuleSet::kNone);
+  }
+}
+
 // Records the operators ("aten::op" / "aten::op.overload") that code dispatches at the top
 // level on this thread, leaving out the calls made inside them.
 class TopLevelOps {
@@ -733,23 +773,23 @@ TEST_F(Casting, EveryTableEntryHasACaseThatCallsIt) {
   enable("O1");
   const std::vector<std::pair<const char*, std::vector<OpCase>>> lists = {
       {"lower", lower_cases()}, {"fp32", fp32_cases()}, {"promote", promote_cases()}};
-  auto list_of = [](detail::Category c) -> const char* {
+  auto list_of = [](CastPolicy c) -> const char* {
     switch (c) {
-      case detail::Category::kLower:
+      case CastPolicy::kLower:
         return "lower";
-      case detail::Category::kFp32:
-      case detail::Category::kFp32Loss:
+      case CastPolicy::kFp32:
+      case CastPolicy::kFp32Loss:
         return "fp32";
-      case detail::Category::kPromote:
+      case CastPolicy::kPromote:
         return "promote";
-      case detail::Category::kBanned:
+      case CastPolicy::kBanned:
         break;
     }
     return nullptr;
   };
   std::vector<std::string> entries;
   for (const auto& entry : detail::builtin_table()) {
-    const char* list = list_of(entry.category);
+    const char* list = list_of(entry.policy);
     if (list == nullptr) continue;
     std::string name = std::string(entry.name).substr(std::strlen("aten::"));
     if (*entry.overload != '\0') name += std::string(".") + entry.overload;
@@ -1113,7 +1153,7 @@ TEST_F(Casting, EveryTableEntryIsRegisteredOnThisLibTorch) {
   for (const auto& entry : detail::builtin_table()) {
     std::string name = entry.name;
     if (*entry.overload != '\0') name += std::string(".") + entry.overload;
-    const std::string line = "  " + name + ": " + detail::category_name(entry.category) + "\n";
+    const std::string line = "  " + name + ": " + to_string(entry.policy) + "\n";
     EXPECT_NE(report.find(line), std::string::npos)
         << name << " is in the policy table but not registered with its category; report:\n"
         << report;

@@ -131,3 +131,18 @@ def test_patch_type_none_is_not_an_override(level, low):
         overrides_line = next(line for line in props.describe().splitlines()
                               if line.startswith("Overrides applied"))
         assert "patch_torch_functions_type" not in overrides_line, overrides_line
+
+
+@pytest.mark.parametrize("level,rules", [("O1", "FULL_LISTS"), ("O2", "MASTER_WEIGHTS"),
+                                         ("O3", "PURE_LOW"), ("O0", "NONE")])
+def test_rule_sets_and_policies_are_enums(fresh, level, rules):  # noqa: F811
+    init(Mlp(), None, level)
+    got, low = optamp.cast_rules_now("cpu")
+    assert got == getattr(optamp.RuleSet, rules)
+    assert (low is None) == (rules == "NONE")
+    with torch.no_grad():
+        assert optamp.cast_rules_now("cpu")[0] == (
+            optamp.RuleSet.PURE_LOW if level == "O3" else optamp.RuleSet.NONE)
+    assert optamp.policy_applies(optamp.CastPolicy.LOWER, got) == (rules != "NONE")
+    assert optamp.policy_applies(optamp.CastPolicy.FP32, got) == (rules == "FULL_LISTS")
+    assert optamp.CastPolicy.FP32_LOSS.name == "FP32_LOSS"
