@@ -12,6 +12,7 @@
 
 #include "cache/cast_cache.h"
 #include "dispatch/cast_state.h"
+#include "dispatch/tensor_args.h"
 
 namespace amp::detail {
 namespace {
@@ -42,24 +43,7 @@ void log_cast_once(ScalarType from, ScalarType to, const std::string& op) {
 // Visits every tensor in the read-only slots; `fn(tensor) -> optional<replacement>`.
 template <typename Slots, typename Fn>
 void rewrite_tensors(const Slots& slots, torch::jit::Stack& stack, std::size_t base, Fn&& fn) {
-  for (const auto& slot : slots) {
-    c10::IValue& value = stack[base + slot.index];
-    if (value.isTensor()) {
-      if (auto replaced = fn(value.toTensor())) value = c10::IValue(std::move(*replaced));
-    } else if (value.isTensorList()) {
-      auto list = value.toTensorList();
-      for (std::size_t i = 0; i < list.size(); ++i) {
-        if (auto replaced = fn(list.get(i))) list.set(i, std::move(*replaced));
-      }
-    } else if (value.isList()) {  // Tensor?[]
-      auto list = c10::impl::toTypedList<std::optional<at::Tensor>>(value.toList());
-      for (std::size_t i = 0; i < list.size(); ++i) {
-        std::optional<at::Tensor> item = list.get(i);
-        if (!item) continue;
-        if (auto replaced = fn(*item)) list.set(i, std::optional<at::Tensor>(std::move(*replaced)));
-      }
-    }
-  }
+  for (const auto& slot : slots) rewrite_tensors_in(stack[base + slot.index], fn);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 
 #include "cache/cast_cache.h"
 #include "dispatch/cast_state.h"
+#include "dispatch/tensor_args.h"
 
 namespace amp::detail {
 namespace {
@@ -119,15 +120,7 @@ void substitute_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys
   };
   for (std::size_t i = 0; i < args.size(); ++i) {
     if (args[i].alias_info() && args[i].alias_info()->isWrite()) continue;
-    c10::IValue& value = (*stack)[base + i];
-    if (value.isTensor()) {
-      if (auto copy = working_copy(value.toTensor())) value = c10::IValue(std::move(*copy));
-    } else if (value.isTensorList()) {
-      auto list = value.toTensorList();
-      for (std::size_t j = 0; j < list.size(); ++j) {
-        if (auto copy = working_copy(list.get(j))) list.set(j, std::move(*copy));
-      }
-    }
+    rewrite_tensors_in((*stack)[base + i], working_copy);
   }
   op.redispatchBoxed(below, stack);
 }
@@ -173,11 +166,6 @@ void set_working_copy_sources(const std::vector<at::Tensor>& tensors) {
 void clear_working_copy_sources() {
   std::atomic_store(&sources_slot(),
                     std::shared_ptr<const SourceMap>(std::make_shared<SourceMap>()));
-}
-
-bool is_working_copy_source(const at::Tensor& tensor) {
-  const auto sources = load_sources();
-  return sources->count(tensor.unsafeGetTensorImpl()) != 0;
 }
 
 void activate_substitution_thread(bool on) {

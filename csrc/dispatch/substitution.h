@@ -15,7 +15,6 @@ constexpr c10::DispatchKey kSubstituteKey = c10::DispatchKey::AutocastXLA;
 // keep_in_fp32 ones). Replaces the previous set; registers the key's kernels on first use.
 void set_working_copy_sources(const std::vector<at::Tensor>& tensors);
 void clear_working_copy_sources();
-bool is_working_copy_source(const at::Tensor& tensor);
 
 // This thread's substitution key on/off (with the casting key, by initialize and reset).
 void activate_substitution_thread(bool on);

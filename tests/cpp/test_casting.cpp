@@ -7,6 +7,7 @@
 #include <torch/library.h>
 #include <torch/nn/functional/normalization.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
@@ -30,6 +31,7 @@ TORCH_LIBRARY(optamp_test, m) {
   m.def("twice(Tensor x) -> Tensor");
   m.def("twice.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("accumulate_(Tensor(a!) self, Tensor other) -> Tensor(a!)");
+  m.def("first_defined(Tensor?[] xs) -> Tensor");  // a Tensor?[] argument, for the walker
 }
 TORCH_LIBRARY_IMPL(optamp_test, CompositeExplicitAutograd, m) {
   m.impl("twice", [](const at::Tensor& x) { return x * 2; });
@@ -38,6 +40,12 @@ TORCH_LIBRARY_IMPL(optamp_test, CompositeExplicitAutograd, m) {
   });
   m.impl("accumulate_", [](at::Tensor& self, const at::Tensor& other) -> at::Tensor& {
     return self.add_(other.to(self.scalar_type()));
+  });
+  m.impl("first_defined", [](const c10::List<std::optional<at::Tensor>>& xs) {
+    for (const std::optional<at::Tensor>& x : xs) {
+      if (x && x->defined()) return x->clone();
+    }
+    return at::Tensor();
   });
 }
 
@@ -51,6 +59,13 @@ at::Tensor call_twice(const at::Tensor& x) {
                        .findSchemaOrThrow("optamp_test::twice", "")
                        .typed<at::Tensor(const at::Tensor&)>();
   return op.call(x);
+}
+
+at::Tensor call_first_defined(const c10::List<std::optional<at::Tensor>>& xs) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("optamp_test::first_defined", "")
+                       .typed<at::Tensor(const c10::List<std::optional<at::Tensor>>&)>();
+  return op.call(xs);
 }
 
 class Casting : public ::testing::Test {
@@ -725,6 +740,29 @@ TEST_F(Casting, CastRulesNowFollowTheLevelTheGateAndRegions) {
   {
     disable_casts off;
     EXPECT_EQ(cast_rules_now(at::kCPU).rules, RuleSet::kNone);
+  }
+}
+
+// The casting kernel and the O2/O5 substitution share one walker over tensor arguments; the
+// substitution's own copy used to skip Tensor?[] (index, index_put, custom ops).
+TEST(SubstitutionWalker, OptionalTensorListArgumentsSeeWorkingCopiesAtO2O5) {
+  for (const char* level : {"O2", "O5"}) {
+    SCOPED_TRACE(level);
+    torch::nn::Linear lin(3, 2);
+    torch::optim::SGD opt(lin->parameters(), torch::optim::SGDOptions(0.1));
+    Options o;
+    o.verbosity = 0;
+    initialize(lin, opt, level, o);
+    const ScalarType low = resolve(level).low_dtype();
+    const at::Tensor& w = lin->weight;
+    c10::List<std::optional<at::Tensor>> xs;
+    xs.push_back(std::nullopt);
+    xs.push_back(w);
+    EXPECT_EQ(call_first_defined(xs).scalar_type(), low);
+    const at::Tensor mask = w.detach() > 0;  // a parameter-derived index list
+    EXPECT_EQ(w.index({mask}).scalar_type(), low);
+    EXPECT_EQ(at::index(w, c10::List<std::optional<at::Tensor>>({mask})).scalar_type(), low);
+    reset();
   }
 }
 
