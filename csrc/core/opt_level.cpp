@@ -9,8 +9,29 @@
 #include <cstdlib>
 #include <sstream>
 
+#include "core/format.h"
+
 namespace amp {
+
+namespace detail {
+
+std::string number_name(double value) {
+  if (!std::isfinite(value)) return std::isnan(value) ? "nan" : (value > 0 ? "inf" : "-inf");
+  char text[32];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(text, sizeof(text), "%.*g", precision, value);
+    if (std::strtod(text, nullptr) == value) break;
+  }
+  std::string out(text);
+  if (out.find_first_of(".e") == std::string::npos) out += ".0";
+  return out;
+}
+
+}  // namespace detail
+
 namespace {
+
+using detail::number_name;
 
 using c10::ScalarType;
 constexpr ScalarType kNone = ScalarType::Undefined;
@@ -52,20 +73,6 @@ std::string bool_name(bool value) { return value ? "True" : "False"; }
 
 std::string optional_bool_name(const std::optional<bool>& value) {
   return value ? bool_name(*value) : "None";
-}
-
-// Python's repr of a float: the shortest text that reads back exactly, with ".0" on integral
-// values (16777216.0, not 1.67772e+07).
-std::string number_name(double value) {
-  if (!std::isfinite(value)) return std::isnan(value) ? "nan" : (value > 0 ? "inf" : "-inf");
-  char text[32];
-  for (int precision = 1; precision <= 17; ++precision) {
-    std::snprintf(text, sizeof(text), "%.*g", precision, value);
-    if (std::strtod(text, nullptr) == value) break;
-  }
-  std::string out(text);
-  if (out.find_first_of(".e") == std::string::npos) out += ".0";
-  return out;
 }
 
 bool is_reduced_float(ScalarType type) {

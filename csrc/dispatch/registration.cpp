@@ -33,10 +33,6 @@ Registry& registry() {
   return *instance;
 }
 
-std::string qualified(const c10::OperatorName& name) {
-  return name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
-}
-
 void check_key_is_free() {
   TORCH_CHECK(!c10::Dispatcher::singleton().hasBackendFallbackForDispatchKey(kCastKey),
               "optamp needs the dispatch key ", kCastKey,
@@ -127,6 +123,10 @@ void register_user_op(std::string_view qualified_name, CastPolicy policy) {
 }
 
 }  // namespace
+
+std::string qualified(const c10::OperatorName& name) {
+  return name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+}
 
 void ensure_registered() {
   Registry& r = registry();

@@ -16,6 +16,7 @@
 
 #include "cache/cast_cache.h"
 #include "dispatch/cast_state.h"
+#include "dispatch/registration.h"
 #include "dispatch/tensor_args.h"
 
 namespace amp::detail {
@@ -142,9 +143,7 @@ void ensure_substitution_registered() {
     for (const auto& name : dispatcher.getAllOpNames()) {
       for (const char* excluded : kOwnDataOps) {
         if (name.name != excluded) continue;
-        const std::string qualified =
-            name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
-        own_data->impl(qualified.c_str(), torch::CppFunction::makeFallthrough());
+        own_data->impl(qualified(name).c_str(), torch::CppFunction::makeFallthrough());
       }
     }
   });

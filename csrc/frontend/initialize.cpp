@@ -100,13 +100,10 @@ std::vector<detail::OptimizerTensors> collect_optimizers(
   for (std::size_t i = 0; i < optimizers.size(); ++i) {
     torch::optim::Optimizer* opt = optimizers[i];
     TORCH_CHECK_VALUE(opt != nullptr, "optimizers[", i, "] must be an optimizer, got nullptr");
-    TORCH_CHECK_VALUE(dynamic_cast<torch::optim::LBFGS*>(opt) == nullptr, "optimizers[", i,
-                      "] is torch::optim::LBFGS, which is not supported: its step() re-evaluates "
-                      "the loss through a closure, outside scale_loss, so gradients would be "
-                      "unscaled twice or not at all. Use SGD/Adam/AdamW/RMSprop/Adagrad.");
     detail::OptimizerTensors t;
     t.identity = opt;
     t.description = "optimizer " + std::to_string(i);
+    t.steps_through_closure = dynamic_cast<torch::optim::LBFGS*>(opt) != nullptr;
     for (const auto& group : opt->param_groups()) {
       const double eps = group_eps(group.options());
       if (eps > 0 && (t.smallest_eps == 0 || eps < t.smallest_eps)) t.smallest_eps = eps;

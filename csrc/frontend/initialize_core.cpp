@@ -101,6 +101,10 @@ void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTens
   std::unordered_set<const void*> seen;
   auto& state = frontend();
   for (const auto& opt : opts) {
+    TORCH_CHECK_VALUE(!opt.steps_through_closure, opt.description,
+                      " is LBFGS, which is not supported: its step() re-evaluates the loss "
+                      "through a closure, outside scale_loss, so gradients would be unscaled "
+                      "twice or not at all. Use SGD/Adam/AdamW/RMSprop/Adagrad.");
     TORCH_CHECK_VALUE(!state.optimizers.count(opt.identity) && !seen.count(opt.identity),
                       opt.description,
                       " was already passed to amp::initialize; call "

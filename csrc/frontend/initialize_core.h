@@ -25,6 +25,7 @@ struct OptimizerTensors {
   std::vector<at::Tensor> state;         // optimizer state tensors (device check)
   std::vector<at::Tensor> state_owners;  // the parameter each state tensor belongs to
   double smallest_eps = 0.0;             // for the O3 fp16 epsilon warning; 0 = none
+  bool steps_through_closure = false;    // LBFGS: re-evaluates the loss in step(); refused
 };
 
 // Validates everything (throws, changing nothing), then applies. Returns resolved properties.

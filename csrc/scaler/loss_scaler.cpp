@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "core/format.h"
 #include "ops/multi_tensor.h"
 #include "optamp/state_dict.h"
 #include "scaler/registry.h"
@@ -25,15 +26,7 @@
 namespace amp {
 namespace {
 
-// Python's float formatting for the log line ("32768.0", "0.5").
-std::string format_scale(double v) {
-  std::ostringstream out;
-  out.precision(17);
-  out << v;
-  std::string s = out.str();
-  if (std::isfinite(v) && s.find_first_of(".e") == std::string::npos) s += ".0";
-  return s;
-}
+using detail::number_name;
 
 constexpr double kFloatMax = 3.4028234663852886e38;
 
@@ -281,10 +274,10 @@ LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list) {
   if (result.skipped && verbosity_ >= 1) {
     if (dynamic_) {
       std::cerr << "Gradient overflow. Skipping step, loss scaler " << loss_id_
-                << " reducing loss scale to " << format_scale(result.loss_scale) << std::endl;
+                << " reducing loss scale to " << number_name(result.loss_scale) << std::endl;
     } else {
       std::cerr << "Gradient overflow. Skipping step, loss scaler " << loss_id_
-                << " keeping its fixed loss scale " << format_scale(result.loss_scale) << std::endl;
+                << " keeping its fixed loss scale " << number_name(result.loss_scale) << std::endl;
     }
   }
   return result;
@@ -334,15 +327,15 @@ void LossScaler::check_state(const StateDict& from, const std::string& prefix) c
         has_min_ ? std::max(kScaleFloor, std::min(min_loss_scale_, init_scale_)) : kScaleFloor;
     const double hi = std::max(max_loss_scale_, init_scale_);
     TORCH_CHECK_VALUE(std::isfinite(scale) && scale >= static_cast<float>(lo) && scale <= hi,
-                      "state entry '", key, "' must lie within [", format_scale(lo), ", ",
-                      format_scale(hi),
+                      "state entry '", key, "' must lie within [", number_name(lo), ", ",
+                      number_name(hi),
                       "] (the configured scaler's [min_loss_scale or 2^-126, max_loss_scale]), "
                       "got ",
-                      format_scale(scale));
+                      number_name(scale));
   } else {
     TORCH_CHECK_VALUE(scale == static_cast<float>(fixed_scale_), "state entry '", key,
-                      "' must equal the configured fixed loss scale ", format_scale(fixed_scale_),
-                      " (a fixed scale never changes), got ", format_scale(scale),
+                      "' must equal the configured fixed loss scale ", number_name(fixed_scale_),
+                      " (a fixed scale never changes), got ", number_name(scale),
                       "; initialize with loss_scale=\"dynamic\" (or with this scale) to resume it");
   }
   check_range<int64_t>(prefix + "growth_tracker", growth, 0, growth_interval_ - 1,

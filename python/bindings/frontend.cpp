@@ -62,6 +62,7 @@ detail::OptimizerTensors optimizer_from_py(const py::handle& d) {
   t.state = d["state"].cast<std::vector<at::Tensor>>();
   t.state_owners = d["state_owners"].cast<std::vector<at::Tensor>>();
   t.smallest_eps = d["smallest_eps"].cast<double>();
+  t.steps_through_closure = d["steps_through_closure"].cast<bool>();
   TORCH_CHECK(t.state.size() == t.state_owners.size(), "state and state_owners must match");
   return t;
 }
@@ -91,7 +92,8 @@ void bind_frontend(py::module_& m) {
         py::arg("optimizers"), py::arg("opt_level"),
         "The framework-neutral core of initialize (validate, then apply). names[i] names "
         "parameters[i] (for the loss scaler's floor error). optimizers: dicts with "
-        "identity, description, parameters, state, state_owners, smallest_eps.");
+        "identity, description, parameters, state, state_owners, smallest_eps, "
+        "steps_through_closure.");
   m.def("_reset_core", &detail::reset_core);
   m.def("is_initialized", &detail::initialized_core);
 

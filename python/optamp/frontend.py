@@ -77,12 +77,6 @@ def _collect_models(models, keep_batchnorm):
 def _collect_optimizers(optimizers):
     out = []
     for i, opt in enumerate(optimizers):
-        if isinstance(opt, torch.optim.LBFGS):
-            raise ValueError(
-                f"optimizers[{i}] is torch.optim.LBFGS, which is not supported: its step() "
-                "re-evaluates the loss through a closure, outside scale_loss, so gradients "
-                "would be unscaled twice or not at all. Use SGD/Adam/AdamW/RMSprop/Adagrad."
-            )
         params, state, owners, smallest_eps = [], [], [], 0.0
         for group in opt.param_groups:
             eps = group.get("eps")
@@ -105,6 +99,7 @@ def _collect_optimizers(optimizers):
                 "state": state,
                 "state_owners": owners,
                 "smallest_eps": smallest_eps,
+                "steps_through_closure": isinstance(opt, torch.optim.LBFGS),  # refused
             }
         )
     return out
