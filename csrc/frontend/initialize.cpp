@@ -12,7 +12,7 @@
 #include <mutex>
 #include <unordered_set>
 
-#include "frontend/initialize_core.h"
+#include "optamp/core.h"
 
 namespace amp {
 namespace {
@@ -32,7 +32,7 @@ bool is_batchnorm(const torch::nn::Module& m) {
 // The module's own tensors, then its children's, depth first. Module::modules(include_self)
 // would need the root to be owned by a shared_ptr (shared_from_this); a module on the stack is
 // not. Children are always held by shared_ptrs.
-void collect_tree(const torch::nn::Module& module, bool keep_batchnorm, detail::ModelTensors& out) {
+void collect_tree(const torch::nn::Module& module, bool keep_batchnorm, core::ModelTensors& out) {
   const bool keep = (keep_batchnorm && is_batchnorm(module)) || fp32_marks().count(&module);
   auto& target = keep ? out.keep_fp32 : out.reduced;
   for (const auto& p : module.named_parameters(/*recurse=*/false)) target.push_back(p.value());
@@ -42,9 +42,9 @@ void collect_tree(const torch::nn::Module& module, bool keep_batchnorm, detail::
   for (const auto& child : module.children()) collect_tree(*child, keep_batchnorm, out);
 }
 
-detail::ModelTensors collect_models(const std::vector<ModulePtr>& models, bool keep_batchnorm) {
+core::ModelTensors collect_models(const std::vector<ModulePtr>& models, bool keep_batchnorm) {
   TORCH_CHECK_VALUE(!models.empty(), "models must contain at least one module, got none");
-  detail::ModelTensors out;
+  core::ModelTensors out;
   std::lock_guard<std::mutex> lock(g_marks_mutex);
   for (std::size_t i = 0; i < models.size(); ++i) {
     TORCH_CHECK_VALUE(models[i] != nullptr, "models[", i, "] must be a module, got nullptr");
@@ -63,7 +63,7 @@ detail::ModelTensors collect_models(const std::vector<ModulePtr>& models, bool k
 // The state tensors of the built-in optimizers (for the device check) and their epsilon.
 template <typename State>
 void collect_state(const torch::optim::OptimizerParamState& s, const at::Tensor& param,
-                   detail::OptimizerTensors& out) {
+                   core::OptimizerTensors& out) {
   const auto* typed = dynamic_cast<const State*>(&s);
   if (!typed) return;
   auto add = [&](const at::Tensor& t) {
@@ -94,13 +94,13 @@ double group_eps(const torch::optim::OptimizerOptions& options) {
   return 0.0;
 }
 
-std::vector<detail::OptimizerTensors> collect_optimizers(
+std::vector<core::OptimizerTensors> collect_optimizers(
     const std::vector<torch::optim::Optimizer*>& optimizers) {
-  std::vector<detail::OptimizerTensors> out;
+  std::vector<core::OptimizerTensors> out;
   for (std::size_t i = 0; i < optimizers.size(); ++i) {
     torch::optim::Optimizer* opt = optimizers[i];
     TORCH_CHECK_VALUE(opt != nullptr, "optimizers[", i, "] must be an optimizer, got nullptr");
-    detail::OptimizerTensors t;
+    core::OptimizerTensors t;
     t.identity = opt;
     t.description = "optimizer " + std::to_string(i);
     t.steps_through_closure = dynamic_cast<torch::optim::LBFGS*>(opt) != nullptr;
@@ -132,7 +132,7 @@ Handle initialize(const std::vector<ModulePtr>& models,
   const Properties preview = resolve(level, options);
   const auto model = collect_models(models, preview.keep_batchnorm_fp32.value_or(false));
   const auto opts = collect_optimizers(optimizers);
-  return Handle(detail::initialize_core(model, opts, level, options));
+  return Handle(core::initialize(model, opts, level, options));
 }
 
 Handle initialize(const std::vector<ModulePtr>& models,
@@ -175,12 +175,12 @@ Handle initialize(std::initializer_list<ModuleRef> models,
 }
 
 void reset() {
-  detail::reset_core();
+  core::reset();
   std::lock_guard<std::mutex> lock(g_marks_mutex);
   fp32_marks().clear();
 }
 
-bool is_initialized() { return detail::initialized_core(); }
+bool is_initialized() { return core::initialized(); }
 
 void keep_in_fp32(const torch::nn::Module& module) {
   std::lock_guard<std::mutex> lock(g_marks_mutex);

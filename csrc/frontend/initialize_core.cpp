@@ -1,4 +1,4 @@
-#include "frontend/initialize_core.h"
+#include "optamp/core.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
@@ -12,9 +12,14 @@
 #include "dispatch/registration.h"
 #include "dispatch/substitution.h"
 #include "optamp/cast_cache.h"
-#include "scaler/registry.h"
+#include "scaler/loss_scaler_set.h"
+#include "scaler/scale_loss_core.h"
 
 namespace amp::detail {
+
+using core::ModelTensors;
+using core::OptimizerTensors;
+
 namespace {
 
 struct FrontendState {
@@ -196,8 +201,14 @@ void install_param_names(const ModelTensors& model) {
 
 }  // namespace
 
-Properties initialize_core(const ModelTensors& model, const std::vector<OptimizerTensors>& opts,
-                           OptLevel level, const Options& options) {
+}  // namespace amp::detail
+
+namespace amp::core {
+
+using namespace amp::detail;  // this file's internals
+
+Properties initialize(const ModelTensors& model, const std::vector<OptimizerTensors>& opts,
+                      OptLevel level, const Options& options) {
   auto& state = frontend();
   std::lock_guard<std::mutex> lock(state.mutex);
   // ---- validate: nothing changes before every check passed -----------------------------
@@ -248,7 +259,7 @@ Properties initialize_core(const ModelTensors& model, const std::vector<Optimize
   return p;
 }
 
-void reset_core() {
+void reset() {
   auto& state = frontend();
   std::lock_guard<std::mutex> lock(state.mutex);
   reset_all_thread_states();  // every thread's regions, key and substitution: back to initial
@@ -264,10 +275,10 @@ void reset_core() {
   state.initialized = false;
 }
 
-bool initialized_core() {
+bool initialized() {
   auto& state = frontend();
   std::lock_guard<std::mutex> lock(state.mutex);
   return state.initialized;
 }
 
-}  // namespace amp::detail
+}  // namespace amp::core

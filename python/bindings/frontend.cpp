@@ -11,10 +11,9 @@
 #include <thread>
 
 #include "common.h"
-#include "dispatch/cast_state.h"
-#include "frontend/initialize_core.h"
 #include "optamp/autocast.h"
 #include "optamp/cast_cache.h"
+#include "optamp/core.h"
 #include "optamp/policy.h"
 
 namespace amp::python {
@@ -54,8 +53,8 @@ struct PyThreadStateGuard : PyGuard<amp::ThreadStateGuard> {
   amp::ThreadState state;
 };
 
-detail::OptimizerTensors optimizer_from_py(const py::handle& d) {
-  detail::OptimizerTensors t;
+core::OptimizerTensors optimizer_from_py(const py::handle& d) {
+  core::OptimizerTensors t;
   t.identity = reinterpret_cast<const void*>(d["identity"].cast<std::uintptr_t>());
   t.description = d["description"].cast<std::string>();
   t.parameters = d["parameters"].cast<std::vector<at::Tensor>>();
@@ -80,13 +79,13 @@ void bind_frontend(py::module_& m) {
               TORCH_CHECK_VALUE(names.empty() || names.size() == parameters.size(),
                                 "names must be empty or name every parameter, got ", names.size(),
                                 " names for ", parameters.size(), " parameters");
-              detail::ModelTensors model{std::move(reduced), std::move(keep_fp32),
-                                         std::move(parameters), std::move(names)};
-              std::vector<detail::OptimizerTensors> opts;
+              core::ModelTensors model{std::move(reduced), std::move(keep_fp32),
+                                       std::move(parameters), std::move(names)};
+              std::vector<core::OptimizerTensors> opts;
               for (const auto& o : optimizers) opts.push_back(optimizer_from_py(o));
               const OptLevel lvl = level_from_py(level);
               const Options options = options_from_kwargs(overrides);
-              return detail::initialize_core(model, opts, lvl, options);
+              return core::initialize(model, opts, lvl, options);
             }),
         py::arg("reduced"), py::arg("keep_fp32"), py::arg("parameters"), py::arg("names"),
         py::arg("optimizers"), py::arg("opt_level"),
@@ -94,8 +93,8 @@ void bind_frontend(py::module_& m) {
         "parameters[i] (for the loss scaler's floor error). optimizers: dicts with "
         "identity, description, parameters, state, state_owners, smallest_eps, "
         "steps_through_closure.");
-  m.def("_reset_core", &detail::reset_core);
-  m.def("is_initialized", &detail::initialized_core);
+  m.def("_reset_core", &core::reset);
+  m.def("is_initialized", &core::initialized);
 
   // ---- per-thread state -------------------------------------------------------------------
   m.def("is_casting_enabled", &amp::is_casting_enabled,

@@ -8,9 +8,9 @@
 #include <memory>
 
 #include "common.h"
+#include "optamp/core.h"
 #include "optamp/loss_scaler.h"
 #include "optamp/state_dict.h"
-#include "scaler/registry.h"
 
 namespace amp::python {
 namespace {
@@ -24,7 +24,7 @@ struct PyScaledLoss {
   ~PyScaledLoss() {
     if (!guard) return;
     try {
-      detail::finish_scaled_loss(*guard, /*unwinding=*/true);
+      core::finish(*guard, /*unwinding=*/true);
     } catch (...) {
     }
   }
@@ -56,10 +56,10 @@ LossScaler::FoundInfReducer python_reducer(const py::object& fn) {
 }  // namespace
 
 void bind_scaler(py::module_& m) {
-  m.def("configure_loss_scalers", &detail::configure_loss_scalers, py::arg("properties"),
+  m.def("configure_loss_scalers", &core::configure_loss_scalers, py::arg("properties"),
         "Create properties.num_losses loss scalers (amp.initialize does this).");
-  m.def("reset_loss_scalers", &detail::reset_loss_scalers);
-  m.def("num_loss_scalers", &detail::num_loss_scalers);
+  m.def("reset_loss_scalers", &core::reset_loss_scalers);
+  m.def("num_loss_scalers", &core::num_loss_scalers);
 
   py::class_<LossScaler, std::shared_ptr<LossScaler>>(m, "LossScaler")
       .def_property_readonly("loss_id", &LossScaler::loss_id)
@@ -104,7 +104,7 @@ void bind_scaler(py::module_& m) {
           "removes it.")
       .def_property_readonly("has_found_inf_reducer", &LossScaler::has_found_inf_reducer);
   m.attr("FLOOR_SKIP_LIMIT") = LossScaler::kFloorSkipLimit;
-  m.def("loss_scaler", &detail::loss_scaler_ptr, py::arg("loss_id") = 0);
+  m.def("loss_scaler", &core::loss_scaler_ptr, py::arg("loss_id") = 0);
 
   py::class_<PyScaledLoss>(m, "_ScaledLoss")
       .def_property_readonly("loss",
@@ -119,7 +119,7 @@ void bind_scaler(py::module_& m) {
            torch::wrap_pybind_function([](PyScaledLoss& self, bool unwinding) {
              if (!self.guard) return false;
              auto guard = std::move(self.guard);
-             return detail::finish_scaled_loss(*guard, unwinding);
+             return core::finish(*guard, unwinding);
            }),
            py::arg("unwinding") = false);
 
@@ -136,10 +136,10 @@ void bind_scaler(py::module_& m) {
                                        ? std::string("optimizer")
                                        : "optimizers[" + std::to_string(k) + "]");
           }
-          detail::check_optimizers_allowed(identities, descriptions);
+          core::check_optimizers_allowed(identities, descriptions);
           auto guard = std::make_unique<ScaledLoss>(
-              detail::scale_loss_params(loss, std::move(params), std::move(names),
-                                        ScaleLossOptions{loss_id, delay_unscale}, "optimizer"));
+              core::scale_loss(loss, std::move(params), std::move(names),
+                               ScaleLossOptions{loss_id, delay_unscale}, "optimizer"));
           auto holder = std::make_unique<PyScaledLoss>();
           holder->guard = std::move(guard);
           return holder;

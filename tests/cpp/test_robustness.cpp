@@ -22,7 +22,7 @@
 #include "ops/multi_tensor.h"
 #include "optamp/amp.h"
 #include "optamp/autocast.h"
-#include "scaler/registry.h"
+#include "optamp/core.h"
 #include "test_util.h"
 
 namespace amp {
@@ -248,8 +248,10 @@ TEST_F(Robustness, FixedScaleRaisesTheFloorErrorAfterFiftyConsecutiveSkips) {
     auto scaled = scale_loss(loss_of(net, 0, kNaN, 2), opt);
     scaled.backward();
   };
-  OPTAMP_EXPECT_THROW_WITH(last(), c10::Error, "skipped 50 consecutive steps at its fixed loss "
-                           "scale (1)", "w2 ");
+  OPTAMP_EXPECT_THROW_WITH(last(), c10::Error,
+                           "skipped 50 consecutive steps at its fixed loss "
+                           "scale (1)",
+                           "w2 ");
   for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
 }
 

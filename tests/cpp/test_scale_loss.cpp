@@ -18,7 +18,7 @@
 
 #include "core/step_events.h"
 #include "optamp/amp.h"
-#include "scaler/registry.h"
+#include "optamp/core.h"
 #include "test_util.h"
 
 namespace amp {
@@ -86,12 +86,12 @@ std::vector<at::Tensor> plain_grads(const Model& m, const std::vector<int>& batc
 
 class ScaleLossTest : public ::testing::Test {
  protected:
-  void SetUp() override { detail::reset_loss_scalers(); }
-  void TearDown() override { detail::reset_loss_scalers(); }
+  void SetUp() override { core::reset_loss_scalers(); }
+  void TearDown() override { core::reset_loss_scalers(); }
 };
 
 TEST_F(ScaleLossTest, LossIsFloatTimesScaleAndGradsComeBackUnscaledExactly) {
-  detail::configure_loss_scalers(props());
+  core::configure_loss_scalers(props());
   Model m;
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
   const auto expected = plain_grads(m, {0});
@@ -117,8 +117,8 @@ void overflowing_step(Model& m, torch::optim::Optimizer& opt, int b, float bad =
 
 template <typename Opt, typename Options>
 void expect_overflow_skips_step(Options options, const char* name) {
-  detail::reset_loss_scalers();
-  detail::configure_loss_scalers(props());
+  core::reset_loss_scalers();
+  core::configure_loss_scalers(props());
   Model m;
   Opt opt(m.params(), options);
   // A clean step first, so the optimizer has state (momentum buffers, Adam moments, step).
@@ -160,7 +160,7 @@ TEST_F(ScaleLossTest, OverflowSkipsTheStepOfEveryBuiltInOptimizerBitwise) {
 }
 
 TEST_F(ScaleLossTest, NanIsAnOverflowToo) {
-  detail::configure_loss_scalers(props());
+  core::configure_loss_scalers(props());
   Model m;
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
   overflowing_step(m, opt, 0, std::numeric_limits<float>::quiet_NaN());
@@ -185,7 +185,7 @@ struct FakeRanks {
 };
 
 TEST_F(ScaleLossTest, FoundInfReducerMakesEveryRankSkipWhenAnotherOverflowed) {
-  detail::configure_loss_scalers(props());
+  core::configure_loss_scalers(props());
   auto ranks = std::make_shared<FakeRanks>();
   loss_scaler().set_found_inf_reducer([ranks](at::Tensor& f) { (*ranks)(f); });
   Model m;
@@ -219,7 +219,7 @@ TEST_F(ScaleLossTest, FoundInfReducerMakesEveryRankSkipWhenAnotherOverflowed) {
 }
 
 TEST_F(ScaleLossTest, FoundInfReducerIsNotCalledForDelayedOrUncheckedScaling) {
-  detail::configure_loss_scalers(props());
+  core::configure_loss_scalers(props());
   auto ranks = std::make_shared<FakeRanks>();
   loss_scaler().set_found_inf_reducer([ranks](at::Tensor& f) { (*ranks)(f); });
   Model m;
@@ -231,8 +231,8 @@ TEST_F(ScaleLossTest, FoundInfReducerIsNotCalledForDelayedOrUncheckedScaling) {
   EXPECT_EQ(ranks->calls, 0) << "a delayed micro-batch has no overflow decision yet";
   Options fixed;
   fixed.loss_scale = LossScale::fixed(128.0);
-  detail::reset_loss_scalers();
-  detail::configure_loss_scalers(props(fixed));
+  core::reset_loss_scalers();
+  core::configure_loss_scalers(props(fixed));
   loss_scaler().set_found_inf_reducer([ranks](at::Tensor& f) { (*ranks)(f); });
   Model m2;
   torch::optim::SGD opt2(m2.params(), torch::optim::SGDOptions(0.1));
@@ -242,8 +242,8 @@ TEST_F(ScaleLossTest, FoundInfReducerIsNotCalledForDelayedOrUncheckedScaling) {
   }
   EXPECT_EQ(ranks->calls, 1) << "a fixed scale skips overflowing steps too: ranks must agree";
   fixed.overflow_check = false;
-  detail::reset_loss_scalers();
-  detail::configure_loss_scalers(props(fixed));
+  core::reset_loss_scalers();
+  core::configure_loss_scalers(props(fixed));
   loss_scaler().set_found_inf_reducer([ranks](at::Tensor& f) { (*ranks)(f); });
   {
     auto scaled = scale_loss(m2.loss(batch(0)), opt2);
@@ -253,7 +253,7 @@ TEST_F(ScaleLossTest, FoundInfReducerIsNotCalledForDelayedOrUncheckedScaling) {
 }
 
 TEST_F(ScaleLossTest, AFailingFoundInfReducerSkipsTheStepAndPropagates) {
-  detail::configure_loss_scalers(props());
+  core::configure_loss_scalers(props());
   loss_scaler().set_found_inf_reducer(
       [](at::Tensor&) { TORCH_CHECK(false, "collective timed out"); });
   Model m;
@@ -281,7 +281,7 @@ TEST_F(ScaleLossTest, AFailingFoundInfReducerSkipsTheStepAndPropagates) {
 TEST_F(ScaleLossTest, LogsTheApexMessageAtVerbosityOneOnly) {
   Options o;
   o.verbosity = 1;
-  detail::configure_loss_scalers(props(o));
+  core::configure_loss_scalers(props(o));
   Model m;
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
   ::testing::internal::CaptureStderr();
@@ -289,15 +289,15 @@ TEST_F(ScaleLossTest, LogsTheApexMessageAtVerbosityOneOnly) {
   EXPECT_NE(::testing::internal::GetCapturedStderr().find(
                 "Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 32768.0"),
             std::string::npos);
-  detail::reset_loss_scalers();
-  detail::configure_loss_scalers(props());
+  core::reset_loss_scalers();
+  core::configure_loss_scalers(props());
   ::testing::internal::CaptureStderr();
   overflowing_step(m, opt, 0);
   EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
 }
 
 TEST_F(ScaleLossTest, AccumulationWithDelayUnscaleAndWithStashingBothGiveTheUnscaledSum) {
-  detail::configure_loss_scalers(props());
+  core::configure_loss_scalers(props());
   const auto expected = plain_grads(Model(), {0, 1, 2});
   for (bool delay : {true, false}) {
     Model m;
@@ -315,7 +315,7 @@ TEST_F(ScaleLossTest, AccumulationWithDelayUnscaleAndWithStashingBothGiveTheUnsc
 }
 
 TEST_F(ScaleLossTest, StashedGradOfAParamUnusedByTheNextMicroBatchIsKept) {
-  detail::configure_loss_scalers(props());
+  core::configure_loss_scalers(props());
   Model m;
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
   {
@@ -337,7 +337,7 @@ TEST_F(ScaleLossTest, StashedGradOfAParamUnusedByTheNextMicroBatchIsKept) {
 TEST_F(ScaleLossTest, MultipleLossesHaveTheirOwnScalersAndSeveralOptimizersShareALoss) {
   Options o;
   o.num_losses = 2;
-  detail::configure_loss_scalers(props(o));
+  core::configure_loss_scalers(props(o));
   Model m;
   torch::optim::SGD opt_a({m.w1, m.b1}, torch::optim::SGDOptions(0.1));
   torch::optim::Adam opt_b({m.w2}, torch::optim::AdamOptions(0.1));
@@ -367,7 +367,7 @@ TEST_F(ScaleLossTest, MultipleLossesHaveTheirOwnScalersAndSeveralOptimizersShare
 TEST_F(ScaleLossTest, AmpStepSkipsWhenAnEarlierLossOfTheStepOverflowed) {
   Options o;
   o.num_losses = 2;
-  detail::configure_loss_scalers(props(o));
+  core::configure_loss_scalers(props(o));
   Model m;
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1).momentum(0.9));
   const auto before = clones(m.params());
@@ -407,7 +407,7 @@ TEST_F(ScaleLossTest, AmpStepSkipsWhenAnEarlierLossOfTheStepOverflowed) {
 }
 
 TEST_F(ScaleLossTest, AmpStepSkipsAccumulationWhoseEarlyMicroBatchOverflowed) {
-  detail::configure_loss_scalers(props());
+  core::configure_loss_scalers(props());
   Model m;
   torch::optim::Adam opt(m.params(), torch::optim::AdamOptions(1e-3));
   const auto before = clones(m.params());
@@ -423,7 +423,7 @@ TEST_F(ScaleLossTest, AmpStepSkipsAccumulationWhoseEarlyMicroBatchOverflowed) {
 }
 
 TEST_F(ScaleLossTest, AmpStepRefusesScaledGradsAndStepsSeveralOptimizers) {
-  detail::configure_loss_scalers(props());
+  core::configure_loss_scalers(props());
   Model m;
   torch::optim::SGD opt_a({m.w1, m.b1}, torch::optim::SGDOptions(0.1));
   torch::optim::SGD opt_b({m.w2}, torch::optim::SGDOptions(0.1));
@@ -451,7 +451,7 @@ TEST_F(ScaleLossTest, AmpStepRefusesScaledGradsAndStepsSeveralOptimizers) {
 TEST_F(ScaleLossTest, FixedScaleUnscalesAndSkipsOverflowsButKeepsItsScale) {
   Options o;
   o.loss_scale = LossScale::fixed(128.0);
-  detail::configure_loss_scalers(props(o));
+  core::configure_loss_scalers(props(o));
   Model m;
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
   const auto expected = plain_grads(m, {0});
@@ -473,7 +473,7 @@ TEST_F(ScaleLossTest, OverflowCheckOffIsApexsFixedScaleThatNeverSkips) {
   Options o;
   o.loss_scale = LossScale::fixed(128.0);
   o.overflow_check = false;
-  detail::configure_loss_scalers(props(o));
+  core::configure_loss_scalers(props(o));
   Model m;
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
   EXPECT_FALSE(loss_scaler().checks_overflow());
@@ -490,7 +490,7 @@ TEST_F(ScaleLossTest, ScaleStaysWithinMinAndMaxAndGrowsEveryInterval) {
   o.min_loss_scale = 1.0;
   o.max_loss_scale = 16.0;
   o.growth_interval = 2;
-  detail::configure_loss_scalers(props(o));
+  core::configure_loss_scalers(props(o));
   Model m;
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.0));
   std::vector<double> trajectory;
@@ -510,7 +510,7 @@ TEST_F(ScaleLossTest, FloorRaisesAfterTheBoundNamingTheNonFiniteParameters) {
   Options o;
   o.init_scale = 2.0;
   o.min_loss_scale = 1.0;
-  detail::configure_loss_scalers(props(o));
+  core::configure_loss_scalers(props(o));
   Model m;
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
   overflowing_step(m, opt, 0);  // 2 -> 1: not yet at the floor
@@ -525,8 +525,8 @@ TEST_F(ScaleLossTest, FloorRaisesAfterTheBoundNamingTheNonFiniteParameters) {
     ADD_FAILURE() << e.what();
   }
   // Only the culprit is named.
-  detail::reset_loss_scalers();
-  detail::configure_loss_scalers(props(o));
+  core::reset_loss_scalers();
+  core::configure_loss_scalers(props(o));
   std::string message;
   for (int64_t i = 0; i <= LossScaler::kFloorSkipLimit && message.empty(); ++i) {
     try {
@@ -548,7 +548,7 @@ TEST_F(ScaleLossTest, ErrorsAreClearAndLeaveStateUnchanged) {
   OPTAMP_EXPECT_THROW_WITH(loss_scaler(), c10::Error, "call amp::initialize first");
   OPTAMP_EXPECT_THROW_WITH(state_dict(), c10::Error, "call amp::initialize first");
 
-  detail::configure_loss_scalers(props());
+  core::configure_loss_scalers(props());
   loss.backward(at::Tensor(), /*retain_graph=*/true);
   const auto grads_before = grads(m.params());
   OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, opt, {/*loss_id=*/3}), c10::ValueError,
@@ -583,7 +583,7 @@ TEST_F(ScaleLossTest, ErrorsAreClearAndLeaveStateUnchanged) {
 }
 
 TEST_F(ScaleLossTest, ExceptionInsideTheGuardRestoresStashAndDoesNotThrowAgain) {
-  detail::configure_loss_scalers(props());
+  core::configure_loss_scalers(props());
   Model m;
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
   {
@@ -605,14 +605,14 @@ TEST_F(ScaleLossTest, ExceptionInsideTheGuardRestoresStashAndDoesNotThrowAgain) 
 }
 
 TEST_F(ScaleLossTest, AGuardOutlivesReconfiguration) {
-  detail::configure_loss_scalers(props());
+  core::configure_loss_scalers(props());
   Model m;
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
   const auto expected = plain_grads(m, {0});
   {
     auto s = scale_loss(m.loss(batch(0)), opt);
     s.backward();
-    detail::reset_loss_scalers();  // the guard keeps its scaler alive
+    core::reset_loss_scalers();  // the guard keeps its scaler alive
   }
   EXPECT_TRUE(all_equal(grads(m.params()), expected));
 }
@@ -622,7 +622,7 @@ void count_notification() { ++g_notified; }
 
 TEST_F(ScaleLossTest, NotifiesWeightsMayChangeAfterEachNonDelayedUnscaleOnly) {
   detail::add_weights_may_change_listener(&count_notification);
-  detail::configure_loss_scalers(props());
+  core::configure_loss_scalers(props());
   Model m;
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
   g_notified = 0;
@@ -645,7 +645,7 @@ TEST_F(ScaleLossTest, StateDictRoundTripsBitExactThroughTorchSave) {
   o.num_losses = 2;
   o.hysteresis = 2;
   o.init_scale = 3.0;  // not a power of two
-  detail::configure_loss_scalers(props(o));
+  core::configure_loss_scalers(props(o));
   Model m;
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.0));
   for (int i = 0; i < 3; ++i) overflowing_step(m, opt, i);
@@ -708,7 +708,7 @@ TEST_F(ScaleLossTest, FaultInjectionThousandSteps) {
   o.min_loss_scale = 1.0;
   o.max_loss_scale = 8192.0;
   o.growth_interval = 7;
-  detail::configure_loss_scalers(props(o));
+  core::configure_loss_scalers(props(o));
   Model m;
   torch::optim::SGD opt(m.params(),
                         torch::optim::SGDOptions(0.01).momentum(0.9).weight_decay(1e-4));
@@ -756,7 +756,7 @@ TEST_F(ScaleLossTest, FaultInjectionThousandSteps) {
 
 TEST_F(ScaleLossTest, GuardOnCudaLossKeepsStateOnTheDevice_CUDA) {
   OPTAMP_SKIP_WITHOUT_CUDA();
-  detail::configure_loss_scalers(props());
+  core::configure_loss_scalers(props());
   at::manual_seed(0);
   auto w = at::randn({16, 4}, at::kCUDA).requires_grad_();
   auto wh = at::randn({16, 4}, at::kCUDA).to(at::kHalf).requires_grad_();

@@ -1,0 +1,207 @@
+// The process-wide loss scalers (one per loss_id, configured by initialize) and what scale_loss
+// checks against them: the optimizers initialize was given, the parameters' dtypes; the
+// scalers' amp::state_dict() / amp::load_state_dict().
+#include "scaler/loss_scaler_set.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iostream>
+#include <iterator>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "optamp/state_dict.h"
+
+namespace amp {
+
+// ---- registry ------------------------------------------------------------------------------
+
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  bool configured = false;
+  std::vector<std::shared_ptr<LossScaler>> scalers;
+  // The optimizers scale_loss accepts (nullopt: any; see restrict_loss_scaling_to).
+  std::optional<std::unordered_set<const void*>> optimizers;
+  // Parameter dtypes at initialize (record_parameter_dtypes), keyed by TensorImpl with a weak
+  // reference so a reused address is not mistaken for the parameter.
+  std::unordered_map<const c10::TensorImpl*,
+                     std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, at::ScalarType>>
+      dtypes;
+};
+
+Registry& registry() {
+  static Registry instance;
+  return instance;
+}
+
+constexpr const char* kEntryNames[] = {"scale", "growth_tracker", "hysteresis", "skipped",
+                                       "floor_skips"};
+constexpr size_t kEntriesPerScaler = std::size(kEntryNames);
+
+std::string scaler_prefix(int i) { return "loss_scaler" + std::to_string(i) + "."; }
+
+// Whether `key` is "loss_scaler<i>.<entry>" with i in [0, n) (as scaler_prefix writes i).
+bool is_entry_name(const std::string& key, int n) {
+  const std::string head = "loss_scaler";
+  const auto dot = key.find('.');
+  if (key.compare(0, head.size(), head) != 0 || dot == std::string::npos) return false;
+  const std::string index = key.substr(head.size(), dot - head.size());
+  if (index.empty() || index.size() > 9 || (index.size() > 1 && index[0] == '0') ||
+      index.find_first_not_of("0123456789") != std::string::npos) {
+    return false;
+  }
+  const std::string name = key.substr(dot + 1);
+  return std::stoi(index) < n &&
+         std::find(std::begin(kEntryNames), std::end(kEntryNames), name) != std::end(kEntryNames);
+}
+
+}  // namespace
+
+LossScaler& loss_scaler(int loss_id) { return *core::loss_scaler_ptr(loss_id); }
+
+namespace detail {
+
+void record_parameter_dtypes(const std::vector<at::Tensor>& parameters) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.dtypes.clear();
+  for (const auto& p : parameters) {
+    r.dtypes.insert_or_assign(
+        p.unsafeGetTensorImpl(),
+        std::make_pair(c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()),
+                       p.scalar_type()));
+  }
+}
+
+void check_parameter_dtypes(const std::vector<at::Tensor>& params,
+                            const std::vector<std::string>& labels) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto it = r.dtypes.find(params[i].unsafeGetTensorImpl());
+    if (it == r.dtypes.end() || it->second.first.lock().get() != params[i].unsafeGetTensorImpl())
+      continue;
+    TORCH_CHECK_VALUE(params[i].scalar_type() == it->second.second,
+                      i < labels.size() ? labels[i] : std::string("a parameter"), " must still be ",
+                      dtype_name(it->second.second), " as when amp::initialize ran, got ",
+                      dtype_name(params[i].scalar_type()),
+                      ": the model was cast after initialize (e.g. model->to(torch::kDouble)), "
+                      "which optamp does not follow. Call amp::reset(), cast the model, and "
+                      "initialize again (or cast before initialize); moving it to another device "
+                      "is fine.");
+  }
+}
+
+void restrict_loss_scaling_to(const std::vector<const void*>& optimizers) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.optimizers.emplace(optimizers.begin(), optimizers.end());
+}
+
+}  // namespace detail
+
+namespace core {
+
+std::shared_ptr<LossScaler> loss_scaler_ptr(int loss_id) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  TORCH_CHECK(r.configured,
+              "amp: loss scaling is not configured; call amp::initialize first (no loss scaler "
+              "exists yet)");
+  const int n = static_cast<int>(r.scalers.size());
+  TORCH_CHECK_VALUE(loss_id >= 0 && loss_id < n, "loss_id must be in [0, ", n, ") (num_losses=", n,
+                    "), got ", loss_id);
+  return r.scalers[loss_id];
+}
+
+void configure_loss_scalers(const Properties& props) {
+  TORCH_CHECK_VALUE(props.num_losses >= 1, "num_losses must be >= 1, got ", props.num_losses);
+  std::vector<std::shared_ptr<LossScaler>> scalers;
+  for (int i = 0; i < props.num_losses; ++i)
+    scalers.push_back(std::make_shared<LossScaler>(props, i));
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.scalers = std::move(scalers);
+  r.configured = true;
+  r.optimizers.reset();
+  r.dtypes.clear();
+}
+
+void check_optimizers_allowed(const std::vector<const void*>& identities,
+                              const std::vector<std::string>& descriptions) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (!r.optimizers) return;
+  for (size_t i = 0; i < identities.size(); ++i) {
+    TORCH_CHECK_VALUE(r.optimizers->count(identities[i]),
+                      i < descriptions.size() ? descriptions[i] : std::string("optimizer"),
+                      " must be an optimizer passed to amp::initialize, got one that was not "
+                      "(its parameters would be unscaled with the loss scaler of another "
+                      "optimizer's training); pass every optimizer to amp::initialize (a list), "
+                      "or call amp::reset() and initialize again with this one");
+  }
+}
+
+void reset_loss_scalers() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.scalers.clear();
+  r.configured = false;
+  r.optimizers.reset();
+  r.dtypes.clear();
+}
+
+int num_loss_scalers() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return static_cast<int>(r.scalers.size());
+}
+
+}  // namespace core
+
+StateDict state_dict() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  TORCH_CHECK(r.configured, "amp::state_dict: call amp::initialize first (no loss scaler exists)");
+  StateDict sd;
+  for (size_t i = 0; i < r.scalers.size(); ++i) r.scalers[i]->save(sd, scaler_prefix(i));
+  return sd;
+}
+
+void load_state_dict(const StateDict& state) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  TORCH_CHECK(r.configured,
+              "amp::load_state_dict: call amp::initialize first (no loss scaler exists)");
+  const int n = static_cast<int>(r.scalers.size());
+  int saved = 0;
+  while (state.contains(scaler_prefix(saved) + "scale")) ++saved;
+  TORCH_CHECK_VALUE(saved == n, "state dict must hold num_losses=", n,
+                    " loss scalers (keys loss_scaler0.* .. loss_scaler", n - 1, ".*), got ", saved);
+  for (int i = 0; i < n; ++i) r.scalers[i]->check_state(state, scaler_prefix(i));
+  // Every entry is one of those checked: nothing the caller meant to restore is dropped silently.
+  if (state.size() != static_cast<size_t>(n) * kEntriesPerScaler) {
+    for (const auto& [key, value] : state.items()) {
+      TORCH_CHECK_VALUE(is_entry_name(key, n),
+                        "state dict must hold only the entries of num_losses=", n,
+                        " loss scalers (loss_scaler<i>.{scale, growth_tracker, hysteresis, "
+                        "skipped, floor_skips}), got an unknown entry '",
+                        key, "'");
+    }
+  }
+  for (int i = 0; i < n; ++i) r.scalers[i]->load(state, scaler_prefix(i));
+}
+
+}  // namespace amp

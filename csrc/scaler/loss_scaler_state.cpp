@@ -1,0 +1,171 @@
+// Saving and loading a loss scaler: LossScaler::check_state/save/load (every entry validated
+// before anything changes), amp::StateDict and its torch::serialize archive form.
+#include "optamp/loss_scaler.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iostream>
+#include <iterator>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "core/format.h"
+#include "optamp/state_dict.h"
+
+namespace amp {
+namespace {
+
+using detail::number_name;
+
+constexpr double kFloatMax = 3.4028234663852886e38;
+
+}  // namespace
+
+namespace {
+
+// The 0-dim tensor `key` of `dtype`, as a CPU tensor.
+at::Tensor state_entry(const StateDict& from, const std::string& key, at::ScalarType dtype) {
+  const at::Tensor& t = from.at(key);
+  TORCH_CHECK_VALUE(t.defined() && t.scalar_type() == dtype && t.dim() == 0, "state entry '", key,
+                    "' must be a 0-dim ", dtype_name(dtype), " tensor, got ",
+                    t.defined() ? dtype_name(t.scalar_type()) + " of shape " + c10::str(t.sizes())
+                                : std::string("an undefined tensor"));
+  return t.to(at::kCPU);
+}
+
+template <typename T>
+void check_range(const std::string& key, T value, T lo, T hi, const char* why) {
+  TORCH_CHECK_VALUE(value >= lo && value <= hi, "state entry '", key, "' must lie within [", lo,
+                    ", ", hi, "] (", why, "), got ", value);
+}
+
+}  // namespace
+
+void LossScaler::check_state(const StateDict& from, const std::string& prefix) const {
+  const float scale = state_entry(from, prefix + "scale", at::kFloat).item<float>();
+  const int32_t growth = state_entry(from, prefix + "growth_tracker", at::kInt).item<int32_t>();
+  const int32_t hyst = state_entry(from, prefix + "hysteresis", at::kInt).item<int32_t>();
+  const int64_t skipped = state_entry(from, prefix + "skipped", at::kLong).item<int64_t>();
+  const int64_t floor = state_entry(from, prefix + "floor_skips", at::kLong).item<int64_t>();
+  const std::string key = prefix + "scale";
+  if (dynamic_) {
+    const double lo =
+        has_min_ ? std::max(kScaleFloor, std::min(min_loss_scale_, init_scale_)) : kScaleFloor;
+    const double hi = std::max(max_loss_scale_, init_scale_);
+    TORCH_CHECK_VALUE(std::isfinite(scale) && scale >= static_cast<float>(lo) && scale <= hi,
+                      "state entry '", key, "' must lie within [", number_name(lo), ", ",
+                      number_name(hi),
+                      "] (the configured scaler's [min_loss_scale or 2^-126, max_loss_scale]), "
+                      "got ",
+                      number_name(scale));
+  } else {
+    TORCH_CHECK_VALUE(scale == static_cast<float>(fixed_scale_), "state entry '", key,
+                      "' must equal the configured fixed loss scale ", number_name(fixed_scale_),
+                      " (a fixed scale never changes), got ", number_name(scale),
+                      "; initialize with loss_scale=\"dynamic\" (or with this scale) to resume it");
+  }
+  check_range<int64_t>(prefix + "growth_tracker", growth, 0, growth_interval_ - 1,
+                       "0 to growth_interval - 1");
+  check_range<int64_t>(prefix + "hysteresis", hyst, 0, hysteresis_, "0 to the hysteresis setting");
+  check_range<int64_t>(prefix + "skipped", skipped, 0, std::numeric_limits<int64_t>::max(),
+                       "a count of skipped steps");
+  check_range<int64_t>(prefix + "floor_skips", floor, 0, skipped,
+                       "a count of consecutive skips, at most 'skipped'");
+}
+
+void LossScaler::save(StateDict& into, const std::string& prefix) const {
+  auto cpu = [](const at::Tensor& t) { return t.detach().to(at::kCPU).clone().reshape({}); };
+  std::lock_guard<std::mutex> lock(mutex_);
+  into.insert(prefix + "scale", cpu(scale_));
+  into.insert(prefix + "growth_tracker", cpu(growth_tracker_));
+  into.insert(prefix + "hysteresis", cpu(hysteresis_tracker_));
+  into.insert(prefix + "skipped", at::scalar_tensor(skipped_steps_.load(), at::kLong));
+  into.insert(prefix + "floor_skips", at::scalar_tensor(floor_skips_.load(), at::kLong));
+}
+
+void LossScaler::load(const StateDict& from, const std::string& prefix) {
+  check_state(from, prefix);
+  auto get = [&](const char* name) { return from.at(prefix + name).to(at::kCPU).reshape({}); };
+  const at::Tensor scale = get("scale");
+  std::lock_guard<std::mutex> lock(mutex_);
+  scale_.copy_(scale);
+  growth_tracker_.copy_(get("growth_tracker"));
+  hysteresis_tracker_.copy_(get("hysteresis"));
+  loss_scale_ = scale.item<float>();
+  skipped_steps_ = get("skipped").item<int64_t>();
+  floor_skips_ = get("floor_skips").item<int64_t>();
+  last_step_skipped_ = false;
+  pending_ = false;
+  found_inf_.clear();
+}
+
+// ---- state dict ----------------------------------------------------------------------------
+
+void StateDict::insert(const std::string& name, const at::Tensor& value) {
+  auto [it, added] = index_.try_emplace(name, items_.size());
+  if (added) {
+    items_.emplace_back(name, value);
+  } else {
+    items_[it->second].second = value;
+  }
+}
+
+bool StateDict::contains(const std::string& name) const { return index_.count(name) != 0; }
+
+const at::Tensor& StateDict::at(const std::string& name) const {
+  auto it = index_.find(name);
+  TORCH_CHECK_VALUE(it != index_.end(), "state dict must contain '", name, "', got keys [",
+                    c10::Join(", ", keys()), "]");
+  return items_[it->second].second;
+}
+
+std::vector<std::string> StateDict::keys() const {
+  std::vector<std::string> out;
+  for (const auto& [k, v] : items_) out.push_back(k);
+  return out;
+}
+
+// Saved as a names string plus tensors "t0", "t1", ... (dotted names are not valid archive keys).
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                            const StateDict& state) {
+  std::string names;
+  for (size_t i = 0; i < state.items().size(); ++i) {
+    if (i) names += '\n';
+    names += state.items()[i].first;
+    archive.write("t" + std::to_string(i), state.items()[i].second, /*is_buffer=*/true);
+  }
+  archive.write("optamp_state_names", c10::IValue(names));
+  return archive;
+}
+
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
+                                           StateDict& state) {
+  c10::IValue names_value;
+  TORCH_CHECK_VALUE(archive.try_read("optamp_state_names", names_value),
+                    "archive must hold an amp::StateDict (key 'optamp_state_names' missing)");
+  const std::string names = names_value.toStringRef();
+  StateDict loaded;
+  if (!names.empty()) {
+    std::istringstream in(names);
+    std::string name;
+    for (size_t i = 0; std::getline(in, name); ++i) {
+      at::Tensor t;
+      archive.read("t" + std::to_string(i), t, /*is_buffer=*/true);
+      loaded.insert(name, t);
+    }
+  }
+  state = std::move(loaded);
+  return archive;
+}
+
+}  // namespace amp

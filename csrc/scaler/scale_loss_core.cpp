@@ -1,0 +1,401 @@
+// The tensor-level scale_loss (optamp/core.h): the guard's state, stashing for gradient
+// accumulation, the fused unscale/check at its end, overflow handling, and the records amp::step
+// reads. The torch::optim overloads and amp::step: scale_loss.cpp.
+#include "optamp/core.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "core/step_events.h"
+#include "dispatch/cast_state.h"
+#include "optamp/loss_scaler.h"
+#include "scaler/loss_scaler_set.h"
+#include "scaler/scale_loss_core.h"
+
+namespace amp {
+namespace detail {
+namespace {
+
+// Per-parameter bookkeeping shared by all guards.
+//  - active: parameters inside a live guard (nesting on the same optimizer is an error).
+//  - pending: parameters whose .grad currently holds *scaled* gradients (between a guard's entry
+//    and the non-delayed unscale), with the already-unscaled gradient stashed at entry.
+//  - overflowed: parameters a guard reset after an overflow since their last amp::step. A later
+//    guard's backward refills those grads, so only this record lets amp::step skip the step.
+struct Pending {
+  c10::weak_intrusive_ptr<c10::TensorImpl> param;
+  at::Tensor stash;  // undefined when the param had no gradient at entry
+};
+
+struct Book {
+  std::mutex mutex;
+  std::unordered_set<c10::TensorImpl*> active;
+  std::unordered_map<c10::TensorImpl*, Pending> pending;
+  std::unordered_map<c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>> overflowed;
+
+  // Records an overflow of `p`. Users stepping with the plain step() never consume the records,
+  // so dead parameters' entries are pruned whenever the map has doubled since the last prune.
+  void mark_overflowed(const at::Tensor& p) {
+    overflowed.insert_or_assign(p.unsafeGetTensorImpl(),
+                                c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()));
+    if (overflowed.size() < 2 * overflowed_after_prune + 64) return;
+    for (auto it = overflowed.begin(); it != overflowed.end();) {
+      it = it->second.expired() ? overflowed.erase(it) : std::next(it);
+    }
+    overflowed_after_prune = overflowed.size();
+  }
+  // Whether `p` overflowed since its last amp::step; forgets it.
+  bool take_overflowed(const at::Tensor& p) {
+    auto it = overflowed.find(p.unsafeGetTensorImpl());
+    if (it == overflowed.end()) return false;
+    const bool live = it->second.lock().get() == p.unsafeGetTensorImpl();
+    overflowed.erase(it);
+    return live;
+  }
+  size_t overflowed_after_prune = 0;
+
+  // The live record for `p` (drops a record whose parameter died and whose address was reused).
+  Pending* find(const at::Tensor& p) {
+    auto it = pending.find(p.unsafeGetTensorImpl());
+    if (it == pending.end()) return nullptr;
+    if (it->second.param.lock().get() != p.unsafeGetTensorImpl()) {
+      pending.erase(it);
+      return nullptr;
+    }
+    return &it->second;
+  }
+};
+
+Book& book() {
+  static Book instance;
+  return instance;
+}
+
+std::mutex& namer_mutex() {
+  static std::mutex m;
+  return m;
+}
+ParamNamer& namer() {
+  static ParamNamer n;
+  return n;
+}
+
+}  // namespace
+
+struct ScaleLossState {
+  std::shared_ptr<LossScaler> scaler;
+  ScaleLossOptions options;
+  at::Tensor scaled_loss;
+  at::Tensor inv_scale;  // 1/scale the loss was multiplied by (unscaling uses this, see below)
+  // False once the guard has finished: a backward through scaled_loss then raises (its
+  // gradients would stay multiplied by the scale, since nothing unscales them any more).
+  std::shared_ptr<std::atomic<bool>> live = std::make_shared<std::atomic<bool>>(true);
+  std::vector<at::Tensor> params;
+  std::vector<std::string> labels;
+  std::vector<bool> created_record;  // this guard stashed params[i] (and may restore it)
+  int uncaught_at_entry = 0;
+  bool finished = false;
+  bool skipped = false;  // this guard's own step overflowed (not another thread's)
+};
+
+struct ScaledLossAccess {
+  static ScaledLoss make(std::unique_ptr<ScaleLossState> s) { return ScaledLoss(std::move(s)); }
+  static ScaleLossState* state(ScaledLoss& g) { return g.state_.get(); }
+};
+
+void set_param_namer(ParamNamer n) {
+  std::lock_guard<std::mutex> lock(namer_mutex());
+  namer() = std::move(n);
+}
+
+namespace {
+
+std::string describe_param(const ScaleLossState& s, size_t i) {
+  std::string name;
+  {
+    std::lock_guard<std::mutex> lock(namer_mutex());
+    if (namer()) {
+      if (auto n = namer()(s.params[i])) name = *n + " ";
+    }
+  }
+  std::ostringstream out;
+  out << name << "(" << s.labels[i] << ", shape " << s.params[i].sizes() << ")";
+  return out.str();
+}
+
+// Unwinding (or an explicit abort): grads stay as they are, except that parameters this guard
+// stashed get their stashed (already unscaled) gradient back; no unscale, no throw.
+void restore(ScaleLossState& s) {
+  auto& b = book();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (!s.created_record[i]) continue;
+    if (Pending* rec = b.find(s.params[i])) {
+      s.params[i].mutable_grad() = rec->stash;
+      b.pending.erase(s.params[i].unsafeGetTensorImpl());
+    }
+  }
+}
+
+void release_active(ScaleLossState& s) {
+  auto& b = book();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  for (const auto& p : s.params) b.active.erase(p.unsafeGetTensorImpl());
+}
+
+void finish_normally(ScaleLossState& s) {
+  if (s.options.delay_unscale) return;  // grads stay scaled; the records carry the stashes
+  LossScaler& scaler = *s.scaler;
+
+  // Gather grads and stashes (records stay until the unscale succeeded).
+  std::vector<at::Tensor> grads, stashes;
+  std::vector<size_t> grad_param;
+  std::vector<std::pair<size_t, at::Tensor>> stash_only;
+  bool any_stash = false;
+  {
+    auto& b = book();
+    std::lock_guard<std::mutex> lock(b.mutex);
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      const Pending* rec = b.find(s.params[i]);
+      at::Tensor stash = rec ? rec->stash : at::Tensor();
+      const at::Tensor& g = s.params[i].grad();
+      if (g.defined()) {
+        grads.push_back(g);
+        stashes.push_back(stash);
+        grad_param.push_back(i);
+        any_stash |= stash.defined();
+      } else if (stash.defined()) {
+        stash_only.emplace_back(i, stash);
+      }
+    }
+  }
+
+  auto settle_book = [&s](bool overflowed) {
+    auto& b = book();
+    std::lock_guard<std::mutex> lock(b.mutex);
+    for (const auto& p : s.params) {
+      b.pending.erase(p.unsafeGetTensorImpl());
+      if (overflowed) b.mark_overflowed(p);
+    }
+  };
+  if (!any_stash) stashes.clear();
+  LossScaler::check_gradients(grads, stashes);  // bad gradients: an error, nothing changed
+  LossScaler::StepResult result;
+  try {
+    // Unscale with this guard's own 1/scale and overflow flag; the step's only device->host sync.
+    result = scaler.finish_step(grads, stashes, s.inv_scale);
+  } catch (...) {
+    // A found_inf reducer failed (e.g. a collective timed out), or the unscale itself: whether
+    // this or another rank overflowed is unknown, so this step is skipped as on an overflow, and
+    // the error propagates. The scale is unchanged.
+    settle_book(true);
+    for (auto& p : s.params) p.mutable_grad() = at::Tensor();
+    throw;
+  }
+  settle_book(result.skipped);
+  s.skipped = result.skipped;
+
+  std::string floor_error;
+  if (result.skipped) {
+    if (result.floor_skips > 0 && result.floor_skips % LossScaler::kFloorSkipLimit == 0) {
+      // Only now: a per-parameter check (one sync per gradient) to name the culprits.
+      std::ostringstream names;
+      int count = 0;
+      for (size_t k = 0; k < grads.size(); ++k) {
+        if (!at::isfinite(grads[k]).all().item<bool>()) {
+          names << (count++ ? ", " : "") << describe_param(s, grad_param[k]);
+        }
+      }
+      std::ostringstream msg;
+      const char* bottom = !scaler.dynamic() ? "its fixed loss scale"
+                           : scaler.lowest_scale() > LossScaler::kScaleFloor ? "min_loss_scale"
+                                                                             : "the scale floor";
+      msg << "amp: loss scaler " << scaler.loss_id() << " skipped " << result.floor_skips
+          << " consecutive steps at " << bottom << " (" << result.loss_scale
+          << ") because of non-finite gradients; the model diverged"
+          << (scaler.dynamic() ? " or min_loss_scale is too high" : "")
+          << ". Parameters with non-finite gradients in the last step: "
+          << (count ? names.str() : std::string("(none: the stashed gradients overflowed)"));
+      floor_error = msg.str();
+    }
+    for (auto& p : s.params) p.mutable_grad() = at::Tensor();
+  } else {
+    for (auto& [i, stash] : stash_only) s.params[i].mutable_grad() = stash;
+  }
+  notify_weights_may_change();
+  TORCH_CHECK(floor_error.empty(), floor_error);
+}
+
+void finish(ScaleLossState& s, bool unwinding) {
+  if (s.finished) return;
+  s.finished = true;
+  s.live->store(false);
+  struct Release {
+    ScaleLossState& s;
+    ~Release() { release_active(s); }
+  } release{s};
+  if (unwinding) {
+    restore(s);
+    return;
+  }
+  finish_normally(s);
+}
+
+// initialize turns casting on for the thread that calls it. A loss scaled on another thread was
+// (most likely) computed there in plain fp32: say so once instead of training silently in fp32.
+void warn_if_casting_is_off_here() {
+  if (level_low_dtype() == c10::ScalarType::Undefined || thread_key_on()) return;
+  TORCH_WARN_ONCE(
+      "amp::scale_loss runs on a thread where optamp's casting is off, although amp::initialize "
+      "set up a casting level: initialize turns casting on only for the thread that called it, "
+      "so the forward on this thread ran in plain fp32. Carry the state over with "
+      "amp::ThreadState::capture() / amp::ThreadStateGuard (Python: optamp.ThreadState.capture() "
+      "/ optamp.thread_state_guard), or call initialize on the training thread.");
+}
+
+}  // namespace
+
+bool take_step_overflows(const std::vector<at::Tensor>& params,
+                         const std::vector<std::string>& labels) {
+  auto& b = book();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(!b.find(params[i]), "amp::step: ", labels[i],
+                " still holds scaled gradients (the last scale_loss guard used delay_unscale); "
+                "finish with a guard without delay_unscale before stepping");
+  }
+  bool overflowed = false;
+  for (const auto& p : params) overflowed |= b.take_overflowed(p);
+  return overflowed;
+}
+
+}  // namespace detail
+
+ScaledLoss::ScaledLoss(std::unique_ptr<detail::ScaleLossState> state) : state_(std::move(state)) {}
+ScaledLoss::ScaledLoss(ScaledLoss&& other) noexcept = default;
+
+ScaledLoss::~ScaledLoss() noexcept(false) {
+  if (!state_ || state_->finished) return;
+  if (std::uncaught_exceptions() > state_->uncaught_at_entry) {
+    try {
+      detail::finish(*state_, /*unwinding=*/true);
+    } catch (...) {  // never throw while another exception unwinds
+    }
+    return;
+  }
+  detail::finish(*state_, /*unwinding=*/false);
+}
+
+const at::Tensor& ScaledLoss::loss() const {
+  TORCH_CHECK(state_ && !state_->finished,
+              "ScaledLoss::loss() must be called on a live guard, got a finished or moved-from "
+              "one");
+  return state_->scaled_loss;
+}
+
+void ScaledLoss::backward(const std::optional<at::Tensor>& gradient,
+                          std::optional<bool> retain_graph, bool create_graph) {
+  loss().backward(gradient.value_or(at::Tensor()), retain_graph, create_graph);
+}
+
+namespace core {
+
+using namespace detail;  // this file's internals
+
+bool finish(ScaledLoss& guard, bool unwinding) {
+  ScaleLossState* s = ScaledLossAccess::state(guard);
+  if (!s) return false;
+  detail::finish(*s, unwinding);
+  return s->skipped;
+}
+
+ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
+                      std::vector<std::string> labels, ScaleLossOptions options,
+                      const char* owner_kind) {
+  std::shared_ptr<LossScaler> scaler_ptr = loss_scaler_ptr(options.loss_id);  // configured? id?
+  LossScaler& scaler = *scaler_ptr;
+  TORCH_CHECK_VALUE(loss.defined(), "loss must be a defined tensor, got an undefined tensor");
+  TORCH_CHECK_VALUE(at::isFloatingType(loss.scalar_type()) && loss.numel() == 1,
+                    "loss must be a floating-point scalar (one element), got a ",
+                    loss.scalar_type(), " tensor of shape ", loss.sizes());
+  TORCH_CHECK_VALUE(loss.requires_grad() && loss.grad_fn() != nullptr,
+                    "loss must have a grad_fn (be computed from parameters that require grad, "
+                    "with grad mode on), got a tensor with requires_grad=",
+                    loss.requires_grad() ? "True" : "False", " and no grad_fn");
+  TORCH_CHECK_VALUE(!params.empty(), owner_kind,
+                    " must have at least one parameter, got one with no parameters");
+
+  // Deduplicate (a parameter may appear in several optimizers / groups).
+  auto s = std::make_unique<ScaleLossState>();
+  {
+    std::unordered_set<c10::TensorImpl*> seen;
+    for (size_t i = 0; i < params.size(); ++i) {
+      TORCH_CHECK_VALUE(params[i].defined(), owner_kind, " parameter ",
+                        labels.size() > i ? labels[i] : std::to_string(i),
+                        " must be a defined tensor");
+      if (!seen.insert(params[i].unsafeGetTensorImpl()).second) continue;
+      s->params.push_back(params[i]);
+      s->labels.push_back(labels.size() > i ? labels[i] : "param " + std::to_string(i));
+    }
+  }
+  check_parameter_dtypes(s->params, s->labels);
+  for (size_t i = 0; i < s->params.size(); ++i) {
+    const auto t = s->params[i].scalar_type();
+    TORCH_CHECK_VALUE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16,
+                      "parameters must be float32, float16 or bfloat16 for loss scaling, got ", t,
+                      " for ", s->labels[i]);
+  }
+  s->scaler = scaler_ptr;
+  s->options = options;
+  s->uncaught_at_entry = std::uncaught_exceptions();
+
+  auto& b = book();
+  {
+    std::lock_guard<std::mutex> lock(b.mutex);
+    for (size_t i = 0; i < s->params.size(); ++i) {
+      TORCH_CHECK(!b.active.count(s->params[i].unsafeGetTensorImpl()),
+                  "scale_loss guards must not be nested on the same ", owner_kind, ": ",
+                  s->labels[i],
+                  " is already inside an active scale_loss guard; let the outer guard finish "
+                  "(leave its scope) first");
+    }
+  }
+  warn_if_casting_is_off_here();
+  // No sync; moves the scaler state to the loss's device.
+  LossScaler::ScaledLossValue scaled = scaler.scale_for_step(loss);
+  s->scaled_loss = std::move(scaled.scaled);
+  s->inv_scale = std::move(scaled.inv_scale);
+  s->scaled_loss.register_hook(
+      [live = s->live, loss_id = options.loss_id](const at::Tensor& /*grad*/) {
+        TORCH_CHECK(live->load(),
+                    "backward through the scaled loss of a scale_loss guard (loss_id ", loss_id,
+                    ") that has already finished: its gradients would stay multiplied by the "
+                    "loss scale, since the guard unscales only on its own exit. Call backward "
+                    "inside the guard (C++: while the ScaledLoss lives; Python: inside the "
+                    "`with amp.scale_loss(...) as scaled_loss:` block).");
+      });
+
+  std::lock_guard<std::mutex> lock(b.mutex);
+  s->created_record.assign(s->params.size(), false);
+  for (size_t i = 0; i < s->params.size(); ++i) {
+    at::Tensor& p = s->params[i];
+    b.active.insert(p.unsafeGetTensorImpl());
+    if (b.find(p)) continue;  // grads already scaled (a delayed micro-batch came before)
+    Pending rec{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()), p.grad()};
+    b.pending.insert_or_assign(p.unsafeGetTensorImpl(), std::move(rec));
+    p.mutable_grad() = at::Tensor();  // stashed: backward writes the new, scaled grad
+    s->created_record[i] = true;
+  }
+  return ScaledLossAccess::make(std::move(s));
+}
+
+}  // namespace core
+
+}  // namespace amp

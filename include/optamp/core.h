@@ -1,0 +1,73 @@
+#pragma once
+// The tensor-level core behind both fronts: amp::initialize / amp::scale_loss for
+// torch::nn::Module and torch::optim (optamp/initialize.h, optamp/scale_loss.h), and the Python
+// package for torch.nn.Module and torch.optim. A front collects tensors from its framework's
+// objects and calls these; validation, O2/O5 working copies, O3 casting, the loss scalers and
+// the fused unscale/check all live behind them, once. Other bindings (another language, another
+// module system) use this header too (docs/design.md, "Layout").
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "optamp/loss_scaler.h"
+#include "optamp/opt_level.h"
+#include "optamp/scale_loss.h"
+
+namespace amp::core {
+
+// The model(s) as tensors, split the way the level treats them.
+struct ModelTensors {
+  std::vector<at::Tensor> reduced;     // seen as working copies (O2/O5) or cast (O3)
+  std::vector<at::Tensor> keep_fp32;   // batch-norm / keep_in_fp32 modules' tensors
+  std::vector<at::Tensor> parameters;  // every parameter, for the optimizer checks
+  std::vector<std::string> names;      // names[i] names parameters[i] ("fc1.weight"), optional
+};
+
+// One optimizer as tensors.
+struct OptimizerTensors {
+  const void* identity;                  // the optimizer object (twice-initialized check)
+  std::string description;               // "optimizer 0 (Adam)"
+  std::vector<at::Tensor> parameters;    // in param-group order
+  std::vector<at::Tensor> state;         // optimizer state tensors (device check)
+  std::vector<at::Tensor> state_owners;  // the parameter each state tensor belongs to
+  double smallest_eps = 0.0;             // for the O3 fp16 epsilon warning; 0 = none
+  bool steps_through_closure = false;    // LBFGS: re-evaluates the loss in step(); refused
+};
+
+// amp::initialize on tensors: validates everything (throws, changing nothing), then applies.
+// Returns the resolved properties.
+Properties initialize(const ModelTensors& model, const std::vector<OptimizerTensors>& optimizers,
+                      OptLevel level, const Options& options);
+// amp::reset(): casting off, level rules, caches, loss scalers; initialize may run again.
+void reset();
+bool initialized();
+
+// The loss scalers (one per loss_id) initialize configures. configure_loss_scalers creates
+// props.num_losses of them (replacing any previous ones); reset_loss_scalers drops them.
+void configure_loss_scalers(const Properties& props);
+void reset_loss_scalers();
+int num_loss_scalers();
+// The scaler of `loss_id`, shared: a live guard keeps its scaler alive across a
+// reconfiguration (same errors as amp::loss_scaler).
+std::shared_ptr<LossScaler> loss_scaler_ptr(int loss_id);
+
+// Throws a ValueError unless every optimizer identity was passed to initialize (descriptions[i]
+// names identities[i] in the message).
+void check_optimizers_allowed(const std::vector<const void*>& identities,
+                              const std::vector<std::string>& descriptions);
+
+// amp::scale_loss over an explicit parameter list. labels[i] names params[i] in error messages
+// (may be empty: then "param <i>"); owner_kind says what the parameters came from ("optimizer").
+// Throws on bad input with nothing changed.
+ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
+                      std::vector<std::string> labels, ScaleLossOptions options,
+                      const char* owner_kind);
+// Ends a guard explicitly (a Python context manager's __exit__). `unwinding`: an exception is in
+// flight (restore, don't throw). Idempotent. Returns whether this guard's step overflowed (its
+// grads were reset).
+bool finish(ScaledLoss& guard, bool unwinding);
+
+}  // namespace amp::core
