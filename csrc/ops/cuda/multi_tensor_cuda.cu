@@ -3,8 +3,10 @@
 // A chunked multi-tensor launcher (as Apex's multi_tensor_apply): the tensors of a call are cut
 // into chunks of kChunk elements, and one launch handles up to kMaxTensors tensors / kMaxBlocks
 // chunks, described by a by-value kernel argument (< 4 KiB). Each block does one chunk; aligned
-// chunks use 16-byte vector loads/stores. Launches go to the current stream and are checked.
+// chunks use 16-byte vector loads/stores. The per-element math is shared with the CPU kernels
+// (ops/unscale_math.h). Launches go to the current stream and are checked.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch_v2.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -84,7 +86,7 @@ __global__ void unscale_kernel(TensorListMeta<1> meta, float* found_inf, const f
   const int64_t n = min(meta.sizes[t] - begin, kChunk);
   T* p = static_cast<T*>(meta.addresses[0][t]) + begin;
   const float s = *inv_scale;
-  const bool check_only = s == 1.0f;  // a fixed scale of 1: read-only (see check_element)
+  const bool check_only = unscale_is_check(s);
   bool bad = false;
   constexpr int V = 16 / sizeof(T);
   int64_t done = 0;
@@ -158,20 +160,6 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker,
                     backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
 }
 
-template <typename F>
-void dispatch_dtype(at::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat:
-      return f(float{});
-    case at::kHalf:
-      return f(c10::Half{});
-    case at::kBFloat16:
-      return f(c10::BFloat16{});
-    default:
-      TORCH_INTERNAL_ASSERT(false, "unsupported dtype ", t);
-  }
-}
-
 void unscale_group_cuda(const std::vector<at::Tensor>& tensors, const at::Tensor& found_inf,
                         const at::Tensor& inv_scale) {
   const c10::cuda::CUDAGuard guard(found_inf.device());
@@ -179,13 +167,13 @@ void unscale_group_cuda(const std::vector<at::Tensor>& tensors, const at::Tensor
   float* flag = found_inf.data_ptr<float>();
   const float* s = inv_scale.const_data_ptr<float>();
   const std::vector<at::Tensor>* const lists[1] = {&tensors};
-  dispatch_dtype(tensors[0].scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    multi_tensor_apply<1>(lists, [&](const TensorListMeta<1>& meta, int blocks) {
-      unscale_kernel<T><<<blocks, kThreads, 0, stream>>>(meta, flag, s);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
+  AT_DISPATCH_V2(tensors[0].scalar_type(), "optamp::unscale_check_", AT_WRAP([&] {
+                   multi_tensor_apply<1>(lists, [&](const TensorListMeta<1>& meta, int blocks) {
+                     unscale_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(meta, flag, s);
+                     C10_CUDA_KERNEL_LAUNCH_CHECK();
+                   });
+                 }),
+                 OPTAMP_KERNEL_DTYPES);
 }
 
 void axpby_group_cuda(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& x,
@@ -196,13 +184,13 @@ void axpby_group_cuda(const std::vector<at::Tensor>& out, const std::vector<at::
   float* flag = found_inf.data_ptr<float>();
   const float* ap = a.const_data_ptr<float>();
   const std::vector<at::Tensor>* const lists[3] = {&out, &x, &y};
-  dispatch_dtype(out[0].scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    multi_tensor_apply<3>(lists, [&](const TensorListMeta<3>& meta, int blocks) {
-      axpby_kernel<T><<<blocks, kThreads, 0, stream>>>(meta, flag, ap, b);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
+  AT_DISPATCH_V2(out[0].scalar_type(), "optamp::axpby_check_", AT_WRAP([&] {
+                   multi_tensor_apply<3>(lists, [&](const TensorListMeta<3>& meta, int blocks) {
+                     axpby_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(meta, flag, ap, b);
+                     C10_CUDA_KERNEL_LAUNCH_CHECK();
+                   });
+                 }),
+                 OPTAMP_KERNEL_DTYPES);
 }
 
 void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker,
