@@ -6,7 +6,10 @@
 // pass over memory: load, convert to fp32, multiply, check, convert back, store. On x86-64 an
 // AVX2/F16C/FMA variant is chosen at run time (the library itself is built for baseline x86-64).
 // The non-finite check is branch-free: acc += v * 0 stays 0 for finite v and becomes NaN for
-// inf/NaN.
+// inf/NaN. The per-element math is ops/unscale_math.h's, shared with the CUDA kernels: the scalar
+// path and the vector tails call it, the AVX2 bodies do the same operations in the same order
+// (held to it bit for bit by tests/cpp/test_unscale_math.cpp; nothing is fused into an FMA, see
+// -ffp-contract in csrc/CMakeLists.txt).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
