@@ -14,7 +14,10 @@ namespace detail {
 namespace {
 
 bool supported_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+  for (const at::ScalarType k : {OPTAMP_KERNEL_DTYPES}) {
+    if (t == k) return true;
+  }
+  return false;
 }
 
 void check_flag(const at::Tensor& t, const char* name, const at::Tensor& ref) {

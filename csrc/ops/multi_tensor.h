@@ -39,6 +39,10 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker,
 
 namespace detail {
 
+// The dtypes the kernels are built for (the AT_DISPATCH_V2 list of every backend kernel); the
+// shared op bodies reject any other dtype, with a ValueError, before a kernel runs.
+#define OPTAMP_KERNEL_DTYPES at::kFloat, at::kHalf, at::kBFloat16
+
 // Backend kernels: every tensor of a call has the same dtype, device and is dense; out/x/y of
 // axpby share their strides. found_inf / inv_scale / a are one-element float32 tensors.
 using UnscaleGroupKernel = void (*)(const std::vector<at::Tensor>& tensors,

@@ -1,6 +1,9 @@
 #pragma once
 // The per-element math of optamp::unscale_check_ and optamp::axpby_check_, shared by the CPU
-// kernels (scalar path and the tails of the vector path) and the CUDA kernels.
+// kernels (scalar path and the tails of the AVX2 path) and both paths of the CUDA kernels (the
+// 16-byte vector loop and the scalar tail). The CPU AVX2 bodies compute the same operations in
+// the same order on 8 lanes; tests/cpp/test_unscale_math.cpp checks them bit for bit against
+// these functions, and checks the functions themselves on edge values.
 //
 // The non-finite check looks at the value as it is stored, after rounding to the gradient's
 // dtype: that catches inf/NaN in the input (inf * s stays inf, NaN stays NaN) and also finite
@@ -44,6 +47,9 @@ C10_HOST_DEVICE inline T unscale_element(T v, float inv_scale, bool& bad) {
   bad |= !is_finite_float(static_cast<float>(out));
   return out;
 }
+
+// Whether an unscale by inv_scale is only the read-only check below (check_element).
+C10_HOST_DEVICE inline bool unscale_is_check(float inv_scale) { return inv_scale == 1.0f; }
 
 // The whole job of an unscale by exactly 1.0 (a fixed loss scale of 1, O0/O3/O4/O5): v * 1.0 is
 // v for every dtype, so the value as stored is the input, and only the check is left (a read-only

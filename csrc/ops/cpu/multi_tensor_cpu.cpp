@@ -6,8 +6,12 @@
 // pass over memory: load, convert to fp32, multiply, check, convert back, store. On x86-64 an
 // AVX2/F16C/FMA variant is chosen at run time (the library itself is built for baseline x86-64).
 // The non-finite check is branch-free: acc += v * 0 stays 0 for finite v and becomes NaN for
-// inf/NaN.
+// inf/NaN. The per-element math is ops/unscale_math.h's, shared with the CUDA kernels: the scalar
+// path and the vector tails call it, the AVX2 bodies do the same operations in the same order
+// (held to it bit for bit by tests/cpp/test_unscale_math.cpp; nothing is fused into an FMA, see
+// -ffp-contract in csrc/CMakeLists.txt).
 #include <ATen/ATen.h>
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -145,21 +149,6 @@ bool cpu_has_avx2() {
 }
 #endif
 
-// float32/float16/bfloat16 only (validated by the shared op body).
-template <typename F>
-void dispatch_dtype(at::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat:
-      return f(float{});
-    case at::kHalf:
-      return f(c10::Half{});
-    case at::kBFloat16:
-      return f(c10::BFloat16{});
-    default:
-      TORCH_INTERNAL_ASSERT(false, "unsupported dtype ", t);
-  }
-}
-
 // ---- splitting the work ------------------------------------------------------------------------
 
 // A piece of one tensor: elements [begin, end) of tensors[tensor].
@@ -191,24 +180,49 @@ bool for_each_chunk(const std::vector<at::Tensor>& tensors, Body body) {
   return bad.load();
 }
 
+template <typename T>
+bool unscale_list(const std::vector<at::Tensor>& tensors, float s) {
+  const bool check_only = unscale_is_check(s);
+  std::vector<T*> ptrs;
+  for (const auto& t : tensors) ptrs.push_back(t.data_ptr<T>());
+  return for_each_chunk(tensors, [&](const Chunk& c) {
+    T* p = ptrs[c.tensor] + c.begin;
+    const int64_t n = c.end - c.begin;
+#ifdef OPTAMP_CPU_AVX2
+    if (cpu_has_avx2()) return check_only ? check_avx2(p, n) : unscale_avx2(p, n, s);
+#endif
+    return check_only ? check_scalar(p, n) : unscale_scalar(p, n, s);
+  });
+}
+
+template <typename T>
+bool axpby_list(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& x,
+                const std::vector<at::Tensor>& y, float a, float b) {
+  std::vector<T*> po;
+  std::vector<const T*> px, py;
+  for (size_t i = 0; i < out.size(); ++i) {
+    po.push_back(out[i].data_ptr<T>());
+    px.push_back(x[i].const_data_ptr<T>());
+    py.push_back(y[i].const_data_ptr<T>());
+  }
+  return for_each_chunk(out, [&](const Chunk& c) {
+    const int64_t n = c.end - c.begin;
+    T* o = po[c.tensor] + c.begin;
+    const T* xp = px[c.tensor] + c.begin;
+    const T* yp = py[c.tensor] + c.begin;
+#ifdef OPTAMP_CPU_AVX2
+    if (cpu_has_avx2()) return axpby_avx2(o, xp, yp, n, a, b);
+#endif
+    return axpby_scalar(o, xp, yp, n, a, b);
+  });
+}
+
 void unscale_group_cpu(const std::vector<at::Tensor>& tensors, const at::Tensor& found_inf,
                        const at::Tensor& inv_scale) {
   const float s = inv_scale.item<float>();  // a CPU tensor: no device sync
   bool bad = false;
-  dispatch_dtype(tensors[0].scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    std::vector<scalar_t*> ptrs;
-    for (const auto& t : tensors) ptrs.push_back(t.data_ptr<scalar_t>());
-    bad = for_each_chunk(tensors, [&](const Chunk& c) {
-      scalar_t* p = ptrs[c.tensor] + c.begin;
-#ifdef OPTAMP_CPU_AVX2
-      if (cpu_has_avx2()) {
-        return s == 1.0f ? check_avx2(p, c.end - c.begin) : unscale_avx2(p, c.end - c.begin, s);
-      }
-#endif
-      return s == 1.0f ? check_scalar(p, c.end - c.begin) : unscale_scalar(p, c.end - c.begin, s);
-    });
-  });
+  AT_DISPATCH_V2(tensors[0].scalar_type(), "optamp::unscale_check_",
+                 AT_WRAP([&] { bad = unscale_list<scalar_t>(tensors, s); }), OPTAMP_KERNEL_DTYPES);
   if (bad) found_inf.fill_(1.0);
 }
 
@@ -217,26 +231,9 @@ void axpby_group_cpu(const std::vector<at::Tensor>& out, const std::vector<at::T
                      const at::Tensor& found_inf) {
   const float av = a.item<float>();
   bool bad = false;
-  dispatch_dtype(out[0].scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    std::vector<scalar_t*> po;
-    std::vector<const scalar_t*> px, py;
-    for (size_t i = 0; i < out.size(); ++i) {
-      po.push_back(out[i].data_ptr<scalar_t>());
-      px.push_back(x[i].const_data_ptr<scalar_t>());
-      py.push_back(y[i].const_data_ptr<scalar_t>());
-    }
-    bad = for_each_chunk(out, [&](const Chunk& c) {
-      const int64_t n = c.end - c.begin;
-      scalar_t* o = po[c.tensor] + c.begin;
-      const scalar_t* xp = px[c.tensor] + c.begin;
-      const scalar_t* yp = py[c.tensor] + c.begin;
-#ifdef OPTAMP_CPU_AVX2
-      if (cpu_has_avx2()) return axpby_avx2(o, xp, yp, n, av, b);
-#endif
-      return axpby_scalar(o, xp, yp, n, av, b);
-    });
-  });
+  AT_DISPATCH_V2(out[0].scalar_type(), "optamp::axpby_check_",
+                 AT_WRAP([&] { bad = axpby_list<scalar_t>(out, x, y, av, b); }),
+                 OPTAMP_KERNEL_DTYPES);
   if (bad) found_inf.fill_(1.0);
 }
 

@@ -1,10 +1,12 @@
 // CUDA kernels of the optamp multi-tensor ops.
 //
-// A chunked multi-tensor launcher (as Apex's multi_tensor_apply): the tensors of a call are cut
-// into chunks of kChunk elements, and one launch handles up to kMaxTensors tensors / kMaxBlocks
-// chunks, described by a by-value kernel argument (< 4 KiB). Each block does one chunk; aligned
-// chunks use 16-byte vector loads/stores. Launches go to the current stream and are checked.
+// A chunked multi-tensor launcher (as Apex's multi_tensor_apply): the host-side plan
+// (ops/launch_plan.h) cuts the tensors of a call into chunks and groups them into launches; each
+// launch gets its part of the plan as a by-value kernel argument (< 4 KiB). Each block does one
+// chunk; aligned chunks use 16-byte vector loads/stores. The per-element math is shared with the
+// CPU kernels (ops/unscale_math.h). Launches go to the current stream and are checked.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch_v2.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -14,6 +16,7 @@
 
 #include <cstdint>
 
+#include "ops/launch_plan.h"
 #include "ops/multi_tensor.h"
 #include "ops/register_kernels.h"
 #include "ops/unscale_math.h"
@@ -22,17 +25,14 @@
 namespace amp::ops::detail {
 namespace {
 
-constexpr int kMaxTensors = 48;
-constexpr int kMaxBlocks = 320;
 constexpr int kThreads = 512;
-constexpr int64_t kChunk = 65536;
 
+// The kernel argument of one launch: the plan's block map plus each slot's addresses and size.
 template <int Depth>
 struct TensorListMeta {
-  void* addresses[Depth][kMaxTensors];
-  int64_t sizes[kMaxTensors];
-  unsigned char block_to_tensor[kMaxBlocks];
-  int block_to_chunk[kMaxBlocks];
+  void* addresses[Depth][kLaunchMaxTensors];
+  int64_t sizes[kLaunchMaxTensors];
+  LaunchBlocks blocks;
 };
 static_assert(sizeof(TensorListMeta<3>) < 4096, "kernel argument too large");
 
@@ -41,50 +41,32 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
-// Fills the metadata for `lists` (Depth lists of the same length) and calls launch(meta, blocks)
-// whenever it is full, and once at the end.
-template <int Depth, typename Launch>
-void multi_tensor_apply(const std::vector<at::Tensor>* const (&lists)[Depth], Launch&& launch) {
-  TensorListMeta<Depth> meta;
-  int loc_tensor = 0;
-  int loc_block = 0;
-  const size_t count = lists[0]->size();
-  for (size_t t = 0; t < count; ++t) {
-    const int64_t n = (*lists[0])[t].numel();
-    if (n == 0) continue;
-    for (int d = 0; d < Depth; ++d) meta.addresses[d][loc_tensor] = (*lists[d])[t].data_ptr();
-    meta.sizes[loc_tensor] = n;
-    ++loc_tensor;
-    const int64_t chunks = (n + kChunk - 1) / kChunk;
-    for (int64_t c = 0; c < chunks; ++c) {
-      meta.block_to_tensor[loc_block] = static_cast<unsigned char>(loc_tensor - 1);
-      meta.block_to_chunk[loc_block] = static_cast<int>(c);
-      ++loc_block;
-      const bool last_chunk = c == chunks - 1;
-      if (loc_block == kMaxBlocks || (loc_tensor == kMaxTensors && last_chunk)) {
-        launch(meta, loc_block);
-        loc_block = 0;
-        if (last_chunk) {
-          loc_tensor = 0;
-        } else {  // carry the unfinished tensor over as tensor 0
-          for (int d = 0; d < Depth; ++d) meta.addresses[d][0] = meta.addresses[d][loc_tensor - 1];
-          meta.sizes[0] = meta.sizes[loc_tensor - 1];
-          loc_tensor = 1;
-        }
-      }
+// Calls launch(meta, blocks) for every launch of the plan (launch_plan.h) of `lists` (Depth
+// lists of the same length; the plan follows the first).
+template <int Depth, typename LaunchFn>
+void multi_tensor_apply(const std::vector<at::Tensor>* const (&lists)[Depth], LaunchFn&& launch) {
+  std::vector<int64_t> numels;
+  numels.reserve(lists[0]->size());
+  for (const auto& t : *lists[0]) numels.push_back(t.numel());
+  for (const auto& plan : plan_launches(numels)) {
+    TensorListMeta<Depth> meta;
+    for (int slot = 0; slot < plan.num_tensors; ++slot) {
+      const int64_t t = plan.list_index[slot];
+      for (int d = 0; d < Depth; ++d) meta.addresses[d][slot] = (*lists[d])[t].data_ptr();
+      meta.sizes[slot] = numels[t];
     }
+    meta.blocks = plan.blocks;
+    launch(meta, plan.num_blocks);
   }
-  if (loc_block > 0) launch(meta, loc_block);
 }
 
 template <typename T>
 __global__ void unscale_kernel(TensorListMeta<1> meta, float* found_inf, const float* inv_scale) {
-  const int t = meta.block_to_tensor[blockIdx.x];
-  const int64_t begin = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * kChunk;
-  const int64_t n = min(meta.sizes[t] - begin, kChunk);
+  const int t = meta.blocks.tensor[blockIdx.x];
+  const auto [begin, n] = chunk_range(meta.sizes[t], meta.blocks.chunk[blockIdx.x]);
   T* p = static_cast<T*>(meta.addresses[0][t]) + begin;
   const float s = *inv_scale;
-  const bool check_only = s == 1.0f;  // a fixed scale of 1: read-only (see check_element)
+  const bool check_only = unscale_is_check(s);
   bool bad = false;
   constexpr int V = 16 / sizeof(T);
   int64_t done = 0;
@@ -117,9 +99,8 @@ __global__ void unscale_kernel(TensorListMeta<1> meta, float* found_inf, const f
 template <typename T>
 __global__ void axpby_kernel(TensorListMeta<3> meta, float* found_inf, const float* a_ptr,
                              float b) {
-  const int t = meta.block_to_tensor[blockIdx.x];
-  const int64_t begin = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * kChunk;
-  const int64_t n = min(meta.sizes[t] - begin, kChunk);
+  const int t = meta.blocks.tensor[blockIdx.x];
+  const auto [begin, n] = chunk_range(meta.sizes[t], meta.blocks.chunk[blockIdx.x]);
   T* out = static_cast<T*>(meta.addresses[0][t]) + begin;
   const T* x = static_cast<const T*>(meta.addresses[1][t]) + begin;
   const T* y = static_cast<const T*>(meta.addresses[2][t]) + begin;
@@ -158,20 +139,6 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker,
                     backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
 }
 
-template <typename F>
-void dispatch_dtype(at::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat:
-      return f(float{});
-    case at::kHalf:
-      return f(c10::Half{});
-    case at::kBFloat16:
-      return f(c10::BFloat16{});
-    default:
-      TORCH_INTERNAL_ASSERT(false, "unsupported dtype ", t);
-  }
-}
-
 void unscale_group_cuda(const std::vector<at::Tensor>& tensors, const at::Tensor& found_inf,
                         const at::Tensor& inv_scale) {
   const c10::cuda::CUDAGuard guard(found_inf.device());
@@ -179,13 +146,13 @@ void unscale_group_cuda(const std::vector<at::Tensor>& tensors, const at::Tensor
   float* flag = found_inf.data_ptr<float>();
   const float* s = inv_scale.const_data_ptr<float>();
   const std::vector<at::Tensor>* const lists[1] = {&tensors};
-  dispatch_dtype(tensors[0].scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    multi_tensor_apply<1>(lists, [&](const TensorListMeta<1>& meta, int blocks) {
-      unscale_kernel<T><<<blocks, kThreads, 0, stream>>>(meta, flag, s);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
+  AT_DISPATCH_V2(tensors[0].scalar_type(), "optamp::unscale_check_", AT_WRAP([&] {
+                   multi_tensor_apply<1>(lists, [&](const TensorListMeta<1>& meta, int blocks) {
+                     unscale_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(meta, flag, s);
+                     C10_CUDA_KERNEL_LAUNCH_CHECK();
+                   });
+                 }),
+                 OPTAMP_KERNEL_DTYPES);
 }
 
 void axpby_group_cuda(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& x,
@@ -196,13 +163,13 @@ void axpby_group_cuda(const std::vector<at::Tensor>& out, const std::vector<at::
   float* flag = found_inf.data_ptr<float>();
   const float* ap = a.const_data_ptr<float>();
   const std::vector<at::Tensor>* const lists[3] = {&out, &x, &y};
-  dispatch_dtype(out[0].scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    multi_tensor_apply<3>(lists, [&](const TensorListMeta<3>& meta, int blocks) {
-      axpby_kernel<T><<<blocks, kThreads, 0, stream>>>(meta, flag, ap, b);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
+  AT_DISPATCH_V2(out[0].scalar_type(), "optamp::axpby_check_", AT_WRAP([&] {
+                   multi_tensor_apply<3>(lists, [&](const TensorListMeta<3>& meta, int blocks) {
+                     axpby_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(meta, flag, ap, b);
+                     C10_CUDA_KERNEL_LAUNCH_CHECK();
+                   });
+                 }),
+                 OPTAMP_KERNEL_DTYPES);
 }
 
 void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker,
