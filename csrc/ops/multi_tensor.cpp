@@ -43,7 +43,8 @@ void check_list_tensor(const at::Tensor& t, const char* list, size_t i,
                     t.device());
 }
 
-// A tensor the kernels may treat as flat memory; `copy_back` is set when `work` is a temporary.
+// A non-contiguous tensor's contiguous stand-in: the kernels write `work`, which is copied back
+// into `original` afterwards.
 struct Work {
   at::Tensor work;
   at::Tensor original;
