@@ -5,6 +5,7 @@
 // thread) while autograd records (GradMode on), or inside an explicit amp::autocast region. So
 // optimizer steps, EMA updates and validation under no_grad run in the dtypes they are given.
 
+#include "optamp/export.h"
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -22,7 +23,7 @@ namespace amp {
 // follows the guards still open. A guard ended on another thread closes its region on its own
 // thread at that thread's next op. amp::reset() and amp::initialize() end every open region of
 // every thread.
-class autocast {  // NOLINT(readability-identifier-naming): mirrors torch.autocast
+class OPTAMP_API autocast {  // NOLINT(readability-identifier-naming): mirrors torch.autocast
  public:
   explicit autocast(bool enabled = true, c10::ScalarType dtype = c10::ScalarType::Undefined);
   ~autocast();
@@ -36,7 +37,7 @@ class autocast {  // NOLINT(readability-identifier-naming): mirrors torch.autoca
 
 // RAII: no casting rules on this thread inside the scope (Apex's amp.disable_casts()). Ends like
 // autocast does (any order, any thread).
-class disable_casts {  // NOLINT(readability-identifier-naming): mirrors apex.amp.disable_casts
+class OPTAMP_API disable_casts {  // NOLINT(readability-identifier-naming): mirrors apex.amp.disable_casts
  public:
   disable_casts();
   ~disable_casts();
@@ -53,7 +54,7 @@ class disable_casts {  // NOLINT(readability-identifier-naming): mirrors apex.am
 // but must match a later recompute with grad on: the reentrant checkpoint (optamp wraps
 // torch.utils.checkpoint for Python itself), or a hand-written torch::autograd::Function. A
 // region or disable_casts in effect stays in effect. Ends like autocast does.
-class rules_under_no_grad {  // NOLINT(readability-identifier-naming): a guard, like autocast
+class OPTAMP_API rules_under_no_grad {  // NOLINT(readability-identifier-naming): a guard, like autocast
  public:
   rules_under_no_grad();
   ~rules_under_no_grad();
@@ -71,7 +72,7 @@ class rules_under_no_grad {  // NOLINT(readability-identifier-naming): a guard, 
 //   auto state = amp::ThreadState::capture();           // on the thread that initialized
 //   std::thread t([state] { amp::ThreadStateGuard g(state); /* ops here follow the rules */ });
 // (equivalent to capturing and restoring at::ThreadLocalState; this carries only optamp's part.)
-struct ThreadState {
+struct OPTAMP_API ThreadState {
   bool key_on = false;
   bool substitution_on = false;  // O2/O5: ops see model tensors as their working copies
   std::int32_t mode = 0;
@@ -79,7 +80,7 @@ struct ThreadState {
   static ThreadState capture();
 };
 
-class ThreadStateGuard {
+class OPTAMP_API ThreadStateGuard {
  public:
   explicit ThreadStateGuard(const ThreadState& state);
   ~ThreadStateGuard();
@@ -95,6 +96,6 @@ class ThreadStateGuard {
 // an amp::autocast region, no disable_casts / autocast(false) is innermost, and grad mode is on
 // (or the region or O3 casts under no_grad too). Native torch.autocast, where it is on, takes
 // precedence over optamp and is not reported here.
-bool is_casting_enabled();
+OPTAMP_API bool is_casting_enabled();
 
 }  // namespace amp

@@ -6,6 +6,7 @@
 // the fused unscale/check all live behind them, once. Other bindings (another language, another
 // module system) use this header too (docs/design.md, "Layout").
 
+#include "optamp/export.h"
 #include <ATen/core/Tensor.h>
 
 #include <memory>
@@ -19,7 +20,7 @@
 namespace amp::core {
 
 // The model(s) as tensors, split the way the level treats them.
-struct ModelTensors {
+struct OPTAMP_API ModelTensors {
   std::vector<at::Tensor> reduced;     // seen as working copies (O2/O5) or cast (O3)
   std::vector<at::Tensor> keep_fp32;   // batch-norm / keep_in_fp32 modules' tensors
   std::vector<at::Tensor> parameters;  // every parameter, for the optimizer checks
@@ -27,7 +28,7 @@ struct ModelTensors {
 };
 
 // One optimizer as tensors.
-struct OptimizerTensors {
+struct OPTAMP_API OptimizerTensors {
   const void* identity;                  // the optimizer object (twice-initialized check)
   std::string description;               // "optimizer 0 (Adam)"
   std::vector<at::Tensor> parameters;    // in param-group order
@@ -39,35 +40,35 @@ struct OptimizerTensors {
 
 // amp::initialize on tensors: validates everything (throws, changing nothing), then applies.
 // Returns the resolved properties.
-Properties initialize(const ModelTensors& model, const std::vector<OptimizerTensors>& optimizers,
+OPTAMP_API Properties initialize(const ModelTensors& model, const std::vector<OptimizerTensors>& optimizers,
                       OptLevel level, const Options& options);
 // amp::reset(): casting off, level rules, caches, loss scalers; initialize may run again.
-void reset();
-bool initialized();
+OPTAMP_API void reset();
+OPTAMP_API bool initialized();
 
 // The loss scalers (one per loss_id) initialize configures. configure_loss_scalers creates
 // props.num_losses of them (replacing any previous ones); reset_loss_scalers drops them.
-void configure_loss_scalers(const Properties& props);
-void reset_loss_scalers();
-int num_loss_scalers();
+OPTAMP_API void configure_loss_scalers(const Properties& props);
+OPTAMP_API void reset_loss_scalers();
+OPTAMP_API int num_loss_scalers();
 // The scaler of `loss_id`, shared: a live guard keeps its scaler alive across a
 // reconfiguration (same errors as amp::loss_scaler).
-std::shared_ptr<LossScaler> loss_scaler_ptr(int loss_id);
+OPTAMP_API std::shared_ptr<LossScaler> loss_scaler_ptr(int loss_id);
 
 // Throws a ValueError unless every optimizer identity was passed to initialize (descriptions[i]
 // names identities[i] in the message).
-void check_optimizers_allowed(const std::vector<const void*>& identities,
+OPTAMP_API void check_optimizers_allowed(const std::vector<const void*>& identities,
                               const std::vector<std::string>& descriptions);
 
 // amp::scale_loss over an explicit parameter list. labels[i] names params[i] in error messages
 // (may be empty: then "param <i>"); owner_kind says what the parameters came from ("optimizer").
 // Throws on bad input with nothing changed.
-ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
+OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
                       std::vector<std::string> labels, ScaleLossOptions options,
                       const char* owner_kind);
 // Ends a guard explicitly (a Python context manager's __exit__). `unwinding`: an exception is in
 // flight (restore, don't throw). Idempotent. Returns whether this guard's step overflowed (its
 // grads were reset).
-bool finish(ScaledLoss& guard, bool unwinding);
+OPTAMP_API bool finish(ScaledLoss& guard, bool unwinding);
 
 }  // namespace amp::core

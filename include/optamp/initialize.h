@@ -11,6 +11,7 @@
 // each non-batch-norm parameter/buffer as a cached fp16/bf16 working copy. O3: the model is cast
 // to fp16 (pure fp16 training).
 
+#include "optamp/export.h"
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
@@ -27,7 +28,7 @@
 namespace amp {
 
 // What initialize set up; describe() is Apex's report of the resolved options.
-class Handle {
+class OPTAMP_API Handle {
  public:
   explicit Handle(Properties properties) : properties_(std::move(properties)) {}
   const Properties& properties() const { return properties_; }
@@ -43,17 +44,17 @@ using ModulePtr = std::shared_ptr<torch::nn::Module>;
 // Validates everything before changing anything; errors leave model, optimizer and amp state
 // as they were. One initialize per process at a time: any second call (same or another
 // model/optimizer) is a ValueError until amp::reset().
-Handle initialize(const std::vector<ModulePtr>& models,
+OPTAMP_API Handle initialize(const std::vector<ModulePtr>& models,
                   const std::vector<torch::optim::Optimizer*>& optimizers, OptLevel level,
                   const Options& options = {});
-Handle initialize(const std::vector<ModulePtr>& models,
+OPTAMP_API Handle initialize(const std::vector<ModulePtr>& models,
                   const std::vector<torch::optim::Optimizer*>& optimizers, std::string_view level,
                   const Options& options = {});
 
 // A model as the list form takes it: a ModuleHolder (`Net net;` from TORCH_MODULE), a
 // shared_ptr to a module, or a module itself (also one on the stack, which initialize uses
 // without owning it: keep it alive while amp is initialized).
-class ModuleRef {
+class OPTAMP_API ModuleRef {
  public:
   template <typename Contained>
   ModuleRef(torch::nn::ModuleHolder<Contained>& holder)  // NOLINT(google-explicit-constructor)
@@ -71,10 +72,10 @@ class ModuleRef {
 // The list form with the natural spellings: initialize({generator, discriminator},
 // {g_opt, d_opt}, "O1", options) with holders, shared_ptrs or modules, and optimizer
 // references or pointers.
-Handle initialize(std::initializer_list<ModuleRef> models,
+OPTAMP_API Handle initialize(std::initializer_list<ModuleRef> models,
                   std::initializer_list<OptimizerRef> optimizers, OptLevel level,
                   const Options& options = {});
-Handle initialize(std::initializer_list<ModuleRef> models,
+OPTAMP_API Handle initialize(std::initializer_list<ModuleRef> models,
                   std::initializer_list<OptimizerRef> optimizers, std::string_view level,
                   const Options& options = {});
 
@@ -88,14 +89,14 @@ Handle initialize(Model& model, Level level, const Options& options = {});
 
 // Turns everything off: casting on this thread, level rules, parameter registry, caches and
 // loss scalers. Afterwards initialize may be called for a new model/optimizer.
-void reset();
+OPTAMP_API void reset();
 
 // True between initialize and reset.
-bool is_initialized();
+OPTAMP_API bool is_initialized();
 
 // Marks a module whose own parameters and buffers stay fp32 at O2/O3/O5 (as batch-norm modules
 // do under keep_batchnorm_fp32). Call before initialize.
-void keep_in_fp32(const torch::nn::Module& module);
+OPTAMP_API void keep_in_fp32(const torch::nn::Module& module);
 
 // ---- implementation of the templates --------------------------------------------------------
 namespace detail {

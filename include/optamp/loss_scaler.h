@@ -7,6 +7,7 @@
 // new scale come back together. The host accessors below read the values of that copy and never
 // synchronize on their own. See docs/loss_scaling.md.
 
+#include "optamp/export.h"
 #include <ATen/core/Tensor.h>
 
 #include <atomic>
@@ -22,7 +23,7 @@ namespace amp {
 
 class StateDict;
 
-class LossScaler {
+class OPTAMP_API LossScaler {
  public:
   // Consecutive overflowing steps at the minimum scale (min_loss_scale, or kScaleFloor) after
   // which scale_loss raises an error that names the parameters with non-finite gradients (again
@@ -158,6 +159,6 @@ class LossScaler {
 
 // The scaler of `loss_id`. Throws when loss scaling is not configured (amp::initialize has not
 // run) or the id is out of range.
-LossScaler& loss_scaler(int loss_id = 0);
+OPTAMP_API LossScaler& loss_scaler(int loss_id = 0);
 
 }  // namespace amp

@@ -4,6 +4,7 @@
 // resolve() turns an opt level and the user's overrides into the final Properties, with Apex's
 // validation rules. Every later component reads Properties, never the raw Options.
 
+#include "optamp/export.h"
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -17,14 +18,14 @@ enum class OptLevel : std::uint8_t { O0 = 0, O1, O2, O3, O4, O5 };
 
 // Accepts exactly "O0".."O5" (capital letter O). Anything else is a ValueError that lists the
 // valid levels.
-OptLevel parse_opt_level(std::string_view text);
-std::string to_string(OptLevel level);
+OPTAMP_API OptLevel parse_opt_level(std::string_view text);
+OPTAMP_API std::string to_string(OptLevel level);
 
 // True for the levels whose reduced type is bfloat16 (O4, O5).
-bool is_bf16_level(OptLevel level);
+OPTAMP_API bool is_bf16_level(OptLevel level);
 
 // A loss scale setting: "dynamic" or a fixed positive, finite number.
-class LossScale {
+class OPTAMP_API LossScale {
  public:
   static LossScale dynamic() { return LossScale(true, 1.0); }
   static LossScale fixed(double value) { return LossScale(false, value); }
@@ -56,13 +57,13 @@ enum class ModelCast : std::uint8_t {
   kInPlace,        // O3 (and O2/O5 with master_weights=False): the model itself is cast and its
                    // reduced-precision parameters are stepped directly
 };
-std::string to_string(ModelCast cast);
+OPTAMP_API std::string to_string(ModelCast cast);
 
 // User overrides, Apex names. Unset fields take the level's default.
 //
 // For the two type fields, c10::ScalarType::Undefined stands for Python's `None`
 // ("do not cast the model" / "no patch type").
-struct Options {
+struct OPTAMP_API Options {
   std::optional<bool> enabled;
   std::optional<c10::ScalarType> cast_model_type;
   std::optional<bool> patch_torch_functions;
@@ -88,7 +89,7 @@ struct Options {
 };
 
 // The resolved, validated settings for one initialize() call.
-struct Properties {
+struct OPTAMP_API Properties {
   OptLevel opt_level = OptLevel::O0;
   bool enabled = true;
   // Undefined = None (model tensors keep their dtype).
@@ -142,14 +143,14 @@ struct Properties {
 };
 
 // The defaults of a level (the table in docs/opt_levels.md), without overrides.
-Properties level_defaults(OptLevel level);
+OPTAMP_API Properties level_defaults(OptLevel level);
 
 // Level defaults, then overrides, with Apex's validation. Throws c10::ValueError naming the
 // conflicting option and level and what to do instead; never returns partially applied state.
-Properties resolve(OptLevel level, const Options& options = {});
-Properties resolve(std::string_view level, const Options& options = {});
+OPTAMP_API Properties resolve(OptLevel level, const Options& options = {});
+OPTAMP_API Properties resolve(std::string_view level, const Options& options = {});
 
 // Human-readable names used in messages: "torch.float16", "None", "True", "dynamic".
-std::string dtype_name(c10::ScalarType type);
+OPTAMP_API std::string dtype_name(c10::ScalarType type);
 
 }  // namespace amp

@@ -1,4 +1,5 @@
 #pragma once
+#include "optamp/export.h"
 // amp::OptimizerRef: an optimizer as the list forms of initialize, scale_loss and step take it,
 // so `{g_opt, d_opt}` (references) and `{&g_opt, &d_opt}` (pointers) both work.
 
@@ -8,7 +9,7 @@ class Optimizer;
 
 namespace amp {
 
-class OptimizerRef {
+class OPTAMP_API OptimizerRef {
  public:
   OptimizerRef(torch::optim::Optimizer& o) : ptr_(&o) {}  // NOLINT(google-explicit-constructor)
   OptimizerRef(torch::optim::Optimizer* o) : ptr_(o) {}   // NOLINT(google-explicit-constructor)

@@ -5,6 +5,7 @@
 // from C++ or Python. Names are "namespace::op" or "namespace::op.overload"; without an
 // overload, every overload of the op gets the policy.
 
+#include "optamp/export.h"
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 
@@ -24,7 +25,7 @@ enum class CastPolicy : std::uint8_t {
 };
 
 // "lower", "fp32", "fp32 (loss)", "promote", "banned" (as policy_report() prints them).
-const char* to_string(CastPolicy policy);
+OPTAMP_API const char* to_string(CastPolicy policy);
 
 // Which policies apply: chosen by the level (or an amp::autocast region), per call after the
 // no_grad gate (docs/casting.md, "When ops are cast").
@@ -34,29 +35,29 @@ enum class RuleSet : std::uint8_t {
   kMasterWeights,  // O2/O5: lower, fp32 (loss) and banned-as-a-loss
   kPureLow,        // O3 (and O0 with a reduced cast_model_type): lower only
 };
-const char* to_string(RuleSet rules);
+OPTAMP_API const char* to_string(RuleSet rules);
 
-bool policy_applies(CastPolicy policy, RuleSet rules);
+OPTAMP_API bool policy_applies(CastPolicy policy, RuleSet rules);
 
 // What a kernel for an op on `device` would apply on this thread now, and the low dtype.
 // {kNone, Undefined} where optamp is off, disabled or gated, or native autocast owns `device`.
-struct CastRules {
+struct OPTAMP_API CastRules {
   RuleSet rules = RuleSet::kNone;
   c10::ScalarType low = c10::ScalarType::Undefined;
 };
-CastRules cast_rules_now(c10::DeviceType device);
+OPTAMP_API CastRules cast_rules_now(c10::DeviceType device);
 
 // Apex's register_half_function / register_float_function / register_promote_function for
 // dispatcher ops (ATen or custom TORCH_LIBRARY ops). Usable before or after amp::initialize;
 // the newest registration of an op wins. Unknown ops: ValueError naming the op.
-void register_half_op(std::string_view qualified_name);
-void register_float_op(std::string_view qualified_name);
-void register_promote_op(std::string_view qualified_name);
+OPTAMP_API void register_half_op(std::string_view qualified_name);
+OPTAMP_API void register_float_op(std::string_view qualified_name);
+OPTAMP_API void register_promote_op(std::string_view qualified_name);
 
 // Debug listing: every table entry with its policy, and the overloads this LibTorch lacks.
-std::string policy_report();
+OPTAMP_API std::string policy_report();
 
 // Number of tensor casts optamp performed (cache hits excluded), for tests and diagnostics.
-std::int64_t cast_count();
+OPTAMP_API std::int64_t cast_count();
 
 }  // namespace amp

@@ -18,6 +18,7 @@
 // optimizers have no step hooks that could make the plain step() do this). Python needs nothing:
 // optamp.scale_loss installs a one-shot step pre-hook after an overflow.
 
+#include "optamp/export.h"
 #include <ATen/core/Tensor.h>
 
 #include <initializer_list>
@@ -33,7 +34,7 @@ class Optimizer;
 
 namespace amp {
 
-struct ScaleLossOptions {
+struct OPTAMP_API ScaleLossOptions {
   int loss_id = 0;
   // Leave the grads scaled (a non-final gradient-accumulation micro-batch).
   bool delay_unscale = false;
@@ -44,7 +45,7 @@ struct ScaleLossState;
 struct ScaledLossAccess;
 }  // namespace detail
 
-class ScaledLoss {
+class OPTAMP_API ScaledLoss {
  public:
   ScaledLoss(ScaledLoss&& other) noexcept;
   ScaledLoss& operator=(ScaledLoss&&) = delete;
@@ -67,24 +68,24 @@ class ScaledLoss {
   std::unique_ptr<detail::ScaleLossState> state_;
 };
 
-ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer& optimizer,
+OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer& optimizer,
                       ScaleLossOptions options = {});
-ScaledLoss scale_loss(const at::Tensor& loss,
+OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss,
                       const std::vector<torch::optim::Optimizer*>& optimizers,
                       ScaleLossOptions options = {});
 // scale_loss(loss, {opt_a, opt_b}) with references (or pointers).
-ScaledLoss scale_loss(const at::Tensor& loss, std::initializer_list<OptimizerRef> optimizers,
+OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, std::initializer_list<OptimizerRef> optimizers,
                       ScaleLossOptions options = {});
 // scale_loss(loss, optimizer, loss_id[, delay_unscale]): Apex's positional loss_id.
-ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer& optimizer, int loss_id,
+OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer& optimizer, int loss_id,
                       bool delay_unscale = false);
 
 // Steps the optimizer(s) unless a scale_loss guard covering any of their parameters overflowed
 // since the previous amp::step of them; then every parameter's gradient is reset to undefined
 // instead and nothing else changes. Returns whether the step ran. Throws (changing nothing) while
 // gradients are still scaled, i.e. when the last guard used delay_unscale.
-bool step(torch::optim::Optimizer& optimizer);
-bool step(const std::vector<torch::optim::Optimizer*>& optimizers);
-bool step(std::initializer_list<OptimizerRef> optimizers);
+OPTAMP_API bool step(torch::optim::Optimizer& optimizer);
+OPTAMP_API bool step(const std::vector<torch::optim::Optimizer*>& optimizers);
+OPTAMP_API bool step(std::initializer_list<OptimizerRef> optimizers);
 
 }  // namespace amp

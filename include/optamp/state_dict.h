@@ -9,6 +9,7 @@
 // Names: "loss_scaler<i>.scale" (float32), ".growth_tracker" (int32), ".hysteresis" (int32),
 // ".skipped" (int64), ".floor_skips" (int64). Round trips are bit-exact.
 
+#include "optamp/export.h"
 #include <ATen/core/Tensor.h>
 
 #include <string>
@@ -23,7 +24,7 @@ class InputArchive;
 
 namespace amp {
 
-class StateDict {
+class OPTAMP_API StateDict {
  public:
   // Adds or replaces `name`. Lookups are hashed, so building or reading a dict is linear in its
   // size (a run with many losses has five entries per loss).
@@ -41,14 +42,14 @@ class StateDict {
   std::unordered_map<std::string, size_t> index_;          // name -> position in items_
 };
 
-StateDict state_dict();
+OPTAMP_API StateDict state_dict();
 // Restores every loss scaler. Validates first (missing keys, num_losses mismatch, dtypes);
 // on error nothing changes.
-void load_state_dict(const StateDict& state);
+OPTAMP_API void load_state_dict(const StateDict& state);
 
-torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+OPTAMP_API torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
                                             const StateDict& state);
-torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
+OPTAMP_API torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
                                            StateDict& state);
 
 }  // namespace amp

@@ -1,4 +1,5 @@
 #pragma once
+#include "optamp/export.h"
 
 namespace amp {
 
@@ -6,6 +7,6 @@ constexpr int kVersionMajor = 0;
 constexpr int kVersionMinor = 1;
 constexpr int kVersionPatch = 0;
 // "0.1.0"
-const char* version();
+OPTAMP_API const char* version();
 
 }  // namespace amp
