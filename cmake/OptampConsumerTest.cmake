@@ -1,8 +1,8 @@
-# ctest script: install optamp into a scratch prefix, build examples/cpp/consumer against it
-# with find_package(optamp), and run the result.
+# ctest script: build examples/cpp/consumer with find_package(optamp) and run the result.
+#   OPTAMP_PACKAGE_FROM=install (default): against optamp installed into a scratch prefix.
+#   OPTAMP_PACKAGE_FROM=build-tree: against the build directory itself (optamp_DIR), uninstalled.
 set(prefix "${OPTAMP_WORK_DIR}/prefix")
 set(build "${OPTAMP_WORK_DIR}/build")
-file(REMOVE_RECURSE "${prefix}")
 
 function(run_step)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc)
@@ -11,10 +11,25 @@ function(run_step)
   endif()
 endfunction()
 
+# Configure, build and run the consumer; the arguments tell CMake where optamp is.
+function(build_and_run_consumer)
+  file(REMOVE_RECURSE "${build}")
+  run_step(${CMAKE_COMMAND} -S "${OPTAMP_CONSUMER_DIR}" -B "${build}" -G "${OPTAMP_CMAKE_GENERATOR}"
+           ${ARGN} -DCMAKE_BUILD_TYPE=Release)
+  run_step(${CMAKE_COMMAND} --build "${build}")
+  run_step("${build}/optamp_consumer")
+endfunction()
+
+if(OPTAMP_PACKAGE_FROM STREQUAL "build-tree")
+  build_and_run_consumer("-Doptamp_DIR=${OPTAMP_BINARY_DIR}" "-DCMAKE_PREFIX_PATH=${OPTAMP_TORCH_PREFIX}")
+  return()
+endif()
+
+file(REMOVE_RECURSE "${prefix}")
 run_step(${CMAKE_COMMAND} --install "${OPTAMP_BINARY_DIR}" --prefix "${prefix}")
 # The package must be relocatable: build against a copy of the prefix somewhere else.
 set(moved "${OPTAMP_WORK_DIR}/moved")
-file(REMOVE_RECURSE "${moved}" "${build}")
+file(REMOVE_RECURSE "${moved}")
 file(COPY "${prefix}/" DESTINATION "${moved}")
 file(REMOVE_RECURSE "${prefix}")
 file(GLOB_RECURSE exported "${moved}/*.cmake")
@@ -27,7 +42,4 @@ foreach(f IN LISTS exported)
     endif()
   endforeach()
 endforeach()
-run_step(${CMAKE_COMMAND} -S "${OPTAMP_CONSUMER_DIR}" -B "${build}" -G "${OPTAMP_CMAKE_GENERATOR}"
-         "-DCMAKE_PREFIX_PATH=${moved};${OPTAMP_TORCH_PREFIX}" -DCMAKE_BUILD_TYPE=Release)
-run_step(${CMAKE_COMMAND} --build "${build}")
-run_step("${build}/optamp_consumer")
+build_and_run_consumer("-DCMAKE_PREFIX_PATH=${moved};${OPTAMP_TORCH_PREFIX}")

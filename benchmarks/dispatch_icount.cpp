@@ -5,7 +5,7 @@
 // modes: noamp; native (at::autocast CPU bf16) vs optamp (O4 rules, bf16); native_fp16 (CPU
 // autocast with dtype float16) vs optamp_o1 (O1 rules, fp16), the O1 comparison; optamp_o5:
 // O5 (casting rules + parameter substitution, with one registered parameter that the looped op does
-// not touch, the common case). scripts/bench/dispatch_overhead.sh --icount runs every configuration
+// not touch, the common case). benchmarks/dispatch_overhead.sh --icount runs every configuration
 // and prints the ratios.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>

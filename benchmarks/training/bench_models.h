@@ -1,6 +1,6 @@
 #pragma once
-// The models of the training-throughput benchmarks (scripts/bench/training/*.cpp), in plain
-// LibTorch. scripts/bench/bench_models.py defines the same two models for the Python side.
+// The models of the training-throughput benchmarks (benchmarks/training/*.cpp), in plain
+// LibTorch. benchmarks/bench_models.py defines the same two models for the Python side.
 //
 //   ResNet-50: torchvision's resnet50 layout (bottleneck blocks 3-4-6-3, width 64, stride on the
 //              3x3 conv, batch-norm everywhere, 1000 classes). Smaller variants through

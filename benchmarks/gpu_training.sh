@@ -3,13 +3,13 @@
 # Benchmark or GoogleTest needed) and runs ResNet-50 and GPT-2 small in C++ and Python at
 # native AMP, O0 (TF32 off/on), O1..O5 and native bf16, interleaved, 3 rounds each.
 #
-#   OPTAMP_PYTHON=python3 bash scripts/bench/gpu_training.sh [OUTDIR] [extra flags for all four]
-#   bash scripts/bench/gpu_training.sh /tmp/smoke --device cpu --small --steps 2 --rounds 1
+#   OPTAMP_PYTHON=python3 bash benchmarks/gpu_training.sh [OUTDIR] [extra flags for all four]
+#   bash benchmarks/gpu_training.sh /tmp/smoke --device cpu --small --steps 2 --rounds 1
 #
 # Writes OUTDIR/{cpp,py}_{resnet50,gpt2}.{txt,jsonl}; each .txt ends with the table and the
 # target checks (ratios vs native AMP measured in the same round).
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/common.sh"
 OUTDIR="${1:-bench-results}"
 shift || true
 mkdir -p "$OUTDIR"
@@ -26,9 +26,9 @@ PY="$(optamp_python)"
   echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 } | tee "$OUTDIR/machine.txt"
 for model in resnet50 gpt2; do
-  "$BUILD/scripts/bench/training/bench_train_$model" --json "$OUTDIR/cpp_$model.jsonl" "$@" 2>&1 |
+  "$BUILD/benchmarks/training/bench_train_$model" --json "$OUTDIR/cpp_$model.jsonl" "$@" 2>&1 |
     tee "$OUTDIR/cpp_$model.txt"
-  PYTHONPATH="$OPTAMP_ROOT/python" "$PY" "$OPTAMP_ROOT/scripts/bench/bench_train.py" --model "$model" \
+  PYTHONPATH="$OPTAMP_ROOT/python" "$PY" "$OPTAMP_ROOT/benchmarks/bench_train.py" --model "$model" \
     --json "$OUTDIR/py_$model.jsonl" "$@" 2>&1 | tee "$OUTDIR/py_$model.txt"
 done
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUTDIR/machine.txt"

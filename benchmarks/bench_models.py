@@ -1,6 +1,6 @@
 """The models of the training-throughput benchmarks, in plain PyTorch (no torchvision needed).
 
-Same layouts as scripts/bench/training/bench_models.h (the C++ side):
+Same layouts as benchmarks/training/bench_models.h (the C++ side):
   ResNet(blocks=(3, 4, 6, 3), width=64, classes=1000)   torchvision's resnet50 layout
   GPT(vocab=50257, seq=512, layers=12, d_model=768, heads=12)   GPT-2 small, pre-LN, causal SDPA,
                                                                tanh-GELU MLP, tied LM head

@@ -16,8 +16,8 @@ A level optamp.initialize reports unsupported on the device (NotImplementedError
 with a message. Ratios are the median over rounds of native_ms / config_ms measured in the same
 round (> 1: faster than native AMP).
 
-    PYTHONPATH=python python scripts/bench/bench_train.py --model gpt2 [--device cuda]
-    PYTHONPATH=python python scripts/bench/bench_train.py --model resnet50 --device cpu --small
+    PYTHONPATH=python python benchmarks/bench_train.py --model gpt2 [--device cuda]
+    PYTHONPATH=python python benchmarks/bench_train.py --model resnet50 --device cpu --small
 """
 import argparse
 import json

@@ -16,7 +16,7 @@ On CUDA it also counts, per loss-scaling step over the same gradients, the kerne
   optamp  LossScaler.unscale + update   (what amp::scale_loss runs when the guard exits)
   torch   GradScaler.unscale_ + step + update   (with an optimizer whose step does nothing)
 
-    PYTHONPATH=python python scripts/bench/bench_unscale.py [--device cpu|cuda] [--reps 30]
+    PYTHONPATH=python python benchmarks/bench_unscale.py [--device cpu|cuda] [--reps 30]
 """
 import argparse
 import statistics

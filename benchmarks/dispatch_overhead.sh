@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds and runs the dispatch-overhead benchmark, then prints the target ratios.
-#   bash scripts/bench/dispatch_overhead.sh [extra benchmark args]
+#   bash benchmarks/dispatch_overhead.sh [extra benchmark args]
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/common.sh"
 BUILD="$(optamp_build_dir)"
 OPTAMP_CMAKE_ARGS="-DOPTAMP_BUILD_BENCHMARKS=ON" optamp_build >/dev/null
 cmake "$BUILD" -DOPTAMP_BUILD_BENCHMARKS=ON >/dev/null && cmake --build "$BUILD" --target bench_dispatch >/dev/null
@@ -13,7 +13,7 @@ if [[ "${1:-}" == "--icount" ]]; then
   for cfg in noamp:mm noamp:relu native:mm optamp:mm optamp:relu optamp_o5:relu \
              native_fp16:mm optamp_o1:mm; do
     f="$(mktemp)"
-    valgrind --tool=callgrind --callgrind-out-file="$f" "$BUILD/scripts/bench/dispatch_icount" \
+    valgrind --tool=callgrind --callgrind-out-file="$f" "$BUILD/benchmarks/dispatch_icount" \
       "${cfg%%:*}" "${cfg##*:}" 200 >/dev/null 2>&1
     small=$(callgrind_annotate --inclusive=yes --threshold=100 "$f" | grep "::loop_n(int)" | awk '{gsub(",","",$1); print $1}')
     large=$(callgrind_annotate --inclusive=yes --threshold=100 "$f" | grep "::loop_2n(int)" | awk '{gsub(",","",$1); print $1}')
@@ -30,7 +30,7 @@ if [[ "${1:-}" == "--icount" ]]; then
   exit 0
 fi
 out="$(mktemp)"
-"$BUILD/scripts/bench/bench_dispatch" --benchmark_repetitions=10 --benchmark_report_aggregates_only=true \
+"$BUILD/benchmarks/bench_dispatch" --benchmark_repetitions=10 --benchmark_report_aggregates_only=true \
   --benchmark_enable_random_interleaving=true --benchmark_format=json "$@" >"$out"
 "$(optamp_python)" - "$out" <<'PY'
 import json, sys

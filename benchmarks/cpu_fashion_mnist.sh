@@ -4,9 +4,9 @@
 # build/examples/cpp/train_fashion_mnist. Prints median step times, the ratio to O0 measured in
 # the same round (median over rounds; > 1 means faster than O0), and the load average.
 #
-#   bash scripts/bench/cpu_fashion_mnist.sh [ROUNDS=3] [BF16_STEPS=60] [FP16_STEPS=12]
+#   bash benchmarks/cpu_fashion_mnist.sh [ROUNDS=3] [BF16_STEPS=60] [FP16_STEPS=12]
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/common.sh"
 ROUNDS="${1:-3}" BF16_STEPS="${2:-60}" FP16_STEPS="${3:-12}"
 BUILD="$(optamp_build_dir)"
 optamp_build >/dev/null
