@@ -9,8 +9,8 @@
 #include <ATen/autocast_mode.h>
 #include <benchmark/benchmark.h>
 
-#include "dispatch/cast_state.h"
-#include "dispatch/registration.h"
+#include <torch/nn/modules/linear.h>
+
 #include "optamp/amp.h"
 
 namespace {
@@ -37,12 +37,14 @@ void BM_NativeAutocast(benchmark::State& state) {
   at::autocast::clear_cache();
 }
 
+// O4 through the public API: a model to initialize (the looped op does not use it).
 void BM_Optamp(benchmark::State& state) {
-  amp::detail::set_level_rules(amp::resolve("O4"));
-  amp::detail::activate_thread(true);
+  torch::nn::Linear model(8, 8);
+  amp::Options quiet;
+  quiet.verbosity = 0;
+  amp::initialize(model, "O4", quiet);
   run_op(state, state.range(0) == 0);
-  amp::detail::activate_thread(false);
-  amp::detail::clear_level_rules();
+  amp::reset();
 }
 
 // range(0): 0 = mm (listed), 1 = relu (not listed). Interleaved repetitions smooth out drift.
