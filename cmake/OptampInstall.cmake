@@ -11,7 +11,10 @@ install(TARGETS optamp EXPORT optampTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-install(DIRECTORY include/optamp DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(DIRECTORY include/optamp DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+        FILES_MATCHING PATTERN "*.h")
+install(FILES "${PROJECT_BINARY_DIR}/include/optamp/version.h"
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/optamp)
 install(EXPORT optampTargets NAMESPACE optamp:: DESTINATION ${OPTAMP_CMAKE_INSTALL_DIR})
 # Build tree: the targets with their build-tree paths (BUILD_INTERFACE include directories,
 # the library in this build directory), next to a config file of their own.

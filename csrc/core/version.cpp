@@ -2,6 +2,6 @@
 
 namespace amp {
 
-const char* version() { return "0.1.0"; }
+const char* version() { return OPTAMP_VERSION; }
 
 }  // namespace amp

@@ -52,7 +52,7 @@ from . import _autocast_flag, _checkpoint
 _checkpoint.install()  # forward and recompute of torch.utils.checkpoint under the same rules
 _autocast_flag.install()  # torch._C._is_any_autocast_enabled(): True only where ops are cast
 
-__version__ = "0.1.0"
+from ._build_info import version as __version__  # set once: project() in CMakeLists.txt
 
 
 def resolve(opt_level="O1", **overrides):

@@ -37,6 +37,8 @@ def test_pip_install_into_a_fresh_venv_and_import(tmp_path):
         assert any(n.startswith("liboptamp") for n in names), names
         from optamp import _build_info  # the version check has what it needs in a wheel
         assert _build_info.torch_version == torch.__version__.split("+")[0], _build_info
+        from importlib.metadata import version  # the wheel's version: CMakeLists.txt's
+        assert version("optamp") == optamp.__version__, (version("optamp"), optamp.__version__)
         m = torch.nn.Linear(2, 2)
         o = torch.optim.SGD(m.parameters(), lr=0.1)
         m, o = optamp.initialize(m, o, opt_level="O4", verbosity=0)
