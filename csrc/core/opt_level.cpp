@@ -49,8 +49,9 @@ struct LevelDefaults {
   bool dynamic_loss_scale;
 };
 
-// The opt-level table (ARCHITECTURE §3), as data. Apex's own values for O0-O3; O4/O5 are the
-// bf16 analogues of O1/O2, which need no loss scaling (bf16 has fp32's exponent range).
+// The opt-level table (docs/opt_levels.md, Defaults), as data. Apex's own values for O0-O3;
+// O4/O5 are the bf16 analogues of O1/O2, which need no loss scaling (bf16 has fp32's exponent
+// range).
 constexpr std::array<LevelDefaults, 6> kLevelTable = {{
     {"Pure FP32 training.", ScalarType::Float, false, kNone, -1, 0, false},
     {"Insert automatic casts around Pytorch functions and Tensor methods.", kNone, true,

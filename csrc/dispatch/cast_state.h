@@ -1,5 +1,6 @@
 #pragma once
-// Process-wide rules of the initialized level and per-thread casting state (ARCHITECTURE §1).
+// Process-wide rules of the initialized level and per-thread casting state (docs/design.md, The
+// gate and the sections after it).
 #include <c10/core/DeviceType.h>
 #include <c10/core/DispatchKey.h>
 #include <c10/core/ScalarType.h>

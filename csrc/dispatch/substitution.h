@@ -1,6 +1,7 @@
 #pragma once
-// O2/O5 parameter substitution (ARCHITECTURE §3): on a second dispatch key with a permanent boxed
-// fallback, every op sees each registered model tensor as its cached low-precision working copy.
+// O2/O5 parameter substitution (docs/design.md, Dispatch keys; docs/casting.md, O2/O5: what ops
+// see): on a second dispatch key with a permanent boxed fallback, every op sees each registered
+// model tensor as its cached low-precision working copy.
 #include <ATen/core/Tensor.h>
 #include <c10/core/DispatchKey.h>
 

@@ -1,5 +1,5 @@
 #pragma once
-// amp::initialize: the entry point (ARCHITECTURE §3, §5).
+// amp::initialize: the entry point (docs/opt_levels.md, docs/cpp.md, docs/design.md).
 //
 //   auto handle = amp::initialize(model, optimizer, "O2");
 //   auto loss = criterion(model->forward(x), y);

@@ -1,4 +1,4 @@
-// O1/O4 op-level casting on optamp's dispatch key (ARCHITECTURE §1-§2).
+// O1/O4 op-level casting on optamp's dispatch key (docs/casting.md, docs/design.md).
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>

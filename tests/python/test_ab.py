@@ -25,7 +25,7 @@ BIN = os.path.join(BUILD, "examples", "cpp", "train_fashion_mnist")
 PY_TRAINER = os.path.join(ROOT, "examples", "python", "train_fashion_mnist.py")
 DATA = "/usr/share/datasets/fashion-mnist"
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
-STATIC_SCALE_LEVELS = {"O0", "O3", "O4", "O5"}  # ARCHITECTURE §3: loss scale 1.0, never skips
+STATIC_SCALE_LEVELS = {"O0", "O3", "O4", "O5"}  # loss scale 1.0, never skips (docs/opt_levels.md)
 SMALL = ["--steps", "20", "--subset", "512", "--test-subset", "1000", "--seed", "0"]
 SUMMARY_FIELDS = ["test_accuracy", "peak_memory_mb", "peak_memory_kind", "median_step_ms",
                   "samples_per_s", "final_train_loss", "skipped_steps", "final_loss_scale"]
