@@ -2,8 +2,8 @@
 // The one walker over the tensors of an op's argument on a boxed stack, shared by the casting
 // kernel and the O2/O5 substitution fallback: Tensor and Tensor? (an IValue holding a tensor or
 // None), Tensor[] and Tensor?[] (what `index` and `index_put` take).
-#include <ATen/core/ivalue.h>
 #include <ATen/core/List.h>
+#include <ATen/core/ivalue.h>
 
 #include <optional>
 #include <utility>

@@ -5,8 +5,8 @@
 // thread) while autograd records (GradMode on), or inside an explicit amp::autocast region. So
 // optimizer steps, EMA updates and validation under no_grad run in the dtypes they are given.
 
-#include "optamp/export.h"
 #include <c10/core/ScalarType.h>
+#include "optamp/export.h"
 
 #include <cstdint>
 #include <thread>
@@ -37,7 +37,8 @@ class OPTAMP_API autocast {  // NOLINT(readability-identifier-naming): mirrors t
 
 // RAII: no casting rules on this thread inside the scope (Apex's amp.disable_casts()). Ends like
 // autocast does (any order, any thread).
-class OPTAMP_API disable_casts {  // NOLINT(readability-identifier-naming): mirrors apex.amp.disable_casts
+class OPTAMP_API
+    disable_casts {  // NOLINT(readability-identifier-naming): mirrors apex.amp.disable_casts
  public:
   disable_casts();
   ~disable_casts();
@@ -54,7 +55,8 @@ class OPTAMP_API disable_casts {  // NOLINT(readability-identifier-naming): mirr
 // but must match a later recompute with grad on: the reentrant checkpoint (optamp wraps
 // torch.utils.checkpoint for Python itself), or a hand-written torch::autograd::Function. A
 // region or disable_casts in effect stays in effect. Ends like autocast does.
-class OPTAMP_API rules_under_no_grad {  // NOLINT(readability-identifier-naming): a guard, like autocast
+class OPTAMP_API
+    rules_under_no_grad {  // NOLINT(readability-identifier-naming): a guard, like autocast
  public:
   rules_under_no_grad();
   ~rules_under_no_grad();

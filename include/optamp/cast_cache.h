@@ -2,8 +2,8 @@
 // The cast cache: reduced-precision copies of parameters (leaf tensors that require grad), made
 // once per weight version and reused by every op until the weights may have changed.
 
-#include "optamp/export.h"
 #include <cstddef>
+#include "optamp/export.h"
 
 namespace amp {
 

@@ -6,8 +6,8 @@
 // the fused unscale/check all live behind them, once. Other bindings (another language, another
 // module system) use this header too (docs/design.md, "Layout").
 
-#include "optamp/export.h"
 #include <ATen/core/Tensor.h>
+#include "optamp/export.h"
 
 #include <memory>
 #include <string>
@@ -40,8 +40,9 @@ struct OPTAMP_API OptimizerTensors {
 
 // amp::initialize on tensors: validates everything (throws, changing nothing), then applies.
 // Returns the resolved properties.
-OPTAMP_API Properties initialize(const ModelTensors& model, const std::vector<OptimizerTensors>& optimizers,
-                      OptLevel level, const Options& options);
+OPTAMP_API Properties initialize(const ModelTensors& model,
+                                 const std::vector<OptimizerTensors>& optimizers, OptLevel level,
+                                 const Options& options);
 // amp::reset(): casting off, level rules, caches, loss scalers; initialize may run again.
 OPTAMP_API void reset();
 OPTAMP_API bool initialized();
@@ -58,14 +59,14 @@ OPTAMP_API std::shared_ptr<LossScaler> loss_scaler_ptr(int loss_id);
 // Throws a ValueError unless every optimizer identity was passed to initialize (descriptions[i]
 // names identities[i] in the message).
 OPTAMP_API void check_optimizers_allowed(const std::vector<const void*>& identities,
-                              const std::vector<std::string>& descriptions);
+                                         const std::vector<std::string>& descriptions);
 
 // amp::scale_loss over an explicit parameter list. labels[i] names params[i] in error messages
 // (may be empty: then "param <i>"); owner_kind says what the parameters came from ("optimizer").
 // Throws on bad input with nothing changed.
 OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
-                      std::vector<std::string> labels, ScaleLossOptions options,
-                      const char* owner_kind);
+                                 std::vector<std::string> labels, ScaleLossOptions options,
+                                 const char* owner_kind);
 // Ends a guard explicitly (a Python context manager's __exit__). `unwinding`: an exception is in
 // flight (restore, don't throw). Idempotent. Returns whether this guard's step overflowed (its
 // grads were reset).

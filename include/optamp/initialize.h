@@ -11,10 +11,10 @@
 // each non-batch-norm parameter/buffer as a cached fp16/bf16 working copy. O3: the model is cast
 // to fp16 (pure fp16 training).
 
-#include "optamp/export.h"
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
+#include "optamp/export.h"
 
 #include <initializer_list>
 #include <memory>
@@ -45,11 +45,11 @@ using ModulePtr = std::shared_ptr<torch::nn::Module>;
 // as they were. One initialize per process at a time: any second call (same or another
 // model/optimizer) is a ValueError until amp::reset().
 OPTAMP_API Handle initialize(const std::vector<ModulePtr>& models,
-                  const std::vector<torch::optim::Optimizer*>& optimizers, OptLevel level,
-                  const Options& options = {});
+                             const std::vector<torch::optim::Optimizer*>& optimizers,
+                             OptLevel level, const Options& options = {});
 OPTAMP_API Handle initialize(const std::vector<ModulePtr>& models,
-                  const std::vector<torch::optim::Optimizer*>& optimizers, std::string_view level,
-                  const Options& options = {});
+                             const std::vector<torch::optim::Optimizer*>& optimizers,
+                             std::string_view level, const Options& options = {});
 
 // A model as the list form takes it: a ModuleHolder (`Net net;` from TORCH_MODULE), a
 // shared_ptr to a module, or a module itself (also one on the stack, which initialize uses
@@ -73,11 +73,11 @@ class OPTAMP_API ModuleRef {
 // {g_opt, d_opt}, "O1", options) with holders, shared_ptrs or modules, and optimizer
 // references or pointers.
 OPTAMP_API Handle initialize(std::initializer_list<ModuleRef> models,
-                  std::initializer_list<OptimizerRef> optimizers, OptLevel level,
-                  const Options& options = {});
+                             std::initializer_list<OptimizerRef> optimizers, OptLevel level,
+                             const Options& options = {});
 OPTAMP_API Handle initialize(std::initializer_list<ModuleRef> models,
-                  std::initializer_list<OptimizerRef> optimizers, std::string_view level,
-                  const Options& options = {});
+                             std::initializer_list<OptimizerRef> optimizers, std::string_view level,
+                             const Options& options = {});
 
 // One model (a ModuleHolder such as torch::nn::Linear or a user `TORCH_MODULE`, or a
 // shared_ptr) and one optimizer, or none.

@@ -7,8 +7,8 @@
 // new scale come back together. The host accessors below read the values of that copy and never
 // synchronize on their own. See docs/loss_scaling.md.
 
-#include "optamp/export.h"
 #include <ATen/core/Tensor.h>
+#include "optamp/export.h"
 
 #include <atomic>
 #include <cstdint>

@@ -4,8 +4,8 @@
 // resolve() turns an opt level and the user's overrides into the final Properties, with Apex's
 // validation rules. Every later component reads Properties, never the raw Options.
 
-#include "optamp/export.h"
 #include <c10/core/ScalarType.h>
+#include "optamp/export.h"
 
 #include <cstdint>
 #include <optional>

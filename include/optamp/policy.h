@@ -5,9 +5,9 @@
 // from C++ or Python. Names are "namespace::op" or "namespace::op.overload"; without an
 // overload, every overload of the op gets the policy.
 
-#include "optamp/export.h"
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
+#include "optamp/export.h"
 
 #include <cstdint>
 #include <string>

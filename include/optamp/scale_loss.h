@@ -18,8 +18,8 @@
 // optimizers have no step hooks that could make the plain step() do this). Python needs nothing:
 // optamp.scale_loss installs a one-shot step pre-hook after an overflow.
 
-#include "optamp/export.h"
 #include <ATen/core/Tensor.h>
+#include "optamp/export.h"
 
 #include <initializer_list>
 #include <memory>
@@ -69,16 +69,17 @@ class OPTAMP_API ScaledLoss {
 };
 
 OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer& optimizer,
-                      ScaleLossOptions options = {});
+                                 ScaleLossOptions options = {});
 OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss,
-                      const std::vector<torch::optim::Optimizer*>& optimizers,
-                      ScaleLossOptions options = {});
+                                 const std::vector<torch::optim::Optimizer*>& optimizers,
+                                 ScaleLossOptions options = {});
 // scale_loss(loss, {opt_a, opt_b}) with references (or pointers).
-OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, std::initializer_list<OptimizerRef> optimizers,
-                      ScaleLossOptions options = {});
+OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss,
+                                 std::initializer_list<OptimizerRef> optimizers,
+                                 ScaleLossOptions options = {});
 // scale_loss(loss, optimizer, loss_id[, delay_unscale]): Apex's positional loss_id.
-OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer& optimizer, int loss_id,
-                      bool delay_unscale = false);
+OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer& optimizer,
+                                 int loss_id, bool delay_unscale = false);
 
 // Steps the optimizer(s) unless a scale_loss guard covering any of their parameters overflowed
 // since the previous amp::step of them; then every parameter's gradient is reset to undefined

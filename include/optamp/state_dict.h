@@ -9,8 +9,8 @@
 // Names: "loss_scaler<i>.scale" (float32), ".growth_tracker" (int32), ".hysteresis" (int32),
 // ".skipped" (int64), ".floor_skips" (int64). Round trips are bit-exact.
 
-#include "optamp/export.h"
 #include <ATen/core/Tensor.h>
+#include "optamp/export.h"
 
 #include <string>
 #include <unordered_map>
@@ -48,8 +48,8 @@ OPTAMP_API StateDict state_dict();
 OPTAMP_API void load_state_dict(const StateDict& state);
 
 OPTAMP_API torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
-                                            const StateDict& state);
+                                                       const StateDict& state);
 OPTAMP_API torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
-                                           StateDict& state);
+                                                      StateDict& state);
 
 }  // namespace amp
