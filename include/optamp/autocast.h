@@ -6,10 +6,11 @@
 // optimizer steps, EMA updates and validation under no_grad run in the dtypes they are given.
 
 #include <c10/core/ScalarType.h>
-#include "optamp/export.h"
 
 #include <cstdint>
 #include <thread>
+
+#include "optamp/export.h"
 
 namespace amp {
 

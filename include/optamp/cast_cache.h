@@ -3,6 +3,7 @@
 // once per weight version and reused by every op until the weights may have changed.
 
 #include <cstddef>
+
 #include "optamp/export.h"
 
 namespace amp {

@@ -7,12 +7,12 @@
 // module system) use this header too (docs/design.md, "Layout").
 
 #include <ATen/core/Tensor.h>
-#include "optamp/export.h"
 
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "optamp/export.h"
 #include "optamp/loss_scaler.h"
 #include "optamp/opt_level.h"
 #include "optamp/scale_loss.h"

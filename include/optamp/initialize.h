@@ -14,7 +14,6 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
-#include "optamp/export.h"
 
 #include <initializer_list>
 #include <memory>
@@ -22,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "optamp/export.h"
 #include "optamp/opt_level.h"
 #include "optamp/optimizer_ref.h"
 

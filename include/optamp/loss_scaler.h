@@ -8,7 +8,6 @@
 // synchronize on their own. See docs/loss_scaling.md.
 
 #include <ATen/core/Tensor.h>
-#include "optamp/export.h"
 
 #include <atomic>
 #include <cstdint>
@@ -17,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "optamp/export.h"
 #include "optamp/opt_level.h"
 
 namespace amp {

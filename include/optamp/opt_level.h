@@ -5,12 +5,13 @@
 // validation rules. Every later component reads Properties, never the raw Options.
 
 #include <c10/core/ScalarType.h>
-#include "optamp/export.h"
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
+
+#include "optamp/export.h"
 
 namespace amp {
 

@@ -1,7 +1,8 @@
 #pragma once
-#include "optamp/export.h"
 // amp::OptimizerRef: an optimizer as the list forms of initialize, scale_loss and step take it,
 // so `{g_opt, d_opt}` (references) and `{&g_opt, &d_opt}` (pointers) both work.
+
+#include "optamp/export.h"
 
 namespace torch::optim {
 class Optimizer;

@@ -7,11 +7,12 @@
 
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
-#include "optamp/export.h"
 
 #include <cstdint>
 #include <string>
 #include <string_view>
+
+#include "optamp/export.h"
 
 namespace amp {
 

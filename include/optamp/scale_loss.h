@@ -19,13 +19,13 @@
 // optamp.scale_loss installs a one-shot step pre-hook after an overflow.
 
 #include <ATen/core/Tensor.h>
-#include "optamp/export.h"
 
 #include <initializer_list>
 #include <memory>
 #include <optional>
 #include <vector>
 
+#include "optamp/export.h"
 #include "optamp/optimizer_ref.h"
 
 namespace torch::optim {

@@ -10,12 +10,13 @@
 // ".skipped" (int64), ".floor_skips" (int64). Round trips are bit-exact.
 
 #include <ATen/core/Tensor.h>
-#include "optamp/export.h"
 
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include "optamp/export.h"
 
 namespace torch::serialize {
 class OutputArchive;
