@@ -3,26 +3,16 @@
 #include "optamp/loss_scaler.h"
 
 #include <ATen/ATen.h>
-#include <c10/util/intrusive_ptr.h>
-#include <torch/serialize/input-archive.h>
-#include <torch/serialize/output-archive.h>
 
 #include <algorithm>
 #include <cmath>
 #include <iostream>
-#include <iterator>
-#include <limits>
 #include <memory>
 #include <mutex>
-#include <optional>
-#include <sstream>
-#include <unordered_map>
-#include <unordered_set>
+#include <vector>
 
 #include "core/format.h"
 #include "ops/multi_tensor.h"
-#include "optamp/state_dict.h"
-#include "scaler/loss_scaler_set.h"
 
 namespace amp {
 namespace {

@@ -3,22 +3,19 @@
 // scalers' amp::state_dict() / amp::load_state_dict().
 #include "scaler/loss_scaler_set.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
-#include <torch/serialize/input-archive.h>
-#include <torch/serialize/output-archive.h>
 
 #include <algorithm>
-#include <cmath>
-#include <iostream>
 #include <iterator>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <sstream>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "optamp/state_dict.h"
 

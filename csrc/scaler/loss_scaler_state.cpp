@@ -3,21 +3,14 @@
 #include "optamp/loss_scaler.h"
 
 #include <ATen/ATen.h>
-#include <c10/util/intrusive_ptr.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
 #include <algorithm>
 #include <cmath>
-#include <iostream>
-#include <iterator>
 #include <limits>
-#include <memory>
-#include <mutex>
-#include <optional>
 #include <sstream>
-#include <unordered_map>
-#include <unordered_set>
+#include <string>
 
 #include "core/format.h"
 #include "optamp/state_dict.h"
@@ -26,12 +19,6 @@ namespace amp {
 namespace {
 
 using detail::number_name;
-
-constexpr double kFloatMax = 3.4028234663852886e38;
-
-}  // namespace
-
-namespace {
 
 // The 0-dim tensor `key` of `dtype`, as a CPU tensor.
 at::Tensor state_entry(const StateDict& from, const std::string& key, at::ScalarType dtype) {

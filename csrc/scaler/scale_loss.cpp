@@ -5,7 +5,6 @@
 
 #include <torch/optim/optimizer.h>
 
-#include <mutex>
 #include <string>
 #include <vector>
 
