@@ -11,6 +11,7 @@ same seed:
   fp32         plain fp32, TF32 off;   fp32_tf32: TF32 on (matmul + cuDNN)
   O0 .. O5     model, opt = optamp.initialize(model, opt, opt_level=...);
                with optamp.scale_loss(loss, opt) as s: s.backward()      (O0_tf32: TF32 on)
+  O1_torch ..  the same with op_lists="torch" (torch.autocast's own op lists)
 
 A level optamp.initialize reports unsupported on the device (NotImplementedError) is skipped
 with a message. Ratios are the median over rounds of native_ms / config_ms measured in the same
@@ -106,7 +107,9 @@ def peak_mb(dev):
 def make_step(config, model, opt, loss_fn, dev):
     """Returns the step function of one configuration (NotImplementedError: unsupported)."""
     if config.startswith("O"):
-        model, opt = optamp.initialize(model, opt, opt_level=config[:2], verbosity=0)
+        lists = "torch" if config.endswith("_torch") else "apex"
+        model, opt = optamp.initialize(model, opt, opt_level=config[:2], verbosity=0,
+                                       op_lists=lists)
 
         def step():
             opt.zero_grad(set_to_none=True)

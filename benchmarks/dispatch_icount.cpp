@@ -1,67 +1,151 @@
-// Instruction-count twin of bench_dispatch, for run under callgrind (timings on a shared 2-core
-// machine are too noisy for a 3% target). Runs the same op loop for n and 2n calls in two
-// noinline functions; per-call cost = (Ir(loop_2n) - Ir(loop_n)) / n, which cancels set-up.
-//   valgrind --tool=callgrind dispatch_icount <mode> <mm|relu> <n>
-// modes: noamp; native (at::autocast CPU bf16) vs optamp (O4 rules, bf16); native_fp16 (CPU
-// autocast with dtype float16) vs optamp_o1 (O1 rules, fp16), the O1 comparison; optamp_o5:
-// O5 (casting rules + parameter substitution, with one registered parameter that the looped op does
-// not touch, the common case). benchmarks/dispatch_overhead.sh --icount runs every configuration
-// and prints the ratios.
+// Instruction counts of optamp's dispatch path, for run under callgrind (timings on a shared
+// 2-core machine are too noisy for a 3% target). The measured work runs in two noinline
+// instantiations, run<1> (n times) and run<2> (2n times); per-call cost = (Ir(run<2>) -
+// Ir(run<1>)) / n, which cancels set-up and lazy initialization. benchmarks/dispatch_overhead.sh
+// --icount runs every configuration and prints the table of docs/benchmarks.md.
+//
+//   valgrind --tool=callgrind dispatch_icount <mode> <case> <n>
+//
+// modes: noamp; native (at::autocast CPU bf16); native_fp16 (CPU autocast, float16); optamp_o4,
+//        optamp_o5 (bf16); optamp_o1, optamp_o2 (fp16). Every mode builds the same models; the
+//        optamp modes initialize them through the public API.
+// cases (8x8 tensors):
+//   relu        unlisted op on a tensor that is not a parameter
+//   mm          listed op, no parameter
+//   mm_param    mm(x, W), W a parameter of an 8x8 Linear
+//   add_param   add(x, W)
+//   linear      the Linear module's forward (linear(x, W, b))
+//   cnn_backward, gpt_backward  backward() of a small CNN (the Fashion-MNIST example's layout,
+//               batch 8) / a 2-layer GPT (d 32, seq 16, batch 2); their forwards run outside the
+//               measured function.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <torch/nn.h>
 
 #include <cstdlib>
-#include <cstring>
 #include <iostream>
-
-#include <torch/nn/modules/linear.h>
+#include <string>
 
 #include "optamp/amp.h"
+#include "training/bench_models.h"
 
 namespace {
 
-at::Tensor g_a, g_b;
-bool g_mm = true;
+struct CnnImpl : torch::nn::Module {  // examples/cpp/train_fashion_mnist.cpp's layout
+  CnnImpl()
+      : conv1(torch::nn::Conv2dOptions(1, 16, 3).padding(1).bias(false)),
+        bn1(16),
+        conv2(torch::nn::Conv2dOptions(16, 32, 3).padding(1).bias(false)),
+        bn2(32),
+        fc1(32 * 7 * 7, 128),
+        fc2(128, 10) {
+    register_module("conv1", conv1);
+    register_module("bn1", bn1);
+    register_module("conv2", conv2);
+    register_module("bn2", bn2);
+    register_module("fc1", fc1);
+    register_module("fc2", fc2);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::max_pool2d(torch::relu(bn1(conv1(x))), 2);
+    x = torch::max_pool2d(torch::relu(bn2(conv2(x))), 2);
+    return fc2(torch::relu(fc1(x.flatten(1))));
+  }
+  torch::nn::Conv2d conv1, conv2;
+  torch::nn::BatchNorm2d bn1, bn2;
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Cnn);
+
+struct Models : torch::nn::Module {
+  Models() {
+    register_module("linear", linear);
+    register_module("cnn", cnn);
+    register_module("gpt", gpt);
+  }
+  torch::nn::Linear linear{8, 8};
+  Cnn cnn;
+  bench::GPT gpt{bench::GPTOptions{64, 16, 2, 32, 2}};
+};
+
+std::string g_case;
+at::Tensor g_a, g_b, g_images, g_labels, g_tokens;
+Models* g_models = nullptr;
+
+void sink(const at::Tensor& t) { asm volatile("" : : "r"(t.unsafeGetTensorImpl()) : "memory"); }
+
+at::Tensor loss_of_forward() {
+  if (g_case == "cnn_backward") {
+    return torch::cross_entropy_loss(g_models->cnn(g_images), g_labels);
+  }
+  const auto logits = g_models->gpt(g_tokens);
+  return torch::cross_entropy_loss(logits.flatten(0, 1).to(at::kFloat), g_tokens.flatten());
+}
+
+template <int Tag>
+__attribute__((noinline)) void backward(const at::Tensor& loss) {
+  loss.backward();
+}
 
 void call_op() {
-  at::Tensor out = g_mm ? at::mm(g_a, g_b) : at::relu(g_a);
-  asm volatile("" : : "r"(out.unsafeGetTensorImpl()) : "memory");
+  const at::Tensor& w = g_models->linear->weight;
+  if (g_case == "relu") return sink(at::relu(g_a));
+  if (g_case == "mm") return sink(at::mm(g_a, g_b));
+  if (g_case == "mm_param") return sink(at::mm(g_a, w));
+  if (g_case == "add_param") return sink(at::add(g_a, w));
+  if (g_case == "linear") return sink(g_models->linear(g_a));
+  std::cerr << "unknown case " << g_case << "\n";
+  std::exit(2);
 }
 
-__attribute__((noinline)) void loop_n(int n) {
-  for (int i = 0; i < n; ++i) call_op();
+template <int Tag>
+__attribute__((noinline)) void run(int count) {
+  const bool is_backward = g_case.size() > 9 && g_case.substr(g_case.size() - 9) == "_backward";
+  for (int i = 0; i < count; ++i) {
+    if (!is_backward) {
+      call_op();
+      continue;
+    }
+    const at::Tensor loss = loss_of_forward();
+    backward<Tag>(loss);
+    for (auto& p : g_models->parameters()) p.mutable_grad().reset();
+  }
 }
 
-__attribute__((noinline)) void loop_2n(int n) {
-  for (int i = 0; i < 2 * n; ++i) call_op();
+void initialize(const std::string& mode) {
+  if (mode == "native" || mode == "native_fp16") {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, mode == "native" ? at::kBFloat16 : at::kHalf);
+    return;
+  }
+  if (mode == "noamp") return;
+  const std::string level = mode.substr(mode.size() - 2);  // optamp_oN
+  amp::Options quiet;
+  quiet.verbosity = 0;
+  amp::initialize(*g_models, "O" + level.substr(1), quiet);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 4) {
-    std::cerr << "usage: dispatch_icount <noamp|native|native_fp16|optamp|optamp_o1|optamp_o5> "
-                 "<mm|relu> <n>\n";
+    std::cerr << "usage: dispatch_icount <noamp|native|native_fp16|optamp_o1|optamp_o2|optamp_o4|"
+                 "optamp_o5> <relu|mm|mm_param|add_param|linear|cnn_backward|gpt_backward> <n>\n";
     return 2;
   }
-  const std::string mode = argv[1];
-  g_mm = std::strcmp(argv[2], "mm") == 0;
+  at::manual_seed(0);
+  at::set_num_threads(1);
+  g_case = argv[2];
   const int n = std::atoi(argv[3]);
+  g_models = new Models();
   g_a = at::randn({8, 8});
   g_b = at::randn({8, 8});
-  if (mode == "native" || mode == "native_fp16") {
-    at::autocast::set_autocast_enabled(at::kCPU, true);
-    at::autocast::set_autocast_dtype(at::kCPU, mode == "native" ? at::kBFloat16 : at::kHalf);
-  } else if (mode == "optamp" || mode == "optamp_o1" || mode == "optamp_o5") {
-    // Through the public API: a model with one parameter, which the looped op does not touch
-    // (at O5 it is the registered working-copy source: the common case of an op without one).
-    static torch::nn::Linear model(8, 8);
-    amp::Options quiet;
-    quiet.verbosity = 0;
-    amp::initialize(model, mode == "optamp" ? "O4" : mode == "optamp_o1" ? "O1" : "O5", quiet);
-  }
-  for (int i = 0; i < 50; ++i) call_op();  // warm caches and lazy initialization
-  loop_n(n);
-  loop_2n(n);
+  g_images = at::randn({8, 1, 28, 28});
+  g_labels = at::randint(10, {8});
+  g_tokens = at::randint(64, {2, 16});
+  initialize(argv[1]);
+  for (int i = 0; i < 5; ++i) run<0>(1);  // warm caches and lazy initialization
+  run<1>(n);
+  run<2>(2 * n);
   return 0;
 }

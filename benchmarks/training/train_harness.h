@@ -11,6 +11,7 @@
 // Configurations:
 //   O0, O0_tf32       amp::initialize(..., "O0"), TF32 off / on (cuBLAS + cuDNN)
 //   O1 .. O5          amp::initialize(..., "On") + amp::scale_loss
+//   O1_torch .. O5_torch  the same with op_lists torch (torch.autocast's op lists)
 //   native            at::autocast (fp16) around forward+loss + a hand-written dynamic loss scaler
 //                     doing what torch.amp.GradScaler does (fused unscale/check,
 //                     _amp_update_scale_, one found_inf.item() per step, step skipped on overflow)
@@ -212,6 +213,10 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
       const std::string level = config.substr(0, 2);
       amp::Options options;
       options.verbosity = 0;  // no properties report or overflow messages inside the timing
+      // "O4_torch": the level with torch.autocast's op lists (op_lists="torch").
+      if (config.size() > 6 && config.compare(config.size() - 6, 6, "_torch") == 0) {
+        options.op_lists = amp::OpLists::kTorch;
+      }
       amp::initialize(std::vector<amp::ModulePtr>{wl.module()},
                       std::vector<torch::optim::Optimizer*>{&opt}, std::string_view(level),
                       options);

@@ -102,6 +102,7 @@ std::string format_options(const Properties& p) {
   row("verbosity", std::to_string(p.verbosity));
   if (!p.loss_scale.is_dynamic()) row("overflow_check", bool_name(p.overflow_check));
   row("rules_under_no_grad", bool_name(p.rules_under_no_grad));
+  row("op_lists", to_string(p.op_lists));
   if (p.loss_scale.is_dynamic()) {
     row("init_scale", number_name(p.init_scale));
     row("growth_factor", number_name(p.growth_factor));
@@ -284,11 +285,22 @@ void apply_overrides(Properties& p, const Options& o, OverrideLog& log) {
   take("hysteresis", p.hysteresis, o.hysteresis, as_int);
   take("overflow_check", p.overflow_check, o.overflow_check, bool_name);
   take("rules_under_no_grad", p.rules_under_no_grad, o.rules_under_no_grad, bool_name);
+  take("op_lists", p.op_lists, o.op_lists, [](OpLists v) { return to_string(v); });
   // Apex: the initial scale never exceeds the ceiling unless the user asked for it explicitly.
   if (!o.init_scale && p.init_scale > p.max_loss_scale) p.init_scale = p.max_loss_scale;
 }
 
 }  // namespace
+
+OpLists parse_op_lists(std::string_view text) {
+  if (text == "apex") return OpLists::kApex;
+  if (text == "torch") return OpLists::kTorch;
+  C10_THROW_ERROR(ValueError, c10::str("op_lists must be \"apex\" (Apex's O1 lists) or \"torch\" "
+                                       "(torch.autocast's lists for the tensor's device), got \"",
+                                       text, "\""));
+}
+
+std::string to_string(OpLists lists) { return lists == OpLists::kTorch ? "torch" : "apex"; }
 
 OptLevel parse_opt_level(std::string_view text) {
   for (std::size_t i = 0; i < kLevelNames.size(); ++i) {

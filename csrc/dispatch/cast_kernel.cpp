@@ -59,12 +59,24 @@ bool is_scalar_type_arg(const c10::Argument& arg) {
 
 }  // namespace
 
-CastKernel::CastKernel(const c10::FunctionSchema& schema, CastPolicy policy,
-                       const char* banned_message)
-    : policy_(policy),
-      banned_message_(banned_message),
-      num_arguments_(schema.arguments().size()),
-      name_(schema.name()) {
+void CastKernel::set_policy(ListSet set, CastPolicy policy, const char* banned_message) {
+  if (banned_message != nullptr) banned_message_.store(banned_message);
+  policies_[static_cast<int>(set)].store(static_cast<std::uint8_t>(policy));
+}
+
+void CastKernel::set_policy_everywhere(CastPolicy policy) {
+  for (auto& p : policies_) p.store(static_cast<std::uint8_t>(policy));
+}
+
+std::optional<CastPolicy> CastKernel::policy(ListSet set) const {
+  const std::uint8_t stored = policies_[static_cast<int>(set)].load(std::memory_order_relaxed);
+  if (stored == kUnlisted) return std::nullopt;
+  return static_cast<CastPolicy>(stored);
+}
+
+CastKernel::CastKernel(const c10::FunctionSchema& schema)
+    : num_arguments_(schema.arguments().size()), name_(schema.name()) {
+  for (auto& p : policies_) p.store(kUnlisted);
   if (!schema.overload_name().empty()) name_ += "." + schema.overload_name();
   const auto& args = schema.arguments();
   for (std::size_t i = 0; i < args.size(); ++i) {
@@ -104,8 +116,9 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
     return std::nullopt;
   });
   const CastDecision decision = device ? decide(*device) : CastDecision{};
-  const CastPolicy policy = policy_.load(std::memory_order_relaxed);
-  if (!policy_applies(policy, decision.rules)) {
+  const std::optional<CastPolicy> listed = policy(decision.lists);
+  const CastPolicy policy = listed.value_or(CastPolicy::kLower);
+  if (!listed || !policy_applies(policy, decision.rules)) {
     std::optional<c10::impl::ExcludeDispatchKeyGuard> stay_out;
     if (decision.native_owns) stay_out.emplace(kCastKey);
     op.redispatchBoxed(below, stack);
@@ -114,7 +127,8 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
   // NotImplementedError in Python, as Apex raised (a RuntimeError subclass, c10::Error in C++).
   TORCH_CHECK_NOT_IMPLEMENTED(
       !(policy == CastPolicy::kBanned && decision.rules == RuleSet::kFullLists),
-      banned_message_ != nullptr ? banned_message_ : "this op is banned under optamp casting");
+      banned_message_.load() != nullptr ? banned_message_.load()
+                                        : "this op is banned under optamp casting");
 
   // Casts must not come back into optamp's kernels (nor should composite ops' inner calls).
   c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);

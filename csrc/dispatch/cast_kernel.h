@@ -3,7 +3,9 @@
 #include <ATen/core/boxing/OperatorKernel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <array>
 #include <atomic>
+#include <optional>
 #include <vector>
 
 #include "dispatch/policy_table.h"
@@ -12,11 +14,14 @@ namespace amp::detail {
 
 class CastKernel final : public c10::OperatorKernel {
  public:
-  // `banned_message`: the error of a kBanned policy (the table's; static storage).
-  CastKernel(const c10::FunctionSchema& schema, CastPolicy policy,
-             const char* banned_message = nullptr);
-  void set_policy(CastPolicy policy) { policy_.store(policy); }
-  CastPolicy policy() const { return policy_.load(); }
+  // Listed in no table until set_policy.
+  explicit CastKernel(const c10::FunctionSchema& schema);
+  // The op's row in one table; `banned_message`: the error of a kBanned policy (static storage).
+  void set_policy(ListSet set, CastPolicy policy, const char* banned_message = nullptr);
+  // A user registration (register_half_op, ...): the same policy whichever lists are in use.
+  void set_policy_everywhere(CastPolicy policy);
+  // nullopt: the op is not in that table (the kernel only redispatches).
+  std::optional<CastPolicy> policy(ListSet set) const;
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                   torch::jit::Stack* stack);
@@ -28,8 +33,9 @@ class CastKernel final : public c10::OperatorKernel {
     SlotKind kind;
   };
 
-  std::atomic<CastPolicy> policy_;
-  const char* banned_message_;
+  static constexpr std::uint8_t kUnlisted = 0xFF;
+  std::array<std::atomic<std::uint8_t>, kNumListSets> policies_;  // a CastPolicy or kUnlisted
+  std::atomic<const char*> banned_message_{nullptr};
   std::vector<Slot> slots_;  // read-only tensor arguments (written ones are never cast)
   std::size_t num_arguments_;
   int dtype_index_ = -1;  // the op's `ScalarType? dtype` argument, if any

@@ -18,6 +18,7 @@ std::atomic<RuleSet> g_rules{RuleSet::kNone};
 std::atomic<c10::ScalarType> g_low{c10::ScalarType::Undefined};
 std::atomic<int> g_verbosity{1};
 std::atomic<bool> g_rules_under_no_grad{false};
+std::atomic<OpLists> g_op_lists{OpLists::kApex};
 
 // The level's rules: the lists at O1/O4; at the model levels, the rules of the level when the
 // model is cast (Apex cast no op when it did not cast the model).
@@ -189,6 +190,7 @@ void set_level_rules(const Properties& properties) {
   g_low.store(properties.low_dtype());
   g_verbosity.store(properties.verbosity);
   g_level_ungated.store(properties.model_cast() == ModelCast::kInPlace);
+  g_op_lists.store(properties.op_lists);
   g_rules.store(rules_for(properties));
 }
 
@@ -197,7 +199,10 @@ void clear_level_rules() {
   g_level_ungated.store(false);
   g_low.store(c10::ScalarType::Undefined);
   g_verbosity.store(1);
+  g_op_lists.store(OpLists::kApex);
 }
+
+OpLists level_op_lists() { return g_op_lists.load(std::memory_order_relaxed); }
 
 c10::ScalarType level_low_dtype() { return g_low.load(std::memory_order_relaxed); }
 int verbosity() { return g_verbosity.load(std::memory_order_relaxed); }
@@ -249,8 +254,10 @@ CastDecision decide(c10::DeviceType device) {
   }
   const CarriedMode carried = carried_mode();
   if (carried.mode == kDisabled) return {};
-  if (carried.mode == kRegion) return {RuleSet::kFullLists, carried.dtype};
-  return level_decision(carried);
+  CastDecision decision = carried.mode == kRegion ? CastDecision{RuleSet::kFullLists, carried.dtype}
+                                                  : level_decision(carried);
+  decision.lists = list_set_for(level_op_lists(), device);
+  return decision;
 }
 
 RuleSet level_decision_rules() { return level_decision(carried_mode()).rules; }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "dispatch/policy_table.h"
 #include "optamp/opt_level.h"
 #include "optamp/policy.h"
 
@@ -98,6 +99,8 @@ void set_level_rules(const Properties& properties);
 void clear_level_rules();
 c10::ScalarType level_low_dtype();
 int verbosity();
+// The op lists initialize chose (Apex's when none is initialized).
+OpLists level_op_lists();
 
 // This thread's key: TLS include + un-exclude (new threads start with it off).
 void set_thread_key(bool on);
@@ -111,6 +114,8 @@ struct CastDecision {
   // native kernel's inner calls too (native autocast excludes its own key while it recurses,
   // which would otherwise look like "native autocast off" to us).
   bool native_owns = false;
+  // The table the call follows: Apex's, or torch's for the call's device (op_lists).
+  ListSet lists = ListSet::kApex;
 };
 // The gate: rules apply while GradMode is on, inside an amp::autocast region, or always when the
 // model is cast in place (O3);

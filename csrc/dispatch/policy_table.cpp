@@ -1,9 +1,15 @@
-// The built-in op lists. Start: Apex's O1 lists (FP16_FUNCS, FP32_FUNCS, CASTS/promote, BANNED),
-// mapped from Python functions to the ATen operators they call, plus modern ops users hit.
+// The built-in op lists. Apex's O1 lists (FP16_FUNCS, FP32_FUNCS, CASTS/promote, BANNED),
+// mapped from Python functions to the ATen operators they call, plus modern ops users hit; and
+// torch.autocast's own lists (op_lists="torch"): AutocastCUDA's straight from the list macros of
+// the LibTorch we build against, AutocastCPU's (which torch keeps in a .cpp) written out here and
+// checked against the running LibTorch's registrations by the tests.
 // Overloads missing from the running LibTorch are skipped at registration (see policy_report()).
 #include "dispatch/policy_table.h"
 
+#include <ATen/autocast_mode.h>
+
 #include <cstring>
+#include <string_view>
 
 namespace amp::detail {
 namespace {
@@ -193,27 +199,265 @@ constexpr BannedOp kBannedOps[] = {
      "as an fp32 loss, and at O0/O3 it is not cast.)"},
 };
 
+// ---- torch.autocast's lists -------------------------------------------------------------------
+// One row per `_(op)` / `_(op, overload)` of ATen's AT_FORALL_* list macros.
+#define OPTAMP_TORCH_OP1(op) {"aten::" #op, ""},
+#define OPTAMP_TORCH_OP2(op, overload) {"aten::" #op, #overload},
+#define OPTAMP_PICK_BY_ARITY(_1, _2, NAME, ...) NAME
+#define OPTAMP_TORCH_OP(...) \
+  OPTAMP_PICK_BY_ARITY(__VA_ARGS__, OPTAMP_TORCH_OP2, OPTAMP_TORCH_OP1)(__VA_ARGS__)
+
+// AutocastCUDA (and XPU): lower_precision_fp, plus the cuDNN convolutions it adds by hand.
+// clang-format off
+constexpr OpName kTorchOtherLowerOps[] = {
+    AT_FORALL_LOWER_PRECISION_FP(OPTAMP_TORCH_OP)
+    {"aten::cudnn_convolution", ""},
+    {"aten::cudnn_convolution_transpose", ""},
+    // AutocastCUDA's RNN kernel (registered by LibTorch's CUDA library, not by the list macros)
+    // runs cuDNN RNN layers on fp16 inputs and weights.
+    {"aten::_cudnn_rnn", ""},
+};
+// fp32, fp32_set_opt_dtype, and fp32_append_dtype (the norm overloads it redispatches with an
+// fp32 dtype): all three compute in fp32.
+constexpr OpName kTorchOtherFp32Ops[] = {
+    AT_FORALL_FP32(OPTAMP_TORCH_OP)
+    AT_FORALL_FP32_SET_OPT_DTYPE(OPTAMP_TORCH_OP)
+    {"aten::norm", "Scalar"},
+    {"aten::norm", "ScalarOpt_dim"},
+    {"aten::norm", "names_ScalarOpt_dim"},
+};
+// clang-format on
+constexpr OpName kTorchOtherPromoteOps[] = {AT_FORALL_PROMOTE(OPTAMP_TORCH_OP)};
+
+#undef OPTAMP_TORCH_OP
+#undef OPTAMP_PICK_BY_ARITY
+#undef OPTAMP_TORCH_OP2
+#undef OPTAMP_TORCH_OP1
+
+// AutocastCPU (torch 2.11's aten/src/ATen/autocast_mode.cpp).
+constexpr OpName kTorchCpuLowerOps[] = {
+    {"aten::conv1d", ""},
+    {"aten::conv1d", "padding"},
+    {"aten::conv2d", ""},
+    {"aten::conv2d", "padding"},
+    {"aten::conv3d", ""},
+    {"aten::conv3d", "padding"},
+    {"aten::bmm", ""},
+    {"aten::mm", ""},
+    {"aten::linalg_vecdot", ""},
+    {"aten::baddbmm", ""},
+    {"aten::addmm", ""},
+    {"aten::_addmm_activation", ""},
+    {"aten::addbmm", ""},
+    {"aten::linear", ""},
+    {"aten::_convolution", "deprecated"},
+    {"aten::matmul", ""},
+    {"aten::conv_tbc", ""},
+    {"aten::mkldnn_rnn_layer", ""},
+    {"aten::conv_transpose1d", ""},
+    {"aten::conv_transpose2d", "input"},
+    {"aten::conv_transpose3d", "input"},
+    {"aten::prelu", ""},
+    {"aten::scaled_dot_product_attention", ""},
+    {"aten::_native_multi_head_attention", ""},
+};
+
+constexpr OpName kTorchCpuFp32Ops[] = {
+    {"aten::avg_pool3d", ""},
+    {"aten::binary_cross_entropy", ""},
+    {"aten::grid_sampler", ""},
+    {"aten::polar", ""},
+    {"aten::prod", ""},
+    {"aten::prod", "dim_int"},
+    {"aten::prod", "dim_Dimname"},
+    {"aten::quantile", ""},
+    {"aten::quantile", "scalar"},
+    {"aten::nanquantile", ""},
+    {"aten::nanquantile", "scalar"},
+    {"aten::stft", ""},
+    {"aten::stft", "center"},
+    {"aten::cdist", ""},
+    {"aten::grid_sampler_2d", ""},
+    {"aten::_grid_sampler_2d_cpu_fallback", ""},
+    {"aten::grid_sampler_3d", ""},
+    {"aten::trace", ""},
+    {"aten::view_as_complex", ""},
+    {"aten::cholesky", ""},
+    {"aten::cholesky_inverse", ""},
+    {"aten::cholesky_solve", ""},
+    {"aten::inverse", ""},
+    {"aten::lu_solve", ""},
+    {"aten::orgqr", ""},
+    {"aten::ormqr", ""},
+    {"aten::pinverse", ""},
+    {"aten::max_pool3d", ""},
+    {"aten::max_unpool2d", ""},
+    {"aten::max_unpool3d", ""},
+    {"aten::adaptive_avg_pool3d", ""},
+    {"aten::reflection_pad1d", ""},
+    {"aten::reflection_pad2d", ""},
+    {"aten::replication_pad1d", ""},
+    {"aten::replication_pad2d", ""},
+    {"aten::replication_pad3d", ""},
+    {"aten::mse_loss", ""},
+    {"aten::cosine_embedding_loss", ""},
+    {"aten::nll_loss", ""},
+    {"aten::nll_loss2d", ""},
+    {"aten::hinge_embedding_loss", ""},
+    {"aten::poisson_nll_loss", ""},
+    {"aten::smooth_l1_loss", ""},
+    {"aten::cross_entropy_loss", ""},
+    {"aten::l1_loss", ""},
+    {"aten::huber_loss", ""},
+    {"aten::margin_ranking_loss", ""},
+    {"aten::soft_margin_loss", ""},
+    {"aten::triplet_margin_loss", ""},
+    {"aten::multi_margin_loss", ""},
+    {"aten::ctc_loss", "IntList"},
+    {"aten::ctc_loss", "Tensor"},
+    {"aten::kl_div", ""},
+    {"aten::multilabel_margin_loss", ""},
+    {"aten::binary_cross_entropy_with_logits", ""},
+    {"aten::fft_fft", ""},
+    {"aten::fft_ifft", ""},
+    {"aten::fft_fft2", ""},
+    {"aten::fft_ifft2", ""},
+    {"aten::fft_fftn", ""},
+    {"aten::fft_ifftn", ""},
+    {"aten::fft_rfft", ""},
+    {"aten::fft_irfft", ""},
+    {"aten::fft_rfft2", ""},
+    {"aten::fft_irfft2", ""},
+    {"aten::fft_rfftn", ""},
+    {"aten::fft_irfftn", ""},
+    {"aten::fft_hfft", ""},
+    {"aten::fft_ihfft", ""},
+    {"aten::linalg_cond", ""},
+    {"aten::linalg_cond", "p_str"},
+    {"aten::linalg_matrix_rank", ""},
+    {"aten::linalg_matrix_rank", "tol_tensor"},
+    {"aten::linalg_matrix_rank", "atol_rtol_tensor"},
+    {"aten::linalg_matrix_rank", "atol_rtol_float"},
+    {"aten::linalg_solve", ""},
+    {"aten::linalg_cholesky", ""},
+    {"aten::linalg_svdvals", ""},
+    {"aten::linalg_eigvals", ""},
+    {"aten::linalg_eigvalsh", ""},
+    {"aten::linalg_inv", ""},
+    {"aten::linalg_householder_product", ""},
+    {"aten::linalg_tensorinv", ""},
+    {"aten::linalg_tensorsolve", ""},
+    {"aten::fake_quantize_per_tensor_affine", ""},
+    {"aten::geqrf", ""},
+    {"aten::_lu_with_info", ""},
+    {"aten::qr", ""},
+    {"aten::svd", ""},
+    {"aten::triangular_solve", ""},
+    {"aten::fractional_max_pool2d", ""},
+    {"aten::fractional_max_pool3d", ""},
+    {"aten::adaptive_max_pool3d", ""},
+    {"aten::multilabel_margin_loss_forward", ""},
+    {"aten::linalg_qr", ""},
+    {"aten::linalg_cholesky_ex", ""},
+    {"aten::linalg_svd", ""},
+    {"aten::linalg_eig", ""},
+    {"aten::linalg_eigh", ""},
+    {"aten::linalg_lstsq", ""},
+    {"aten::linalg_inv_ex", ""},
+};
+
+constexpr OpName kTorchCpuPromoteOps[] = {
+    {"aten::stack", ""},
+    {"aten::cat", ""},
+    {"aten::index_copy", ""},
+    {"aten::index_copy", "dimname"},
+};
+
+// Losses and softmaxes: the base names of Apex's fp32 (loss) rows, and the two loss kernels only
+// torch lists. In torch's tables they become fp32 (loss), which O2/O5 apply too.
+bool is_loss_or_softmax(std::string_view name) {
+  if (name == "aten::binary_cross_entropy" || name == "aten::multilabel_margin_loss_forward") {
+    return true;
+  }
+  for (const OpName& op : kFp32LossOps) {
+    if (name == op.name) return true;
+  }
+  return false;
+}
+
 template <std::size_t N>
 void append(std::vector<TableEntry>& table, const OpName (&ops)[N], CastPolicy policy) {
   for (const OpName& op : ops) table.push_back({op.name, op.overload, policy, nullptr});
 }
 
+// torch's fp32 rows: fp32 (loss) for losses and softmaxes, fp32 otherwise.
+template <std::size_t N>
+void append_torch_fp32(std::vector<TableEntry>& table, const OpName (&ops)[N]) {
+  for (const OpName& op : ops) {
+    const CastPolicy policy =
+        is_loss_or_softmax(op.name) ? CastPolicy::kFp32Loss : CastPolicy::kFp32;
+    table.push_back({op.name, op.overload, policy, nullptr});
+  }
+}
+
+std::vector<TableEntry> make_apex_table() {
+  std::vector<TableEntry> t;
+  append(t, kLowerOps, CastPolicy::kLower);
+  append(t, kFp32Ops, CastPolicy::kFp32);
+  append(t, kFp32LossOps, CastPolicy::kFp32Loss);
+  append(t, kPromoteOps, CastPolicy::kPromote);
+  for (const BannedOp& b : kBannedOps) {
+    t.push_back({b.op.name, b.op.overload, CastPolicy::kBanned, b.message});
+  }
+  return t;
+}
+
+std::vector<TableEntry> make_torch_cpu_table() {
+  std::vector<TableEntry> t;
+  append(t, kTorchCpuLowerOps, CastPolicy::kLower);
+  append_torch_fp32(t, kTorchCpuFp32Ops);
+  append(t, kTorchCpuPromoteOps, CastPolicy::kPromote);
+  return t;
+}
+
+std::vector<TableEntry> make_torch_other_table() {
+  std::vector<TableEntry> t;
+  append(t, kTorchOtherLowerOps, CastPolicy::kLower);
+  append_torch_fp32(t, kTorchOtherFp32Ops);
+  append(t, kTorchOtherPromoteOps, CastPolicy::kPromote);
+  // Banned by AutocastCUDA too; Apex's message says what to use instead.
+  for (const BannedOp& b : kBannedOps) {
+    t.push_back({b.op.name, b.op.overload, CastPolicy::kBanned, b.message});
+  }
+  return t;
+}
+
 }  // namespace
 
-const std::vector<TableEntry>& builtin_table() {
-  static const std::vector<TableEntry> table = [] {
-    std::vector<TableEntry> t;
-    append(t, kLowerOps, CastPolicy::kLower);
-    append(t, kFp32Ops, CastPolicy::kFp32);
-    append(t, kFp32LossOps, CastPolicy::kFp32Loss);
-    append(t, kPromoteOps, CastPolicy::kPromote);
-    for (const BannedOp& b : kBannedOps) {
-      t.push_back({b.op.name, b.op.overload, CastPolicy::kBanned, b.message});
-    }
-    return t;
-  }();
-  return table;
+ListSet list_set_for(OpLists lists, c10::DeviceType device) {
+  if (lists == OpLists::kApex) return ListSet::kApex;
+  return device == c10::DeviceType::CPU ? ListSet::kTorchCpu : ListSet::kTorchOther;
 }
+
+const char* to_string(ListSet set) {
+  switch (set) {
+    case ListSet::kApex:
+      return "apex";
+    case ListSet::kTorchCpu:
+      return "torch (CPU)";
+    case ListSet::kTorchOther:
+      return "torch (CUDA and other devices)";
+  }
+  return "?";
+}
+
+const std::vector<TableEntry>& table_of(ListSet set) {
+  static const std::vector<TableEntry> tables[kNumListSets] = {
+      make_apex_table(), make_torch_cpu_table(), make_torch_other_table()};
+  return tables[static_cast<int>(set)];
+}
+
+const std::vector<TableEntry>& builtin_table() { return table_of(ListSet::kApex); }
 
 }  // namespace amp::detail
 

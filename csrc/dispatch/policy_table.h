@@ -1,7 +1,11 @@
 #pragma once
 // The built-in op lists as data: operator name + overload -> CastPolicy (docs/casting.md).
+#include <c10/core/DeviceType.h>
+
+#include <cstdint>
 #include <vector>
 
+#include "optamp/opt_level.h"
 #include "optamp/policy.h"
 
 namespace amp::detail {
@@ -13,7 +17,18 @@ struct TableEntry {
   const char* message;  // kBanned: the error, naming what to use instead; else nullptr
 };
 
-// Every list, in policy order (lower, fp32, fp32 (loss), promote, banned).
+// The tables a cast kernel can follow: Apex's lists, or torch.autocast's for CPU tensors or for
+// tensors of any other device (AutocastCUDA's, which XPU and the rest share).
+enum class ListSet : std::uint8_t { kApex = 0, kTorchCpu = 1, kTorchOther = 2 };
+constexpr int kNumListSets = 3;
+ListSet list_set_for(OpLists lists, c10::DeviceType device);
+const char* to_string(ListSet set);
+
+// Every entry of one table, in policy order (lower, fp32, fp32 (loss), promote, banned). In
+// torch's tables, losses and softmaxes (the ops Apex's table marks fp32 (loss)) are fp32 (loss)
+// too, so they stay fp32 at O2/O5 whichever lists are chosen.
+const std::vector<TableEntry>& table_of(ListSet set);
+// Apex's table (table_of(ListSet::kApex)).
 const std::vector<TableEntry>& builtin_table();
 
 }  // namespace amp::detail

@@ -42,35 +42,37 @@ void check_key_is_free() {
               "key; use that backend's autocast, or run optamp in a process without it.");
 }
 
-// Registers (or re-targets) the kernel for one existing operator. Caller holds the mutex.
-void set_policy_locked(Registry& r, const c10::OperatorHandle& op, CastPolicy policy,
-                       const char* banned_message = nullptr) {
+// The kernel of one existing operator, registered on first use. Caller holds the mutex.
+CastKernel& kernel_locked(Registry& r, const c10::OperatorHandle& op) {
   const c10::OperatorName& name = op.operator_name();
-  if (auto it = r.kernels.find(name); it != r.kernels.end()) {
-    it->second->set_policy(policy);
-    return;
-  }
+  if (auto it = r.kernels.find(name); it != r.kernels.end()) return *it->second;
   const std::string ns = name.name.substr(0, name.name.find("::"));
   auto& library = r.libraries[ns];
   if (!library) {
     library =
         std::make_unique<torch::Library>(torch::Library::IMPL, ns, kCastKey, __FILE__, __LINE__);
   }
-  auto kernel = std::make_unique<CastKernel>(op.schema(), policy, banned_message);
+  auto kernel = std::make_unique<CastKernel>(op.schema());
+  CastKernel& registered = *kernel;
   r.kernels[name] = kernel.get();
   library->impl(qualified(name).c_str(),
                 torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
+  return registered;
 }
 
+// Every table's rows, into one kernel per operator that holds the op's row of each table.
 void register_builtin_tables_locked(Registry& r) {
   auto& dispatcher = c10::Dispatcher::singleton();
-  for (const TableEntry& entry : builtin_table()) {
-    auto op = dispatcher.findSchema({entry.name, entry.overload});
-    if (!op) {
-      r.skipped.push_back(qualified({entry.name, entry.overload}));
-      continue;
+  for (int i = 0; i < kNumListSets; ++i) {
+    const auto set = static_cast<ListSet>(i);
+    for (const TableEntry& entry : table_of(set)) {
+      auto op = dispatcher.findSchema({entry.name, entry.overload});
+      if (!op) {
+        r.skipped.push_back(qualified({entry.name, entry.overload}) + " (" + to_string(set) + ")");
+        continue;
+      }
+      kernel_locked(r, *op).set_policy(set, entry.policy, entry.message);
     }
-    set_policy_locked(r, *op, entry.policy, entry.message);
   }
 }
 
@@ -119,7 +121,7 @@ void register_user_op(std::string_view qualified_name, CastPolicy policy) {
   ensure_registered();
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  for (const auto& op : ops) set_policy_locked(r, op, policy);
+  for (const auto& op : ops) kernel_locked(r, op).set_policy_everywhere(policy);
 }
 
 }  // namespace
@@ -160,13 +162,27 @@ std::string policy_report() {
   detail::ensure_registered();
   auto& r = detail::registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  std::map<std::string, std::string> rows;
+  using detail::ListSet;
+  // Apex's lists (and user registrations) first, in the "name: policy" form; then torch's lists,
+  // "name: <CPU policy> | <other devices' policy>", with "-" where a table has no row.
+  std::map<std::string, std::string> apex, torch_rows;
   for (const auto& [name, kernel] : r.kernels) {
-    rows[detail::qualified(name)] = to_string(kernel->policy());
+    if (auto policy = kernel->policy(ListSet::kApex)) {
+      apex[detail::qualified(name)] = to_string(*policy);
+    }
+    auto cpu = kernel->policy(ListSet::kTorchCpu);
+    auto other = kernel->policy(ListSet::kTorchOther);
+    if (cpu || other) {
+      torch_rows[detail::qualified(name)] =
+          std::string(cpu ? to_string(*cpu) : "-") + " | " + (other ? to_string(*other) : "-");
+    }
   }
   std::ostringstream out;
-  out << "optamp casting policies (" << rows.size() << " operators):\n";
-  for (const auto& [name, policy] : rows) out << "  " << name << ": " << policy << "\n";
+  out << "optamp casting policies (" << apex.size() << " operators; op_lists=\"apex\"):\n";
+  for (const auto& [name, policy] : apex) out << "  " << name << ": " << policy << "\n";
+  out << "torch.autocast's lists (" << torch_rows.size()
+      << " operators; op_lists=\"torch\"), CPU | CUDA and other devices:\n";
+  for (const auto& [name, policies] : torch_rows) out << "  " << name << ": " << policies << "\n";
   out << "skipped (not in this LibTorch): " << r.skipped.size() << "\n";
   for (const auto& name : r.skipped) out << "  " << name << "\n";
   return out.str();

@@ -1,42 +1,83 @@
-// The substitution fallback. Ops whose job is to hand back a tensor's own data (detach, alias,
-// clone, to/_to_copy, copy_, set_, item, equal, autograd metadata) get fallthrough kernels on the
-// key, so `p.detach().clone()` stays fp32 and those ops pay nothing. View ops are substituted, so
+// The substitution key: which tensors carry it, the per-thread switch, the boxed fallback, and
+// the fallthroughs. Ops whose job is to hand back a tensor's own data (detach, alias, clone,
+// to/_to_copy, copy_, set_, item, equal, autograd metadata) get fallthrough kernels on the key,
+// so `p.detach().clone()` stays fp32 and those ops pay nothing. View ops are substituted, so
 // `x @ w.t()` reuses the cached copy instead of casting a fresh view each call.
 #include "dispatch/substitution.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
 
 #include "cache/cast_cache.h"
 #include "dispatch/cast_state.h"
 #include "dispatch/registration.h"
+#include "dispatch/substitution_call.h"
 #include "dispatch/tensor_args.h"
 
 namespace amp::detail {
 namespace {
 
-// A registered model tensor and its dtype at initialize (the master's, fp32 normally).
-struct Source {
-  c10::weak_intrusive_ptr<c10::TensorImpl> ref;
-  c10::ScalarType dtype;
+// ---- the key on the tensors ----------------------------------------------------------------
+// TensorImpl keeps its key set protected: torch itself sets it at construction (a backend's
+// autocast key included) and copies it to views and detached aliases. A pointer to the member,
+// formed through a derived class, is the one way to add a key to a live tensor. The update is
+// atomic on our side: dispatch on other threads reads the key set while initialize or reset
+// may change it.
+struct KeySetAccess : c10::TensorImpl {
+  static std::uint64_t* raw(c10::TensorImpl* impl) {
+    c10::DispatchKeySet c10::TensorImpl::*member = &KeySetAccess::key_set_;
+    return reinterpret_cast<std::uint64_t*>(&(impl->*member));
+  }
 };
-using SourceMap = std::unordered_map<const c10::TensorImpl*, Source>;
+static_assert(sizeof(c10::DispatchKeySet) == sizeof(std::uint64_t),
+              "DispatchKeySet is expected to be one 64-bit word");
 
-// Read on every op at O2, written only by initialize/reset: an immutable snapshot swapped
-// atomically, so readers take no lock.
-std::shared_ptr<const SourceMap>& sources_slot() {
-  static auto* slot = new std::shared_ptr<const SourceMap>(std::make_shared<SourceMap>());
-  return *slot;
+const std::uint64_t kKeyBit = c10::DispatchKeySet(kSubstituteKey).raw_repr();
+
+void put_key(c10::TensorImpl* impl, bool on) {
+  if (on) {
+    __atomic_fetch_or(KeySetAccess::raw(impl), kKeyBit, __ATOMIC_RELAXED);
+  } else {
+    __atomic_fetch_and(KeySetAccess::raw(impl), ~kKeyBit, __ATOMIC_RELAXED);
+  }
 }
 
-std::shared_ptr<const SourceMap> load_sources() { return std::atomic_load(&sources_slot()); }
+void put_key_on_all(const SourceMap& sources, bool on) {
+  for (const auto& entry : sources) {
+    if (auto impl = entry.second.ref.lock()) put_key(impl.get(), on);
+  }
+}
+
+// ---- the registry -----------------------------------------------------------------------------
+// Read by every substituted op, written only by initialize/reset: an immutable snapshot that
+// each thread caches with the version it saw. A reader pays one acquire load; the lock is taken
+// only when the version moved. (std::atomic_load of a shared_ptr takes a global lock in
+// libstdc++ on every call.)
+struct Registry {
+  std::mutex mutex;
+  std::shared_ptr<const SourceMap> sources = std::make_shared<SourceMap>();
+  std::atomic<std::uint64_t> version{0};
+};
+
+Registry& registry() {
+  static auto* instance = new Registry();  // leaked: read until process exit
+  return *instance;
+}
+
+// Publishes `next` and returns the snapshot it replaces.
+std::shared_ptr<const SourceMap> publish(std::shared_ptr<const SourceMap> next) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::swap(r.sources, next);
+  r.version.fetch_add(1, std::memory_order_release);
+  return next;
+}
 
 constexpr const char* kOwnDataOps[] = {
     "aten::detach",
@@ -89,41 +130,21 @@ bool substitution_active(c10::ScalarType* dtype) {
   return *dtype != c10::ScalarType::Undefined;
 }
 
+// Ops without an unboxed kernel (substitution_kernels.cpp): every tensor argument that is not
+// written is looked at.
 void substitute_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                          torch::jit::Stack* stack) {
-  const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kSubstituteKey);
-  c10::ScalarType dtype = c10::ScalarType::Undefined;
-  const auto sources = load_sources();
-  if (sources->empty() || !substitution_active(&dtype)) {
-    op.redispatchBoxed(below, stack);
-    return;
+  SubstitutionCall call;
+  if (call.active()) {
+    const auto& args = op.schema().arguments();
+    const std::size_t base = stack->size() - args.size();
+    auto working_copy = [&call](const at::Tensor& t) { return call.working_copy(t); };
+    for (std::size_t i = 0; i < args.size(); ++i) {
+      if (args[i].alias_info() && args[i].alias_info()->isWrite()) continue;
+      rewrite_tensors_in((*stack)[base + i], working_copy);
+    }
   }
-  const auto& args = op.schema().arguments();
-  const std::size_t base = stack->size() - args.size();
-  c10::impl::ExcludeDispatchKeyGuard no_recursion(kSubstituteKey);
-  auto working_copy = [&](const at::Tensor& t) -> std::optional<at::Tensor> {
-    if (!t.defined() || t.scalar_type() == dtype || !t.is_floating_point()) return std::nullopt;
-    const auto source = sources->find(t.unsafeGetTensorImpl());
-    if (source == sources->end()) return std::nullopt;
-    // The model was cast after initialize (model->to(torch::kDouble)): its masters are no longer
-    // what the working copies stand for, and torch would fail further down with a mixed-dtype
-    // error that does not say why.
-    TORCH_CHECK_VALUE(t.scalar_type() == source->second.dtype,
-                      "a model tensor registered by amp::initialize (O2/O5) must still be ",
-                      dtype_name(source->second.dtype), ", got ", dtype_name(t.scalar_type()),
-                      " of shape ", t.sizes(),
-                      ": the model was cast after initialize (e.g. model->to(torch::kDouble)), "
-                      "which optamp does not follow. Call amp::reset(), cast the model, and "
-                      "initialize again (or cast before initialize); moving it to another device "
-                      "is fine.");
-    c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
-    return cast_through_cache(t, dtype, /*always_cache=*/true).tensor;
-  };
-  for (std::size_t i = 0; i < args.size(); ++i) {
-    if (args[i].alias_info() && args[i].alias_info()->isWrite()) continue;
-    rewrite_tensors_in((*stack)[base + i], working_copy);
-  }
-  op.redispatchBoxed(below, stack);
+  op.redispatchBoxed(below_substitution(keys), stack);
 }
 
 void ensure_substitution_registered() {
@@ -137,42 +158,111 @@ void ensure_substitution_registered() {
     static auto* fallback =
         new torch::Library(torch::Library::IMPL, "_", kSubstituteKey, __FILE__, __LINE__);
     fallback->fallback(torch::CppFunction::makeFromBoxedFunction<&substitute_fallback>());
-    static auto* own_data =
+    static auto* kernels =
         new torch::Library(torch::Library::IMPL, "aten", kSubstituteKey, __FILE__, __LINE__);
     auto& dispatcher = c10::Dispatcher::singleton();
     for (const auto& name : dispatcher.getAllOpNames()) {
       for (const char* excluded : kOwnDataOps) {
         if (name.name != excluded) continue;
-        own_data->impl(qualified(name).c_str(), torch::CppFunction::makeFallthrough());
+        kernels->impl(qualified(name).c_str(), torch::CppFunction::makeFallthrough());
       }
     }
+    register_substitution_kernels(*kernels);
+    install_set_data_hook();
   });
 }
 
 }  // namespace
 
+std::shared_ptr<const SourceMap> load_sources() {
+  struct Cached {
+    std::uint64_t version = ~std::uint64_t{0};
+    std::shared_ptr<const SourceMap> sources;
+  };
+  thread_local Cached cached;
+  auto& r = registry();
+  if (cached.version != r.version.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    cached.sources = r.sources;
+    cached.version = r.version.load(std::memory_order_relaxed);
+  }
+  return cached.sources;
+}
+
+namespace {
+thread_local std::uint64_t t_substitution_calls = 0;
+}  // namespace
+
+std::uint64_t substitution_calls_on_this_thread() { return t_substitution_calls; }
+
+SubstitutionCall::SubstitutionCall() : sources_(load_sources()) {
+  ++t_substitution_calls;
+  if (sources_->empty() || !substitution_active(&dtype_)) return;
+  active_ = true;
+  no_recursion_.emplace(kSubstituteKey);
+}
+
+std::optional<at::Tensor> SubstitutionCall::working_copy(const at::Tensor& t) const {
+  if (!carries_substitution_key(t) || t.scalar_type() == dtype_ || !t.is_floating_point()) {
+    return std::nullopt;
+  }
+  const auto source = sources_->find(t.unsafeGetTensorImpl());
+  if (source == sources_->end()) return std::nullopt;  // a view or detached alias of a source
+  // The model was cast after initialize (model->to(torch::kDouble)): its masters are no longer
+  // what the working copies stand for, and torch would fail further down with a mixed-dtype
+  // error that does not say why.
+  TORCH_CHECK_VALUE(t.scalar_type() == source->second.dtype,
+                    "a model tensor registered by amp::initialize (O2/O5) must still be ",
+                    dtype_name(source->second.dtype), ", got ", dtype_name(t.scalar_type()),
+                    " of shape ", t.sizes(),
+                    ": the model was cast after initialize (e.g. model->to(torch::kDouble)), "
+                    "which optamp does not follow. Call amp::reset(), cast the model, and "
+                    "initialize again (or cast before initialize); moving it to another device "
+                    "is fine.");
+  c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
+  return cast_through_cache(t, dtype_, /*always_cache=*/true).tensor;
+}
+
+bool carries_substitution_key(const at::Tensor& t) {
+  return t.defined() &&
+         (__atomic_load_n(KeySetAccess::raw(t.unsafeGetTensorImpl()), __ATOMIC_RELAXED) &
+          kKeyBit) != 0;
+}
+
+void remark_if_source(c10::TensorImpl* impl) {
+  if (impl != nullptr && load_sources()->count(impl) != 0) put_key(impl, true);
+}
+
 void set_working_copy_sources(const std::vector<at::Tensor>& tensors) {
   ensure_substitution_registered();
-  auto map = std::make_shared<SourceMap>();
+  auto sources = std::make_shared<SourceMap>();
   for (const auto& t : tensors) {
-    map->emplace(
+    sources->emplace(
         t.unsafeGetTensorImpl(),
         Source{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), t.scalar_type()});
   }
-  std::atomic_store(&sources_slot(), std::shared_ptr<const SourceMap>(std::move(map)));
+  const auto replaced = publish(sources);
+  put_key_on_all(*replaced, false);
+  put_key_on_all(*sources, true);
 }
 
 void clear_working_copy_sources() {
-  std::atomic_store(&sources_slot(),
-                    std::shared_ptr<const SourceMap>(std::make_shared<SourceMap>()));
+  const auto replaced = publish(std::make_shared<SourceMap>());
+  put_key_on_all(*replaced, false);
+}
+
+bool is_working_copy_source(const at::Tensor& t) {
+  return t.defined() && load_sources()->count(t.unsafeGetTensorImpl()) != 0;
 }
 
 void activate_substitution_thread(bool on) {
   if (on) ensure_substitution_registered();
-  c10::impl::tls_set_dispatch_key_included(kSubstituteKey, on);
+  // The key reaches dispatch through the registered tensors' key sets, never through the
+  // thread's included set: turning it on only lifts torch's default exclusion.
+  c10::impl::tls_set_dispatch_key_included(kSubstituteKey, false);
   c10::impl::tls_set_dispatch_key_excluded(kSubstituteKey, !on);
 }
 
-bool substitution_thread_on() { return c10::impl::tls_is_dispatch_key_included(kSubstituteKey); }
+bool substitution_thread_on() { return !c10::impl::tls_is_dispatch_key_excluded(kSubstituteKey); }
 
 }  // namespace amp::detail

@@ -1,7 +1,12 @@
 #pragma once
 // O2/O5 parameter substitution (docs/design.md, Dispatch keys; docs/casting.md, O2/O5: what ops
-// see): on a second dispatch key with a permanent boxed fallback, every op sees each registered
-// model tensor as its cached low-precision working copy.
+// see): every op that takes a registered model tensor sees its cached low-precision working copy.
+//
+// The key lives on the registered tensors themselves (added to their TensorImpl's key set, as
+// torch adds a backend's autocast key to every tensor of that backend), and a thread running at
+// O2/O5 stops excluding it. Dispatch reaches substitution only for ops with a registered tensor
+// among their arguments: the rest of a forward, the whole backward and the casts themselves pay
+// nothing.
 #include <ATen/core/Tensor.h>
 #include <c10/core/DispatchKey.h>
 
@@ -9,15 +14,19 @@
 
 namespace amp::detail {
 
-// Its own key, so O1 ops (on kCastKey) don't pay for a boxed fallback. Free in CPU/CUDA builds.
+// Its own key, so O1 ops (on kCastKey) don't pay for it. Free in CPU/CUDA builds. In torch's
+// default excluded set, so a thread that never turned substitution on ignores it.
 constexpr c10::DispatchKey kSubstituteKey = c10::DispatchKey::AutocastXLA;
 
 // The model tensors ops should see as working copies (params and buffers minus batch-norm /
-// keep_in_fp32 ones). Replaces the previous set; registers the key's kernels on first use.
+// keep_in_fp32 ones). Replaces the previous set (whose tensors lose the key); registers the key's
+// kernels on first use.
 void set_working_copy_sources(const std::vector<at::Tensor>& tensors);
 void clear_working_copy_sources();
+// Whether `t` is a registered source now.
+bool is_working_copy_source(const at::Tensor& t);
 
-// This thread's substitution key on/off (with the casting key, by initialize and reset).
+// This thread's substitution on/off (with the casting key, by initialize and reset).
 void activate_substitution_thread(bool on);
 bool substitution_thread_on();
 

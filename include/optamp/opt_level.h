@@ -25,6 +25,15 @@ OPTAMP_API std::string to_string(OptLevel level);
 // True for the levels whose reduced type is bfloat16 (O4, O5).
 OPTAMP_API bool is_bf16_level(OptLevel level);
 
+// The op lists O1/O4 and amp::autocast regions cast by (docs/casting.md, Op lists):
+//  kApex   Apex's O1 lists (the default): what an Apex user's model was trained with.
+//  kTorch  torch.autocast's own lists for the tensor's device (CPU's, or CUDA's for every other
+//          device), as this LibTorch registers them: native autocast's output dtypes, op for op.
+enum class OpLists : std::uint8_t { kApex, kTorch };
+// Accepts "apex" or "torch"; anything else is a ValueError naming both.
+OPTAMP_API OpLists parse_op_lists(std::string_view text);
+OPTAMP_API std::string to_string(OpLists lists);
+
 // A loss scale setting: "dynamic" or a fixed positive, finite number.
 class OPTAMP_API LossScale {
  public:
@@ -87,6 +96,8 @@ struct OPTAMP_API Options {
   std::optional<bool> overflow_check;
   // Beyond Apex: apply the level's rules under no_grad / inference mode too (default false).
   std::optional<bool> rules_under_no_grad;
+  // Beyond Apex: the op lists (default OpLists::kApex).
+  std::optional<OpLists> op_lists;
 };
 
 // The resolved, validated settings for one initialize() call.
@@ -121,6 +132,8 @@ struct OPTAMP_API Properties {
   // under no_grad runs in reduced precision, as with Apex and torch.amp. (O3 and amp::autocast
   // regions apply their rules under no_grad anyway.)
   bool rules_under_no_grad = false;
+  // Which lists decide the casts at O1/O4 (and the loss/softmax entries at O2/O5).
+  OpLists op_lists = OpLists::kApex;
 
   // The reduced-precision type the dispatcher casts to at this level: Half (O1/O2/O3),
   // BFloat16 (O4/O5), or Undefined when casts() is false.

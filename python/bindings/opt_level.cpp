@@ -109,6 +109,14 @@ c10::ScalarType model_type_from_py(const py::handle& value) {
   }
 }
 
+// op_lists: "apex" or "torch" (parse_op_lists names both on anything else).
+OpLists op_lists_from_py(const py::handle& value) {
+  if (!py::isinstance<py::str>(value)) {
+    throw py::type_error("op_lists must be a str, \"apex\" or \"torch\", got " + type_name(value));
+  }
+  return parse_op_lists(value.cast<std::string>());
+}
+
 }  // namespace
 
 // Python keyword overrides -> Options. None means "not overridden", as in Apex.
@@ -155,6 +163,8 @@ Options options_from_kwargs(const py::kwargs& kwargs) {
       o.overflow_check = bool_from_py(v, k);
     else if (key == "rules_under_no_grad")
       o.rules_under_no_grad = bool_from_py(v, k);
+    else if (key == "op_lists")
+      o.op_lists = op_lists_from_py(v);
     else
       throw py::type_error("unexpected keyword argument '" + key + "'");
   }
@@ -217,6 +227,7 @@ void bind_opt_level(py::module_& m) {
       .def_readonly("hysteresis", &Properties::hysteresis)
       .def_readonly("overflow_check", &Properties::overflow_check)
       .def_readonly("rules_under_no_grad", &Properties::rules_under_no_grad)
+      .def_property_readonly("op_lists", [](const Properties& p) { return to_string(p.op_lists); })
       .def_property_readonly("low_dtype",
                              [](const Properties& p) { return dtype_to_py(p.low_dtype()); })
       .def_property_readonly("model_cast",

@@ -160,6 +160,7 @@ def initialize(
     min_loss_scale=None,
     max_loss_scale=2.0**24,
     process_group=None,
+    op_lists=None,
     **scaler_knobs,
 ):
     """Apex's ``amp.initialize``: set up ``opt_level`` for the model(s) and optimizer(s).
@@ -172,6 +173,8 @@ def initialize(
     ``backoff_factor``, ``growth_interval``, ``hysteresis``. ``process_group`` (optamp's, for
     model parallelism): every loss scaler max-reduces its overflow flag over this
     ``torch.distributed`` group, so all ranks skip the same steps (see ``scale_loss``).
+    ``op_lists`` (optamp's): ``"apex"`` (the default) casts by Apex's O1 lists, ``"torch"`` by
+    ``torch.autocast``'s own lists for each tensor's device (docs/casting.md, Op lists).
 
     Casting is per thread: it is turned on for the calling thread only. Other threads see plain
     fp32 unless they enter ``optamp.autocast()`` or ``optamp.thread_state_guard(state)`` with a
@@ -196,6 +199,7 @@ def initialize(
         verbosity=verbosity,
         min_loss_scale=min_loss_scale,
         max_loss_scale=max_loss_scale,
+        op_lists=op_lists,
         **scaler_knobs,
     )
     if cast_model_outputs is not None and not isinstance(cast_model_outputs, torch.dtype):

@@ -1,0 +1,72 @@
+#pragma once
+// One op call on the substitution key: whether substitution applies to it, and the working copy
+// of each registered model tensor among its arguments. Shared by the boxed fallback and the
+// unboxed kernels of the hottest ops (substitution_kernels.cpp), so both decide the same way.
+#include <ATen/core/Tensor.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <unordered_map>
+
+#include "dispatch/substitution.h"
+
+namespace torch {
+class Library;
+}
+
+namespace amp::detail {
+
+// A registered model tensor and its dtype at initialize (the master's, fp32 normally).
+struct Source {
+  c10::weak_intrusive_ptr<c10::TensorImpl> ref;
+  c10::ScalarType dtype;
+};
+using SourceMap = std::unordered_map<const c10::TensorImpl*, Source>;
+
+// This thread's view of the registered sources (an immutable snapshot; see substitution.cpp).
+std::shared_ptr<const SourceMap> load_sources();
+
+// Whether `t` carries the substitution key (read atomically: initialize and reset change it while
+// other threads dispatch). Views and detached aliases of a source carry it too (torch copies a
+// tensor's key set to them), so this is only the first, constant-time filter.
+bool carries_substitution_key(const at::Tensor& t);
+
+// The dispatch keys below the substitution key, to redispatch with.
+inline c10::DispatchKeySet below_substitution(c10::DispatchKeySet keys) {
+  return keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kSubstituteKey);
+}
+
+// Puts the key back on `impl` when it is a registered source (after set_data replaced its key
+// set).
+void remark_if_source(c10::TensorImpl* impl);
+// Wraps autograd's VariableHooks so that every set_data calls remark_if_source (set_data_hook.cpp).
+void install_set_data_hook();
+
+// How many op calls reached the substitution key on this thread (a test and benchmark probe:
+// ops without a registered tensor argument must never get there).
+std::uint64_t substitution_calls_on_this_thread();
+
+// The unboxed kernels of the hottest ops and of set_data, on the key (substitution_kernels.cpp).
+void register_substitution_kernels(torch::Library& aten_on_key);
+
+class SubstitutionCall {
+ public:
+  // Decides whether this call substitutes. While it does, the key is excluded on the thread (the
+  // op's own inner calls see the working copies already, and the casts must not recurse).
+  SubstitutionCall();
+  bool active() const { return active_; }
+  // The working copy standing for `t`, or nullopt when `t` is not a registered source (or is
+  // already in the working dtype). Throws when a source was cast after initialize.
+  std::optional<at::Tensor> working_copy(const at::Tensor& t) const;
+
+ private:
+  bool active_ = false;
+  c10::ScalarType dtype_ = c10::ScalarType::Undefined;
+  std::shared_ptr<const SourceMap> sources_;
+  std::optional<c10::impl::ExcludeDispatchKeyGuard> no_recursion_;
+};
+
+}  // namespace amp::detail

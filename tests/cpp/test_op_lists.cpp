@@ -1,0 +1,132 @@
+// op_lists: the torch tables hold exactly the operators this LibTorch registers native autocast
+// kernels for (drift guard across LibTorch upgrades), the kernel picks the table by the level's
+// op lists and the tensor's device, and user registrations apply whichever lists are in use.
+// Native autocast's output dtypes, op for op, are compared in tests/python/test_op_lists.py.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/linear.h>
+
+#include <set>
+#include <string>
+
+#include "dispatch/cast_state.h"
+#include "dispatch/policy_table.h"
+#include "dispatch/registration.h"
+#include "optamp/amp.h"
+#include "test_util.h"
+
+namespace amp {
+namespace {
+
+using detail::ListSet;
+
+std::set<std::string> names_in(ListSet set) {
+  std::set<std::string> names;
+  for (const auto& entry : detail::table_of(set)) {
+    names.insert(detail::qualified({entry.name, entry.overload}));
+  }
+  return names;
+}
+
+// aten operators with a kernel of their own on `key` in the running LibTorch.
+std::set<std::string> registered_on(c10::DispatchKey key) {
+  std::set<std::string> names;
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = dispatcher.findSchema(name);
+    if (op && op->hasKernelForDispatchKey(key)) names.insert(detail::qualified(name));
+  }
+  return names;
+}
+
+void expect_same_ops(const std::set<std::string>& table, const std::set<std::string>& torch,
+                     const char* what) {
+  for (const auto& name : torch) {
+    EXPECT_TRUE(table.count(name))
+        << name << " has a native " << what << " kernel but no row in optamp's table";
+  }
+  for (const auto& name : table) {
+    EXPECT_TRUE(torch.count(name))
+        << name << " is in optamp's " << what << " table but this LibTorch has no such kernel";
+  }
+}
+
+TEST(OpLists, TorchCpuTableIsExactlyAutocastCpusKernels) {
+  expect_same_ops(names_in(ListSet::kTorchCpu), registered_on(c10::DispatchKey::AutocastCPU),
+                  "AutocastCPU");
+}
+
+TEST(OpLists, TorchOtherTableIsExactlyAutocastCudasKernels) {
+  expect_same_ops(names_in(ListSet::kTorchOther), registered_on(c10::DispatchKey::AutocastCUDA),
+                  "AutocastCUDA");
+}
+
+TEST(OpLists, LossesAndSoftmaxesAreFp32LossInEveryTable) {
+  // So O2/O5 keep them fp32 whichever lists are chosen.
+  for (const ListSet set : {ListSet::kApex, ListSet::kTorchCpu, ListSet::kTorchOther}) {
+    for (const auto& entry : detail::table_of(set)) {
+      const std::string name = entry.name;
+      const bool loss = name.find("loss") != std::string::npos || name == "aten::softmax" ||
+                        name == "aten::log_softmax" || name == "aten::kl_div" ||
+                        name.find("binary_cross_entropy") != std::string::npos;
+      if (!loss) continue;
+      EXPECT_TRUE(entry.policy == CastPolicy::kFp32Loss || entry.policy == CastPolicy::kBanned)
+          << name << " in " << detail::to_string(set) << " is " << to_string(entry.policy);
+    }
+  }
+}
+
+TEST(OpLists, ParsedAndShownByName) {
+  EXPECT_EQ(parse_op_lists("torch"), OpLists::kTorch);
+  EXPECT_EQ(parse_op_lists("apex"), OpLists::kApex);
+  OPTAMP_EXPECT_THROW_WITH(parse_op_lists("Torch"), c10::ValueError, "op_lists must be", "\"apex\"",
+                           "\"torch\"", "got \"Torch\"");
+  EXPECT_EQ(resolve("O1").op_lists, OpLists::kApex);
+  Options options;
+  options.op_lists = OpLists::kTorch;
+  const Properties p = resolve("O4", options);
+  EXPECT_EQ(p.op_lists, OpLists::kTorch);
+  EXPECT_NE(p.describe().find("op_lists=torch"), std::string::npos) << p.describe();
+}
+
+class OpListsInUse : public ::testing::Test {
+ protected:
+  void init(OpLists lists, const char* level = "O4") {
+    Options options;
+    options.verbosity = 0;
+    options.op_lists = lists;
+    initialize(model, level, options);
+  }
+  void TearDown() override { reset(); }
+  torch::nn::Linear model{2, 2};
+};
+
+TEST_F(OpListsInUse, TheKernelFollowsTheChosenTableOnTheTensorsDevice) {
+  const auto x = at::randn({4, 4}, at::kBFloat16);
+  init(OpLists::kApex);
+  EXPECT_EQ(at::gelu(x).scalar_type(), at::kFloat);  // Apex: fp32 list
+  EXPECT_EQ(at::mm(x.to(at::kFloat), x.to(at::kFloat)).scalar_type(), at::kBFloat16);
+  reset();
+  init(OpLists::kTorch);
+  EXPECT_EQ(at::gelu(x).scalar_type(), at::kBFloat16);  // CPU's autocast list: unlisted
+  EXPECT_EQ(at::mm(x.to(at::kFloat), x.to(at::kFloat)).scalar_type(), at::kBFloat16);
+  EXPECT_EQ(at::trace(x).scalar_type(), at::kFloat);  // CPU's fp32 list, not Apex's
+  EXPECT_EQ(detail::level_op_lists(), OpLists::kTorch);
+  reset();
+  EXPECT_EQ(detail::level_op_lists(), OpLists::kApex);  // back to the default
+}
+
+TEST_F(OpListsInUse, UserRegistrationsApplyWithEitherLists) {
+  register_float_op("aten::hardswish");
+  const auto x = at::randn({4}, at::kBFloat16);
+  for (const OpLists lists : {OpLists::kApex, OpLists::kTorch}) {
+    init(lists);
+    EXPECT_EQ(at::hardswish(x).scalar_type(), at::kFloat) << to_string(lists);
+    reset();
+  }
+}
+
+}  // namespace
+}  // namespace amp

@@ -1,0 +1,81 @@
+"""O2/O5 substitution from Python: the key lives on the registered parameters, so only ops that
+take one are substituted, `module.to()` / `p.data = x` keep it, and backward never reaches it."""
+import torch
+from tolerances import tol
+
+import optamp
+
+_KEY = "AutocastXLA"
+
+
+def _keys(t):
+    return str(torch._C._dispatch_keys(t))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.fc(x).float())
+
+
+def _init(model, level="O5"):
+    optamp.reset()
+    return optamp.initialize(model, opt_level=level, verbosity=0)
+
+
+def test_only_registered_parameters_carry_the_key_until_reset():
+    net = _init(_Net())
+    try:
+        assert _KEY in _keys(net.fc.weight) and _KEY in _keys(net.fc.bias)
+        assert _KEY not in _keys(net.bn.weight)  # batch-norm stays fp32: not a source
+        assert _KEY not in _keys(torch.randn(2))
+    finally:
+        optamp.reset()
+    assert _KEY not in _keys(net.fc.weight)
+
+
+def test_module_to_and_data_assignment_keep_substitution():
+    net = _init(_Net())
+    try:
+        x = torch.randn(3, 4)
+        net.to("cpu")
+        net.fc.weight.data = net.fc.weight.data.clone()  # set_data: a key set without the key
+        assert _KEY in _keys(net.fc.weight)
+        assert net.fc(x).dtype == torch.bfloat16
+        net.double()  # a cast after initialize is still refused, with what to do
+        try:
+            net.fc(x.double())
+        except ValueError as e:
+            assert "cast after initialize" in str(e)
+        else:
+            raise AssertionError("a model cast after initialize must be refused")
+    finally:
+        optamp.reset()
+
+
+def test_backward_matches_o4_up_to_the_working_copies():
+    # Same model and data at O4 (casts per op) and O5 (working copies): the gradients reach the
+    # fp32 masters either way, and agree to bf16 precision.
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    grads = {}
+    for level in ("O4", "O5"):
+        model = _init(_clone(base), level)
+        try:
+            torch.nn.functional.cross_entropy(model(x).float(), y).backward()
+            grads[level] = [p.grad for p in model.parameters()]
+            assert all(g.dtype == torch.float32 for g in grads[level])
+        finally:
+            optamp.reset()
+    for a, b in zip(grads["O4"], grads["O5"]):
+        torch.testing.assert_close(a, b, **tol("train_bfloat16"))
+
+
+def _clone(module):
+    import copy
+    return copy.deepcopy(module)
