@@ -21,7 +21,7 @@ avx512; default: the widest the CPU runs), and the first line says which path ra
 CPU's vector extensions and torch's own CPU capability.
 
     PYTHONPATH=python python benchmarks/bench_unscale.py [--device cpu|cuda] [--reps 30]
-                                                         [--isa scalar|avx2|avx512]
+                                                         [--isa scalar|avx2|avx512] [--threads N]
 """
 import argparse
 import os
@@ -157,7 +157,11 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--isa", choices=["scalar", "avx2", "avx512"],
                     help="cap optamp's CPU instruction set (sets OPTAMP_CPU_ISA)")
+    ap.add_argument("--threads", type=int,
+                    help="torch.set_num_threads (both kernels; 1 is steadier on a loaded machine)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     shapes = resnet50_shapes()
