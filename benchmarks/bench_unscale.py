@@ -16,15 +16,26 @@ On CUDA it also counts, per loss-scaling step over the same gradients, the kerne
   optamp  LossScaler.unscale + update   (what amp::scale_loss runs when the guard exits)
   torch   GradScaler.unscale_ + step + update   (with an optimizer whose step does nothing)
 
+On the CPU, --isa caps the instruction set optamp's kernels use (OPTAMP_CPU_ISA: scalar, avx2,
+avx512; default: the widest the CPU runs), and the first line says which path ran, next to the
+CPU's vector extensions and torch's own CPU capability.
+
     PYTHONPATH=python python benchmarks/bench_unscale.py [--device cpu|cuda] [--reps 30]
+                                                         [--isa scalar|avx2|avx512] [--threads N]
 """
 import argparse
+import os
+import platform
 import statistics
+import sys
 import time
 
 import torch
 
-import optamp  # noqa: F401  (registers torch.ops.optamp)
+if "--isa" in sys.argv:  # read by optamp's first kernel call: set before anything runs
+    os.environ["OPTAMP_CPU_ISA"] = sys.argv[sys.argv.index("--isa") + 1]
+
+import optamp  # noqa: E402,F401  (registers torch.ops.optamp)
 
 
 def resnet50_shapes():
@@ -115,17 +126,50 @@ def launches_and_syncs(shapes, dtype, dev):
         _C.reset_loss_scalers()
 
 
+def cpu_line():
+    """The CPU, its vector extensions and the path optamp's CPU kernels take (ops/cpu/cpu_isa.cpp
+    picks it the same way: AVX-512F, else AVX2+FMA+F16C, else scalar, capped by OPTAMP_CPU_ISA)."""
+    flags, model = set(), platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    order = ["scalar", "avx2", "avx512"]
+    best = ("avx512" if {"avx512f", "avx2", "fma", "f16c"} <= flags
+            else "avx2" if {"avx2", "fma", "f16c"} <= flags else "scalar")
+    cap = os.environ.get("OPTAMP_CPU_ISA", "").lower() or best
+    path = order[min(order.index(cap), order.index(best))]
+    shown = [f for f in ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
+                         "amx_bf16", "amx_tile") if f in flags]
+    return (f"cpu={model or 'unknown'} ({' '.join(shown) or 'no AVX2/AVX-512'}) "
+            f"torch capability={torch.backends.cpu.get_cpu_capability()} optamp path={path}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--isa", choices=["scalar", "avx2", "avx512"],
+                    help="cap optamp's CPU instruction set (sets OPTAMP_CPU_ISA)")
+    ap.add_argument("--threads", type=int,
+                    help="torch.set_num_threads (both kernels; 1 is steadier on a loaded machine)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     shapes = resnet50_shapes()
     numel = sum(torch.Size(s).numel() for s in shapes)
     print(f"device={dev} threads={torch.get_num_threads()} tensors={len(shapes)} "
           f"elements={numel / 1e6:.2f}M torch={torch.__version__}")
+    if dev.type == "cpu":
+        print(cpu_line())
     methods = {
         "optamp": torch.ops.optamp.unscale_check_,
         "torch": torch._amp_foreach_non_finite_check_and_unscale_,

@@ -1,9 +1,10 @@
 #pragma once
 // The per-element math of optamp::unscale_check_ and optamp::axpby_check_, shared by the CPU
-// kernels (scalar path and the tails of the AVX2 path) and both paths of the CUDA kernels (the
-// 16-byte vector loop and the scalar tail). The CPU AVX2 bodies compute the same operations in
-// the same order on 8 lanes; tests/cpp/test_unscale_math.cpp checks them bit for bit against
-// these functions, and checks the functions themselves on edge values.
+// kernels (the scalar path and the tails of the vector paths, ops/cpu/cpu_kernels.h) and both
+// paths of the CUDA kernels (the 16-byte vector loop and the scalar tail). The CPU's AVX2 and
+// AVX-512 bodies compute the same operations in the same order on 8 or 16 lanes;
+// tests/cpp/test_unscale_math.cpp checks every path against these functions bit for bit, and the
+// functions themselves on edge values.
 //
 // The non-finite check looks at the value as it is stored, after rounding to the gradient's
 // dtype: that catches inf/NaN in the input (inf * s stays inf, NaN stays NaN) and also finite

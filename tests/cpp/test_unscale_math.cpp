@@ -1,7 +1,8 @@
 // The per-element math shared by the CPU and CUDA kernels (ops/unscale_math.h): the functions
 // themselves on edge values (inf, NaN, values that overflow only after unscaling or rounding,
-// subnormals, the scale-1.0 read-only check), and the kernels against them bit for bit (the CPU
-// kernel's AVX2 bodies and scalar tails; the *_CUDA twins run the CUDA kernels where a GPU is).
+// subnormals, the scale-1.0 read-only check), and the kernels against them bit for bit (each CPU
+// path this CPU runs, vector bodies and scalar tails; the *_CUDA twins run the CUDA kernels where
+// a GPU is).
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops/cpu/cpu_isa.h"
 #include "ops/multi_tensor.h"
 #include "ops/unscale_math.h"
 #include "test_util.h"
@@ -311,7 +313,17 @@ void check_kernels(at::Device d) {
   check_scale_one_writes_nothing<BFloat16>(d);
 }
 
-TEST(UnscaleMath, CpuKernelsMatchTheSharedFunctionsBitForBit) { check_kernels(at::kCPU); }
+// Every instruction-set path this CPU can run (ops/cpu/cpu_isa.h), the scalar one included.
+TEST(UnscaleMath, CpuKernelsMatchTheSharedFunctionsBitForBit) {
+  namespace cpu = ops::detail::cpu;
+  const cpu::Isa before = cpu::cpu_isa();
+  for (int isa = 0; isa <= static_cast<int>(cpu::best_isa()); ++isa) {
+    cpu::set_cpu_isa(static_cast<cpu::Isa>(isa));
+    SCOPED_TRACE(cpu::isa_name(cpu::cpu_isa()));
+    check_kernels(at::kCPU);
+  }
+  cpu::set_cpu_isa(before);
+}
 
 TEST(UnscaleMath, CudaKernelsMatchTheSharedFunctionsBitForBit_CUDA) {
   OPTAMP_SKIP_WITHOUT_CUDA();

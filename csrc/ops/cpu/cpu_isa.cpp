@@ -1,0 +1,75 @@
+#include "ops/cpu/cpu_isa.h"
+
+#include <c10/util/Exception.h>
+
+#include <strings.h>
+#include <atomic>
+#include <cstdlib>
+
+namespace amp::ops::detail::cpu {
+namespace {
+
+constexpr Isa kIsas[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512};
+
+// -1 until the first kernel call reads OPTAMP_CPU_ISA (or set_cpu_isa runs).
+std::atomic<int> g_isa{-1};
+
+Isa detect_best_isa() {
+#if OPTAMP_CPU_X86
+  // __builtin_cpu_supports also checks that the OS saves the vector registers (XCR0).
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (avx2 && __builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  if (avx2) return Isa::kAvx2;
+#endif
+  return Isa::kScalar;
+}
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar:
+      return "scalar";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
+  }
+  return "?";
+}
+
+Isa best_isa() {
+  static const Isa best = detect_best_isa();
+  return best;
+}
+
+Isa capped_isa(const char* cap, Isa best) {
+  if (cap == nullptr || *cap == '\0') return best;
+  for (Isa isa : kIsas) {
+    if (strcasecmp(cap, isa_name(isa)) == 0) return isa < best ? isa : best;
+  }
+  TORCH_CHECK_VALUE(false,
+                    "OPTAMP_CPU_ISA: expected one of scalar, avx2, avx512 (the widest "
+                    "instruction set the CPU kernels may use), got '",
+                    cap, "'");
+}
+
+Isa cpu_isa() {
+  int isa = g_isa.load(std::memory_order_relaxed);
+  if (isa < 0) {
+    // Throws on every call while the variable names no instruction set.
+    const int from_env = static_cast<int>(capped_isa(std::getenv("OPTAMP_CPU_ISA"), best_isa()));
+    g_isa.compare_exchange_strong(isa, from_env, std::memory_order_relaxed);
+    isa = g_isa.load(std::memory_order_relaxed);
+  }
+  return static_cast<Isa>(isa);
+}
+
+void set_cpu_isa(Isa isa) {
+  TORCH_CHECK_VALUE(isa <= best_isa(), "set_cpu_isa: isa must be one this CPU can run (at most ",
+                    isa_name(best_isa()), "), got ", isa_name(isa));
+  g_isa.store(static_cast<int>(isa), std::memory_order_relaxed);
+}
+
+}  // namespace amp::ops::detail::cpu
