@@ -3,8 +3,9 @@
 The Python side only collects tensors (parameters and buffers split by batch-norm / keep flags,
 optimizer params, optimizer state, eps) and hands them to the compiled core that the C++
 ``amp::initialize`` also uses: validation, O2/O5 working copies, O3 casting and the loss scalers
-all live there. What needs Python objects lives here: ``cast_model_outputs`` (a forward wrapper,
-as in Apex) and better parameter names for error messages.
+all live there, and so do the parameter names error messages use (the core's namer, given
+here). What needs Python objects lives here: ``cast_model_outputs`` (a forward wrapper, as in
+Apex) and the fp32 state_dict hook of models cast in place.
 """
 import threading
 import weakref
@@ -12,12 +13,12 @@ import weakref
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _C, _compile
+from . import _C, _compile, scaler
+from ._tree import map_tensors
 
 _lock = threading.Lock()
 _fp32_marks = weakref.WeakSet()  # modules kept in fp32 (keep_in_fp32)
 _patched_forwards = []  # (weakref to module, had an instance attribute "forward" before)
-_param_names = {}  # id(param) -> "fc.weight" / "models[1].fc.weight" (scale_loss messages)
 _state_dict_hooks = []  # handles of the fp32 state_dict hooks of models cast in place
 
 
@@ -47,7 +48,7 @@ def _as_list(value, what, kind, kind_name):
 
 
 def _collect_models(models, keep_batchnorm):
-    reduced, keep, parameters, names = [], [], [], {}
+    reduced, keep, parameters, names = [], [], [], []
     seen = set()
     for k, model in enumerate(models):
         if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
@@ -65,13 +66,13 @@ def _collect_models(models, keep_batchnorm):
                 seen.add(id(p))
                 target.append(p)
                 parameters.append(p)
-                names[id(p)] = prefix + (f"{mod_name}.{p_name}" if mod_name else p_name)
+                names.append(prefix + (f"{mod_name}.{p_name}" if mod_name else p_name))
             for b in module.buffers(recurse=False):
                 if b is None or id(b) in seen or not b.is_floating_point():
                     continue
                 seen.add(id(b))
                 target.append(b)
-    return reduced, keep, parameters, [names[id(p)] for p in parameters], names
+    return reduced, keep, parameters, names
 
 
 def _collect_optimizers(optimizers):
@@ -105,18 +106,6 @@ def _collect_optimizers(optimizers):
     return out
 
 
-def _apply(value, fn):
-    if _is_tensor(value):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_apply(v, fn) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_apply(v, fn) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _apply(v, fn)) for k, v in value.items())
-    return value
-
-
 def _patch_forward(model, dtype):
     had_instance_forward = "forward" in model.__dict__
     old_forward = model.forward
@@ -125,7 +114,7 @@ def _patch_forward(model, dtype):
         return t.to(dtype) if t.is_floating_point() else t
 
     def forward(*args, **kwargs):
-        return _apply(old_forward(*args, **kwargs), cast_output)
+        return map_tensors(old_forward(*args, **kwargs), cast_output)
 
     forward.__optamp_wrapped__ = old_forward
     model.forward = forward
@@ -207,20 +196,16 @@ def initialize(
         # Apex returned at once when disabled, so scripts pass the level of a run that never
         # casts as None (``opt_level=args.opt_level, enabled=args.amp``).
         opt_level = "O0"
-    from . import scaler  # (scaler imports this module)
-
     scaler.check_process_group(process_group)
     preview = _C.resolve(opt_level, **overrides)  # validates the options before collecting
     with _lock:
-        reduced, keep, parameters, name_list, names = _collect_models(
+        reduced, keep, parameters, names = _collect_models(
             model_list, bool(preview.keep_batchnorm_fp32)
         )
         opts = _collect_optimizers(opt_list)
         props = _C._initialize_core(
-            reduced, keep, parameters, name_list, opts, opt_level, **overrides
+            reduced, keep, parameters, names, opts, opt_level, **overrides
         )
-        _param_names.clear()
-        _param_names.update(names)
         scaler.set_process_group(process_group if props.enabled else None, props.num_losses)
         if props.enabled and cast_model_outputs is not None:
             for model in model_list:
@@ -254,8 +239,6 @@ def reset():
     global _properties
     with _lock:
         _C._reset_core()  # the loss scalers and their found-inf reducers go with it
-        from . import scaler
-
         scaler.set_process_group(None, 0)
         for ref, had_instance_forward in reversed(_patched_forwards):
             model = ref()
@@ -271,7 +254,6 @@ def reset():
         for handle in _state_dict_hooks:
             handle.remove()
         _state_dict_hooks.clear()
-        _param_names.clear()
         _fp32_marks.clear()
         _properties = None
         _compile.on_reset()
@@ -282,8 +264,3 @@ def master_params(optimizer):
     design these ARE the fp32 master weights at O2/O5, so ``model.parameters()`` works as well."""
     for group in optimizer.param_groups:
         yield from group["params"]
-
-
-def param_name(p):
-    """The model name of parameter ``p`` recorded by initialize, or None."""
-    return _param_names.get(id(p))

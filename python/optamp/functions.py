@@ -22,6 +22,7 @@ import types
 import torch
 
 from . import _C
+from ._tree import map_tensors, tensors_in
 
 register_half_op = _C.register_half_op
 register_float_op = _C.register_float_op
@@ -29,30 +30,6 @@ register_promote_op = _C.register_promote_op
 
 _POLICY = {"half": _C.CastPolicy.LOWER, "float": _C.CastPolicy.FP32,
            "promote": _C.CastPolicy.PROMOTE}
-
-
-def _tensors(value, out):
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _tensors(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _tensors(v, out)
-    return out
-
-
-def _map(value, fn):
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_map(v, fn) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map(v, fn) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _map(v, fn)) for k, v in value.items())
-    return value
 
 
 def _caster(kind, tensors, low):
@@ -84,14 +61,14 @@ def _wrap(fn, kind):
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
-        tensors = _tensors(kwargs, _tensors(args, []))
+        tensors = tensors_in(kwargs, tensors_in(args, []))
         device = tensors[0].device.type if tensors else "cpu"
         rules, low = _C.cast_rules_now(device)
         if not _C.policy_applies(_POLICY[kind], rules):
             return original(*args, **kwargs)
         cast = _caster(kind, tensors, low)
         if cast is not None:
-            args, kwargs = _map(args, cast), _map(kwargs, cast)
+            args, kwargs = map_tensors(args, cast), map_tensors(kwargs, cast)
         if builtin:
             with _C.disable_casts():
                 return original(*args, **kwargs)

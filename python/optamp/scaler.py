@@ -7,7 +7,7 @@ from collections.abc import Mapping, MutableMapping
 
 import torch
 
-from . import _C, frontend
+from . import _C
 
 
 def _check_int(value, name):
@@ -28,8 +28,9 @@ def _as_optimizers(optimizers):
 
 
 def _params_of(optimizers):
-    params, names = [], []
-    known = frontend._param_names
+    """The optimizers' parameters and where each sits, labelled as the C++ front labels them;
+    the core adds the model's name ("fc1.weight") that initialize gave it."""
+    params, labels = [], []
     for k, opt in enumerate(optimizers):
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(
@@ -39,9 +40,8 @@ def _params_of(optimizers):
         for g, group in enumerate(opt.param_groups):
             for i, p in enumerate(group["params"]):
                 params.append(p)
-                name = known.get(id(p))
-                names.append(name or f"optimizer {k} param_groups[{g}].params[{i}]")
-    return params, names
+                labels.append(f"optimizer {k} param_groups[{g}].params[{i}]")
+    return params, labels
 
 
 def check_process_group(process_group):
@@ -126,8 +126,8 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     if not isinstance(delay_unscale, bool):
         raise TypeError(f"delay_unscale must be a bool, got {type(delay_unscale).__name__}")
     optimizers = _as_optimizers(optimizers)
-    params, names = _params_of(optimizers)
-    guard = _C._scale_loss(loss, params, loss_id, delay_unscale, names,
+    params, labels = _params_of(optimizers)
+    guard = _C._scale_loss(loss, params, loss_id, delay_unscale, labels,
                            [id(opt) for opt in optimizers])
     try:
         yield guard.loss
@@ -207,7 +207,6 @@ def _from_apex_layout(state):
     """Apex's nested layout -> optamp's flat one. Apex kept the scale and the count of steps
     since the last overflow ("unskipped", the growth tracker with Apex's scale_window=2000);
     the rest starts as in a fresh scaler: the full hysteresis, no skipped steps."""
-    props = frontend.properties()
     flat = {}
     for key, entry in state.items():
         if not isinstance(key, str) or not key.startswith("loss_scaler"):
@@ -222,11 +221,11 @@ def _from_apex_layout(state):
         scale = _apex_number(entry["loss_scale"], f"state_dict[{key!r}]['loss_scale']", False)
         unskipped = _apex_number(entry["unskipped"], f"state_dict[{key!r}]['unskipped']", True)
         index = key[len("loss_scaler"):]
-        dynamic = (index.isdigit() and int(index) < _C.num_loss_scalers()
-                   and _C.loss_scaler(int(index)).dynamic)
+        scaler = (_C.loss_scaler(int(index))
+                  if index.isdigit() and int(index) < _C.num_loss_scalers() else None)
         # A fixed scale never grows, and Apex counted its steps past the window: nothing to keep.
-        growth = unskipped if dynamic else 0
-        hysteresis = props.hysteresis if props is not None else 1
+        growth = unskipped if scaler is not None and scaler.dynamic else 0
+        hysteresis = scaler.hysteresis if scaler is not None else 1
         flat[f"{key}.scale"] = torch.tensor(scale, dtype=torch.float32)
         flat[f"{key}.growth_tracker"] = torch.tensor(growth, dtype=torch.int32) \
             if -(2**31) <= growth < 2**31 else torch.tensor(growth)

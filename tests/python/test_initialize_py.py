@@ -1,5 +1,6 @@
 """optamp.initialize from Python: return shapes, optimizers, validation, levels, outputs."""
 import math
+import re
 import warnings
 
 import pytest
@@ -237,12 +238,35 @@ def test_floor_error_names_the_model_parameters(fresh):  # noqa: F811
     model = Mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     init(model, opt, opt_level="O4", loss_scale="dynamic", init_scale=1.0, min_loss_scale=1.0)
-    with pytest.raises(Exception, match=r"fc1\.weight") as info:
+    with pytest.raises(RuntimeError) as info:
         for _ in range(optamp._C.FLOOR_SKIP_LIMIT + 1):
             opt.zero_grad()
             with optamp.scale_loss(model(torch.randn(2, 4)).float().sum() * math.inf, opt) as s:
                 s.backward()
-    assert isinstance(info.value, (RuntimeError, ValueError))
+    # Each parameter once: its model name (from the core's namer), then where it sits.
+    shapes = {"fc1.weight": "[8, 4]", "fc1.bias": "[8]", "fc2.weight": "[3, 8]", "fc2.bias": "[3]"}
+    named = ", ".join(f"{name} (optimizer 0 param_groups[0].params[{i}], shape {shape})"
+                      for i, (name, shape) in enumerate(shapes.items()))
+    assert str(info.value) == (
+        f"amp: loss scaler 0 skipped {optamp._C.FLOOR_SKIP_LIMIT} consecutive steps at "
+        "min_loss_scale (1) because of non-finite gradients; the model diverged or "
+        "min_loss_scale is too high. Parameters with non-finite gradients in the last step: "
+        + named)
+
+
+def test_scale_loss_errors_name_the_model_parameters(fresh):  # noqa: F811
+    """Not only the floor error: every scale_loss message gives the model's name, then where
+    the optimizer holds the parameter."""
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, opt_level="O4")
+    loss = model(torch.randn(2, 4)).float().sum()
+    with optamp.scale_loss(loss, opt) as scaled:
+        with pytest.raises(RuntimeError, match=re.escape(
+                "fc1.weight (optimizer 0 param_groups[0].params[0]) is already inside")):
+            with optamp.scale_loss(loss, opt):
+                pass
+        scaled.backward()
 
 
 @pytest.mark.needs_cuda
