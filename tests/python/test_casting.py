@@ -1,5 +1,6 @@
-"""The C++ table-driven dtype tests (tests/cpp/test_casting.cpp, mirrored in op_cases.py), through
-optamp.initialize on a tiny model, plus the per-thread guards and custom functions."""
+"""Casting from Python: the op-case table shared with the C++ tests (tests/op_cases.txt, through
+op_cases.py) through optamp.initialize on a tiny model, the public Python paths, the per-thread
+guards and custom functions."""
 import re
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from op_cases import (CPU_AND_CUDA, FP32, FP32_PY, LEVELS, LOWER, LOWER_PY, PROM
 
 
 def test_every_table_entry_has_a_python_case():
-    """The tables' keys are exactly the lower / fp32 / promote entries of the built policy table
+    """The table's operators are exactly the lower / fp32 / promote entries of the built policy table
     (read in a fresh process: this one's registrations would show up in the report)."""
     report = subprocess.run([sys.executable, "-c", "import optamp; print(optamp.policy_report())"],
                             capture_output=True, text=True, check=True, timeout=120).stdout

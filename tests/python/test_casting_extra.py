@@ -2,7 +2,7 @@
 region under no_grad, none under no_grad outside one), the cast cache's drop at the outermost
 autocast exit, Apex's fp32 Python functions that have no aten op of their own
 (local_response_norm, normalize, softmin), complex tensors, and why opt-level rule 9 cannot be hit
-from Python. The per-op cases are op_cases.py's (the C++ tables, keyed by policy-table entry)."""
+from Python. The per-op cases are the shared table's (tests/op_cases.txt, through op_cases.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
