@@ -63,11 +63,13 @@ select_python() {
 # Test tools for a reused interpreter: install only what is missing (skipped without network).
 ensure_python_tools() {
   local py="$1"
-  "$py" -c "import pytest, numpy, expecttest" 2>/dev/null && return 0
+  "$py" -c "import pytest, numpy, mypy, scikit_build_core, expecttest" 2>/dev/null && return 0
   local pins  # the versions scripts/requirements.txt pins, so every machine tests alike
-  pins=$(grep -E '^(pytest|numpy|expecttest)==' scripts/requirements.txt | tr '\n' ' ')
+  pins=$(grep -E '^(pytest|numpy|mypy|scikit-build-core|expecttest)==' scripts/requirements.txt |
+    tr '\n' ' ')
   # shellcheck disable=SC2086
-  "$py" -m pip install -q $pins >&2 || echo "bootstrap: pytest/numpy/expecttest missing for $py" >&2
+  "$py" -m pip install -q $pins >&2 ||
+    echo "bootstrap: pytest/numpy/mypy/scikit-build-core/expecttest missing for $py" >&2
 }
 
 install_debian_packages

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Runs every test: bootstrap, configure, build, then ctest (GoogleTest + packaging), the sanitizer
-# builds (scripts/sanitize.sh) and pytest.
+# builds (scripts/sanitize.sh), the type check (mypy --strict python/optamp) and pytest.
 # Exits non-zero if anything fails; prints each runner's own summary.
 #   OPTAMP_BUILD_DIR=<dir>  build elsewhere (default: build/)
 #   OPTAMP_CMAKE_ARGS=...   extra CMake arguments (e.g. -DOPTAMP_GTEST_SOURCE_DIR=...)
 #   PYTEST_ARGS=...         extra pytest arguments (e.g. --run-slow)
 #   OPTAMP_SANITIZERS=...   sanitizer builds to run (default "thread"; "thread address" adds
 #                           ASan+UBSan over the whole C++ suite; "" skips them)
+#   OPTAMP_SKIP_MYPY=1      skip the type check (a machine without network has no mypy to install)
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$OPTAMP_ROOT"
@@ -39,6 +40,16 @@ for kind in ${OPTAMP_SANITIZERS-thread}; do
   echo "== sanitizer: $kind =="
   bash scripts/sanitize.sh "$kind" || status=1
 done
+echo "== mypy =="
+if [[ -n "${OPTAMP_SKIP_MYPY:-}" ]]; then
+  echo "test.sh: type check skipped (OPTAMP_SKIP_MYPY)"
+elif ! "$PY" -c "import mypy" 2>/dev/null; then
+  echo "test.sh: mypy is not installed for $PY (scripts/requirements.txt pins it)"; status=1
+else
+  # The cache outlives the checkout (CI clones afresh): a warm check of torch's stubs takes seconds.
+  "$PY" -m mypy --strict --cache-dir "${XDG_CACHE_HOME:-$HOME/.cache}/optamp-mypy" python/optamp ||
+    status=1
+fi
 echo "== pytest =="
 PYTHONPATH="$OPTAMP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}" \
   "$PY" -m pytest tests/python -q -rs ${PYTEST_ARGS:-} || status=1

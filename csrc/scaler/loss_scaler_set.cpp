@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "optamp/state_dict.h"
+#include "scaler/scale_loss_core.h"
 
 namespace amp {
 
@@ -91,9 +92,9 @@ void check_parameter_dtypes(const std::vector<at::Tensor>& params,
     if (it == r.dtypes.end() || it->second.first.lock().get() != params[i].unsafeGetTensorImpl())
       continue;
     TORCH_CHECK_VALUE(params[i].scalar_type() == it->second.second,
-                      i < labels.size() ? labels[i] : std::string("a parameter"), " must still be ",
-                      dtype_name(it->second.second), " as when amp::initialize ran, got ",
-                      dtype_name(params[i].scalar_type()),
+                      param_label(params[i], i < labels.size() ? labels[i] : "a parameter"),
+                      " must still be ", dtype_name(it->second.second),
+                      " as when amp::initialize ran, got ", dtype_name(params[i].scalar_type()),
                       ": the model was cast after initialize (e.g. model->to(torch::kDouble)), "
                       "which optamp does not follow. Call amp::reset(), cast the model, and "
                       "initialize again (or cast before initialize); moving it to another device "

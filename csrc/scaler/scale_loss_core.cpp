@@ -87,6 +87,13 @@ ParamNamer& namer() {
   return n;
 }
 
+// The model's name for `p` ("fc1.weight") from the namer initialize installed, if any.
+std::optional<std::string> model_name(const at::Tensor& p) {
+  std::lock_guard<std::mutex> lock(namer_mutex());
+  if (!namer()) return std::nullopt;
+  return namer()(p);
+}
+
 }  // namespace
 
 struct ScaleLossState {
@@ -115,18 +122,18 @@ void set_param_namer(ParamNamer n) {
   namer() = std::move(n);
 }
 
+std::string param_label(const at::Tensor& p, const std::string& where) {
+  const auto name = model_name(p);
+  return name ? *name + " (" + where + ")" : where;
+}
+
 namespace {
 
 std::string describe_param(const ScaleLossState& s, size_t i) {
-  std::string name;
-  {
-    std::lock_guard<std::mutex> lock(namer_mutex());
-    if (namer()) {
-      if (auto n = namer()(s.params[i])) name = *n + " ";
-    }
-  }
+  const auto name = model_name(s.params[i]);
   std::ostringstream out;
-  out << name << "(" << s.labels[i] << ", shape " << s.params[i].sizes() << ")";
+  out << (name ? *name + " " : std::string()) << "(" << s.labels[i] << ", shape "
+      << s.params[i].sizes() << ")";
   return out.str();
 }
 
@@ -267,7 +274,7 @@ bool take_step_overflows(const std::vector<at::Tensor>& params,
   auto& b = book();
   std::lock_guard<std::mutex> lock(b.mutex);
   for (size_t i = 0; i < params.size(); ++i) {
-    TORCH_CHECK(!b.find(params[i]), "amp::step: ", labels[i],
+    TORCH_CHECK(!b.find(params[i]), "amp::step: ", param_label(params[i], labels[i]),
                 " still holds scaled gradients (the last scale_loss guard used delay_unscale); "
                 "finish with a guard without delay_unscale before stepping");
   }
@@ -350,7 +357,7 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
     const auto t = s->params[i].scalar_type();
     TORCH_CHECK_VALUE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16,
                       "parameters must be float32, float16 or bfloat16 for loss scaling, got ", t,
-                      " for ", s->labels[i]);
+                      " for ", param_label(s->params[i], s->labels[i]));
   }
   s->scaler = scaler_ptr;
   s->options = options;
@@ -362,7 +369,7 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
     for (size_t i = 0; i < s->params.size(); ++i) {
       TORCH_CHECK(!b.active.count(s->params[i].unsafeGetTensorImpl()),
                   "scale_loss guards must not be nested on the same ", owner_kind, ": ",
-                  s->labels[i],
+                  param_label(s->params[i], s->labels[i]),
                   " is already inside an active scale_loss guard; let the outer guard finish "
                   "(leave its scope) first");
     }

@@ -56,6 +56,8 @@ class OPTAMP_API LossScaler {
   int64_t floor_skips() const { return floor_skips_.load(); }
   // The lowest scale this scaler can reach: max(min_loss_scale, kScaleFloor).
   double lowest_scale() const { return lowest_scale_; }
+  // The hysteresis setting: overflowing steps tolerated before a backoff (the tracker's start).
+  int64_t hysteresis() const { return hysteresis_; }
 
   // The device tensors (0-dim): float32 scale, int32 growth and hysteresis trackers.
   at::Tensor scale_tensor() const;

@@ -66,6 +66,7 @@ void bind_scaler(py::module_& m) {
       .def_property_readonly("dynamic", &LossScaler::dynamic)
       .def_property_readonly("checks_overflow", &LossScaler::checks_overflow)
       .def_property_readonly("lowest_scale", &LossScaler::lowest_scale)
+      .def_property_readonly("hysteresis", &LossScaler::hysteresis)
       .def_readonly_static("SCALE_FLOOR", &kScaleFloor)
       .def("loss_scale", &LossScaler::loss_scale)
       .def_property_readonly("last_step_skipped", &LossScaler::last_step_skipped)

@@ -8,11 +8,14 @@
 
 Casting is per thread: initialize turns it on for the calling thread (see docs/python.md).
 """
+from typing import Any, Union
+
 import torch  # loads libtorch before the extension that links it
 
 from ._torch_check import load_core
 
-_C = load_core()
+load_core()  # checks the torch release first: a clear ImportError instead of a symbol error
+from . import _C
 from ._C import (
     CastPolicy,
     LossScaler,
@@ -55,7 +58,7 @@ _autocast_flag.install()  # torch._C._is_any_autocast_enabled(): True only where
 from ._build_info import version as __version__  # set once: project() in CMakeLists.txt
 
 
-def resolve(opt_level="O1", **overrides):
+def resolve(opt_level: Union[str, OptLevel] = "O1", **overrides: Any) -> Properties:
     """Return the validated :class:`Properties` for ``opt_level`` with Apex-style overrides.
 
     ``None`` means "not overridden", as in ``apex.amp.initialize``.

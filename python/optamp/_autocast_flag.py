@@ -17,26 +17,28 @@ The replacement answers: native autocast is on for a device, or optamp's rules a
 this thread now (``optamp.is_casting_enabled()``). Dynamo folds it to a constant while tracing,
 as it folds torch's own; optamp's state is part of Dynamo's guards (see ``_compile``).
 """
+from typing import Callable, Optional
+
 import torch
 
 from . import _C
 
-_torch_version = None
+_torch_version: Optional[Callable[[], bool]] = None
 
 
-@torch.compiler.assume_constant_result
-def _is_any_autocast_enabled():
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # (torch's)
+def _is_any_autocast_enabled() -> bool:
     return _C._is_any_autocast_enabled()
 
 
-def install():
+def install() -> None:
     global _torch_version
     if _torch_version is None:
         _torch_version = torch._C._is_any_autocast_enabled
         torch._C._is_any_autocast_enabled = _is_any_autocast_enabled
 
 
-def uninstall():
+def uninstall() -> None:
     """Back to torch's own (tests)."""
     global _torch_version
     if _torch_version is not None:

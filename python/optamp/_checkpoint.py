@@ -14,14 +14,17 @@ lifting the no_grad gate when autograd was recording at the call (as it was for 
 function stands in for). Native ``torch.autocast`` state is restored by torch itself.
 """
 import functools
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.utils.checkpoint as _ckpt
 
 from . import _C
 
+F = TypeVar("F", bound=Callable[..., Any])
 
-def _same_state(function):
+
+def _same_state(function: F) -> F:
     """``function`` run under the optamp state of this moment (a no-op wrapper when optamp is off
     on this thread)."""
     state = _C.ThreadState.capture()
@@ -30,34 +33,37 @@ def _same_state(function):
     ungate = torch.is_grad_enabled()
 
     @functools.wraps(function)
-    def run(*args, **kwargs):
+    def run(*args: Any, **kwargs: Any) -> Any:
         with _C.thread_state_guard(state):
             if not ungate:
                 return function(*args, **kwargs)
             with _C.rules_under_no_grad():
                 return function(*args, **kwargs)
 
-    return run
+    return run  # type: ignore[return-value]  # the same signature, wrapped
 
 
-def install():
+def install() -> None:
     """Wraps the two entry points of torch.utils.checkpoint (once; idempotent). They are looked up
     at call time, so code that imported ``checkpoint`` before optamp is covered too."""
-    fn_class = _ckpt.CheckpointFunction
+    # Any: torch's private entry points, replaced (and marked) below.
+    fn_class: Any = _ckpt.CheckpointFunction
     if not getattr(fn_class, "_optamp_wrapped", False):
         original_apply = fn_class.apply
 
-        def apply(cls, function, preserve_rng_state, *args):
+        def apply(cls: type, function: Callable[..., Any], preserve_rng_state: bool,
+                  *args: Any) -> Any:
             return original_apply(_same_state(function), preserve_rng_state, *args)
 
         fn_class.apply = classmethod(apply)
         fn_class._optamp_wrapped = True
-    generator = _ckpt._checkpoint_without_reentrant_generator
+    generator: Any = _ckpt._checkpoint_without_reentrant_generator
     if not getattr(generator, "_optamp_wrapped", False):
 
         @functools.wraps(generator)
-        def wrapped_generator(fn, *args, **kwargs):
+        def wrapped_generator(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             return generator(_same_state(fn), *args, **kwargs)
 
-        wrapped_generator._optamp_wrapped = True
-        _ckpt._checkpoint_without_reentrant_generator = wrapped_generator
+        marked: Any = wrapped_generator
+        marked._optamp_wrapped = True
+        _ckpt._checkpoint_without_reentrant_generator = marked

@@ -14,17 +14,18 @@ under another state would silently change precision. What keeps that from happen
   turned off; ``reset`` restores the previous setting.
 """
 import sys
+from typing import Optional
 
-_saved_autograd_cache = None
+_saved_autograd_cache: Optional[bool] = None
 
 
-def _reset_dynamo():
+def _reset_dynamo() -> None:
     dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing compiled yet
     if dynamo is not None:
         dynamo.reset()
 
 
-def on_initialize(casting):
+def on_initialize(casting: bool) -> None:
     """Called by initialize; ``casting``: the level casts (enabled, not O0)."""
     global _saved_autograd_cache
     _reset_dynamo()
@@ -35,7 +36,7 @@ def on_initialize(casting):
         functorch_config.enable_autograd_cache = False
 
 
-def on_reset():
+def on_reset() -> None:
     """Called by reset."""
     global _saved_autograd_cache
     _reset_dynamo()

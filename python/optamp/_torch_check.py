@@ -5,17 +5,19 @@ torch the load fails with an "undefined symbol" naming a mangled function, or, w
 crashes later. Comparing versions first turns both into one clear ImportError.
 """
 import importlib
+import types
+from typing import Optional, Tuple
 
 import torch
 
 
-def _release(version):
+def _release(version: str) -> Tuple[int, ...]:
     """'2.11.0+cu130' -> (2, 11, 0): the local tag (CUDA variant) does not change the C++ ABI."""
     numbers = version.split("+")[0].split(".")[:3]
     return tuple(int("".join(ch for ch in n if ch.isdigit()) or 0) for n in numbers)
 
 
-def _built_with():
+def _built_with() -> Optional[str]:
     try:
         from ._build_info import torch_version
     except ImportError:  # a tree that was never built: importing _C reports that
@@ -23,7 +25,7 @@ def _built_with():
     return torch_version
 
 
-def check(running, built):
+def check(running: str, built: Optional[str]) -> None:
     """Raise ImportError when torch ``running`` cannot load a _C built against ``built``."""
     if built is not None and _release(running) != _release(built):
         raise ImportError(
@@ -33,7 +35,7 @@ def check(running, built):
             f"install torch=={'.'.join(map(str, _release(built)))}.")
 
 
-def load_core():
+def load_core() -> types.ModuleType:
     built = _built_with()
     check(torch.__version__, built)
     try:

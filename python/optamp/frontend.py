@@ -3,29 +3,37 @@
 The Python side only collects tensors (parameters and buffers split by batch-norm / keep flags,
 optimizer params, optimizer state, eps) and hands them to the compiled core that the C++
 ``amp::initialize`` also uses: validation, O2/O5 working copies, O3 casting and the loss scalers
-all live there. What needs Python objects lives here: ``cast_model_outputs`` (a forward wrapper,
-as in Apex) and better parameter names for error messages.
+all live there, and so do the parameter names error messages use (the core's namer, given
+here). What needs Python objects lives here: ``cast_model_outputs`` (a forward wrapper, as in
+Apex) and the fp32 state_dict hook of models cast in place.
 """
 import threading
 import weakref
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type, TypeVar, Union
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.hooks import RemovableHandle
 
-from . import _C, _compile
+from . import _C, _compile, scaler
+from ._tree import map_tensors
+
+ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
+OptimizerArg = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
+_T = TypeVar("_T")
 
 _lock = threading.Lock()
-_fp32_marks = weakref.WeakSet()  # modules kept in fp32 (keep_in_fp32)
-_patched_forwards = []  # (weakref to module, had an instance attribute "forward" before)
-_param_names = {}  # id(param) -> "fc.weight" / "models[1].fc.weight" (scale_loss messages)
-_state_dict_hooks = []  # handles of the fp32 state_dict hooks of models cast in place
+_fp32_marks: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # keep_in_fp32's modules
+# (weakref to module, had an instance attribute "forward" before)
+_patched_forwards: List[Tuple["weakref.ref[torch.nn.Module]", bool]] = []
+_state_dict_hooks: List[RemovableHandle] = []  # fp32 state_dict hooks of models cast in place
 
 
-def _is_tensor(x):
+def _is_tensor(x: object) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def keep_in_fp32(module):
+def keep_in_fp32(module: torch.nn.Module) -> None:
     """Keep ``module``'s own parameters and buffers in fp32 at O2/O3/O5, as batch-norm modules
     are under ``keep_batchnorm_fp32``. Call before :func:`initialize`."""
     if not isinstance(module, torch.nn.Module):
@@ -34,9 +42,9 @@ def keep_in_fp32(module):
         _fp32_marks.add(module)
 
 
-def _as_list(value, what, kind, kind_name):
+def _as_list(value: object, what: str, kind: Type[_T], kind_name: str) -> Tuple[List[_T], bool]:
     was_list = isinstance(value, (list, tuple))
-    items = list(value) if was_list else [value]
+    items: List[Any] = list(value) if isinstance(value, (list, tuple)) else [value]
     for i, item in enumerate(items):
         if not isinstance(item, kind):
             where = f"{what}[{i}]" if was_list else what
@@ -46,9 +54,14 @@ def _as_list(value, what, kind, kind_name):
     return items, was_list
 
 
-def _collect_models(models, keep_batchnorm):
-    reduced, keep, parameters, names = [], [], [], {}
-    seen = set()
+def _collect_models(
+    models: List[torch.nn.Module], keep_batchnorm: bool
+) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor], List[str]]:
+    reduced: List[torch.Tensor] = []
+    keep: List[torch.Tensor] = []
+    parameters: List[torch.Tensor] = []
+    names: List[str] = []
+    seen: Set[int] = set()
     for k, model in enumerate(models):
         if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             raise RuntimeError(
@@ -65,19 +78,22 @@ def _collect_models(models, keep_batchnorm):
                 seen.add(id(p))
                 target.append(p)
                 parameters.append(p)
-                names[id(p)] = prefix + (f"{mod_name}.{p_name}" if mod_name else p_name)
+                names.append(prefix + (f"{mod_name}.{p_name}" if mod_name else p_name))
             for b in module.buffers(recurse=False):
                 if b is None or id(b) in seen or not b.is_floating_point():
                     continue
                 seen.add(id(b))
                 target.append(b)
-    return reduced, keep, parameters, [names[id(p)] for p in parameters], names
+    return reduced, keep, parameters, names
 
 
-def _collect_optimizers(optimizers):
-    out = []
+def _collect_optimizers(optimizers: List[torch.optim.Optimizer]) -> List[Dict[str, object]]:
+    out: List[Dict[str, object]] = []
     for i, opt in enumerate(optimizers):
-        params, state, owners, smallest_eps = [], [], [], 0.0
+        params: List[torch.Tensor] = []
+        state: List[torch.Tensor] = []
+        owners: List[torch.Tensor] = []
+        smallest_eps = 0.0
         for group in opt.param_groups:
             eps = group.get("eps")
             if isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0:
@@ -105,34 +121,23 @@ def _collect_optimizers(optimizers):
     return out
 
 
-def _apply(value, fn):
-    if _is_tensor(value):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_apply(v, fn) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_apply(v, fn) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _apply(v, fn)) for k, v in value.items())
-    return value
-
-
-def _patch_forward(model, dtype):
+def _patch_forward(model: torch.nn.Module, dtype: torch.dtype) -> None:
     had_instance_forward = "forward" in model.__dict__
     old_forward = model.forward
 
-    def cast_output(t):
+    def cast_output(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.is_floating_point() else t
 
-    def forward(*args, **kwargs):
-        return _apply(old_forward(*args, **kwargs), cast_output)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return map_tensors(old_forward(*args, **kwargs), cast_output)
 
-    forward.__optamp_wrapped__ = old_forward
+    forward.__optamp_wrapped__ = old_forward  # type: ignore[attr-defined]
     model.forward = forward
     _patched_forwards.append((weakref.ref(model), had_instance_forward))
 
 
-def _fp32_state_dict(module, state_dict, prefix, local_metadata):
+def _fp32_state_dict(module: torch.nn.Module, state_dict: Dict[str, Any], prefix: str,
+                     local_metadata: Dict[str, Any]) -> None:
     """Apex's O2StateDictHook: a model cast in place still saves fp32 tensors, so its
     checkpoints load anywhere (fp32 inference, another level). Loading them back casts to the
     model's dtype exactly (the values were fp16/bf16)."""
@@ -145,28 +150,28 @@ def _fp32_state_dict(module, state_dict, prefix, local_metadata):
 
 
 def initialize(
-    models,
-    optimizers=None,
-    enabled=True,
-    opt_level="O1",
-    cast_model_type=None,
-    patch_torch_functions=None,
-    keep_batchnorm_fp32=None,
-    master_weights=None,
-    loss_scale=None,
-    cast_model_outputs=None,
-    num_losses=1,
-    verbosity=1,
-    min_loss_scale=None,
-    max_loss_scale=2.0**24,
-    process_group=None,
-    op_lists=None,
-    **scaler_knobs,
-):
+    models: ModelArg,
+    optimizers: Optional[OptimizerArg] = None,
+    enabled: Union[bool, str] = True,
+    opt_level: Union[str, _C.OptLevel, None] = "O1",
+    cast_model_type: Union[torch.dtype, bool, None] = None,
+    patch_torch_functions: Union[bool, str, None] = None,
+    keep_batchnorm_fp32: Union[bool, str, None] = None,
+    master_weights: Union[bool, str, None] = None,
+    loss_scale: Union[float, str, None] = None,
+    cast_model_outputs: Optional[torch.dtype] = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: Optional[float] = None,
+    max_loss_scale: float = 2.0**24,
+    process_group: Optional["torch.distributed.ProcessGroup"] = None,
+    op_lists: Optional[str] = None,
+    **scaler_knobs: Union[float, int],
+) -> Any:
     """Apex's ``amp.initialize``: set up ``opt_level`` for the model(s) and optimizer(s).
 
     Returns ``model`` alone when ``optimizers`` is None, else ``(model, optimizer)``, each a
-    single object or a list as passed. The objects are the ones passed in (optamp changes no
+    single object or a list as passed (hence the ``Any`` return type). The objects are the ones passed in (optamp changes no
     optimizer and, except O3's in-place cast and ``cast_model_outputs``, no model).
 
     ``None`` means "not overridden". ``scaler_knobs``: ``init_scale``, ``growth_factor``,
@@ -183,6 +188,7 @@ def initialize(
     it still counts as the one initialize call (``reset()`` before initializing again).
     """
     model_list, models_was_list = _as_list(models, "models", torch.nn.Module, "torch.nn.Module")
+    opt_list: List[torch.optim.Optimizer]
     if optimizers is None:
         opt_list, optimizers_was_list = [], False
     else:
@@ -211,20 +217,16 @@ def initialize(
         # Apex returned at once when disabled, so scripts pass the level of a run that never
         # casts as None (``opt_level=args.opt_level, enabled=args.amp``).
         opt_level = "O0"
-    from . import scaler  # (scaler imports this module)
-
     scaler.check_process_group(process_group)
     preview = _C.resolve(opt_level, **overrides)  # validates the options before collecting
     with _lock:
-        reduced, keep, parameters, name_list, names = _collect_models(
+        reduced, keep, parameters, names = _collect_models(
             model_list, bool(preview.keep_batchnorm_fp32)
         )
         opts = _collect_optimizers(opt_list)
         props = _C._initialize_core(
-            reduced, keep, parameters, name_list, opts, opt_level, **overrides
+            reduced, keep, parameters, names, opts, opt_level, **overrides
         )
-        _param_names.clear()
-        _param_names.update(names)
         scaler.set_process_group(process_group if props.enabled else None, props.num_losses)
         if props.enabled and cast_model_outputs is not None:
             for model in model_list:
@@ -244,22 +246,20 @@ def initialize(
     return models_out, opt_list[0]
 
 
-_properties = None
+_properties: Optional[_C.Properties] = None
 
 
-def properties():
+def properties() -> Optional[_C.Properties]:
     """The resolved :class:`optamp.Properties` of the last :func:`initialize` (None after reset)."""
     return _properties
 
 
-def reset():
+def reset() -> None:
     """Turn everything off (casting on this thread, level rules, caches, loss scalers, forward
     wrappers, keep_in_fp32 marks) so that :func:`initialize` can be called again."""
     global _properties
     with _lock:
         _C._reset_core()  # the loss scalers and their found-inf reducers go with it
-        from . import scaler
-
         scaler.set_process_group(None, 0)
         for ref, had_instance_forward in reversed(_patched_forwards):
             model = ref()
@@ -275,19 +275,13 @@ def reset():
         for handle in _state_dict_hooks:
             handle.remove()
         _state_dict_hooks.clear()
-        _param_names.clear()
         _fp32_marks.clear()
         _properties = None
         _compile.on_reset()
 
 
-def master_params(optimizer):
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """Yield the parameters ``optimizer`` steps (Apex's ``amp.master_params``). In optamp's
     design these ARE the fp32 master weights at O2/O5, so ``model.parameters()`` works as well."""
     for group in optimizer.param_groups:
         yield from group["params"]
-
-
-def param_name(p):
-    """The model name of parameter ``p`` recorded by initialize, or None."""
-    return _param_names.get(id(p))

@@ -18,10 +18,15 @@ policies (Apex's semantics for composite functions); a wrapped builtin (a C func
 """
 import functools
 import types
+import typing
+from typing import Any, Callable, List, Optional, TypeVar
 
 import torch
 
 from . import _C
+from ._tree import map_tensors, tensors_in
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 register_half_op = _C.register_half_op
 register_float_op = _C.register_float_op
@@ -31,32 +36,10 @@ _POLICY = {"half": _C.CastPolicy.LOWER, "float": _C.CastPolicy.FP32,
            "promote": _C.CastPolicy.PROMOTE}
 
 
-def _tensors(value, out):
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _tensors(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _tensors(v, out)
-    return out
-
-
-def _map(value, fn):
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_map(v, fn) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map(v, fn) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _map(v, fn)) for k, v in value.items())
-    return value
-
-
-def _caster(kind, tensors, low):
+def _caster(kind: str, tensors: List[torch.Tensor],
+            low: Optional[torch.dtype]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     floating = [t for t in tensors if t.is_floating_point() and t.dtype != torch.float64]
+    target: Optional[torch.dtype]
     if kind == "half":
         target = low
     elif kind == "float":
@@ -67,7 +50,7 @@ def _caster(kind, tensors, low):
             return None
         target = torch.float32  # fp16+fp32, bf16+fp32 and fp16+bf16 all widen to fp32
 
-    def cast(t):
+    def cast(t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point() and t.dtype != torch.float64 and t.dtype != target:
             return t.to(target)
         return t
@@ -75,7 +58,7 @@ def _caster(kind, tensors, low):
     return cast
 
 
-def _wrap(fn, kind):
+def _wrap(fn: F, kind: str) -> F:
     if not callable(fn):
         raise TypeError(f"{kind}_function expects a callable (a function or a decorated def), "
                         f"got {type(fn).__name__}")
@@ -83,26 +66,27 @@ def _wrap(fn, kind):
     builtin = not isinstance(original, (types.FunctionType, types.MethodType, functools.partial))
 
     @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        tensors = _tensors(kwargs, _tensors(args, []))
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        tensors = tensors_in(kwargs, tensors_in(args, []))
         device = tensors[0].device.type if tensors else "cpu"
         rules, low = _C.cast_rules_now(device)
         if not _C.policy_applies(_POLICY[kind], rules):
             return original(*args, **kwargs)
         cast = _caster(kind, tensors, low)
         if cast is not None:
-            args, kwargs = _map(args, cast), _map(kwargs, cast)
+            args, kwargs = map_tensors(args, cast), map_tensors(kwargs, cast)
         if builtin:
             with _C.disable_casts():
                 return original(*args, **kwargs)
         return original(*args, **kwargs)
 
-    wrapper.__optamp_original__ = original
-    wrapper.__optamp_policy__ = kind
-    return wrapper
+    marked: Any = wrapper
+    marked.__optamp_original__ = original
+    marked.__optamp_policy__ = kind
+    return typing.cast(F, wrapper)
 
 
-def _register(module, name, kind):
+def _register(module: object, name: str, kind: str) -> None:
     if not isinstance(name, str):
         raise TypeError(f"function name must be a str, got {type(name).__name__}")
     if not hasattr(module, name):
@@ -115,31 +99,31 @@ def _register(module, name, kind):
     setattr(module, name, _wrap(fn, kind))
 
 
-def register_half_function(module, function_name):
+def register_half_function(module: object, function_name: str) -> None:
     """Apex: ``module.function_name`` runs with its floating tensor args in the low dtype."""
     _register(module, function_name, "half")
 
 
-def register_float_function(module, function_name):
+def register_float_function(module: object, function_name: str) -> None:
     """Apex: ``module.function_name`` runs with its floating tensor args in fp32."""
     _register(module, function_name, "float")
 
 
-def register_promote_function(module, function_name):
+def register_promote_function(module: object, function_name: str) -> None:
     """Apex: ``module.function_name`` runs with mixed-width floating args cast to the widest."""
     _register(module, function_name, "promote")
 
 
-def half_function(fn):
+def half_function(fn: F) -> F:
     """Decorator form of :func:`register_half_function`."""
     return _wrap(fn, "half")
 
 
-def float_function(fn):
+def float_function(fn: F) -> F:
     """Decorator form of :func:`register_float_function`."""
     return _wrap(fn, "float")
 
 
-def promote_function(fn):
+def promote_function(fn: F) -> F:
     """Decorator form of :func:`register_promote_function`."""
     return _wrap(fn, "promote")

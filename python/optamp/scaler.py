@@ -4,13 +4,21 @@ import contextlib
 import numbers
 import re
 from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Union
 
 import torch
 
-from . import _C, frontend
+from . import _C
+
+if TYPE_CHECKING:  # torch.distributed is imported only when a process group is used
+    from torch.distributed import ProcessGroup
+
+OptimizerArg = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
+FoundInfReducer = Callable[[torch.Tensor], None]
 
 
-def _check_int(value, name):
+def _check_int(value: object, name: str) -> None:
     """TypeError/ValueError naming ``name`` unless ``value`` is an int that fits a C++ int."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -18,7 +26,7 @@ def _check_int(value, name):
         raise ValueError(f"{name} must be an int within [-2147483648, 2147483647], got {value}")
 
 
-def _as_optimizers(optimizers):
+def _as_optimizers(optimizers: object) -> List[Any]:
     if isinstance(optimizers, torch.optim.Optimizer):
         return [optimizers]
     if isinstance(optimizers, (list, tuple)):
@@ -27,9 +35,11 @@ def _as_optimizers(optimizers):
                     f"{type(optimizers).__name__}")
 
 
-def _params_of(optimizers):
-    params, names = [], []
-    known = frontend._param_names
+def _params_of(optimizers: List[Any]) -> Tuple[List[torch.Tensor], List[str]]:
+    """The optimizers' parameters and where each sits, labelled as the C++ front labels them;
+    the core adds the model's name ("fc1.weight") that initialize gave it."""
+    params: List[torch.Tensor] = []
+    labels: List[str] = []
     for k, opt in enumerate(optimizers):
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(
@@ -39,12 +49,11 @@ def _params_of(optimizers):
         for g, group in enumerate(opt.param_groups):
             for i, p in enumerate(group["params"]):
                 params.append(p)
-                name = known.get(id(p))
-                names.append(name or f"optimizer {k} param_groups[{g}].params[{i}]")
-    return params, names
+                labels.append(f"optimizer {k} param_groups[{g}].params[{i}]")
+    return params, labels
 
 
-def check_process_group(process_group):
+def check_process_group(process_group: Optional["ProcessGroup"]) -> None:
     """TypeError unless ``process_group`` is None or a torch.distributed ProcessGroup."""
     if process_group is None:
         return
@@ -56,24 +65,24 @@ def check_process_group(process_group):
                         f"{type(process_group).__name__}")
 
 
-def max_reducer(process_group):
+def max_reducer(process_group: Optional["ProcessGroup"]) -> FoundInfReducer:
     """A found-inf reducer (see ``LossScaler.set_found_inf_reducer``) that max-reduces the
     overflow flag over ``process_group`` with ``torch.distributed.all_reduce``. The flag lives on
     the scale's device (a CUDA tensor under NCCL) and nothing is read back: the step keeps its
     one device->host copy."""
     import torch.distributed as dist
 
-    def reduce(found_inf):
+    def reduce(found_inf: torch.Tensor) -> None:
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=process_group)
 
     return reduce
 
 
 # The process group initialize(process_group=...) gave every loss scaler (None: none).
-_initialize_group = None
+_initialize_group: Optional["ProcessGroup"] = None
 
 
-def set_process_group(process_group, num_losses):
+def set_process_group(process_group: Optional["ProcessGroup"], num_losses: int) -> None:
     """Called by initialize (and reset, with None): every loss scaler max-reduces its overflow
     flag over the group."""
     global _initialize_group
@@ -84,7 +93,7 @@ def set_process_group(process_group, num_losses):
 
 
 @atexit.register
-def _drop_reducers():
+def _drop_reducers() -> None:
     """A reducer holds its process group, and the scalers live in a C++ static that outlives the
     interpreter: left there, the group (and its backend's threads) would outlive Python too,
     still running while the process tears down. Drop them while Python is fully alive."""
@@ -95,8 +104,10 @@ def _drop_reducers():
 
 
 @contextlib.contextmanager
-def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
-               delay_overflow_check=False, process_group=None):
+def scale_loss(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int = 0,
+               model: object = None, delay_unscale: bool = False,
+               delay_overflow_check: bool = False,
+               process_group: Optional["ProcessGroup"] = None) -> Iterator[torch.Tensor]:
     """Yield ``loss.float() * scale``; on exit unscale the grads of the optimizers' params,
     check them for inf/NaN and update the scale. After an overflow the grads are set to None,
     so the following ``optimizer.step()`` changes nothing.
@@ -125,10 +136,10 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     _check_int(loss_id, "loss_id")
     if not isinstance(delay_unscale, bool):
         raise TypeError(f"delay_unscale must be a bool, got {type(delay_unscale).__name__}")
-    optimizers = _as_optimizers(optimizers)
-    params, names = _params_of(optimizers)
-    guard = _C._scale_loss(loss, params, loss_id, delay_unscale, names,
-                           [id(opt) for opt in optimizers])
+    opts = _as_optimizers(optimizers)
+    params, labels = _params_of(opts)
+    guard = _C._scale_loss(loss, params, loss_id, delay_unscale, labels,
+                           [id(opt) for opt in opts])
     try:
         yield guard.loss
     except BaseException:
@@ -145,33 +156,36 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
             scaler.set_found_inf_reducer(
                 None if _initialize_group is None else max_reducer(_initialize_group))
     if skipped:
-        for opt in optimizers:
+        for opt in opts:
             _skip_next_step(opt)
 
 
-def _skip_next_step(optimizer):
+def _skip_next_step(optimizer: torch.optim.Optimizer) -> None:
     """Make the next ``optimizer.step()`` change nothing: a later guard's backward refills the
     grads this guard reset, so resetting them alone would not skip the step."""
     if getattr(optimizer, "_optamp_skip_hook", None) is not None:
         return
 
-    def skip(opt, args, kwargs):
+    def skip(opt: Any, args: Any, kwargs: Any) -> None:  # Any: carries _optamp_skip_hook
         for group in opt.param_groups:
             for p in group["params"]:
                 p.grad = None
         opt._optamp_skip_hook.remove()
         opt._optamp_skip_hook = None
 
-    optimizer._optamp_skip_hook = optimizer.register_step_pre_hook(skip)
+    holder: Any = optimizer
+    holder._optamp_skip_hook = optimizer.register_step_pre_hook(skip)
 
 
-def loss_scaler(loss_id=0):
+def loss_scaler(loss_id: int = 0) -> _C.LossScaler:
     """The :class:`optamp._C.LossScaler` of ``loss_id`` (after configuration)."""
     _check_int(loss_id, "loss_id")
     return _C.loss_scaler(loss_id)
 
 
-def state_dict(destination=None):
+def state_dict(
+    destination: Optional[MutableMapping[str, torch.Tensor]] = None,
+) -> MutableMapping[str, torch.Tensor]:
     """``{"loss_scaler0.scale": tensor, ...}``: every loss scaler's state (CPU tensors).
 
     ``destination`` (Apex's argument): a mapping to fill and return instead of a new dict."""
@@ -189,26 +203,26 @@ def state_dict(destination=None):
 _APEX_ENTRIES = ("loss_scale", "unskipped")
 
 
-def _is_apex_layout(state):
+def _is_apex_layout(state: Mapping[Any, Any]) -> bool:
     return any(isinstance(v, Mapping) for v in state.values())
 
 
-def _apex_number(value, where, integral):
+def _apex_number(value: object, where: str, integral: bool) -> Union[int, float]:
     kinds = "an int" if integral else "a number"
     ok = isinstance(value, numbers.Integral if integral else numbers.Real) or (
         isinstance(value, torch.Tensor) and value.numel() == 1
         and (not integral or not value.is_floating_point()))
     if not ok or isinstance(value, bool):
         raise TypeError(f"{where} must be {kinds}, got {type(value).__name__}")
-    return int(value) if integral else float(value)
+    number: Any = value  # an Integral, a Real or a one-element tensor (checked above)
+    return int(number) if integral else float(number)
 
 
-def _from_apex_layout(state):
+def _from_apex_layout(state: Mapping[Any, Any]) -> Dict[str, torch.Tensor]:
     """Apex's nested layout -> optamp's flat one. Apex kept the scale and the count of steps
     since the last overflow ("unskipped", the growth tracker with Apex's scale_window=2000);
     the rest starts as in a fresh scaler: the full hysteresis, no skipped steps."""
-    props = frontend.properties()
-    flat = {}
+    flat: Dict[str, torch.Tensor] = {}
     for key, entry in state.items():
         if not isinstance(key, str) or not key.startswith("loss_scaler"):
             raise ValueError(f"state_dict in Apex's layout must hold only 'loss_scaler<i>' "
@@ -222,11 +236,11 @@ def _from_apex_layout(state):
         scale = _apex_number(entry["loss_scale"], f"state_dict[{key!r}]['loss_scale']", False)
         unskipped = _apex_number(entry["unskipped"], f"state_dict[{key!r}]['unskipped']", True)
         index = key[len("loss_scaler"):]
-        dynamic = (index.isdigit() and int(index) < _C.num_loss_scalers()
-                   and _C.loss_scaler(int(index)).dynamic)
+        scaler = (_C.loss_scaler(int(index))
+                  if index.isdigit() and int(index) < _C.num_loss_scalers() else None)
         # A fixed scale never grows, and Apex counted its steps past the window: nothing to keep.
-        growth = unskipped if dynamic else 0
-        hysteresis = props.hysteresis if props is not None else 1
+        growth = unskipped if scaler is not None and scaler.dynamic else 0
+        hysteresis = scaler.hysteresis if scaler is not None else 1
         flat[f"{key}.scale"] = torch.tensor(scale, dtype=torch.float32)
         flat[f"{key}.growth_tracker"] = torch.tensor(growth, dtype=torch.int32) \
             if -(2**31) <= growth < 2**31 else torch.tensor(growth)
@@ -236,14 +250,14 @@ def _from_apex_layout(state):
     return flat
 
 
-def _apex_names(message):
+def _apex_names(message: str) -> str:
     """optamp's entry names in a validation error -> the Apex keys the caller wrote."""
     message = re.sub(r"'(loss_scaler\d+)\.growth_tracker'", r"'\1']['unskipped']", message)
     message = re.sub(r"'(loss_scaler\d+)\.scale'", r"'\1']['loss_scale']", message)
     return message.replace("state entry 'loss_scaler", "state_dict['loss_scaler")
 
 
-def load_state_dict(state_dict):
+def load_state_dict(state_dict: Mapping[str, Any]) -> None:
     """Restore :func:`state_dict` output (validated first; nothing changes on error).
 
     Also takes Apex's layout, ``{"loss_scaler0": {"loss_scale": ..., "unskipped": ...}}``, so a

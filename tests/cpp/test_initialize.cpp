@@ -1,5 +1,6 @@
 // amp::initialize for O0-O5: training vs O0, forward dtypes, O2 working copies, O3, the
-// overloads, LR schedulers and clipping, checkpoints, errors, reset; *_CUDA twins on a GPU.
+// overloads, LR schedulers and clipping, checkpoints, errors, reset; the device-parametrized
+// tests run on CUDA too where a GPU is visible.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
@@ -25,6 +26,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include "optamp/amp.h"
 #include "test_util.h"
@@ -127,11 +129,13 @@ class Initialize : public ::testing::Test {
   void TearDown() override { reset(); }
 };
 
-// The CUDA twins of single tests (skipped where no GPU is visible).
-class Initialize_CUDA : public Initialize {
+// Single tests on the CPU and on CUDA (skipped where no GPU is visible).
+class InitializeOnDevice : public Initialize, public ::testing::WithParamInterface<at::DeviceType> {
  protected:
-  void SetUp() override { OPTAMP_SKIP_WITHOUT_CUDA(); }
+  void SetUp() override { OPTAMP_SKIP_UNLESS_VISIBLE(GetParam()); }
 };
+
+INSTANTIATE_TEST_SUITE_P(Devices, InitializeOnDevice, testing::kDevices, testing::on_device);
 
 // ---- per level: trains, matches O0 -----------------------------------------------------------
 
@@ -145,7 +149,9 @@ void PrintTo(const LevelCase& c, std::ostream* os) {
   *os << c.level << (c.opt == Opt::kSgd ? " SGD" : " Adam");
 }
 
-class InitializeLevels : public Initialize, public ::testing::WithParamInterface<LevelCase> {};
+// Every level trains on the CPU and, where a GPU is visible, through the CUDA kernels (casts,
+// multi-tensor unscale, scale update), and stays close to O0 there.
+class InitializeLevels : public testing::OnDevices<Initialize, LevelCase> {};
 
 std::vector<Batch> batches_on(at::Device device, int n = 4) {
   auto batches = make_batches(n);
@@ -249,20 +255,7 @@ void expect_trains_close_to_o0(const LevelCase& c, at::Device device) {
   }
 }
 
-TEST_P(InitializeLevels, TrainsAndStaysCloseToO0) {
-  expect_trains_close_to_o0(GetParam(), at::kCPU);
-}
-
-// The same on a GPU (skipped where none is visible): every level trains through the CUDA
-// kernels (casts, multi-tensor unscale, scale update) and stays close to O0 there.
-class InitializeLevels_CUDA : public InitializeLevels {
- protected:
-  void SetUp() override { OPTAMP_SKIP_WITHOUT_CUDA(); }
-};
-
-TEST_P(InitializeLevels_CUDA, TrainsAndStaysCloseToO0) {
-  expect_trains_close_to_o0(GetParam(), at::kCUDA);
-}
+TEST_P(InitializeLevels, TrainsAndStaysCloseToO0) { expect_trains_close_to_o0(param(), device()); }
 
 const auto kLevelCases = ::testing::Values(LevelCase{"O1", Opt::kSgd}, LevelCase{"O1", Opt::kAdam},
                                            LevelCase{"O2", Opt::kSgd}, LevelCase{"O2", Opt::kAdam},
@@ -270,13 +263,15 @@ const auto kLevelCases = ::testing::Values(LevelCase{"O1", Opt::kSgd}, LevelCase
                                            LevelCase{"O4", Opt::kSgd}, LevelCase{"O4", Opt::kAdam},
                                            LevelCase{"O5", Opt::kSgd}, LevelCase{"O5", Opt::kAdam});
 
-std::string level_case_name(const ::testing::TestParamInfo<LevelCase>& info) {
-  return std::string(info.param.level) + (info.param.opt == Opt::kSgd ? "_SGD" : "_Adam");
+std::string level_case_name(
+    const ::testing::TestParamInfo<std::tuple<LevelCase, at::DeviceType>>& info) {
+  const LevelCase& c = std::get<0>(info.param);
+  return std::string(c.level) + (c.opt == Opt::kSgd ? "_SGD" : "_Adam") +
+         testing::device_suffix(std::get<1>(info.param));
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, InitializeLevels_CUDA, kLevelCases, level_case_name);
-
-INSTANTIATE_TEST_SUITE_P(Levels, InitializeLevels, kLevelCases, level_case_name);
+INSTANTIATE_TEST_SUITE_P(Levels, InitializeLevels,
+                         ::testing::Combine(kLevelCases, testing::kDevices), level_case_name);
 
 TEST_F(Initialize, O0IsBitwisePlainFp32Training) {
   auto batches = make_batches(3);
@@ -382,26 +377,17 @@ void expect_forward_dtypes(const ForwardCase& c, at::Device device) {
   EXPECT_FALSE(at::equal(fp32_cpu_params(net)[0], before[0])) << "conv.weight was not stepped";
 }
 
-class InitializeForward : public Initialize, public ::testing::WithParamInterface<ForwardCase> {};
+class InitializeForward : public testing::OnDevices<Initialize, ForwardCase> {};
 
-TEST_P(InitializeForward, DtypesAsTheTableSays) { expect_forward_dtypes(GetParam(), at::kCPU); }
+TEST_P(InitializeForward, DtypesAsTheTableSays) { expect_forward_dtypes(param(), device()); }
 
-class InitializeForward_CUDA : public InitializeForward {
- protected:
-  void SetUp() override { OPTAMP_SKIP_WITHOUT_CUDA(); }
-};
-
-TEST_P(InitializeForward_CUDA, DtypesAsTheTableSays) {
-  expect_forward_dtypes(GetParam(), at::kCUDA);
+std::string forward_case_name(
+    const ::testing::TestParamInfo<std::tuple<ForwardCase, at::DeviceType>>& info) {
+  return std::get<0>(info.param).name + testing::device_suffix(std::get<1>(info.param));
 }
 
-std::string forward_case_name(const ::testing::TestParamInfo<ForwardCase>& info) {
-  return info.param.name;
-}
-
-INSTANTIATE_TEST_SUITE_P(Levels, InitializeForward, ::testing::ValuesIn(kForwardCases),
-                         forward_case_name);
-INSTANTIATE_TEST_SUITE_P(Levels, InitializeForward_CUDA, ::testing::ValuesIn(kForwardCases),
+INSTANTIATE_TEST_SUITE_P(Levels, InitializeForward,
+                         ::testing::Combine(::testing::ValuesIn(kForwardCases), testing::kDevices),
                          forward_case_name);
 
 TEST_F(Initialize, O3CastsTheModelAndKeepsItOverridable) {
@@ -553,12 +539,8 @@ void expect_o2_working_copies_never_stale(at::Device device) {
   expect_copies_are_rounded_masters(net, "after step 5");
 }
 
-TEST_F(Initialize, O2OneWorkingCopyPerParamReusedAndRefreshedPerStep) {
-  expect_o2_working_copies_never_stale(at::kCPU);
-}
-
-TEST_F(Initialize_CUDA, O2OneWorkingCopyPerParamReusedAndRefreshedPerStep) {
-  expect_o2_working_copies_never_stale(at::kCUDA);
+TEST_P(InitializeOnDevice, O2OneWorkingCopyPerParamReusedAndRefreshedPerStep) {
+  expect_o2_working_copies_never_stale(GetParam());
 }
 
 TEST_F(Initialize, O2OwnDataOpsStayFp32AndViewsReuseTheCopy) {
@@ -942,26 +924,19 @@ TEST_F(Initialize, CheckpointLoadBeforeInitializeFails) {
   }
 }
 
-class InitializeCheckpoint : public Initialize,
-                             public ::testing::WithParamInterface<const char*> {};
+class InitializeCheckpoint : public testing::OnDevices<Initialize, const char*> {};
 
-TEST_P(InitializeCheckpoint, ResumeIsBitExact) { expect_resume_bit_exact(GetParam(), at::kCPU); }
-
-class InitializeCheckpoint_CUDA : public InitializeCheckpoint {
- protected:
-  void SetUp() override { OPTAMP_SKIP_WITHOUT_CUDA(); }
-};
-
-TEST_P(InitializeCheckpoint_CUDA, ResumeIsBitExact) {
-  expect_resume_bit_exact(GetParam(), at::kCUDA);
-}
+TEST_P(InitializeCheckpoint, ResumeIsBitExact) { expect_resume_bit_exact(param(), device()); }
 
 const auto kAllLevels = ::testing::Values("O0", "O1", "O2", "O3", "O4", "O5");
 
-std::string level_name(const ::testing::TestParamInfo<const char*>& info) { return info.param; }
+std::string level_name(
+    const ::testing::TestParamInfo<std::tuple<const char*, at::DeviceType>>& info) {
+  return std::get<0>(info.param) + testing::device_suffix(std::get<1>(info.param));
+}
 
-INSTANTIATE_TEST_SUITE_P(Levels, InitializeCheckpoint, kAllLevels, level_name);
-INSTANTIATE_TEST_SUITE_P(Levels, InitializeCheckpoint_CUDA, kAllLevels, level_name);
+INSTANTIATE_TEST_SUITE_P(Levels, InitializeCheckpoint,
+                         ::testing::Combine(kAllLevels, testing::kDevices), level_name);
 
 // ---- re-initialization -----------------------------------------------------------------------
 
@@ -996,12 +971,8 @@ void expect_reinitialization_cycles_clean(at::Device device) {
   EXPECT_LT(resident_kib(), rss_after_warmup + 32 * 1024) << "RSS grew by more than 32 MiB";
 }
 
-TEST_F(Initialize, ReinitializationCyclesAreBoundedAndClean) {
-  expect_reinitialization_cycles_clean(at::kCPU);
-}
-
-TEST_F(Initialize_CUDA, ReinitializationCyclesAreBoundedAndClean) {
-  expect_reinitialization_cycles_clean(at::kCUDA);
+TEST_P(InitializeOnDevice, ReinitializationCyclesAreBoundedAndClean) {
+  expect_reinitialization_cycles_clean(GetParam());
 }
 
 TEST_F(Initialize, ResetTurnsCastingOff) {

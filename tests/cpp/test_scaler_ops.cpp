@@ -1,6 +1,6 @@
 // The multi-tensor ops (optamp::unscale_check_, axpby_check_, update_scale_): every dtype, odd
-// sizes, inf vs NaN vs finite, non-contiguous inputs, argument errors; *_CUDA twins compare the
-// CUDA kernels with the CPU ones.
+// sizes, inf vs NaN vs finite, non-contiguous inputs, argument errors, each on the CPU and on
+// CUDA (where a GPU is visible); a CUDA-only test compares the CUDA kernels with the CPU ones.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -164,15 +164,25 @@ void check_update_scale(at::Device d) {
   EXPECT_EQ(scale.item<float>(), 32.0f);  // ceiling
 }
 
-TEST(ScalerOps, UnscaleMatchesReferenceAndTorchForEveryDtypeAndOddSizes) {
-  check_unscale_matches_reference(at::kCPU);
+// The kernels of each device (CPU, and CUDA where a GPU is visible) against the same reference.
+class ScalerOpsOnDevice : public ::testing::TestWithParam<at::DeviceType> {
+ protected:
+  void SetUp() override { OPTAMP_SKIP_UNLESS_VISIBLE(GetParam()); }
+};
+
+TEST_P(ScalerOpsOnDevice, UnscaleMatchesReferenceAndTorchForEveryDtypeAndOddSizes) {
+  check_unscale_matches_reference(GetParam());
 }
-TEST(ScalerOps, DetectsInfAndNanButNotLargeFiniteValues) { check_non_finite_detection(at::kCPU); }
-TEST(ScalerOps, HandlesNonContiguousTensors) { check_non_contiguous(at::kCPU); }
-TEST(ScalerOps, AxpbyMatchesReferenceAndChecksBothInputs) { check_axpby(at::kCPU); }
-TEST(ScalerOps, UpdateScaleFollowsGrowthBackoffHysteresisAndClamps) {
-  check_update_scale(at::kCPU);
+TEST_P(ScalerOpsOnDevice, DetectsInfAndNanButNotLargeFiniteValues) {
+  check_non_finite_detection(GetParam());
 }
+TEST_P(ScalerOpsOnDevice, HandlesNonContiguousTensors) { check_non_contiguous(GetParam()); }
+TEST_P(ScalerOpsOnDevice, AxpbyMatchesReferenceAndChecksBothInputs) { check_axpby(GetParam()); }
+TEST_P(ScalerOpsOnDevice, UpdateScaleFollowsGrowthBackoffHysteresisAndClamps) {
+  check_update_scale(GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, ScalerOpsOnDevice, testing::kDevices, testing::on_device);
 
 TEST(ScalerOps, ThreadSplitsLandAnywhereInsideTheTensorList) {
   // The CPU kernels split the list's elements evenly over the threads, so a split can fall in
@@ -242,26 +252,6 @@ TEST(ScalerOps, RejectsBadArgumentsWithValueErrors) {
   EXPECT_TRUE(at::equal(t, before)) << "validation must precede any mutation";
 }
 
-TEST(ScalerOps, UnscaleMatchesReference_CUDA) {
-  OPTAMP_SKIP_WITHOUT_CUDA();
-  check_unscale_matches_reference(at::kCUDA);
-}
-TEST(ScalerOps, DetectsInfAndNan_CUDA) {
-  OPTAMP_SKIP_WITHOUT_CUDA();
-  check_non_finite_detection(at::kCUDA);
-}
-TEST(ScalerOps, HandlesNonContiguousTensors_CUDA) {
-  OPTAMP_SKIP_WITHOUT_CUDA();
-  check_non_contiguous(at::kCUDA);
-}
-TEST(ScalerOps, Axpby_CUDA) {
-  OPTAMP_SKIP_WITHOUT_CUDA();
-  check_axpby(at::kCUDA);
-}
-TEST(ScalerOps, UpdateScale_CUDA) {
-  OPTAMP_SKIP_WITHOUT_CUDA();
-  check_update_scale(at::kCUDA);
-}
 TEST(ScalerOps, CudaMatchesCpuBitwiseAndManyTensorsSpanLaunches_CUDA) {
   OPTAMP_SKIP_WITHOUT_CUDA();
   at::manual_seed(5);

@@ -1,10 +1,11 @@
 #pragma once
 // Test helpers shared by the GoogleTest files: the per-dtype tolerance table, CUDA skipping and
-// error-message assertions.
+// device-parametrized tests, and error-message assertions.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace amp::testing {
@@ -28,6 +29,43 @@ Tolerance tolerance(at::ScalarType dtype);
   do {                                                            \
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible"; \
   } while (0)
+
+#define OPTAMP_SKIP_UNLESS_VISIBLE(device)                 \
+  do {                                                     \
+    if ((device) == at::kCUDA) OPTAMP_SKIP_WITHOUT_CUDA(); \
+  } while (0)
+
+namespace amp::testing {
+
+// Device-parametrized tests: one TEST_P over {CPU, CUDA} (kDevices, alone or in a
+// ::testing::Combine), its fixture's SetUp calling OPTAMP_SKIP_UNLESS_VISIBLE(device), its
+// instance names ending in device_suffix(device). A CUDA instance is then named "..._CUDA", like
+// the CUDA-only tests: main.cpp leaves it out of a default run without a GPU, and run by name
+// (ctest) it reports a skip.
+inline const auto kDevices = ::testing::Values(at::kCPU, at::kCUDA);
+inline std::string device_suffix(at::DeviceType device) {
+  return device == at::kCUDA ? "_CUDA" : "_CPU";
+}
+// The name of an instance whose parameter is the device alone: "On_CPU", "On_CUDA".
+inline std::string on_device(const ::testing::TestParamInfo<at::DeviceType>& info) {
+  return "On" + device_suffix(info.param);
+}
+
+// A fixture `Base` parametrized by (Case, device), instantiated over Combine(cases, kDevices). A
+// CUDA instance skips where no GPU is visible.
+template <typename Base, typename Case>
+class OnDevices : public Base,
+                  public ::testing::WithParamInterface<std::tuple<Case, at::DeviceType>> {
+ protected:
+  void SetUp() override {
+    OPTAMP_SKIP_UNLESS_VISIBLE(device());
+    Base::SetUp();
+  }
+  const Case& param() const { return std::get<0>(this->GetParam()); }
+  at::DeviceType device() const { return std::get<1>(this->GetParam()); }
+};
+
+}  // namespace amp::testing
 
 // Runs `stmt`, expects a c10 exception of type `kind` whose message contains every substring.
 #define OPTAMP_EXPECT_THROW_WITH(stmt, kind, ...)              \

@@ -1,10 +1,11 @@
-import os
-import sys
-
+"""pytest hooks and fixtures for tests/python: the slow and needs_cuda markers, a fixed seed for
+every test, and ``fresh`` (optamp reset around a test). Shared helpers that are not fixtures live
+in common_utils.py, the casting cases in op_cases.py (both imported by name: pytest puts this
+directory on sys.path)."""
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+import optamp
 
 
 def pytest_addoption(parser):
@@ -24,3 +25,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def fresh():
+    """optamp reset before and after the test."""
+    optamp.reset()
+    yield
+    optamp.reset()

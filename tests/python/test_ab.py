@@ -19,11 +19,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-BUILD = os.environ.get("OPTAMP_BUILD_DIR", os.path.join(ROOT, "build"))
-BIN = os.path.join(BUILD, "examples", "cpp", "train_fashion_mnist")
-PY_TRAINER = os.path.join(ROOT, "examples", "python", "train_fashion_mnist.py")
-DATA = "/usr/share/datasets/fashion-mnist"
+from common_utils import BIN, DATA, PY_TRAINER, ROOT, env, trainer_binary
+
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 STATIC_SCALE_LEVELS = {"O0", "O3", "O4", "O5"}  # loss scale 1.0, never skips (docs/opt_levels.md)
 SMALL = ["--steps", "20", "--subset", "512", "--test-subset", "1000", "--seed", "0"]
@@ -37,26 +34,9 @@ REPORT_HEADER = "Selected optimization level"  # Apex's properties report, first
 OVERFLOW = "Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to "
 
 
-def trainer_binary():
-    if not os.access(BIN, os.X_OK):
-        pytest.fail(f"{BIN} is missing: build the project with its examples "
-                    "(OPTAMP_BUILD_EXAMPLES=ON, the default) or set OPTAMP_BUILD_DIR")
-    return BIN
-
-
 def trainer(kind):
     """The command that starts the C++ trainer or its Python twin."""
     return [trainer_binary()] if kind == "cpp" else [sys.executable, PY_TRAINER]
-
-
-def env(progress="0"):
-    """The trainers' environment; progress=None leaves OPTAMP_PROGRESS unset (the default:
-    a progress line only when stderr is a terminal)."""
-    e = dict(os.environ, OPTAMP_PYTHON=sys.executable, OPTAMP_PROGRESS=progress or "")
-    if progress is None:
-        del e["OPTAMP_PROGRESS"]
-    e["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + e.get("PYTHONPATH", "")
-    return e
 
 
 def read_metrics(path):

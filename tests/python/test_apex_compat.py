@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import optamp
-from _amp_helpers import Mlp, TinyNet, fresh, init  # noqa: F401  (fresh is a fixture)
-from tolerances import tol
+from common_utils import Mlp, TinyNet, init, tol
 
 pytestmark = pytest.mark.usefixtures("fresh")
 

@@ -6,8 +6,7 @@ import torch
 from torch.utils.checkpoint import checkpoint  # imported before initialize, as users do
 
 import optamp
-from _amp_helpers import fresh, init  # noqa: F401  (fresh is a fixture)
-from tolerances import tol
+from common_utils import init, tol
 
 pytestmark = pytest.mark.usefixtures("fresh")
 

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from test_ab import BIN, DATA, env, trainer_binary  # noqa: F401  (shared paths and skips)
+from common_utils import DATA, env, trainer_binary
 
 STEPS = int(os.environ.get("OPTAMP_SMOKE_STEPS", "600"))
 

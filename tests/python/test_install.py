@@ -1,50 +1,85 @@
-"""`pip install --no-build-isolation .` into a fresh venv, then `import optamp` from outside the
-repository: the wheel must carry optamp/_C and optamp/liboptamp and import on its own."""
+"""The wheel, as README installs it: `pip install --no-build-isolation .` (on every run; the
+build reuses build/<wheel tag>/ and ccache, so a repeated run compiles little), then
+`import optamp` from outside the checkout. The wheel must carry optamp/_C, optamp/liboptamp,
+the type stub and py.typed, and require exactly the torch release it was built against. The
+isolated build (`pip install .`, torch 2.11.0 from the index) runs with --run-slow."""
 import os
+import re
 import subprocess
 import sys
-import sysconfig
 import textwrap
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+from common_utils import ROOT
+
+CHECK = textwrap.dedent("""
+    import os, sys, torch, optamp
+    from importlib.metadata import requires, version
+    pkg = os.path.dirname(optamp.__file__)
+    names = os.listdir(pkg)
+    assert not pkg.startswith(sys.argv[1]), pkg
+    assert any(n.startswith("_C") and n.endswith(".so") for n in names), names
+    assert any(n.startswith("liboptamp") for n in names), names
+    assert {"_C.pyi", "py.typed"} <= set(names), names
+    from optamp import _build_info  # the version check has what it needs in a wheel
+    release = torch.__version__.split("+")[0]
+    assert _build_info.torch_version == release, _build_info
+    assert version("optamp") == optamp.__version__, (version("optamp"), optamp.__version__)
+    assert requires("optamp") == ["torch==" + release], requires("optamp")
+    m = torch.nn.Linear(2, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    m, o = optamp.initialize(m, o, opt_level="O4", verbosity=0)
+    assert m(torch.ones(1, 2)).dtype == torch.bfloat16
+    print("ok", pkg)
+""")
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the installed package, not python/ of the checkout
+    env.update(extra)
+    return env
+
+
+def _install_and_check(tmp_path, *pip_args, **env):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q",
+                    "--disable-pip-version-check", "--target", str(target), *pip_args, ROOT],
+                   check=True, env=_env(**env), timeout=3000)
+    out = subprocess.run([sys.executable, "-c", CHECK, os.path.join(ROOT, "python")],
+                         capture_output=True, text=True, cwd=str(tmp_path),
+                         env=_env(PYTHONPATH=str(target)))
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr
+
+
+def test_pip_install_no_build_isolation_and_import(tmp_path):
+    """README's command: reuses this interpreter's torch and build tools, downloads nothing."""
+    pytest.importorskip("scikit_build_core",
+                        reason="the build backend is not installed (scripts/bootstrap.sh installs "
+                               "it; a machine without network cannot)")
+    _install_and_check(tmp_path, "--no-build-isolation", PIP_NO_INDEX="1")
 
 
 @pytest.mark.slow
-def test_pip_install_into_a_fresh_venv_and_import(tmp_path):
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-                   check=True)
-    py = venv / "bin" / "python"
-    # The test's interpreter may itself be a venv (torch lives there, not in the base Python
-    # that --system-site-packages exposes): make its site-packages visible through a .pth so
-    # torch and the build tools are reused, not downloaded.
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-    with open(os.path.join(site, "_torch_env.pth"), "w") as f:
-        f.write(sysconfig.get_path("purelib") + "\n")
-    env = dict(os.environ, PIP_NO_INDEX="1")  # nothing may be downloaded
-    env.pop("PYTHONPATH", None)  # the installed package, not python/ of the checkout
-    subprocess.run([str(py), "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-q",
-                    ROOT], check=True, env=env, timeout=3000)
-    check = textwrap.dedent("""
-        import os, torch, optamp
-        pkg = os.path.dirname(optamp.__file__)
-        names = os.listdir(pkg)
-        assert not pkg.startswith(%r), pkg
-        assert any(n.startswith("_C") and n.endswith(".so") for n in names), names
-        assert any(n.startswith("liboptamp") for n in names), names
-        from optamp import _build_info  # the version check has what it needs in a wheel
-        assert _build_info.torch_version == torch.__version__.split("+")[0], _build_info
-        from importlib.metadata import version  # the wheel's version: CMakeLists.txt's
-        assert version("optamp") == optamp.__version__, (version("optamp"), optamp.__version__)
-        m = torch.nn.Linear(2, 2)
-        o = torch.optim.SGD(m.parameters(), lr=0.1)
-        m, o = optamp.initialize(m, o, opt_level="O4", verbosity=0)
-        assert m(torch.ones(1, 2)).dtype == torch.bfloat16
-        print("ok", pkg)
-    """ % os.path.join(ROOT, "python"))
-    out = subprocess.run([str(py), "-c", check], check=True, capture_output=True, text=True,
-                         cwd=str(tmp_path), env=env)
-    assert out.stdout.startswith("ok")
+def test_pip_install_with_build_isolation_and_import(tmp_path):
+    """Plain `pip install .`: pip builds in a fresh environment with [build-system]'s requires
+    (torch 2.11.0 and scikit-build-core from the index, or pip's cache). Its own build
+    directory: build/<wheel tag>/ stays configured for the test above."""
+    _install_and_check(tmp_path, "--config-settings", f"build-dir={tmp_path / 'build'}")
+
+
+def _pin(text, where):
+    pins = re.findall(r"torch==([0-9][^\"'\s,]*)", text)
+    assert len(pins) == 1, (where, pins)
+    return pins[0]
+
+
+def test_the_build_pins_the_torch_release_the_scripts_install():
+    """[build-system] builds against the torch scripts/requirements.txt installs, so both install
+    forms give a wheel requiring the same release."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        build_system = f.read().split("[project]")[0]
+    with open(os.path.join(ROOT, "scripts", "requirements.txt")) as f:
+        requirements = f.read()
+    assert _pin(build_system, "pyproject.toml") == _pin(requirements, "requirements.txt")

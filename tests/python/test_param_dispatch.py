@@ -1,7 +1,7 @@
 """O2/O5 substitution from Python: the key lives on the registered parameters, so only ops that
 take one are substituted, `module.to()` / `p.data = x` keep it, and backward never reaches it."""
 import torch
-from tolerances import tol
+from common_utils import tol
 
 import optamp
 

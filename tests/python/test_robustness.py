@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import optamp
-from _amp_helpers import Mlp, fresh, init  # noqa: F401  (fresh is a fixture)
+from common_utils import Mlp, init
 
 pytestmark = pytest.mark.usefixtures("fresh")
 

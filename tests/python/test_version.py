@@ -1,6 +1,6 @@
 """optamp's version is set once, by project(optamp VERSION ...) in CMakeLists.txt: CMake writes it
 into optamp/_build_info.py (optamp.__version__), and scikit-build-core reads the wheel's version
-from the same line (pyproject.toml's [tool.scikit-build.metadata.version] regex)."""
+from the same line (the regex provider of pyproject.toml's [[tool.dynamic-metadata]])."""
 import os
 import re
 
@@ -26,7 +26,9 @@ def test_the_wheel_metadata_reads_the_same_line():
         pyproject = tomllib.load(f)
     assert "version" not in pyproject["project"]
     assert "version" in pyproject["project"]["dynamic"]
-    settings = pyproject["tool"]["scikit-build"]["metadata"]["version"]
+    [settings] = [entry for entry in pyproject["tool"]["dynamic-metadata"]
+                  if entry.get("field") == "version"]
+    assert settings["provider"] == "scikit_build_core.metadata.regex"
     with open(os.path.join(ROOT, settings["input"])) as f:
         match = re.search(settings["regex"], f.read(), re.MULTILINE)
     assert match is not None and match.group("value") == optamp.__version__

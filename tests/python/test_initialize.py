@@ -1,5 +1,6 @@
 """optamp.initialize from Python: return shapes, optimizers, validation, levels, outputs."""
 import math
+import re
 import warnings
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import optamp
-from _amp_helpers import Mlp, TinyNet, fresh, init  # noqa: F401
+from common_utils import Mlp, TinyNet, init
 
 
 class MySGD(torch.optim.Optimizer):
@@ -48,7 +49,7 @@ def step(model, opt, x, y, **kw):
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("level", list(PARAM_DTYPE))
-def test_every_optimizer_trains(fresh, name, level):  # noqa: F811
+def test_every_optimizer_trains(fresh, name, level):
     model = Mlp()
     # O3 steps fp16 weights: eps >= 1e-4 (docs/opt_levels.md, O3 caveats); the defaults warn.
     eps = dict(eps=1e-4) if level == "O3" else {}
@@ -74,7 +75,7 @@ def test_every_optimizer_trains(fresh, name, level):  # noqa: F811
     assert model(x).dtype == (torch.float16 if level in ("O1", "O2", "O3") else torch.bfloat16)
 
 
-def test_return_shapes_follow_the_inputs(fresh):  # noqa: F811
+def test_return_shapes_follow_the_inputs(fresh):
     m, n = Mlp(), Mlp()
     assert init(m) is m
     optamp.reset()
@@ -89,7 +90,7 @@ def test_return_shapes_follow_the_inputs(fresh):  # noqa: F811
     assert init(m, [o]) == (m, [o])
 
 
-def test_enabled_false_returns_untouched_and_scale_loss_is_identity(fresh):  # noqa: F811
+def test_enabled_false_returns_untouched_and_scale_loss_is_identity(fresh):
     model = Mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert init(model, opt, enabled=False, opt_level="O3", cast_model_outputs=torch.float16) == (
@@ -103,7 +104,7 @@ def test_enabled_false_returns_untouched_and_scale_loss_is_identity(fresh):  # n
         scaled.backward()
 
 
-def test_validation_errors_change_nothing(fresh):  # noqa: F811
+def test_validation_errors_change_nothing(fresh):
     model = Mlp()
     with pytest.raises(TypeError, match="models must be a torch.nn.Module"):
         optamp.initialize("model")
@@ -128,7 +129,7 @@ def test_validation_errors_change_nothing(fresh):  # noqa: F811
         init(model, opt)
 
 
-def test_o2_keeps_fp32_masters_and_batchnorm(fresh):  # noqa: F811
+def test_o2_keeps_fp32_masters_and_batchnorm(fresh):
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     init(model, opt, opt_level="O5")
@@ -148,7 +149,7 @@ def test_o2_keeps_fp32_masters_and_batchnorm(fresh):  # noqa: F811
     assert [p.detach().clone().dtype for p in model.parameters()][0] == torch.float32
 
 
-def test_o3_casts_the_model_and_keep_in_fp32(fresh):  # noqa: F811
+def test_o3_casts_the_model_and_keep_in_fp32(fresh):
     model = TinyNet()
     optamp.keep_in_fp32(model.fc)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -161,7 +162,7 @@ def test_o3_casts_the_model_and_keep_in_fp32(fresh):  # noqa: F811
     assert model.conv.weight.grad is None or model.conv.weight.grad.dtype == torch.bfloat16
 
 
-def test_cast_model_outputs_recursively_and_reset_unwraps(fresh):  # noqa: F811
+def test_cast_model_outputs_recursively_and_reset_unwraps(fresh):
     class Multi(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -183,7 +184,7 @@ def test_cast_model_outputs_recursively_and_reset_unwraps(fresh):  # noqa: F811
         init(model, cast_model_outputs="float16")
 
 
-def test_properties_and_verbosity(fresh, capfd):  # noqa: F811
+def test_properties_and_verbosity(fresh, capfd):
     model = Mlp()
     optamp.initialize(model, opt_level="O2", loss_scale=128.0, init_scale=4.0)
     props = optamp.properties()
@@ -211,7 +212,7 @@ def _overflowing_steps(opt_level, verbosity, **kw):
             assert optamp.loss_scaler(loss_id).last_step_skipped == (poison == math.inf)
 
 
-def test_overflow_is_logged_apex_style_at_verbosity_1_only(fresh, capfd):  # noqa: F811
+def test_overflow_is_logged_apex_style_at_verbosity_1_only(fresh, capfd):
     _overflowing_steps("O1", 1)  # default init_scale 65536
     out, err = capfd.readouterr()
     assert out == "optamp: opt_level O1 (Insert automatic casts around Pytorch functions and " \
@@ -226,28 +227,51 @@ def test_overflow_is_logged_apex_style_at_verbosity_1_only(fresh, capfd):  # noq
     assert capfd.readouterr() == ("", "")  # verbosity 0: neither the report nor the log
 
 
-def test_errors_from_cpp_keep_their_text(fresh):  # noqa: F811
+def test_errors_from_cpp_keep_their_text(fresh):
     with pytest.raises(ValueError, match="loss_scale"):
         init(Mlp(), loss_scale=-1.0)
     with pytest.raises(RuntimeError, match="initialize"):
         optamp.loss_scaler(0)
 
 
-def test_floor_error_names_the_model_parameters(fresh):  # noqa: F811
+def test_floor_error_names_the_model_parameters(fresh):
     model = Mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     init(model, opt, opt_level="O4", loss_scale="dynamic", init_scale=1.0, min_loss_scale=1.0)
-    with pytest.raises(Exception, match=r"fc1\.weight") as info:
+    with pytest.raises(RuntimeError) as info:
         for _ in range(optamp._C.FLOOR_SKIP_LIMIT + 1):
             opt.zero_grad()
             with optamp.scale_loss(model(torch.randn(2, 4)).float().sum() * math.inf, opt) as s:
                 s.backward()
-    assert isinstance(info.value, (RuntimeError, ValueError))
+    # Each parameter once: its model name (from the core's namer), then where it sits.
+    shapes = {"fc1.weight": "[8, 4]", "fc1.bias": "[8]", "fc2.weight": "[3, 8]", "fc2.bias": "[3]"}
+    named = ", ".join(f"{name} (optimizer 0 param_groups[0].params[{i}], shape {shape})"
+                      for i, (name, shape) in enumerate(shapes.items()))
+    assert str(info.value) == (
+        f"amp: loss scaler 0 skipped {optamp._C.FLOOR_SKIP_LIMIT} consecutive steps at "
+        "min_loss_scale (1) because of non-finite gradients; the model diverged or "
+        "min_loss_scale is too high. Parameters with non-finite gradients in the last step: "
+        + named)
+
+
+def test_scale_loss_errors_name_the_model_parameters(fresh):
+    """Not only the floor error: every scale_loss message gives the model's name, then where
+    the optimizer holds the parameter."""
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, opt_level="O4")
+    loss = model(torch.randn(2, 4)).float().sum()
+    with optamp.scale_loss(loss, opt) as scaled:
+        with pytest.raises(RuntimeError, match=re.escape(
+                "fc1.weight (optimizer 0 param_groups[0].params[0]) is already inside")):
+            with optamp.scale_loss(loss, opt):
+                pass
+        scaled.backward()
 
 
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("level", ["O1", "O2", "O3", "O5"])
-def test_cuda_training_steps(fresh, level):  # noqa: F811
+def test_cuda_training_steps(fresh, level):
     model = TinyNet().cuda()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     init(model, opt, opt_level=level)
@@ -258,7 +282,7 @@ def test_cuda_training_steps(fresh, level):  # noqa: F811
     assert model(x).dtype == (torch.bfloat16 if level == "O5" else torch.float16)
 
 
-def test_o3_adam_eps_warning_is_a_python_warning(fresh):  # noqa: F811
+def test_o3_adam_eps_warning_is_a_python_warning(fresh):
     model = Mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
     with pytest.warns(UserWarning, match=r"eps=1e-08.*fp16"):
@@ -267,7 +291,7 @@ def test_o3_adam_eps_warning_is_a_python_warning(fresh):  # noqa: F811
 
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("level,syncs_per_step", [("O1", 1), ("O2", 1), ("O4", 0), ("O5", 0)])
-def test_cuda_step_syncs_at_most_once(fresh, level, syncs_per_step):  # noqa: F811
+def test_cuda_step_syncs_at_most_once(fresh, level, syncs_per_step):
     # The scaler's update is the only device->host copy of a step (none with a fixed scale).
     torch.manual_seed(0)
     model = TinyNet().cuda()

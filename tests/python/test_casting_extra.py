@@ -1,22 +1,20 @@
-"""Casting checks beyond the table mirror in test_casting_py.py: the casting gate (rules in an
-autocast region under no_grad, none under no_grad outside one), the cast cache's drop at the
-outermost autocast exit, Apex's fp32 Python functions that have no aten op of their own
+"""Casting checks beyond the table of test_casting.py: the casting gate (rules in an autocast
+region under no_grad, none under no_grad outside one), the cast cache's drop at the outermost
+autocast exit, Apex's fp32 Python functions that have no aten op of their own
 (local_response_norm, normalize, softmin), complex tensors, and why opt-level rule 9 cannot be hit
-from Python. The per-op cases are test_casting_py.py's (the C++ tables, keyed by policy-table
-entry), imported rather than copied."""
+from Python. The per-op cases are the shared table's (tests/op_cases.txt, through op_cases.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import optamp
-from _amp_helpers import Mlp, fresh, init  # noqa: F401
-from test_casting_py import CPU_AND_CUDA, FP32, LEVELS, LOWER, PROMOTE, RESULT, In
-from tolerances import tol
+from common_utils import Mlp, init, tol
+from op_cases import CPU_AND_CUDA, FP32, LEVELS, LOWER, PROMOTE, RESULT, In
 
 
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
 @pytest.mark.parametrize("level", list(LEVELS))
-def test_tables_in_an_autocast_region_under_no_grad(fresh, level, device):  # noqa: F811
+def test_tables_in_an_autocast_region_under_no_grad(fresh, level, device):
     """Without initialize and with autograd off, an explicit region applies the full lists in
     its dtype (reduced-precision inference): every table case, as the C++ CastingTable expects."""
     low = LEVELS[level]
@@ -37,7 +35,7 @@ def test_tables_in_an_autocast_region_under_no_grad(fresh, level, device):  # no
 
 
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
-def test_no_rules_under_no_grad_outside_a_region(fresh, device):  # noqa: F811
+def test_no_rules_under_no_grad_outside_a_region(fresh, device):
     """At O1 the rules apply while autograd records; under no_grad (validation, optimizer steps)
     the lower ops run in the dtype they are given and nothing is cast."""
     init(Mlp().to(device), opt_level="O1")
@@ -50,7 +48,7 @@ def test_no_rules_under_no_grad_outside_a_region(fresh, device):  # noqa: F811
     assert LOWER["mm"](f).dtype == torch.float16  # recording again: rules back
 
 
-def test_cache_dropped_at_the_outermost_autocast_exit_only(fresh):  # noqa: F811
+def test_cache_dropped_at_the_outermost_autocast_exit_only(fresh):
     layer = torch.nn.Linear(3, 4)
     x = torch.randn(2, 3)
     with optamp.autocast():
@@ -78,7 +76,7 @@ def _lrn(x):
 
 @pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(2, 4, 5), (2, 4, 3, 3), (1, 4, 2, 3, 3)])
-def test_local_response_norm_runs_in_fp32(fresh, shape, low):  # noqa: F811
+def test_local_response_norm_runs_in_fp32(fresh, shape, low):
     """Apex lists local_response_norm as fp32; it has no aten op. Its 4-D/5-D path pools with
     avg_pool3d (in the fp32 list: CPU has no fp16/bf16 kernel), its 3-D path ends in pow (fp32)
     and a promoting division. Before avg_pool3d was listed, 4-D/5-D fp16 input raised
@@ -98,7 +96,7 @@ def test_local_response_norm_runs_in_fp32(fresh, shape, low):  # noqa: F811
 
 
 @pytest.mark.parametrize("level", list(LEVELS))
-def test_normalize_and_softmin_run_in_fp32(fresh, level):  # noqa: F811
+def test_normalize_and_softmin_run_in_fp32(fresh, level):
     """Apex's other fp32 Python functions: normalize through linalg_vector_norm and the
     promoting division, softmin through softmax."""
     low = LEVELS[level]
@@ -110,7 +108,7 @@ def test_normalize_and_softmin_run_in_fp32(fresh, level):  # noqa: F811
         torch.testing.assert_close(out, fn(x.float()), **tol(low))
 
 
-def test_complex_is_never_cast(fresh):  # noqa: F811
+def test_complex_is_never_cast(fresh):
     init(Mlp(), opt_level="O1")
     c = torch.randn(2, 2, dtype=torch.complex64)
     before = optamp.cast_count()
@@ -135,7 +133,7 @@ def test_patch_type_none_is_not_an_override(level, low):
 
 @pytest.mark.parametrize("level,rules", [("O1", "FULL_LISTS"), ("O2", "MASTER_WEIGHTS"),
                                          ("O3", "PURE_LOW"), ("O0", "NONE")])
-def test_rule_sets_and_policies_are_enums(fresh, level, rules):  # noqa: F811
+def test_rule_sets_and_policies_are_enums(fresh, level, rules):
     init(Mlp(), None, level)
     got, low = optamp.cast_rules_now("cpu")
     assert got == getattr(optamp.RuleSet, rules)

@@ -8,14 +8,13 @@ import torch
 import torch.nn.functional as F
 
 import optamp
-from _amp_helpers import Mlp, fresh, init  # noqa: F401
-from tolerances import tol
+from common_utils import Mlp, init, tol
 
 X = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
 Y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2))
 
 
-def test_multiple_losses_and_optimizers(fresh):  # noqa: F811
+def test_multiple_losses_and_optimizers(fresh):
     model = Mlp()
     opt0 = torch.optim.SGD(model.fc1.parameters(), lr=0.1)
     opt1 = torch.optim.SGD(model.fc2.parameters(), lr=0.1)
@@ -60,14 +59,14 @@ def _accumulated_grads(mode, micro=4):
 
 
 @pytest.mark.parametrize("mode", ["delay_unscale", "unscale_every_micro_batch"])
-def test_gradient_accumulation_is_exact_both_ways(fresh, mode):  # noqa: F811
+def test_gradient_accumulation_is_exact_both_ways(fresh, mode):
     reference = _accumulated_grads("reference")
     # Power-of-two scale, no casting (O0): every accumulated grad must match bit for bit.
     for a, b in zip(_accumulated_grads(mode), reference):
         assert torch.equal(a, b)
 
 
-def test_gradient_accumulation_o1_close_to_fp32(fresh):  # noqa: F811
+def test_gradient_accumulation_o1_close_to_fp32(fresh):
     reference = _accumulated_grads("reference")
     torch.manual_seed(0)
     model = Mlp()
@@ -81,7 +80,7 @@ def test_gradient_accumulation_o1_close_to_fp32(fresh):  # noqa: F811
         torch.testing.assert_close(p.grad, g, **tol("train_float16"))
 
 
-def test_clipping_after_the_guard_at_o2(fresh):  # noqa: F811
+def test_clipping_after_the_guard_at_o2(fresh):
     torch.manual_seed(0)
     reference = Mlp()
     model = Mlp()
@@ -111,7 +110,7 @@ def _train(model, opt, steps, start):
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_checkpoint_resume_is_bit_exact(fresh, level):  # noqa: F811
+def test_checkpoint_resume_is_bit_exact(fresh, level):
     torch.manual_seed(0)
     model = Mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -140,7 +139,7 @@ def test_checkpoint_resume_is_bit_exact(fresh, level):  # noqa: F811
         assert torch.equal(a, b)
 
 
-def test_o1_matches_torch_autocast_and_grad_scaler(fresh):  # noqa: F811
+def test_o1_matches_torch_autocast_and_grad_scaler(fresh):
     steps, bad = 6, 3
     torch.manual_seed(0)
     ours = Mlp()

@@ -1,0 +1,216 @@
+// The cast cache (docs/casting.md, "The cast cache"): one cast per weight and version, refreshed
+// after in-place updates and optimizer steps, separate no_grad entries, dropped at the outermost
+// region exit and by the scale_loss guard, bounded over many iterations.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include <algorithm>
+#include <memory>
+
+#include "casting_test.h"
+#include "core/step_events.h"
+#include "test_util.h"
+
+namespace amp {
+namespace {
+
+using namespace amp::testing;  // NOLINT: the casting fixtures
+
+TEST_F(Casting, CacheCastsEachWeightOncePerVersion) {
+  enable("O1");
+  auto w = randn({4, 3}).requires_grad_();
+  auto before = cast_count();
+  at::mm(randn({2, 3}), w.t());
+  at::mm(randn({2, 3}), w.t());  // t() is a view: a new TensorImpl, not cached, cast again
+  EXPECT_EQ(cast_count() - before, 4);
+  before = cast_count();
+  at::linear(randn({2, 3}), w);
+  at::linear(randn({2, 3}), w);
+  at::linear(randn({2, 3}), w);
+  EXPECT_EQ(cast_count() - before, 1 + 3);  // w once, each input once
+  EXPECT_EQ(cache_size(), 1u);
+}
+
+TEST_F(Casting, CacheRefreshesAfterInPlaceUpdates) {
+  enable("O1");
+  auto w = randn({4, 3}).requires_grad_();
+  auto x = randn({2, 3});
+  auto first = at::linear(x, w);
+  {
+    c10::NoGradGuard no_grad;
+    w.add_(1.0);  // bumps the version counter
+  }
+  auto second = at::linear(x, w);
+  auto expected = at::linear(x.to(at::kHalf), w.detach().to(at::kHalf));
+  EXPECT_TRUE(at::equal(second, expected));
+  EXPECT_FALSE(at::equal(first, second));
+  // Through .data() (LibTorch's optimizers): no version bump, so the step-boundary event.
+  w.data().mul_(2.0);
+  detail::notify_weights_may_change();
+  EXPECT_EQ(cache_size(), 0u);
+  auto third = at::linear(x, w);
+  EXPECT_TRUE(at::equal(third, at::linear(x.to(at::kHalf), w.detach().to(at::kHalf))));
+}
+
+TEST_F(Casting, CacheSeparatesNoGradFromGradEntries) {
+  enable("O1");
+  auto w = randn({4, 3}).requires_grad_();
+  auto x = randn({2, 3});
+  {
+    c10::NoGradGuard no_grad;
+    autocast region;
+    auto out = at::linear(x, w);
+    EXPECT_FALSE(out.requires_grad());
+    EXPECT_EQ(cache_size(), 1u);
+  }
+  EXPECT_EQ(cache_size(), 0u);  // leaving the outermost region dropped the entry
+  {
+    c10::NoGradGuard no_grad;
+    autocast outer;
+    at::linear(x, w);
+    EXPECT_EQ(cache_size(), 1u);
+    c10::GradMode::set_enabled(true);
+    auto out = at::linear(x, w);  // must not reuse the history-free no_grad copy
+    c10::GradMode::set_enabled(false);
+    EXPECT_TRUE(out.requires_grad());
+    EXPECT_EQ(cache_size(), 2u);
+  }
+  EXPECT_EQ(cache_size(), 0u);
+}
+
+TEST_F(Casting, CacheIsDroppedAtTheOutermostAutocastExitOnly) {
+  auto w = randn({4, 3}).requires_grad_();
+  auto x = randn({2, 3});
+  {
+    autocast outer;
+    at::linear(x, w);
+    EXPECT_EQ(cache_size(), 1u);
+    {
+      autocast inner(true, at::kBFloat16);
+      at::linear(x, w);
+      EXPECT_EQ(cache_size(), 2u);  // a bf16 copy next to the fp16 one
+    }
+    EXPECT_EQ(cache_size(), 2u) << "an inner exit must keep the entries";
+    { autocast off(false); }
+    { disable_casts no_casts; }
+    EXPECT_EQ(cache_size(), 2u);
+    at::linear(x, w);  // still served from the cache
+    EXPECT_EQ(cache_size(), 2u);
+  }
+  EXPECT_EQ(cache_size(), 0u) << "the outermost exit must drop every entry";
+  // The same when the thread is on through the level: entries made outside any region are
+  // dropped by the region's exit too.
+  enable("O1");
+  at::linear(x, w);
+  EXPECT_EQ(cache_size(), 1u);
+  {
+    autocast region;
+    at::linear(x, w);
+    EXPECT_EQ(cache_size(), 1u);
+  }
+  EXPECT_EQ(cache_size(), 0u);
+}
+
+TEST_F(Casting, CopiesMadeInsideKernelsAreNotServedToAutograd) {
+  enable("O1");
+  auto w = randn({4, 3}).requires_grad_();
+  auto x = randn({2, 3});
+  {
+    // What a kernel's inner calls see: GradMode on, autograd keys excluded.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::linear(x, w);
+  }
+  auto out = at::linear(x, w);
+  ASSERT_TRUE(out.requires_grad());
+  out.sum().backward();
+  EXPECT_TRUE(w.grad().defined());
+}
+
+TEST_F(Casting, CacheStaysBoundedOverManyIterations) {
+  enable("O1");
+  auto x = randn({2, 3});
+  auto kept = randn({4, 3}).requires_grad_();  // a live parameter reused every iteration
+  std::size_t peak = 0;
+  const auto casts_before = cast_count();
+  for (int i = 0; i < 1000; ++i) {
+    auto w = randn({4, 3}).requires_grad_();  // a fresh parameter each iteration, then dropped
+    at::linear(x, w);
+    at::linear(x, kept);
+    peak = std::max(peak, cache_size());
+  }
+  EXPECT_LE(peak, 200u);
+  // Per iteration: x twice (not cacheable) and the fresh w; `kept` stays cached across sweeps.
+  EXPECT_LE(cast_count() - casts_before, 3 * 1000 + 5);
+}
+
+TEST_F(Casting, RealOptimizerStepIsSeenByTheNextForward) {
+  // torch::optim::SGD updates through p.data(), which does not bump the version counter (Adam
+  // in LibTorch 2.11 does bump it): the step-boundary event (raised by scale_loss after its
+  // unscale) must drop the stale copy.
+  enable("O1");
+  auto x = randn({2, 3});
+  auto w_sgd = randn({4, 3}).requires_grad_();
+  auto w_adam = randn({4, 3}).requires_grad_();
+  torch::optim::SGD sgd({w_sgd}, torch::optim::SGDOptions(0.5).momentum(0.9));
+  torch::optim::Adam adam({w_adam}, torch::optim::AdamOptions(0.1));
+  for (int step = 0; step < 3; ++step) {
+    (at::linear(x, w_sgd).to(at::kFloat).sum() + at::linear(x, w_adam).to(at::kFloat).sum())
+        .backward();
+    sgd.step();
+    adam.step();
+    sgd.zero_grad();
+    adam.zero_grad();
+    detail::notify_weights_may_change();
+    for (const auto& w : {w_sgd, w_adam}) {
+      EXPECT_TRUE(
+          at::equal(at::linear(x, w), at::linear(x.to(at::kHalf), w.detach().to(at::kHalf))))
+          << "stale working copy after step " << step;
+    }
+  }
+}
+
+// The same through the public loop: amp::initialize at O1, forward, the real scale_loss guard,
+// the unchanged optimizer.step(); the next forward must see the stepped weights. (With SGD the
+// version counter does not move, so without the guard's drop the copy would be served stale;
+// checked once by refilling the cache between the guard and the step.)
+TEST_F(CastingInitialized, ScaleLossGuardMakesRealOptimizerStepsVisible) {
+  for (const bool adam : {false, true}) {
+    SCOPED_TRACE(adam ? "Adam" : "SGD");
+    at::manual_seed(3);
+    auto model = std::make_shared<OneWeight>();
+    std::unique_ptr<torch::optim::Optimizer> optimizer;
+    if (adam) {
+      optimizer =
+          std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(0.1));
+    } else {
+      optimizer = std::make_unique<torch::optim::SGD>(model->parameters(),
+                                                      torch::optim::SGDOptions(0.5).momentum(0.9));
+    }
+    initialize(model, *optimizer, "O1", quiet());
+    const at::Tensor& w = model->w;
+    const auto x = randn({2, 3});
+    auto fresh = [&] { return at::linear(x.to(at::kHalf), w.detach().to(at::kHalf)); };
+    for (int step = 0; step < 4; ++step) {
+      optimizer->zero_grad();
+      const auto out = at::linear(x, w);
+      ASSERT_EQ(out.scalar_type(), at::kHalf);
+      EXPECT_TRUE(at::equal(out, fresh())) << "stale working copy at step " << step;
+      EXPECT_EQ(cache_size(), 1u);
+      {
+        auto scaled = scale_loss(out.to(at::kFloat).pow(2).mean(), *optimizer);
+        scaled.backward();
+      }
+      EXPECT_EQ(cache_size(), 0u) << "the guard's exit must drop the cached copy";
+      const auto before = w.detach().clone();
+      optimizer->step();
+      ASSERT_FALSE(at::equal(w.detach(), before)) << "the step did not change the weight";
+    }
+    EXPECT_TRUE(at::equal(at::linear(x, w), fresh()));
+    reset();
+  }
+}
+
+}  // namespace
+}  // namespace amp

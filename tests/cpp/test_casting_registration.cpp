@@ -1,0 +1,184 @@
+// Registering policies: user ops (register_half_op and friends, the out= overloads they skip),
+// the errors naming the op, the policy report, every table entry registered on this LibTorch,
+// the key conflict with another backend, and the argument walker on a Tensor?[] custom op.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+#include "casting_test.h"
+#include "dispatch/policy_table.h"
+#include "dispatch/registration.h"
+#include "test_util.h"
+
+// A custom op library for the registration tests: a pure function and an in-place one.
+TORCH_LIBRARY(optamp_test, m) {
+  m.def("twice(Tensor x) -> Tensor");
+  m.def("twice.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)");
+  m.def("accumulate_(Tensor(a!) self, Tensor other) -> Tensor(a!)");
+  m.def("first_defined(Tensor?[] xs) -> Tensor");  // a Tensor?[] argument, for the walker
+}
+TORCH_LIBRARY_IMPL(optamp_test, CompositeExplicitAutograd, m) {
+  m.impl("twice", [](const at::Tensor& x) { return x * 2; });
+  m.impl("twice.out", [](const at::Tensor& x, at::Tensor& out) -> at::Tensor& {
+    return at::mul_out(out, x, 2);
+  });
+  m.impl("accumulate_", [](at::Tensor& self, const at::Tensor& other) -> at::Tensor& {
+    return self.add_(other.to(self.scalar_type()));
+  });
+  m.impl("first_defined", [](const c10::List<std::optional<at::Tensor>>& xs) {
+    for (const std::optional<at::Tensor>& x : xs) {
+      if (x && x->defined()) return x->clone();
+    }
+    return at::Tensor();
+  });
+}
+
+namespace amp {
+namespace {
+
+using namespace amp::testing;  // NOLINT: the casting fixtures
+
+at::Tensor call_twice(const at::Tensor& x) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("optamp_test::twice", "")
+                       .typed<at::Tensor(const at::Tensor&)>();
+  return op.call(x);
+}
+
+at::Tensor call_first_defined(const c10::List<std::optional<at::Tensor>>& xs) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("optamp_test::first_defined", "")
+                       .typed<at::Tensor(const c10::List<std::optional<at::Tensor>>&)>();
+  return op.call(xs);
+}
+
+TEST_F(Casting, WrittenArgumentsAreNeverCast) {
+  register_half_op("optamp_test::accumulate_");
+  enable("O1");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("optamp_test::accumulate_", "")
+                       .typed<at::Tensor&(at::Tensor&, const at::Tensor&)>();
+  auto self = at::zeros({3});
+  auto other = at::full({3}, 1.00048828125);  // 1 + 2^-11: exact in fp32, rounds to 1 in fp16
+  const auto before = cast_count();
+  auto& result = op.call(self, other);
+  EXPECT_EQ(cast_count() - before, 1);  // only `other`
+  EXPECT_EQ(self.scalar_type(), at::kFloat);
+  EXPECT_TRUE(result.is_same(self));
+  EXPECT_TRUE(at::equal(self, at::full({3}, 1.0)));  // `other` went through fp16
+}
+
+TEST_F(Casting, UserRegisteredCustomOps) {
+  enable("O1");
+  auto x = randn({3});
+  EXPECT_EQ(call_twice(x).scalar_type(), at::kFloat);  // no policy yet
+  register_half_op("optamp_test::twice");
+  EXPECT_EQ(call_twice(x).scalar_type(), at::kHalf);
+  register_float_op("optamp_test::twice");  // the newest registration wins
+  EXPECT_EQ(call_twice(x.to(at::kHalf)).scalar_type(), at::kFloat);
+}
+
+TEST_F(Casting, BaseNameRegistrationSkipsOutOverloads) {
+  // A lowered input with an fp32 `out=` would be a dtype error in the kernel: "ns::op" covers
+  // the overloads that write no argument (all of them only when every overload writes).
+  register_half_op("optamp_test::twice");
+  const std::string report = policy_report();
+  EXPECT_NE(report.find("optamp_test::twice: lower"), std::string::npos) << report;
+  EXPECT_EQ(report.find("optamp_test::twice.out"), std::string::npos) << report;
+  enable("O1");
+  static auto out_op = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("optamp_test::twice", "out")
+                           .typed<at::Tensor&(const at::Tensor&, at::Tensor&)>();
+  auto out = at::empty({3});
+  const auto x = at::full({3}, 1.00048828125);  // not representable in fp16
+  out_op.call(x, out);
+  EXPECT_TRUE(at::equal(out, x * 2)) << "the out= overload must run uncast";
+  register_half_op("optamp_test::twice.out");  // named explicitly: honored
+  EXPECT_NE(policy_report().find("optamp_test::twice.out: lower"), std::string::npos);
+}
+
+TEST_F(Casting, RegistrationErrorsNameTheOp) {
+  OPTAMP_EXPECT_THROW_WITH(register_half_op("optamp_test::nope"), c10::ValueError,
+                           "optamp_test::nope", "TORCH_LIBRARY");
+  OPTAMP_EXPECT_THROW_WITH(register_float_op("twice"), c10::ValueError, "namespace::op",
+                           "\"twice\"");
+  OPTAMP_EXPECT_THROW_WITH(register_promote_op("aten::mm.no_such_overload"), c10::ValueError,
+                           "aten::mm.no_such_overload");
+}
+
+TEST_F(Casting, PolicyReportListsEntriesAndSkippedOverloads) {
+  const std::string report = policy_report();
+  EXPECT_NE(report.find("aten::mm: lower"), std::string::npos);
+  EXPECT_NE(report.find("aten::softmax.int: fp32 (loss)"), std::string::npos);
+  EXPECT_NE(report.find("aten::cat: promote"), std::string::npos);
+  EXPECT_NE(report.find("aten::binary_cross_entropy: banned"), std::string::npos);
+  EXPECT_NE(report.find("skipped (not in this LibTorch)"), std::string::npos);
+}
+
+TEST_F(Casting, EveryTableEntryIsRegisteredOnThisLibTorch) {
+  // Drift guard: an op renamed or removed by a LibTorch upgrade would silently lose its policy
+  // (it lands in "skipped"); this fails instead, naming the entry.
+  const std::string report = policy_report();
+  for (const auto& entry : detail::builtin_table()) {
+    std::string name = entry.name;
+    if (*entry.overload != '\0') name += std::string(".") + entry.overload;
+    const std::string line = "  " + name + ": " + to_string(entry.policy) + "\n";
+    EXPECT_NE(report.find(line), std::string::npos)
+        << name << " is in the policy table but not registered with its category; report:\n"
+        << report;
+  }
+  EXPECT_NE(report.find("skipped (not in this LibTorch): 0\n"), std::string::npos) << report;
+}
+
+// The casting kernel and the O2/O5 substitution share one walker over tensor arguments; the
+// substitution's own copy used to skip Tensor?[] (index, index_put, custom ops).
+TEST(SubstitutionWalker, OptionalTensorListArgumentsSeeWorkingCopiesAtO2O5) {
+  for (const char* level : {"O2", "O5"}) {
+    SCOPED_TRACE(level);
+    torch::nn::Linear lin(3, 2);
+    torch::optim::SGD opt(lin->parameters(), torch::optim::SGDOptions(0.1));
+    Options o;
+    o.verbosity = 0;
+    initialize(lin, opt, level, o);
+    const ScalarType low = resolve(level).low_dtype();
+    const at::Tensor& w = lin->weight;
+    c10::List<std::optional<at::Tensor>> xs;
+    xs.push_back(std::nullopt);
+    xs.push_back(w);
+    EXPECT_EQ(call_first_defined(xs).scalar_type(), low);
+    const at::Tensor mask = w.detach() > 0;  // a parameter-derived index list
+    EXPECT_EQ(w.index({mask}).scalar_type(), low);
+    EXPECT_EQ(at::index(w, c10::List<std::optional<at::Tensor>>({mask})).scalar_type(), low);
+    reset();
+  }
+}
+
+// A device backend that owns the key (simulated by a fallback registered first) makes the first
+// activation fail with a message naming the conflict. Runs in a fresh child process
+// ("threadsafe" death tests re-execute the binary), where optamp has registered nothing yet.
+TEST(CastingKeyConflictDeathTest, ActivationNamesTheConflict) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        static torch::Library other(torch::Library::IMPL, "_", detail::kCastKey, __FILE__,
+                                    __LINE__);
+        other.fallback(torch::CppFunction::makeFallthrough());
+        try {
+          detail::activate_thread(true);
+        } catch (const c10::Error& e) {
+          std::fprintf(stderr, "%s\n", e.what_without_backtrace());
+          std::exit(3);
+        }
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(3), "another library already registered a fallback");
+}
+
+}  // namespace
+}  // namespace amp

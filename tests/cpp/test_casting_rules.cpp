@@ -1,0 +1,349 @@
+// When and how ops are cast (docs/casting.md): the rules per level and region, the no_grad gate,
+// off means bitwise fp32 (disable_casts, enabled=False, other threads), what is never cast
+// (doubles, integers, complex, written arguments, explicit result dtypes), autograd through the
+// casts, native autocast owning its calls, the verbosity-2 cast log, and Apex's fp32 functions
+// without an aten op of their own.
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/nn/functional/normalization.h>
+
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "casting_test.h"
+#include "core/step_events.h"
+#include "test_util.h"
+
+namespace amp {
+namespace {
+
+using namespace amp::testing;  // NOLINT: the casting fixtures
+
+TEST_F(Casting, CastRulesNowFollowTheLevelTheGateAndRegions) {
+  EXPECT_EQ(cast_rules_now(at::kCPU).rules, RuleSet::kNone);  // no level yet
+  enable("O1");
+  EXPECT_EQ(cast_rules_now(at::kCPU).rules, RuleSet::kFullLists);
+  EXPECT_EQ(cast_rules_now(at::kCPU).low, at::kHalf);
+  {
+    at::NoGradGuard no_grad;
+    EXPECT_EQ(cast_rules_now(at::kCPU).rules, RuleSet::kNone);
+    amp::autocast region(true, at::kBFloat16);
+    EXPECT_EQ(cast_rules_now(at::kCPU).rules, RuleSet::kFullLists);
+    EXPECT_EQ(cast_rules_now(at::kCPU).low, at::kBFloat16);
+  }
+  {
+    disable_casts off;
+    EXPECT_EQ(cast_rules_now(at::kCPU).rules, RuleSet::kNone);
+  }
+}
+
+TEST_F(Casting, PatchTypeBF16AtO1) {
+  Options o;
+  o.patch_torch_functions_type = at::kBFloat16;
+  enable("O1", o);
+  EXPECT_EQ(at::mm(randn({2, 3}), randn({3, 2})).scalar_type(), at::kBFloat16);
+}
+
+TEST_F(Casting, DoublesIntegersBoolsAndComplexAreNeverCast) {
+  enable("O1");
+  const auto before = cast_count();
+  EXPECT_EQ(at::mm(randn({2, 3}, at::kDouble), randn({3, 2}, at::kDouble)).scalar_type(),
+            at::kDouble);
+  auto ints = at::ones({2, 2}, at::kLong);
+  EXPECT_EQ(at::mm(ints, ints).scalar_type(), at::kLong);
+  EXPECT_EQ(at::sum(at::ones({3}, at::kBool)).scalar_type(), at::kLong);
+  // complex64 in a lower, an fp32 and a promote op: never a floating width to cast or count.
+  auto c = randn({2, 2}, at::kComplexFloat);
+  EXPECT_EQ(at::mm(c, c).scalar_type(), at::kComplexFloat);
+  EXPECT_EQ(at::exp(c).scalar_type(), at::kComplexFloat);
+  EXPECT_TRUE(at::equal(at::exp(c), [&] {
+    disable_casts off;
+    return at::exp(c);
+  }()));
+  EXPECT_EQ(at::add(c, randn({2, 2}, at::kHalf)).scalar_type(), at::kComplexFloat);
+  EXPECT_EQ(cast_count(), before);
+}
+
+// ---- autograd -------------------------------------------------------------------------------
+
+struct TinyNet {
+  at::Tensor w1, b1, w2, b2;
+  explicit TinyNet(int seed) {
+    at::manual_seed(seed);
+    w1 = (at::randn({16, 8}) * 0.3).requires_grad_();
+    b1 = at::zeros({16}).requires_grad_();
+    w2 = (at::randn({4, 16}) * 0.3).requires_grad_();
+    b2 = at::zeros({4}).requires_grad_();
+  }
+  at::Tensor loss(const at::Tensor& x, const at::Tensor& y) const {
+    auto h = at::relu(at::linear(x, w1, b1));
+    return at::nll_loss(at::log_softmax(at::linear(h, w2, b2), 1), y);
+  }
+  void sgd_step(double lr) {
+    c10::NoGradGuard no_grad;
+    for (auto* p : {&w1, &b1, &w2, &b2}) {
+      p->sub_(p->grad() * lr);
+      p->mutable_grad().reset();
+    }
+  }
+};
+
+TEST_F(Casting, TrainingUnderO1MatchesFp32WithFp32Grads) {
+  at::manual_seed(1);
+  auto x = at::randn({32, 8});
+  auto y = at::randint(0, 4, {32});
+  TinyNet reference(7), mixed(7);
+  for (int step = 0; step < 5; ++step) {
+    reference.loss(x, y).backward();
+    reference.sgd_step(0.1);
+  }
+  enable("O1");
+  for (int step = 0; step < 5; ++step) {
+    auto loss = mixed.loss(x, y);
+    EXPECT_EQ(loss.scalar_type(), at::kFloat);  // losses run in fp32
+    loss.backward();
+    for (auto* p : {&mixed.w1, &mixed.b1, &mixed.w2, &mixed.b2}) {
+      ASSERT_EQ(p->grad().scalar_type(), at::kFloat);  // grads flow back to the fp32 params
+    }
+    mixed.sgd_step(0.1);
+    detail::notify_weights_may_change();  // what scale_loss does after its unscale
+  }
+  const auto tol = testing::tolerance("train_float16");
+  EXPECT_TRUE(testing::all_close(mixed.w1, reference.w1, tol));
+  EXPECT_TRUE(testing::all_close(mixed.w2, reference.w2, tol));
+}
+
+TEST_F(Casting, CastsAreRecordedInTheGraph) {
+  enable("O1");
+  auto w = randn({3, 4}).requires_grad_();
+  auto out = at::mm(randn({2, 4}), w.t());
+  EXPECT_EQ(out.scalar_type(), at::kHalf);
+  ASSERT_TRUE(out.grad_fn());
+  bool found_cast = false;
+  std::function<void(const torch::autograd::Node*)> walk = [&](const torch::autograd::Node* n) {
+    if (!n || found_cast) return;
+    found_cast = n->name().find("ToCopyBackward") != std::string::npos;
+    for (const auto& edge : n->next_edges()) walk(edge.function.get());
+  };
+  walk(out.grad_fn().get());
+  EXPECT_TRUE(found_cast);
+}
+
+TEST_F(Casting, CompositeOpsCastOnceAndDoNotRecurse) {
+  enable("O1");
+  auto x = randn({2, 4});
+  auto w = randn({3, 4});
+  auto b = randn({3});
+  const auto before = cast_count();
+  auto out = at::linear(x, w, b);  // linear -> addmm/matmul inside: no second cast
+  EXPECT_EQ(out.scalar_type(), at::kHalf);
+  EXPECT_EQ(cast_count() - before, 3);
+  const auto before_einsum = cast_count();
+  at::einsum("ij,kj->ik", {x, w});  // einsum -> bmm/permute inside
+  EXPECT_EQ(cast_count() - before_einsum, 2);
+}
+
+// ---- off means off --------------------------------------------------------------------------
+
+TEST_F(Casting, OffMeansBitwiseFp32) {
+  auto x = randn({8, 16});
+  auto w = randn({4, 16});
+  auto reference = at::log_softmax(at::linear(x, w), 1);
+  detail::set_level_rules(resolve("O1"));  // rules set, but this thread never turned on
+  EXPECT_TRUE(at::equal(at::log_softmax(at::linear(x, w), 1), reference));
+  enable("O1");
+  {
+    disable_casts off;
+    auto out = at::log_softmax(at::linear(x, w), 1);
+    EXPECT_EQ(out.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(out, reference));
+  }
+  EXPECT_EQ(at::linear(x, w).scalar_type(), at::kHalf);  // back on after the scope
+  detail::set_level_rules(resolve("O0"));
+  EXPECT_TRUE(at::equal(at::log_softmax(at::linear(x, w), 1), reference));
+  // The enabled=false override: the thread is on, but a disabled level has no rules.
+  Options disabled;
+  disabled.enabled = false;
+  enable("O1", disabled);
+  const auto before = cast_count();
+  EXPECT_TRUE(at::equal(at::log_softmax(at::linear(x, w), 1), reference));
+  EXPECT_EQ(at::mm(x, w.t()).scalar_type(), at::kFloat);
+  EXPECT_EQ(cast_count(), before);
+}
+
+TEST_F(Casting, ThreadsWithoutAmpSeeFp32) {
+  enable("O1");
+  auto a = randn({2, 3});
+  auto b = randn({3, 2});
+  ScalarType other_thread = ScalarType::Undefined;
+  std::thread([&] { other_thread = at::mm(a, b).scalar_type(); }).join();
+  EXPECT_EQ(other_thread, at::kFloat);
+  EXPECT_EQ(at::mm(a, b).scalar_type(), at::kHalf);
+  // The documented way to carry the state into a worker.
+  const auto state = ThreadState::capture();
+  ScalarType carried = ScalarType::Undefined;
+  std::thread([&] {
+    ThreadStateGuard guard(state);
+    carried = at::mm(a, b).scalar_type();
+  }).join();
+  EXPECT_EQ(carried, at::kHalf);
+}
+
+TEST_F(CastingInitialized, EnabledFalseIsBitwiseFp32AtEveryLevel) {
+  const auto x = randn({8, 3});
+  for (const char* level : {"O1", "O2", "O3", "O4", "O5"}) {
+    SCOPED_TRACE(level);
+    auto model = std::make_shared<OneWeight>();
+    const auto reference = at::log_softmax(at::linear(x, model->w), 1);
+    Options o = quiet();
+    o.enabled = false;
+    const Handle handle = initialize(model, level, o);
+    EXPECT_FALSE(handle.properties().enabled);
+    EXPECT_FALSE(is_casting_enabled());
+    EXPECT_EQ(model->w.scalar_type(), at::kFloat);  // O3 does not cast the model either
+    const auto before = cast_count();
+    const auto out = at::log_softmax(at::linear(x, model->w), 1);
+    EXPECT_EQ(out.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(out, reference));
+    EXPECT_EQ((model->w * 2).scalar_type(), at::kFloat);  // no O2/O5 working copy
+    EXPECT_EQ(cast_count(), before);
+    reset();
+  }
+}
+
+// ---- gate, regions, O3 ----------------------------------------------------------------------
+
+TEST_F(Casting, NoGradRunsInGivenDtypesUnlessInAnAutocastRegion) {
+  enable("O1");
+  auto a = randn({2, 3});
+  auto b = randn({3, 2});
+  c10::NoGradGuard no_grad;
+  EXPECT_EQ(at::mm(a, b).scalar_type(), at::kFloat);  // validation stays fp32
+  {
+    autocast region;
+    EXPECT_EQ(at::mm(a, b).scalar_type(), at::kHalf);  // explicit reduced-precision inference
+    autocast bf16(true, at::kBFloat16);
+    EXPECT_EQ(at::mm(a, b).scalar_type(), at::kBFloat16);
+  }
+  EXPECT_EQ(at::mm(a, b).scalar_type(), at::kFloat);
+}
+
+TEST_F(Casting, AutocastRegionWorksWithoutInitialize) {
+  auto a = randn({2, 3});
+  EXPECT_FALSE(is_casting_enabled());
+  {
+    autocast region(true, at::kBFloat16);
+    EXPECT_TRUE(is_casting_enabled());
+    EXPECT_EQ(at::mm(a, a.t()).scalar_type(), at::kBFloat16);
+    EXPECT_EQ(at::softmax(a.to(at::kBFloat16), 1).scalar_type(), at::kFloat);
+    autocast off(false);
+    EXPECT_EQ(at::mm(a, a.t()).scalar_type(), at::kFloat);
+  }
+  EXPECT_FALSE(is_casting_enabled());
+  EXPECT_EQ(at::mm(a, a.t()).scalar_type(), at::kFloat);
+  OPTAMP_EXPECT_THROW_WITH(autocast(true, at::kDouble), c10::ValueError, "torch.float64");
+}
+
+TEST_F(Casting, O3LowersAlwaysAndLeavesTheRestAlone) {
+  enable("O3");
+  auto a = randn({2, 3});
+  {
+    c10::NoGradGuard no_grad;
+    EXPECT_EQ(at::mm(a, a.t()).scalar_type(), at::kHalf);
+  }
+  EXPECT_EQ(at::softmax(a.to(at::kHalf), 1).scalar_type(), at::kHalf);  // no fp32 list at O3
+}
+
+TEST_F(Casting, O2AppliesLowerAndLossesOnly) {
+  enable("O2");
+  auto h = randn({4, 3}, at::kHalf);
+  EXPECT_EQ(at::mm(randn({2, 3}), randn({3, 2})).scalar_type(), at::kHalf);
+  EXPECT_EQ(at::exp(h).scalar_type(), at::kHalf);  // plain fp32-list op: normal promotion
+  EXPECT_EQ(at::log_softmax(h, 1).scalar_type(), at::kFloat);
+  EXPECT_EQ(at::nll_loss(at::log_softmax(h, 1), at::tensor({0, 1, 2, 0}, at::kLong)).scalar_type(),
+            at::kFloat);
+  // binary_cross_entropy is not banned at O2: it runs as an fp32 loss.
+  auto p = at::rand({4}, at::kHalf).clamp(0.1, 0.9);
+  EXPECT_EQ(at::binary_cross_entropy(p, p).scalar_type(), at::kFloat);
+}
+
+// ---- coexistence with native autocast --------------------------------------------------------
+
+TEST_F(Casting, NativeAutocastOwnsTheCallWhenEnabled) {
+  enable("O1");  // optamp would pick fp16
+  auto a = randn({2, 3});
+  const bool was = at::autocast::is_autocast_enabled(at::kCPU);
+  at::autocast::set_autocast_enabled(at::kCPU, true);  // native CPU autocast: bf16
+  const auto before = cast_count();
+  const auto dtype = at::mm(a, a.t()).scalar_type();
+  at::autocast::set_autocast_enabled(at::kCPU, was);
+  at::autocast::clear_cache();
+  EXPECT_EQ(dtype, at::autocast::get_autocast_dtype(at::kCPU));
+  EXPECT_EQ(cast_count(), before);  // optamp deferred
+  EXPECT_EQ(at::mm(a, a.t()).scalar_type(), at::kHalf);
+}
+
+// ---- verbosity ------------------------------------------------------------------------------
+
+TEST_F(Casting, Verbosity2LogsEachDistinctCastOnce) {
+  Options o;
+  o.verbosity = 2;
+  enable("O1", o);
+  ::testing::internal::CaptureStderr();
+  auto a = randn({2, 3});
+  at::mm(a, a.t());
+  at::mm(a, a.t());
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  const std::string line = "Float->Half aten::mm";
+  ASSERT_NE(log.find(line), std::string::npos) << log;
+  EXPECT_EQ(log.find(line), log.rfind(line)) << "logged more than once:\n" << log;
+}
+
+// ---- Apex's fp32 Python functions without an aten op of their own ---------------------------
+
+TEST_F(Casting, LocalResponseNormRunsInFp32) {
+  // local_response_norm squares its input, pools the squares (avg_pool2d for 3-D input,
+  // avg_pool3d otherwise), then pow and a division. avg_pool3d is in the fp32 list (CPU has no
+  // fp16/bf16 kernel for it); pow is, and the final division promotes, so every rank ends fp32.
+  namespace F = torch::nn::functional;
+  enable("O1");
+  const auto options = F::LocalResponseNormFuncOptions(3);
+  for (const auto& shape :
+       std::vector<std::vector<int64_t>>{{2, 4, 5}, {2, 4, 3, 3}, {1, 4, 2, 3, 3}}) {
+    SCOPED_TRACE(shape.size());
+    for (const ScalarType low : {at::kHalf, at::kBFloat16}) {
+      SCOPED_TRACE(c10::toString(low));
+      const auto x = (at::rand(shape) + 0.5).to(low);
+      const auto reference = [&] {
+        disable_casts off;
+        return F::local_response_norm(x.to(at::kFloat), options);
+      }();
+      const auto out = F::local_response_norm(x, options);
+      EXPECT_EQ(out.scalar_type(), at::kFloat);
+      EXPECT_TRUE(testing::all_close(out, reference, testing::tolerance(low)));
+    }
+  }
+}
+
+// An fp32-list op given a result dtype runs as called: casting its inputs to fp32 would make
+// linalg_vector_norm / norm refuse the narrowing back to the dtype the caller asked for.
+TEST_F(Casting, AnExplicitResultDtypeIsLeftAlone) {
+  enable("O1");
+  const auto h = randn({2, 3}, at::kHalf);
+  const auto before = cast_count();
+  EXPECT_EQ(at::sum(h, at::kHalf).scalar_type(), at::kHalf);
+  EXPECT_EQ(cast_count(), before) << "nothing cast for a call that names its result dtype";
+  EXPECT_EQ(at::sum(h).scalar_type(), at::kFloat) << "without a dtype: fp32";
+  EXPECT_EQ(at::linalg_vector_norm(h, 2, std::nullopt, false, at::kHalf).scalar_type(), at::kHalf);
+  EXPECT_EQ(at::norm(h, std::optional<at::Scalar>(2), at::kHalf).scalar_type(), at::kHalf);
+  EXPECT_EQ(
+      at::norm(h, std::optional<at::Scalar>(2), at::IntArrayRef{1}, false, at::kHalf).scalar_type(),
+      at::kHalf);
+}
+
+}  // namespace
+}  // namespace amp

@@ -1,0 +1,210 @@
+// The op-case table (tests/op_cases.txt, shared with the Python tests): every lower / fp32 /
+// promote entry of the policy table runs in the dtype its policy gives, at O1 and O4, on the CPU
+// and on CUDA; the table covers exactly the policy table's entries. Also the policies each rule
+// set applies (docs/casting.md).
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "casting_test.h"
+#include "dispatch/policy_table.h"
+#include "op_cases.h"
+#include "test_util.h"
+
+namespace amp {
+namespace {
+
+using namespace amp::testing;  // NOLINT: the casting fixtures
+
+// A promote case on mixed low/fp32 inputs: optamp (not ATen's type promotion, which would give
+// the same dtype for some ops) widened the low inputs, and the result is fp32 (or the op's own
+// result type).
+void expect_promoted(const OpCase& c, ScalarType low, at::Device device) {
+  const auto before = cast_count();
+  const at::Tensor out = run_case(c, low, device);
+  EXPECT_EQ(out.scalar_type(), c.result == ScalarType::Undefined ? at::kFloat : c.result);
+  EXPECT_GT(cast_count() - before, 0) << "no input was cast";
+}
+
+// (level, device): each test once per level on the CPU and, where a GPU is visible, on CUDA.
+class CastingTable : public OnDevices<Casting, const char*> {
+ protected:
+  const char* level() const { return param(); }
+};
+
+TEST_P(CastingTable, LowerOpsRunInTheLevelsLowDtype) {
+  enable(level());
+  const ScalarType low = detail::level_low_dtype();
+  for (const auto& c : op_cases("lower")) {
+    SCOPED_TRACE(c.name);
+    EXPECT_EQ(run_case(c, at::kFloat, device()).scalar_type(), low);
+    EXPECT_EQ(run_case(c, low, device()).scalar_type(), low);
+  }
+}
+
+TEST_P(CastingTable, Fp32OpsRunInFp32) {
+  enable(level());
+  const ScalarType low = detail::level_low_dtype();
+  for (const auto& c : op_cases("fp32")) {
+    SCOPED_TRACE(c.name);
+    EXPECT_EQ(run_case(c, low, device()).scalar_type(), at::kFloat);
+    EXPECT_EQ(run_case(c, at::kFloat, device()).scalar_type(), at::kFloat);
+  }
+}
+
+TEST_P(CastingTable, PromoteOpsWidenMixedInputs) {
+  enable(level());
+  const ScalarType low = detail::level_low_dtype();
+  for (const auto& c : op_cases("promote")) {
+    SCOPED_TRACE(c.name);
+    expect_promoted(c, low, device());
+  }
+  // Same widths: left alone.
+  auto a = at::randn({3}, at::dtype(low).device(device()));
+  const auto before = cast_count();
+  EXPECT_EQ(at::add(a, a).scalar_type(), low);
+  EXPECT_EQ(at::cat({a, a}).scalar_type(), low);
+  EXPECT_EQ(at::eq(a, a).scalar_type(), at::kBool);
+  EXPECT_EQ(cast_count(), before);
+}
+
+TEST_P(CastingTable, BannedOpSaysWhatToUseInstead) {
+  enable(level());
+  auto p = at::rand({4}, at::device(device())).clamp(0.1, 0.9);
+  OPTAMP_EXPECT_THROW_WITH(at::binary_cross_entropy(p, p), c10::Error, "binary_cross_entropy",
+                           "binary_cross_entropy_with_logits", "BCEWithLogitsLoss",
+                           "Refused at O1/O4", "at O2/O5 it runs as an fp32 loss");
+}
+
+std::string level_on_device(
+    const ::testing::TestParamInfo<std::tuple<const char*, at::DeviceType>>& info) {
+  return std::get<0>(info.param) + device_suffix(std::get<1>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, CastingTable,
+                         ::testing::Combine(::testing::Values("O1", "O4"), kDevices),
+                         level_on_device);
+
+// The one vocabulary: which policies each rule set applies (docs/design.md, "Policies per level").
+TEST(CastPolicies, EachRuleSetAppliesItsPolicies) {
+  const CastPolicy all[] = {CastPolicy::kLower, CastPolicy::kFp32, CastPolicy::kFp32Loss,
+                            CastPolicy::kPromote, CastPolicy::kBanned};
+  auto applied = [&](RuleSet rules) {
+    std::string out;
+    for (const CastPolicy p : all) {
+      if (policy_applies(p, rules)) out += std::string(out.empty() ? "" : ", ") + to_string(p);
+    }
+    return out;
+  };
+  EXPECT_EQ(applied(RuleSet::kNone), "");
+  EXPECT_EQ(applied(RuleSet::kFullLists), "lower, fp32, fp32 (loss), promote, banned");
+  EXPECT_EQ(applied(RuleSet::kMasterWeights), "lower, fp32 (loss), banned");
+  EXPECT_EQ(applied(RuleSet::kPureLow), "lower");
+  EXPECT_STREQ(to_string(RuleSet::kMasterWeights), "master weights");
+  // Only the banned entries carry a message, and each of them does.
+  for (const auto& entry : detail::builtin_table()) {
+    EXPECT_EQ(entry.message != nullptr, entry.policy == CastPolicy::kBanned) << entry.name;
+  }
+}
+
+// Records the operators ("aten::op" / "aten::op.overload") that code dispatches at the top
+// level on this thread, leaving out the calls made inside them.
+class TopLevelOps {
+ public:
+  std::vector<std::string> record(const std::function<void()>& fn) {
+    std::vector<std::string> called;
+    sink_ = &called;
+    depth_ = 0;
+    const auto handle = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&enter, &leave).scopes({at::RecordScope::FUNCTION}));
+    try {
+      fn();
+    } catch (...) {
+      at::removeCallback(handle);
+      sink_ = nullptr;
+      throw;
+    }
+    at::removeCallback(handle);
+    sink_ = nullptr;
+    return called;
+  }
+
+ private:
+  static std::unique_ptr<at::ObserverContext> enter(const at::RecordFunction& fn) {
+    if (depth_++ == 0 && sink_ != nullptr) {
+      if (auto op = fn.operator_name()) {
+        sink_->push_back(op->overload_name.empty() ? op->name : op->name + "." + op->overload_name);
+      }
+    }
+    return nullptr;
+  }
+  static void leave(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) { --depth_; }
+  static thread_local std::vector<std::string>* sink_;
+  static thread_local int depth_;
+};
+thread_local std::vector<std::string>* TopLevelOps::sink_ = nullptr;
+thread_local int TopLevelOps::depth_ = 0;
+
+// The mechanical cross-check of tests/op_cases.txt against the policy table: every entry (except
+// the banned one, BannedOpSaysWhatToUseInstead) has a case of its name under its policy, that
+// case really dispatches that overload, and no case names something not in the table.
+TEST_F(Casting, EveryTableEntryHasACaseThatCallsIt) {
+  enable("O1");
+  const std::vector<std::pair<const char*, std::vector<OpCase>>> lists = {
+      {"lower", op_cases("lower")}, {"fp32", op_cases("fp32")}, {"promote", op_cases("promote")}};
+  auto list_of = [](CastPolicy c) -> const char* {
+    switch (c) {
+      case CastPolicy::kLower:
+        return "lower";
+      case CastPolicy::kFp32:
+      case CastPolicy::kFp32Loss:
+        return "fp32";
+      case CastPolicy::kPromote:
+        return "promote";
+      case CastPolicy::kBanned:
+        break;
+    }
+    return nullptr;
+  };
+  std::vector<std::string> entries;
+  for (const auto& entry : detail::builtin_table()) {
+    const char* list = list_of(entry.policy);
+    if (list == nullptr) continue;
+    std::string name = std::string(entry.name).substr(std::strlen("aten::"));
+    if (*entry.overload != '\0') name += std::string(".") + entry.overload;
+    entries.push_back(std::string(list) + " " + name);
+    const auto& cases = std::find_if(lists.begin(), lists.end(), [&](const auto& l) {
+                          return std::strcmp(l.first, list) == 0;
+                        })->second;
+    const auto found =
+        std::find_if(cases.begin(), cases.end(), [&](const OpCase& c) { return name == c.name; });
+    if (found == cases.end()) {
+      ADD_FAILURE() << "aten::" << name << " (" << list << ") has no " << list
+                    << " case in tests/op_cases.txt";
+      continue;
+    }
+    const auto called =
+        TopLevelOps().record([&] { run_case(*found, detail::level_low_dtype(), at::kCPU); });
+    std::string seen;
+    for (const auto& op : called) seen += " " + op;
+    EXPECT_NE(std::find(called.begin(), called.end(), "aten::" + name), called.end())
+        << "the case \"" << name << "\" does not call aten::" << name << "; it calls:" << seen;
+  }
+  for (const auto& [list, cases] : lists) {
+    for (const auto& c : cases) {
+      EXPECT_NE(std::find(entries.begin(), entries.end(), std::string(list) + " " + c.name),
+                entries.end())
+          << "tests/op_cases.txt has the " << list << " case \"" << c.name << "\", which is no "
+          << list << " entry of builtin_table()";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace amp

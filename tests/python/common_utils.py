@@ -1,0 +1,90 @@
+"""What several test modules share (fixtures are in conftest.py, the casting cases in
+op_cases.py): small models, a quiet initialize, the tolerance table of tests/tolerances.txt, and
+where the A/B trainers are."""
+import os
+import sys
+
+import pytest
+import torch
+
+import optamp
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+
+class TinyNet(torch.nn.Module):
+    """conv -> batch-norm -> relu -> linear: exercises lower ops, batch-norm and a loss."""
+
+    def __init__(self, bn=True):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 2, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(2) if bn else torch.nn.Identity()
+        self.fc = torch.nn.Linear(2 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, d_in=4, d_hidden=8, d_out=3):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d_in, d_hidden)
+        self.fc2 = torch.nn.Linear(d_hidden, d_out)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def init(model, optimizer=None, opt_level="O1", **kw):
+    kw.setdefault("verbosity", 0)
+    return optamp.initialize(model, optimizer, opt_level=opt_level, **kw)
+
+
+# ---- tolerances (tests/tolerances.txt, read by the C++ tests too) ----------------------------
+
+
+def _load_tolerances():
+    table = {}
+    with open(os.path.join(ROOT, "tests", "tolerances.txt")) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and not parts[0].startswith("#"):
+                table[parts[0]] = {"rtol": float(parts[1]), "atol": float(parts[2])}
+    return table
+
+
+TOLERANCES = _load_tolerances()
+_DTYPE_ROWS = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def tol(key):
+    """torch.testing.assert_close kwargs for a dtype or a row name such as "train_float16"."""
+    return dict(TOLERANCES[_DTYPE_ROWS.get(key, key) if not isinstance(key, str) else key])
+
+
+# ---- the A/B trainers (examples/) ------------------------------------------------------------
+
+BUILD = os.environ.get("OPTAMP_BUILD_DIR", os.path.join(ROOT, "build"))
+BIN = os.path.join(BUILD, "examples", "cpp", "train_fashion_mnist")
+PY_TRAINER = os.path.join(ROOT, "examples", "python", "train_fashion_mnist.py")
+DATA = "/usr/share/datasets/fashion-mnist"
+
+
+def trainer_binary():
+    if not os.access(BIN, os.X_OK):
+        pytest.fail(f"{BIN} is missing: build the project with its examples "
+                    "(OPTAMP_BUILD_EXAMPLES=ON, the default) or set OPTAMP_BUILD_DIR")
+    return BIN
+
+
+def env(progress="0"):
+    """The trainers' environment; progress=None leaves OPTAMP_PROGRESS unset (the default:
+    a progress line only when stderr is a terminal)."""
+    e = dict(os.environ, OPTAMP_PYTHON=sys.executable, OPTAMP_PROGRESS=progress or "")
+    if progress is None:
+        del e["OPTAMP_PROGRESS"]
+    e["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + e.get("PYTHONPATH", "")
+    return e

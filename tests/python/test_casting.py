@@ -1,0 +1,331 @@
+"""Casting from Python: the op-case table shared with the C++ tests (tests/op_cases.txt, through
+op_cases.py) through optamp.initialize on a tiny model, the public Python paths, the per-thread
+guards and custom functions."""
+import re
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import optamp
+from common_utils import Mlp, init
+from op_cases import (CPU_AND_CUDA, FP32, FP32_PY, LEVELS, LOWER, LOWER_PY, PROMOTE, PROMOTE_PY,
+                      RESULT, TABLES, In, r)
+
+
+def test_every_table_entry_has_a_python_case():
+    """The table's operators are exactly the lower / fp32 / promote entries of the built policy table
+    (read in a fresh process: this one's registrations would show up in the report)."""
+    report = subprocess.run([sys.executable, "-c", "import optamp; print(optamp.policy_report())"],
+                            capture_output=True, text=True, check=True, timeout=120).stdout
+    entries = {"lower": set(), "fp32": set(), "promote": set()}
+    for line in report.splitlines()[1:]:
+        m = re.fullmatch(r"  aten::(\S+): (lower|fp32|fp32 \(loss\)|promote|banned)", line)
+        if m and m.group(2) != "banned":
+            entries[m.group(2).split()[0]].add(m.group(1))
+    assert sum(map(len, entries.values())) > 100, report
+    for category, table in TABLES.items():
+        assert set(table) == entries[category], (category, sorted(set(table) ^ entries[category]))
+
+
+def _top_level_ops(fn):
+    with torch.autograd.profiler.profile() as prof:
+        fn()
+    return {e.name for e in prof.function_events if e.cpu_parent is None}
+
+
+def test_every_case_calls_its_operator(fresh):
+    init(Mlp(), opt_level="O1")
+    for category, table in TABLES.items():
+        for name, run in table.items():
+            ops = _top_level_ops(lambda: run(In(torch.float16, "cpu")))
+            assert "aten::" + name.split(".")[0] in ops, (category, name, sorted(ops))
+
+
+def _check_tables(low, device):
+    m = In(low, device)
+    f = In(torch.float32, device)
+    for name, run in {**LOWER, **LOWER_PY}.items():
+        assert run(f).dtype == low, name
+        assert run(m).dtype == low, name
+    for name, run in {**FP32, **FP32_PY}.items():
+        assert run(m).dtype == torch.float32, name
+        assert run(f).dtype == torch.float32, name
+    for name, run in {**PROMOTE, **PROMOTE_PY}.items():
+        before = optamp.cast_count()
+        assert run(m).dtype == RESULT.get(name, torch.float32), name
+        assert optamp.cast_count() > before, f"{name}: no input was cast"
+    # Same widths: left alone.
+    a = r(3, dtype=low, device=device)
+    before = optamp.cast_count()
+    assert torch.add(a, a).dtype == low
+    assert torch.cat([a, a]).dtype == low
+    assert torch.eq(a, a).dtype == torch.bool
+    assert optamp.cast_count() == before
+    p = torch.rand(4, device=device).clamp(0.1, 0.9)
+    with pytest.raises(RuntimeError, match="binary_cross_entropy_with_logits"):
+        F.binary_cross_entropy(p, p)
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+@pytest.mark.parametrize("level", list(LEVELS))
+def test_tables_through_initialize(fresh, level, device):
+    """Every C++ table case (and the Python-only paths) on the CPU, and on CUDA when visible."""
+    init(Mlp().to(device), opt_level=level)
+    _check_tables(LEVELS[level], device)
+
+
+def test_doubles_ints_and_no_grad_are_left_alone(fresh):
+    init(Mlp(), opt_level="O1")
+    d = torch.rand(2, 2, dtype=torch.float64)
+    assert torch.mm(d, d).dtype == torch.float64
+    i = torch.ones(2, 2, dtype=torch.int64)
+    assert torch.mm(i, i).dtype == torch.int64
+    x = r(2, 2)
+    with torch.no_grad():
+        assert torch.mm(x, x).dtype == torch.float32  # validation stays fp32
+        with optamp.autocast():
+            assert torch.mm(x, x).dtype == torch.float16
+        with optamp.autocast(dtype=torch.bfloat16):
+            assert torch.mm(x, x).dtype == torch.bfloat16
+
+
+def test_grads_flow_back_in_fp32(fresh):
+    model = Mlp()
+    init(model, opt_level="O1")
+    out = model(torch.randn(5, 4))
+    assert out.dtype == torch.float16
+    F.cross_entropy(out, torch.tensor([0, 1, 2, 0, 1])).backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_disable_casts_and_autocast_are_context_managers(fresh):
+    x = r(2, 2)
+    assert not optamp.is_casting_enabled()
+    with optamp.autocast(dtype=torch.bfloat16):
+        assert optamp.is_casting_enabled()
+        assert torch.mm(x, x).dtype == torch.bfloat16
+        with optamp.disable_casts():
+            assert torch.mm(x, x).dtype == torch.float32
+        with optamp.autocast(enabled=False):
+            assert torch.mm(x, x).dtype == torch.float32
+        assert torch.mm(x, x).dtype == torch.bfloat16
+    assert not optamp.is_casting_enabled()
+    assert torch.mm(x, x).dtype == torch.float32
+    with pytest.raises(ValueError, match="torch.float64"):
+        with optamp.autocast(dtype=torch.float64):
+            pass
+    # As torch.autocast: a disabled region's dtype is not looked at.
+    with optamp.autocast(dtype=torch.float32, enabled=False):
+        assert torch.mm(x, x).dtype == torch.float32
+    with pytest.raises(TypeError, match="dtype"):
+        optamp.autocast(dtype="half")
+
+
+def test_casting_is_per_thread_and_can_be_carried(fresh):
+    init(Mlp(), opt_level="O1")
+    x = r(2, 2)
+    state = optamp.ThreadState.capture()
+    seen = {}
+
+    def worker():
+        seen["plain"] = torch.mm(x, x).dtype
+        with optamp.thread_state_guard(state):
+            seen["carried"] = torch.mm(x, x).dtype
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == {"plain": torch.float32, "carried": torch.float16}
+    assert torch.mm(x, x).dtype == torch.float16
+
+
+def test_thread_state_carries_o2_working_copies(fresh):
+    model = Mlp()
+    init(model, opt_level="O2")
+    state = optamp.ThreadState.capture()
+    assert state.key_on and state.substitution_on
+    seen = {}
+
+    def worker():
+        seen["plain"] = torch.add(model.fc1.weight, 1.0).dtype
+        with optamp.thread_state_guard(state):
+            seen["carried"] = torch.add(model.fc1.weight, 1.0).dtype
+        seen["after"] = torch.add(model.fc1.weight, 1.0).dtype
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == {"plain": torch.float32, "carried": torch.float16, "after": torch.float32}
+
+
+def test_guard_must_exit_on_the_entering_thread(fresh):
+    guard = optamp.disable_casts()
+    guard.__enter__()
+    errors = []
+
+    def other():
+        try:
+            guard.__exit__(None, None, None)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert errors and "thread that entered" in errors[0]
+    guard.__exit__(None, None, None)
+
+
+def test_cache_and_counters(fresh):
+    model = Mlp()
+    init(model, opt_level="O2")
+    optamp.clear_cache()
+    before = optamp.cast_count()
+    model(torch.randn(2, 4))
+    made = optamp.cast_count() - before
+    assert made > 0 and optamp.cache_size() > 0
+    model(torch.randn(2, 4))  # weights reused from the cache: only the input is cast again
+    assert optamp.cast_count() - before - made < made
+    optamp.clear_cache()
+    assert optamp.cache_size() == 0
+    report = optamp.policy_report()
+    assert "aten::mm" in report and "skipped" in report
+
+
+def test_cache_stays_bounded_when_python_tensors_die(fresh):
+    # A Python tensor that dies while the cache's cast (through its autograd graph) still holds
+    # the TensorImpl keeps its PyObject alive: liveness can't be read off the C++ refcount alone.
+    init(Mlp(), opt_level="O1")
+    x = torch.randn(2, 4)
+    peak = 0
+    for i in range(1000):
+        layer = torch.nn.Linear(4, 3)  # fresh parameters every iteration, then dropped
+        layer(x)
+        if i % 10 == 0:
+            peak = max(peak, optamp.cache_size())
+    assert peak <= 200, peak
+
+
+def test_register_ops_and_errors(fresh):
+    with pytest.raises(ValueError, match="nosuchns::nosuchop"):
+        optamp.register_half_op("nosuchns::nosuchop")
+    optamp.register_half_op("aten::outer")  # before initialize: takes effect at initialize
+    init(Mlp(), opt_level="O1")
+    assert torch.outer(r(3), r(3)).dtype == torch.float16
+    optamp.register_float_op("aten::outer")  # newest wins
+    assert torch.outer(r(3, dtype=torch.float16), r(3, dtype=torch.float16)).dtype == torch.float32
+
+
+# A dispatcher op of this test's own (the Python twin of the C++ tests' optamp_test library):
+# it refuses mixed dtypes, as many kernels do, so only a promote policy makes mixed calls work.
+_LIB = torch.library.Library("optamp_pytest", "DEF")
+_LIB.define("blend(Tensor a, Tensor b) -> Tensor")
+
+
+def _blend(a, b):
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"blend: mixed dtypes {a.dtype} and {b.dtype}")
+    return (a + b) / 2
+
+
+_LIB.impl("blend", _blend, "CompositeExplicitAutograd")
+
+
+def test_register_promote_op(fresh):
+    lo, hi = r(3, dtype=torch.bfloat16), r(3)
+    # aten::lerp is in no list, and its kernel refuses mixed dtypes.
+    with pytest.raises(RuntimeError, match="expected dtype"):
+        torch.lerp(lo, hi, 0.5)
+    optamp.register_promote_op("aten::lerp")  # before initialize: takes effect at initialize
+    with pytest.raises(RuntimeError, match="expected dtype"):
+        torch.lerp(lo, hi, 0.5)  # casting is not on yet
+    init(Mlp(), opt_level="O4")
+    before = optamp.cast_count()
+    out = torch.lerp(lo, hi, 0.5)  # lerp.Scalar
+    assert out.dtype == torch.float32 and optamp.cast_count() > before
+    torch.testing.assert_close(out, torch.lerp(lo.float(), hi, 0.5))
+    assert torch.lerp(lo, hi, torch.full((3,), 0.5)).dtype == torch.float32  # lerp.Tensor
+    assert torch.lerp(lo, lo, 0.5).dtype == torch.bfloat16  # same widths: left alone
+    with optamp.disable_casts():
+        with pytest.raises(RuntimeError, match="expected dtype"):
+            torch.lerp(lo, hi, 0.5)
+
+    blend = torch.ops.optamp_pytest.blend
+    with pytest.raises(RuntimeError, match="blend: mixed dtypes"):
+        blend(lo, hi)
+    optamp.register_promote_op("optamp_pytest::blend")  # after initialize: applies at once
+    out = blend(lo, hi)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, (lo.float() + hi) / 2)
+    assert blend(lo, lo).dtype == torch.bfloat16
+    report = optamp.policy_report()
+    assert "optamp_pytest::blend: promote" in report and "aten::lerp.Scalar: promote" in report
+    # Promote policies act at O1/O4 and in autocast regions only, not at O2.
+    optamp.reset()
+    init(Mlp(), opt_level="O5")
+    with pytest.raises(RuntimeError, match="blend: mixed dtypes"):
+        blend(lo, hi)
+    with optamp.autocast(dtype=torch.bfloat16):
+        assert blend(lo, hi).dtype == torch.float32
+    with pytest.raises(ValueError, match="nosuchns::nosuchop"):
+        optamp.register_promote_op("nosuchns::nosuchop")
+
+
+class _Funcs:
+    @staticmethod
+    def combine(a, pair):
+        return a, pair[0], pair[1]
+
+    @staticmethod
+    def weird(a, b):
+        return a + b
+
+
+def test_python_function_registration_before_and_after_initialize(fresh):
+    ns = type("ns", (), {})()
+    ns.combine = _Funcs.combine
+    ns.mix = _Funcs.weird
+    optamp.register_half_function(ns, "combine")  # before initialize
+    a, b, c = ns.combine(r(2), [r(2), torch.ones(2, dtype=torch.float64)])
+    assert (a.dtype, b.dtype, c.dtype) == (torch.float32,) * 2 + (torch.float64,)  # inactive
+    init(Mlp(), opt_level="O4")
+    a, b, c = ns.combine(r(2), [r(2), torch.ones(2, dtype=torch.float64)])
+    assert (a.dtype, b.dtype, c.dtype) == (torch.bfloat16, torch.bfloat16, torch.float64)
+    optamp.register_promote_function(ns, "mix")  # after initialize
+    assert ns.mix(r(2, dtype=torch.bfloat16), r(2)).dtype == torch.float32
+
+    @optamp.float_function
+    def as_is(x):
+        return x
+
+    assert as_is(r(2, dtype=torch.bfloat16)).dtype == torch.float32
+
+    @optamp.half_function
+    def h(x):
+        return x
+
+    assert h(r(2)).dtype == torch.bfloat16
+    with optamp.disable_casts():
+        assert h(r(2)).dtype == torch.float32
+    with pytest.raises(ValueError, match="No function named nope in module"):
+        optamp.register_half_function(torch, "nope")
+    with pytest.raises(TypeError, match="torch.__version__ must be callable, got "):
+        optamp.register_half_function(torch, "__version__")
+    for decorator, kind in [(optamp.half_function, "half"), (optamp.float_function, "float"),
+                            (optamp.promote_function, "promote")]:
+        with pytest.raises(TypeError, match=f"{kind}_function expects a callable .* got int"):
+            decorator(3)
+
+
+def test_registered_builtin_wins_over_its_table_policy(fresh):
+    import types
+
+    ns = types.SimpleNamespace(gelu=F.gelu)  # a C builtin in the fp32 list
+    optamp.register_half_function(ns, "gelu")
+    init(Mlp(), opt_level="O4")
+    assert ns.gelu(r(3)).dtype == torch.bfloat16
+    assert F.gelu(r(3, dtype=torch.bfloat16)).dtype == torch.float32  # the table still holds
