@@ -1,8 +1,8 @@
 // Instruction counts of optamp's dispatch path, for run under callgrind (timings on a shared
-// 2-core machine are too noisy for a 3% target). The measured work runs in two noinline
-// instantiations, run<1> (n times) and run<2> (2n times); per-call cost = (Ir(run<2>) -
-// Ir(run<1>)) / n, which cancels set-up and lazy initialization. benchmarks/dispatch_overhead.sh
-// --icount runs every configuration and prints the table of docs/benchmarks.md.
+// 2-core machine are too noisy for a 3% target). The measured work runs in two noipa
+// instantiations (not inlined, cloned or folded together), run<1> (n times) and run<2> (2n times);
+// per-call cost = (Ir(run<2>) - Ir(run<1>)) / n, which cancels set-up and lazy initialization.
+// `benchmarks/dispatch_overhead.sh --icount` runs the configurations of docs/benchmarks.md.
 //
 //   valgrind --tool=callgrind dispatch_icount <mode> <case> <n>
 //
@@ -83,7 +83,7 @@ at::Tensor loss_of_forward() {
 }
 
 template <int Tag>
-__attribute__((noinline)) void backward(const at::Tensor& loss) {
+__attribute__((noipa)) void backward(const at::Tensor& loss) {
   loss.backward();
 }
 
@@ -99,7 +99,7 @@ void call_op() {
 }
 
 template <int Tag>
-__attribute__((noinline)) void run(int count) {
+__attribute__((noipa)) void run(int count) {
   const bool is_backward = g_case.size() > 9 && g_case.substr(g_case.size() - 9) == "_backward";
   for (int i = 0; i < count; ++i) {
     if (!is_backward) {

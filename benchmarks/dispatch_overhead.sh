@@ -25,9 +25,8 @@ if [[ "${1:-}" == "--icount" ]]; then
       for m in noamp optamp_o4 optamp_o5; do configs+=("$m:$c"); done
     done
   fi
-  ir_of() {  # inclusive Ir of a function in a callgrind output file
-    callgrind_annotate --inclusive=yes --threshold=100 "$1" | grep -F "$2" | head -1 |
-      awk '{gsub(",","",$1); print $1}'
+  ir_of() {  # inclusive Ir of a function in an annotated callgrind output
+    grep -F "$2" "$1" | grep -v constprop | head -1 | awk '{gsub(",","",$1); print $1}'
   }
   for cfg in "${configs[@]}"; do
     mode="${cfg%%:*}" case="${cfg##*:}" n=200
@@ -35,6 +34,8 @@ if [[ "${1:-}" == "--icount" ]]; then
     f="$(mktemp)"
     valgrind --tool=callgrind --callgrind-out-file="$f" "$BUILD/benchmarks/dispatch_icount" \
       "$mode" "$case" "$n" >/dev/null 2>&1
+    callgrind_annotate --inclusive=yes --threshold=100 "$f" >"$f.txt"
+    f="$f.txt"
     per_call=$(( ($(ir_of "$f" "::run<2>(int)") -
                   $(ir_of "$f" "::run<1>(int)")) / n ))
     line="instructions/call $mode $case: $per_call"
@@ -43,7 +44,7 @@ if [[ "${1:-}" == "--icount" ]]; then
       line+=" (backward alone: $bwd)"
     fi
     echo "$line"
-    rm -f "$f"
+    rm -f "$f" "${f%.txt}"
   done
   exit 0
 fi
