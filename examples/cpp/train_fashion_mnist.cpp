@@ -143,6 +143,8 @@ std::vector<std::int64_t> parse_steps(const std::string& flag, const std::string
                                   v + "\"");
     out.push_back(step);
   }
+  if (out.empty())
+    throw std::invalid_argument(flag + " takes step numbers >= 1 separated by commas, got \"\"");
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
