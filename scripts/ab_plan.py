@@ -4,11 +4,11 @@ and what this CPU offers for reduced precision.
 
     python scripts/ab_plan.py --out OUT --levels O0,O1,O2,O4,O5 --device cpu [--steps N]
         [--seeds N|S1,S2,..] [--slow-steps N] [--slow-seeds N] [--slow-levels auto|none|L,..]
-        [--epochs E] [--batch-size B] [--subset N]
+        [--epochs E] [--lr-schedule constant|cosine] [--batch-size B] [--subset N]
 
 Writes OUT/plan.json and OUT/runs.tsv (one run a line, seed by seed so that a level's run and
 the baseline's run of the same seed are close in time: level, seed, budget flag, budget,
---eval-at list or "-") and prints the plan, CPU features first.
+--eval-at list or "-", learning-rate schedule) and prints the plan, CPU features first.
 
 Budgets (docs/ab_test.md). Levels without fast kernels on this device ("slow": on a CPU the
 fp16 levels O1-O3 always, since torch has no fast fp16 CPU convolutions, and O4/O5 when the CPU
@@ -17,7 +17,8 @@ has no bf16 instructions) get --slow-steps and the first --slow-seeds seeds; the
 budget on every seed and evaluates the test set also at each shorter budget, so a level run
 for fewer steps is compared with the baseline at its own step count (a shorter run is the
 prefix of a longer one: same seed, same data order, constant learning rate). With --epochs
-every level trains that many epochs (no slow budget) and the test set is evaluated after each.
+every level trains that many epochs (no slow budget), with a cosine learning-rate decay unless
+--lr-schedule says otherwise, and the test set is evaluated after each.
 """
 import argparse
 import json
@@ -163,20 +164,23 @@ def make_plan(a, cpu):
     if not a.epochs:  # the baseline covers every budget, on every seed
         base.update(steps=longest, seeds=seeds,
                     eval_at=sorted({r["steps"] for r in rows if r["steps"] < longest}))
-    return {"device": a.device, "mode": "epochs" if a.epochs else "steps",
+    schedule = a.lr_schedule or ("cosine" if a.epochs else "constant")
+    return {"device": a.device, "mode": "epochs" if a.epochs else "steps", "lr_schedule": schedule,
             "epochs": a.epochs or None, "baseline": baseline, "seeds": seeds,
             "batch_size": a.batch_size, "train_images": n_train, "steps_per_epoch": per_epoch,
             "levels": rows, "cpu": cpu}
 
 
 def runs(plan):
-    """(level, seed, flag, budget, eval_at) in run order: seed by seed, levels in order."""
+    """(level, seed, flag, budget, eval_at, lr schedule) in run order: seed by seed, levels in
+    order."""
     for seed in plan["seeds"]:
         for r in plan["levels"]:
             if seed in r["seeds"]:
                 flag, budget = ("--epochs", r["epochs"]) if r.get("epochs") else (
                     "--steps", r["steps"])
-                yield r["level"], seed, flag, budget, ",".join(map(str, r["eval_at"])) or "-"
+                yield (r["level"], seed, flag, budget, ",".join(map(str, r["eval_at"])) or "-",
+                       plan["lr_schedule"])
 
 
 def seed_text(seeds):
@@ -188,7 +192,7 @@ def seed_text(seeds):
 def describe_plan(plan):
     lines = [describe_cpu(plan["cpu"]) if plan["device"] == "cpu" else
              f"device {plan['device']}: the CPU's features do not matter for the step time.",
-             "Budget per level:"]
+             f"Budget per level (learning rate: {plan['lr_schedule']}):"]
     for r in plan["levels"]:
         budget = (f"{r['epochs']} epochs ({r['steps']} steps)" if r.get("epochs") else
                   f"{r['steps']} steps")
@@ -212,6 +216,7 @@ def parse_args(argv=None):
     p.add_argument("--slow-seeds", type=int, default=0)
     p.add_argument("--slow-levels", default="auto")
     p.add_argument("--epochs", type=int, default=0)
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default=None)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--subset", type=int, default=0)
     p.add_argument("--cpuinfo", default="/proc/cpuinfo", help=argparse.SUPPRESS)

@@ -15,9 +15,10 @@
 #          --steps N (cpu 400, cuda 1000)  --slow-steps N (100)  --slow-seeds N (3)
 #          --slow-levels auto|none|L1,.. (auto: on a CPU the fp16 levels, and the bf16 ones
 #                              when the CPU has no bf16 instructions: they get the slow budget)
-#          --epochs E (every level E epochs, test set after each; no slow budget; 1 seed unless
-#                      --seeds)  --full (= --epochs 5)
-#          --batch-size N (64)  --lr X  --subset N (first N training images)  --test-subset N
+#          --epochs E (every level E epochs, test set after each, cosine learning-rate decay;
+#                      no slow budget; 1 seed unless --seeds)  --full (= --epochs 5)
+#          --batch-size N (64)  --lr X (0.02)  --lr-schedule constant|cosine (cosine with --epochs)
+#          --subset N (first N training images)  --test-subset N
 #          --data DIR  --python (examples/python/train_fashion_mnist.py instead of the C++ binary)
 #          --out DIR (default results/ab)  --no-build  --bin PATH (a prebuilt trainer)
 # Every run first calls scripts/bootstrap.sh (idempotent, seconds once the machine is set up), so
@@ -32,10 +33,10 @@ cd "$OPTAMP_ROOT"
 
 device=cpu batch=64 lr="" subset=0 test_subset=0 data="" python=0 out="results/ab" build=1 bin=""
 plan_args=()
-usage() { sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --levels|--steps|--seeds|--slow-steps|--slow-seeds|--slow-levels|--epochs)
+    --levels|--steps|--seeds|--slow-steps|--slow-seeds|--slow-levels|--epochs|--lr-schedule)
       [[ $# -ge 2 ]] || { echo "ab_test.sh: $1 needs a value" >&2; exit 2; }
       plan_args+=("$1" "$2"); shift 2 ;;
     --seed) plan_args+=(--seeds "$2,"); shift 2 ;;
@@ -102,8 +103,8 @@ args=(--device "$device" --batch-size "$batch" --subset "$subset" --test-subset 
 # One run: trainer stdout (properties report, summary line) -> NAME.log; stderr -> NAME.err and
 # the terminal, with the trainer's progress line when the terminal is a TTY; NAME.status.
 run_one() {
-  local level="$1" seed="$2" flag="$3" budget="$4" eval_at="$5" name="$1-s$2" t0=$SECONDS rc st msg
-  local extra=(--seed "$seed" "$flag" "$budget")
+  local level="$1" seed="$2" flag="$3" budget="$4" eval_at="$5" schedule="$6" name="$1-s$2"
+  local t0=$SECONDS rc st msg extra=(--seed "$seed" "$flag" "$budget" --lr-schedule "$schedule")
   [[ "$eval_at" != - ]] && extra+=(--eval-at "$eval_at")
   echo "== $name: ${trainer[*]##*/} --opt-level $level ${extra[*]} ${args[*]}"
   OPTAMP_PROGRESS=$([[ -t 2 ]] && echo 1 || echo 0) \
@@ -126,13 +127,13 @@ run_one() {
 status=0
 declare -A unsupported=()
 start=$SECONDS
-while IFS=$'\t' read -r level seed flag budget eval_at; do
+while IFS=$'\t' read -r level seed flag budget eval_at schedule; do
   if [[ -n "${unsupported[$level]+set}" ]]; then  # the same answer on every seed: not rerun
     printf '{"status": "unsupported", "exit_code": 3, "message": "%s", "seconds": 0}\n' \
       "${unsupported[$level]}" >"$out/$level-s$seed.status"
     continue
   fi
-  run_one "$level" "$seed" "$flag" "$budget" "$eval_at"
+  run_one "$level" "$seed" "$flag" "$budget" "$eval_at" "$schedule"
 done <"$out/runs.tsv"
 
 "$PY" "$OPTAMP_ROOT/scripts/ab_report.py" --out "$out" || status=1

@@ -108,6 +108,7 @@ struct Args {
   std::int64_t epochs = 1;
   std::int64_t batch_size = 64;
   double lr = 0.02;
+  std::string lr_schedule = "constant";  // or "cosine": lr * (1 + cos(pi * step / steps)) / 2
   std::uint64_t seed = 0;
   std::string device = "cpu";
   std::string data = fashion_mnist::kDefaultDir;
@@ -121,9 +122,9 @@ struct Args {
 
 const char* kUsage =
     "usage: train_fashion_mnist [--opt-level O0..O5] [--steps N | --epochs N] [--batch-size N]\n"
-    "         [--lr X] [--seed N] [--device cpu|cuda] [--data DIR] [--subset N]\n"
-    "         [--test-subset N] [--threads N] [--metrics FILE] [--eval-at S1,S2,..]\n"
-    "         [--save-weights FILE]\n";
+    "         [--lr X] [--lr-schedule constant|cosine] [--seed N] [--device cpu|cuda]\n"
+    "         [--data DIR] [--subset N] [--test-subset N] [--threads N] [--metrics FILE]\n"
+    "         [--eval-at S1,S2,..] [--save-weights FILE]\n";
 
 // "100,400" -> {100, 400}; every entry a step number >= 1.
 std::vector<std::int64_t> parse_steps(const std::string& flag, const std::string& v) {
@@ -170,6 +171,8 @@ Args parse_args(int argc, char** argv) {
       a.batch_size = std::stoll(v);
     else if (flag == "--lr")
       a.lr = std::stod(v);
+    else if (flag == "--lr-schedule")
+      a.lr_schedule = v;
     else if (flag == "--seed")
       a.seed = std::stoull(v);
     else if (flag == "--device")
@@ -192,6 +195,9 @@ Args parse_args(int argc, char** argv) {
       throw std::invalid_argument("unknown flag " + flag);
   }
   amp::parse_opt_level(a.opt_level);  // throws, listing the valid levels
+  if (a.lr_schedule != "constant" && a.lr_schedule != "cosine")
+    throw std::invalid_argument("--lr-schedule must be constant or cosine, got \"" + a.lr_schedule +
+                                "\"");
   if (a.device != "cpu" && a.device != "cuda")
     throw std::invalid_argument("--device must be cpu or cuda, got " + a.device);
   if (a.steps < 0 || a.epochs < 1 || a.batch_size < 1 || a.subset < 0 || a.test_subset < 0 ||
@@ -270,6 +276,20 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const std::size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The learning rate of step `step` (0-based) of `total`: constant, or cosine decay to 0 (for
+// --epochs runs to convergence; a constant rate keeps a short run the prefix of a longer one).
+double lr_at(const Args& args, std::int64_t step, std::int64_t total) {
+  if (args.lr_schedule == "constant") return args.lr;
+  const double pi = std::acos(-1.0);
+  return args.lr * 0.5 *
+         (1.0 + std::cos(pi * static_cast<double>(step) / static_cast<double>(total)));
+}
+
+void set_lr(torch::optim::SGD& optimizer, double lr) {
+  for (auto& group : optimizer.param_groups())
+    static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
 }
 
 struct EvalResult {
@@ -360,6 +380,7 @@ int run(const Args& args) {
                    .integer("steps", total)
                    .integer("batch_size", batch)
                    .num("lr", args.lr)
+                   .str("lr_schedule", args.lr_schedule)
                    .integer("seed", static_cast<std::int64_t>(args.seed))
                    .integer("train_images", n_train)
                    .integer("test_images", test.images.size(0))
@@ -393,6 +414,7 @@ int run(const Args& args) {
     const torch::Tensor y = train.labels.index_select(0, idx).to(device);
     const double scale = AmpSession::loss_scale();
 
+    if (args.lr_schedule != "constant") set_lr(optimizer, lr_at(args, step, total));
     const auto t0 = Clock::now();
     optimizer.zero_grad();
     const torch::Tensor loss = torch::nn::functional::cross_entropy(model->forward(x), y);

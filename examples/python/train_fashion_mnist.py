@@ -167,6 +167,8 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
+                   help="cosine: lr * (1 + cos(pi * step / steps)) / 2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--data", default=DEFAULT_DATA)
@@ -182,6 +184,15 @@ def parse_args(argv=None):
             or not a.lr > 0:
         p.error("--steps >= 0, --epochs >= 1, --batch-size >= 1, --lr > 0")
     return a
+
+
+def lr_at(args, step, total):
+    """The learning rate of step `step` (0-based) of `total`: constant, or cosine decay to 0 (for
+    --epochs runs to convergence; a constant rate keeps a short run the prefix of a longer one).
+    """
+    if args.lr_schedule == "constant":
+        return args.lr
+    return args.lr * 0.5 * (1.0 + math.cos(math.pi * step / total))
 
 
 def evaluate(model, test_x, test_y, device):
@@ -238,7 +249,8 @@ def run(args):
 
     emit({"type": "config", "program": "train_fashion_mnist.py", "language": "python",
           "opt_level": args.opt_level, "device": args.device, "steps": total,
-          "batch_size": batch, "lr": args.lr, "seed": args.seed, "train_images": n_train,
+          "batch_size": batch, "lr": args.lr, "lr_schedule": args.lr_schedule,
+          "seed": args.seed, "train_images": n_train,
           "test_images": int(test_x.shape[0]), "threads": torch.get_num_threads(),
           "torch": torch.__version__, "optamp": amp.__version__})
 
@@ -262,6 +274,9 @@ def run(args):
         y = train_y.index_select(0, idx).to(device)
         scale = session.loss_scale()
 
+        if args.lr_schedule != "constant":
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(args, step, total)
         t0 = time.perf_counter()
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)

@@ -381,6 +381,31 @@ def test_eval_at_leaves_training_unchanged(kind, tmp_path):
         assert mid["test_loss"] == end["test_loss"]
 
 
+@needs_data
+def test_cosine_schedule(tmp_path):
+    """--lr-schedule cosine (what ab_test.sh --epochs uses): the twins agree step by step; the
+    first step is the constant schedule's (lr at step 0 is the full lr), later ones differ."""
+    runs = {}
+    for kind, schedule in (("cpp", "cosine"), ("python", "cosine"), ("cpp", "constant")):
+        path = tmp_path / f"{kind}-{schedule}.jsonl"
+        subprocess.run([*trainer(kind), "--opt-level", "O0", "--epochs", "2", "--subset", "256",
+                        "--test-subset", "100", "--lr-schedule", schedule, "--metrics", str(path)],
+                       check=True, capture_output=True, env=env(), timeout=300)
+        m = read_metrics(path)
+        assert m["config"][0]["lr_schedule"] == schedule
+        runs[kind, schedule] = [r["loss"] for r in m["step"]]
+    cos, const = runs["cpp", "cosine"], runs["cpp", "constant"]
+    assert runs["python", "cosine"] == pytest.approx(cos, rel=1e-4, abs=1e-5)
+    assert len(cos) == 8 and cos[:2] == const[:2] and cos[2:] != const[2:]
+
+
+@pytest.mark.parametrize("kind", ["cpp", "python"])
+def test_trainers_reject_bad_lr_schedule(kind):
+    proc = subprocess.run([*trainer(kind), "--lr-schedule", "linear"], capture_output=True,
+                          text=True, env=env(), timeout=120)
+    assert proc.returncode == 2 and "--lr-schedule" in proc.stderr and "linear" in proc.stderr
+
+
 @pytest.mark.parametrize("kind", ["cpp", "python"])
 @pytest.mark.parametrize("value", ["0", "3,x", ""])
 def test_trainers_reject_bad_eval_at(kind, value):

@@ -173,8 +173,8 @@ def test_default_cpu_budget_without_bf16(tmp_path, capsys):
     # Seed by seed: each level's run next to the baseline's of the same seed.
     assert [(r[0], r[1]) for r in runs[:6]] == [("O0", "0"), ("O1", "0"), ("O2", "0"),
                                                 ("O4", "0"), ("O5", "0"), ("O0", "1")]
-    assert runs[0] == ["O0", "0", "--steps", "400", "100"]
-    assert runs[1] == ["O1", "0", "--steps", "100", "-"]
+    assert runs[0] == ["O0", "0", "--steps", "400", "100", "constant"]
+    assert runs[1] == ["O1", "0", "--steps", "100", "-", "constant"]
     assert len(runs) == 5 + 4 * 3
     out = capsys.readouterr().out
     assert "bf16: avx512_bf16 no, amx_bf16 no" in out and "O1 (slow: fp16 on a CPU)" in out
@@ -201,11 +201,13 @@ def test_budget_options(tmp_path):
 def test_epochs_mode(tmp_path):
     plan, lv, runs = plan_of(tmp_path, ["avx2"], "--epochs", "3", "--subset", "640",
                              "--batch-size", "64")
-    assert plan["mode"] == "epochs" and plan["seeds"] == [0]
+    assert plan["mode"] == "epochs" and plan["seeds"] == [0] and plan["lr_schedule"] == "cosine"
     for r in lv.values():  # no slow budget, the test set after every epoch
         assert not r["slow"] and r["epochs"] == 3 and r["steps"] == 30
         assert r["eval_at"] == [10, 20, 30]
-    assert runs[0] == ["O0", "0", "--epochs", "3", "10,20,30"]
+    assert runs[0] == ["O0", "0", "--epochs", "3", "10,20,30", "cosine"]
+    plan, _, runs = plan_of(tmp_path, ["avx2"], "--epochs", "1", "--lr-schedule", "constant")
+    assert plan["lr_schedule"] == "constant" and runs[0][-1] == "constant"
 
 
 @pytest.mark.parametrize("text,expected", [("3", [0, 1, 2]), ("4,9", [4, 9]), ("5,", [5])])
