@@ -1,277 +1,635 @@
 #!/usr/bin/env python3
 """Builds the A/B report of scripts/ab_test.sh from the trainers' JSON-lines metrics.
 
-    python scripts/ab_report.py --out results/ab --levels O0,O1,O2
+    python scripts/ab_report.py --out results/ab [--levels O0,O1,O2]
 
-Reads OUT/<level>.jsonl (config, step and summary objects written by train_fashion_mnist) and
-OUT/<level>.status (JSON: status ok|unsupported|failed, message, exit_code; written by
-ab_test.sh), and writes OUT/summary.md, OUT/summary.json and OUT/ab.png (matplotlib, Agg).
-The baseline is O0 when it ran, else the first level that ran; the table headers name it. A
-level has "equal accuracy" when its test accuracy is no more than EQUAL_POINTS (1.0) percentage
-points below the baseline's. A level's status message (the last line its trainer wrote to
-stderr) is reported only for a level that is not ok.
+Reads OUT/plan.json (written by scripts/ab_plan.py: levels, budgets, seeds, CPU features),
+OUT/<level>-s<seed>.jsonl (config, step, eval and summary objects written by
+train_fashion_mnist) and OUT/<level>-s<seed>.status (JSON: status ok|unsupported|failed,
+message, exit_code; written by ab_test.sh), and writes OUT/summary.md, OUT/summary.json and
+OUT/ab.png (matplotlib, Agg). Without plan.json the levels come from --levels and the seeds
+from the files found.
+
+The baseline is O0 when it ran, else the first level that ran. Every level is compared with
+the baseline seed by seed at the level's own step count (the baseline evaluates the test set
+at every shorter budget), by the rule in scripts/ab_stats.py (RULE, printed in the report).
 """
 import argparse
+import glob
 import json
 import math
 import os
+import re
+import statistics
 import sys
 
-EQUAL_POINTS = 1.0
-SUMMARY_FIELDS = ("test_accuracy", "peak_memory_mb", "peak_memory_kind", "median_step_ms",
-                  "samples_per_s", "final_train_loss", "skipped_steps", "final_loss_scale",
-                  "train_time_s", "steps", "batch_size")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ab_stats  # noqa: E402
+
+STEADY_SKIP = 5  # step times: the first 5 steps (warm-up) are left out when there are > 10
+TAIL = 20  # final train loss: mean of the last 20 finite step losses
 
 
+# ---- reading ----------------------------------------------------------------------------------
 def read_jsonl(path):
-    config, steps, summary = {}, [], None
+    """{config, steps: [step objects], evals: {step: eval object}, summary}."""
+    run = {"config": {}, "steps": [], "evals": {}, "summary": None}
     with open(path) as f:
         for line in f:
-            line = line.strip()
-            if not line:
+            if not line.strip():
                 continue
             obj = json.loads(line)
             kind = obj.get("type")
             if kind == "config":
-                config = obj
+                run["config"] = obj
             elif kind == "step":
-                steps.append(obj)
+                run["steps"].append(obj)
+            elif kind == "eval":
+                run["evals"][obj["step"]] = obj
             elif kind == "summary":
-                summary = obj
-    return config, steps, summary
+                run["summary"] = obj
+    return run
 
 
-def read_status(out, level):
-    path = os.path.join(out, f"{level}.status")
+def run_name(level, seed):
+    return f"{level}-s{seed}"
+
+
+def read_run(out, level, seed):
+    """One trainer run: status (ok|unsupported|failed|missing), message, and the metrics."""
+    name = run_name(level, seed)
+    status_path, metrics = (os.path.join(out, name + ext) for ext in (".status", ".jsonl"))
+    status = {"status": "ok"}
+    if os.path.isfile(status_path):
+        with open(status_path) as f:
+            status = json.load(f)
+    elif not os.path.isfile(metrics):
+        return {"status": "missing", "message": f"no {name}.jsonl in {out}"}
+    run = {"status": status.get("status", "ok"), "message": status.get("message", "")}
+    if run["status"] != "ok":
+        return run
+    if not os.path.isfile(metrics):
+        return {"status": "failed", "message": f"no metrics file {metrics}"}
+    run.update(read_jsonl(metrics))
+    if run["summary"] is None:
+        return {"status": "failed", "message": f"{metrics} has no summary line"}
+    run["message"] = ""  # for an ok run the last stderr line is noise (warnings, progress)
+    return run
+
+
+def plan_from_files(out, levels):
+    """A plan for output without plan.json: the seeds found per level, steps from the files."""
+    rows = []
+    for lv in levels:
+        seeds = sorted(int(m.group(1)) for p in glob.glob(os.path.join(out, f"{lv}-s*.status"))
+                       + glob.glob(os.path.join(out, f"{lv}-s*.jsonl"))
+                       if (m := re.search(r"-s(\d+)\.\w+$", p)))
+        rows.append({"level": lv, "seeds": sorted(set(seeds)), "steps": None, "slow": False,
+                     "eval_at": []})
+    return {"levels": rows, "cpu": None, "device": None, "mode": "steps", "baseline": None}
+
+
+def load_plan(out, levels=None):
+    path = os.path.join(out, "plan.json")
     if os.path.isfile(path):
         with open(path) as f:
-            return json.load(f)
-    if os.path.isfile(os.path.join(out, f"{level}.jsonl")):
-        return {"status": "ok"}
-    return {"status": "missing", "message": f"no {level}.jsonl in {out}"}
+            plan = json.load(f)
+        if levels:
+            plan["levels"] = [r for r in plan["levels"] if r["level"] in levels]
+        return plan
+    return plan_from_files(out, levels or [])
 
 
-def collect(out, levels):
-    rows, curves, config = [], {}, {}
-    for level in levels:
-        status = read_status(out, level)
-        row = {"level": level, "status": status.get("status", "ok")}
-        if row["status"] != "ok" and status.get("message"):
-            # For an ok level the last stderr line is noise (a warning, the progress line).
-            row["message"] = status["message"]
-        metrics = os.path.join(out, f"{level}.jsonl")
-        if row["status"] == "ok":
-            if not os.path.isfile(metrics):
-                row.update(status="failed", message=f"no metrics file {metrics}")
-            else:
-                cfg, steps, summary = read_jsonl(metrics)
-                if summary is None:
-                    row.update(status="failed", message=f"{metrics} has no summary line")
-                else:
-                    config = config or cfg
-                    row.update({k: summary.get(k) for k in SUMMARY_FIELDS})
-                    curves[level] = steps
-        rows.append(row)
-    return rows, curves, config
+# ---- metrics of one run at a step ------------------------------------------------------------
+def losses(run, upto=None):
+    """Per-step losses (None where not finite), steps 1..upto."""
+    return [s.get("loss") for s in run["steps"][:upto]]
 
 
-def ratio(a, b):
-    if a is None or b is None or not b:
+def final_train_loss(run, upto):
+    tail = [v for v in reversed(losses(run, upto)) if v is not None and math.isfinite(v)][:TAIL]
+    return sum(tail) / len(tail) if tail else None
+
+
+def median_step_ms(run, upto):
+    times = [s["step_ms"] for s in run["steps"][:upto]]
+    steady = times[STEADY_SKIP:] if len(times) > 2 * STEADY_SKIP else times
+    return statistics.median(steady) if steady else None
+
+
+def metrics_at(run, steps):
+    """Test accuracy/loss, final train loss and median step time of a run after `steps` steps:
+    the summary for its last step, an eval line and the curves' prefix for an earlier one."""
+    if run.get("status") != "ok" or steps is None or len(run["steps"]) < steps:
         return None
-    return a / b
+    if run["summary"].get("steps") == steps:
+        test = run["summary"]
+    else:
+        test = run["evals"].get(steps, {})
+    return {"test_accuracy": test.get("test_accuracy"), "test_loss": test.get("test_loss"),
+            "final_train_loss": final_train_loss(run, steps),
+            "median_step_ms": median_step_ms(run, steps)}
 
 
-def baseline_of(rows):
-    """The baseline row: O0 when it ran, else the first level that ran (None: none ran)."""
-    ok = [r for r in rows if r["status"] == "ok"]
-    return next((r for r in ok if r["level"] == "O0"), ok[0] if ok else None)
+# ---- one level against the baseline ----------------------------------------------------------
+def summarize(values):
+    """{mean, sd, half_width95, n} of a {seed: value} map (None values left out)."""
+    vals = [v for v in values.values() if v is not None]
+    m, half = ab_stats.mean_interval(vals)
+    return {"mean": m, "sd": ab_stats.sample_sd(vals), "half_width95": half, "n": len(vals)}
 
 
-def add_ratios_and_verdict(rows):
-    ok = [r for r in rows if r["status"] == "ok"]
-    base = baseline_of(rows)
+def column(at, key):
+    return {s: m[key] for s, m in at.items() if m is not None and m.get(key) is not None}
+
+
+def compare(level_at, base_at):
+    """The three paired comparisons of RULE, given {seed: metrics_at(...)} of both."""
+    out = {}
+    for key, higher in (("test_accuracy", True), ("final_train_loss", False)):
+        base = column(base_at, key)
+        out[key] = ab_stats.paired(column(level_at, key), base, ab_stats.noise_floor(base),
+                                   higher_is_better=higher)
+    base = column(base_at, "median_step_ms")
+    out["step_time"] = ab_stats.paired(column(level_at, "median_step_ms"), base,
+                                       ab_stats.noise_floor(base, log=True),
+                                       higher_is_better=False, log=True,
+                                       words=("faster", "slower"))
+    return out
+
+
+def per_seed_rows(level, runs, level_at, base_at, div):
+    rows = []
+    for seed, run in sorted(runs.items()):
+        row = {"seed": seed, "status": run["status"]}
+        if run["status"] != "ok":
+            row["message"] = run.get("message", "")
+            rows.append(row)
+            continue
+        m, b, s = level_at.get(seed) or {}, base_at.get(seed) or {}, run["summary"]
+        row.update(m)
+        row.update({"steps": len(run["steps"]), "skipped_steps": s.get("skipped_steps"),
+                    "final_loss_scale": s.get("final_loss_scale"),
+                    "peak_memory_mb": s.get("peak_memory_mb"),
+                    "train_time_s": s.get("train_time_s"),
+                    "baseline_test_accuracy": b.get("test_accuracy"),
+                    "baseline_final_train_loss": b.get("final_train_loss"),
+                    "baseline_median_step_ms": b.get("median_step_ms"),
+                    "divergence": div["per_seed"].get(seed),
+                    "accuracy_by_step": {k: e["test_accuracy"]
+                                         for k, e in sorted(run["evals"].items())}})
+        rows.append(row)
+    return rows
+
+
+def level_status(runs):
+    states = {r["status"] for r in runs.values()}
+    if states == {"ok"}:
+        return "ok"
+    if "ok" not in states and states <= {"unsupported"}:
+        return "unsupported"
+    return "failed" if "ok" not in states else "partly failed"
+
+
+def level_row(plan_row, runs, base_runs, batch):
+    """Everything the report says about one level."""
+    ok = {s: r for s, r in runs.items() if r["status"] == "ok"}
+    row = {"level": plan_row["level"], "status": level_status(runs) if runs else "missing",
+           "seeds": sorted(runs), "seeds_ok": sorted(ok), "slow": plan_row.get("slow", False)}
+    if plan_row.get("why_slow"):
+        row["why_slow"] = plan_row["why_slow"]
+    bad = [f"seed {s}: {r['status']} {r.get('message', '')}".strip()
+           for s, r in sorted(runs.items()) if r["status"] != "ok"]
+    if bad:
+        row["message"] = "; ".join(bad)
+    if not ok:
+        return row
+    steps = plan_row.get("steps") or min(len(r["steps"]) for r in ok.values())
+    row["steps"] = steps
+    if plan_row.get("epochs"):
+        row["epochs"] = plan_row["epochs"]
+    level_at = {s: metrics_at(r, steps) for s, r in ok.items()}
+    base_at = {s: metrics_at(r, steps) for s, r in base_runs.items()}
+    base_at = {s: m for s, m in base_at.items() if m is not None}
+    for key in ("test_accuracy", "test_loss", "final_train_loss"):
+        row[key] = summarize(column(level_at, key))
+    times = column(level_at, "median_step_ms")
+    row["median_step_ms"] = {"median": statistics.median(times.values()) if times else None,
+                             "min": min(times.values(), default=None),
+                             "max": max(times.values(), default=None)}
+    mems = [r["summary"].get("peak_memory_mb") for r in ok.values()
+            if r["summary"].get("peak_memory_mb") is not None]
+    row["peak_memory_mb"] = statistics.median(mems) if mems else None
+    row["peak_memory_kind"] = next(iter(ok.values()))["summary"].get("peak_memory_kind")
+    med = row["median_step_ms"]["median"]
+    row["samples_per_s"] = batch / (med / 1000.0) if med else None
+    row["vs_baseline"] = compare(level_at, base_at)
+    div = ab_stats.divergence({s: losses(r, steps) for s, r in ok.items()},
+                              {s: losses(r, steps) for s, r in base_runs.items()
+                               if len(r["steps"]) >= steps}, steps)
+    row["divergence"] = {k: v for k, v in div.items() if k != "per_seed"}
+    row["divergence"]["window"] = ab_stats.smoothing_window(steps)
+    row["per_seed"] = per_seed_rows(row["level"], runs, level_at, base_at, div)
+    return row
+
+
+# ---- the whole report -------------------------------------------------------------------------
+def build(out, levels=None):
+    """(summary dict, {level: {seed: run}}) for OUT."""
+    plan = load_plan(out, levels)
+    runs = {r["level"]: {s: read_run(out, r["level"], s) for s in r["seeds"]}
+            for r in plan["levels"]}
+    ok_levels = [r["level"] for r in plan["levels"]
+                 if any(x["status"] == "ok" for x in runs[r["level"]].values())]
+    base = "O0" if "O0" in ok_levels else (ok_levels[0] if ok_levels else None)
+    base_runs = {s: r for s, r in runs.get(base, {}).items() if r["status"] == "ok"}
+    config = next((r["config"] for r in base_runs.values()), {})
+    batch = config.get("batch_size") or plan.get("batch_size") or 64
+    rows = [level_row(p, runs[p["level"]], base_runs, batch) for p in plan["levels"]]
+    base_row = next((r for r in rows if r["level"] == base), None)
+    if base_row is not None:
+        base_row["baseline"] = True
+        base_mem = base_row.get("peak_memory_mb")
+        for r in rows:
+            if r.get("peak_memory_mb") is not None and base_mem:
+                r["peak_memory_ratio"] = r["peak_memory_mb"] / base_mem
+    fastest, verdict = overall_verdict(rows, base)
+    summary = {"baseline": base, "rule": ab_stats.RULE, "verdict": verdict,
+               "fastest_not_worse": fastest, "config": config, "cpu": plan.get("cpu"),
+               "mode": plan.get("mode"), "device": plan.get("device") or config.get("device"),
+               "levels": rows}
+    return summary, runs
+
+
+def overall_verdict(rows, base):
+    """The fastest level (median step time) whose accuracy and final train loss are not
+    'worse' than the baseline's."""
     if base is None:
         return None, "Verdict: no level ran; see the logs next to this report."
-    for r in ok:
-        r["step_time_ratio"] = ratio(r["median_step_ms"], base["median_step_ms"])
-        r["peak_memory_ratio"] = ratio(r["peak_memory_mb"], base["peak_memory_mb"])
-        acc, base_acc = r["test_accuracy"], base["test_accuracy"]
-        r["accuracy_delta"] = None if acc is None or base_acc is None else acc - base_acc
-        # "Equal" = no worse than the baseline by more than EQUAL_POINTS: a level that is
-        # *more* accurate is not excluded for it.
-        r["equal_accuracy"] = r["accuracy_delta"] is not None and \
-            r["accuracy_delta"] >= -EQUAL_POINTS - 1e-9
-    equal = [r for r in ok if r["equal_accuracy"] and r["median_step_ms"] is not None]
-    fastest = min(equal, key=lambda r: r["median_step_ms"]) if equal else base
-    dropped = [f"{r['level']} ({r['accuracy_delta']:+.2f} pts)" for r in ok
-               if not r["equal_accuracy"] and r["accuracy_delta"] is not None]
-    tail = f" Excluded for accuracy: {', '.join(dropped)}." if dropped else ""
-    not_run = [r["level"] for r in rows if r["status"] != "ok"]
+    ok = [r for r in rows if r.get("vs_baseline") and r["median_step_ms"]["median"]]
+    worse = [r for r in ok if "worse" in (r["vs_baseline"]["test_accuracy"]["verdict"],
+                                          r["vs_baseline"]["final_train_loss"]["verdict"])]
+    candidates = [r for r in ok if r not in worse]
+    fastest = min(candidates, key=lambda r: r["median_step_ms"]["median"])
+    tail = ""
+    if worse:
+        tail += " Worse than the baseline (excluded): " + ", ".join(
+            f"{r['level']} (accuracy {r['vs_baseline']['test_accuracy']['verdict']}, loss "
+            f"{r['vs_baseline']['final_train_loss']['verdict']})" for r in worse) + "."
+    unverified = [r["level"] for r in candidates if r["level"] != base
+                  and r["vs_baseline"]["test_accuracy"]["verdict"] == "n/a"]
+    if unverified:
+        tail += (f" No accuracy verdict for {', '.join(unverified)} (fewer than 2 seeds: run "
+                 "with --seeds 3 or more).")
+    not_run = [r["level"] for r in rows if r["status"] in ("unsupported", "failed", "missing")]
     if not_run:
         tail += f" Not run: {', '.join(not_run)}."
-    if fastest is base:
-        others = [r["level"] for r in ok if r is not base]
-        verdict = (f"Verdict: {base['level']} (baseline) is the fastest at equal accuracy "
-                   f"(no more than {EQUAL_POINTS:g} pt below {base['test_accuracy']:.2f}%)"
-                   + (f"; {', '.join(others)} did not beat it." if others else
-                      "; no other level ran.") + tail)
-    else:
-        speedup = base["median_step_ms"] / fastest["median_step_ms"]
-        verdict = (f"Verdict: {fastest['level']} is the fastest at equal accuracy: "
-                   f"{speedup:.2f}x faster per step than {base['level']} (test accuracy "
-                   f"{fastest['test_accuracy']:.2f}% vs {base['test_accuracy']:.2f}%, no more than "
-                   f"{EQUAL_POINTS:g} pt below)." + tail)
-    return fastest["level"], verdict
+    if fastest["level"] == base:
+        others = [r["level"] for r in candidates if r["level"] != base]
+        return base, (f"Verdict: {base} (baseline) is the fastest level whose test accuracy and "
+                      "final train loss are not worse than the baseline's"
+                      + (f"; {', '.join(others)} did not beat it." if others else ".") + tail)
+    st = fastest["vs_baseline"]["step_time"]
+    acc = fastest["vs_baseline"]["test_accuracy"]
+    ci = st.get("ratio_ci95")
+    return fastest["level"], (
+        f"Verdict: {fastest['level']} is the fastest level whose test accuracy and final train "
+        f"loss are not worse than {base}'s: step time {st['ratio']:.2f}x {base}'s"
+        + (f" (95% interval {ci[0]:.2f}-{ci[1]:.2f}x, {st['verdict']})" if ci else "")
+        + f"; test accuracy {acc['verdict']} ({fmt_signed(acc['mean_diff'], '.2f')} pts over "
+        f"{acc['n']} seeds at {fastest['steps']} steps)." + tail)
 
 
+# ---- formatting -------------------------------------------------------------------------------
 def fmt(v, spec, suffix=""):
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "n/a"
     return format(v, spec) + suffix
 
 
-def write_markdown(path, rows, config, verdict, plot=True):
-    base = baseline_of(rows)
-    vs = f"vs {base['level']}" if base is not None else "vs baseline"
-    mem_kind = next((r.get("peak_memory_kind") for r in rows if r.get("peak_memory_kind")), "")
-    mem_label = {"cpu_peak_rss": "peak RSS", "cuda_peak_allocated": "CUDA peak allocated"}.get(
-        mem_kind, "peak memory")
-    lines = [
-        "# optamp A/B test: Fashion-MNIST CNN",
-        "",
-        f"{config.get('program', 'train_fashion_mnist')} ({config.get('language', '?')}), "
-        f"device {config.get('device', '?')}, {config.get('steps', '?')} steps x batch "
-        f"{config.get('batch_size', '?')}, lr {config.get('lr', '?')}, seed "
-        f"{config.get('seed', '?')}, {config.get('train_images', '?')} training images, "
-        f"{config.get('test_images', '?')} test images, {config.get('threads', '?')} threads, "
-        f"torch {config.get('torch', '?')}.",
-        "",
-        f"| level | median step (ms) | step time {vs} | samples/s | "
-        f"{mem_label} (MB) | memory {vs} | final train loss | test accuracy | skipped steps "
-        "| final loss scale |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+def fmt_signed(v, spec):
+    return fmt(v, "+" + spec)
+
+
+def fmt_interval(c, spec, suffix=""):
+    """'+0.12 [-0.30, +0.54]' for a paired comparison."""
+    if c is None or c["mean_diff"] is None:
+        return "n/a"
+    if c.get("ratio") is not None:
+        lo_hi = c.get("ratio_ci95")
+        text = fmt(c["ratio"], ".2f", "x")
+        return text + (f" [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}]" if lo_hi else "")
+    text = fmt_signed(c["mean_diff"], spec) + suffix
+    return text + (f" [{c['ci95'][0]:+{spec}}, {c['ci95'][1]:+{spec}}]" if c["ci95"] else "")
+
+
+def fmt_floor(c, spec, rel=False):
+    f = c.get("floor") if c else None
+    if f is None:
+        return "n/a"
+    return f"±{100 * (math.exp(f) - 1):.1f}%" if rel else f"±{f:{spec}}"
+
+
+def fmt_mean_sd(s, spec, suffix=""):
+    if s is None or s.get("mean") is None:
+        return "n/a"
+    sd = f" ± {s['sd']:{spec}}" if s.get("sd") is not None else ""
+    return f"{s['mean']:{spec}}{suffix}{sd}"
+
+
+def budget_text(r):
+    seeds = r.get("seeds_ok") or r.get("seeds") or []
+    if r.get("epochs"):
+        return f"{r['epochs']} ep ({r['steps']}) x {len(seeds)}"
+    return f"{r.get('steps', '?')} x {len(seeds)}"
+
+
+def describe_cpu(cpu):
+    if not cpu:
+        return []
+    import ab_plan
+    return ["```", ab_plan.describe_cpu(cpu), "```", ""]
+
+
+def markdown_header(summary):
+    c = summary["config"]
+    lines = ["# optamp A/B test: Fashion-MNIST CNN", "",
+             f"{c.get('program', 'train_fashion_mnist')} ({c.get('language', '?')}), device "
+             f"{c.get('device', '?')}, batch {c.get('batch_size', '?')}, lr {c.get('lr', '?')}, "
+             f"{c.get('train_images', '?')} training images, {c.get('test_images', '?')} test "
+             f"images, {c.get('threads', '?')} threads, torch {c.get('torch', '?')}. Baseline: "
+             f"{summary['baseline']}. Budget: steps x seeds per level (slow levels, which have "
+             "no fast kernels on this device, run fewer; each is compared with the baseline at "
+             "its own step count).", ""]
+    if summary.get("device") in (None, "cpu"):
+        lines += describe_cpu(summary.get("cpu"))
+    return lines
+
+
+def accuracy_table(rows, base):
+    lines = [f"| level | steps x seeds | test accuracy (mean ± sd) | vs {base} [95% interval] | "
+             "floor | accuracy verdict | final train loss (mean ± sd) | vs "
+             f"{base} [95% interval] | floor | loss verdict |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
     for r in rows:
-        if r["status"] != "ok":
+        if not r.get("vs_baseline"):
             lines.append(f"| {r['level']} | {r['status']}: {r.get('message', '')} "
                          "| | | | | | | | |")
             continue
+        acc, loss = r["vs_baseline"]["test_accuracy"], r["vs_baseline"]["final_train_loss"]
         lines.append(
-            f"| {r['level']}{' (baseline)' if r is base else ''} | "
-            f"{fmt(r['median_step_ms'], '.2f')} | "
-            f"{fmt(r['step_time_ratio'], '.2f', 'x')} | {fmt(r['samples_per_s'], '.0f')} | "
-            f"{fmt(r['peak_memory_mb'], '.1f')} | {fmt(r['peak_memory_ratio'], '.2f', 'x')} | "
-            f"{fmt(r['final_train_loss'], '.4f')} | {fmt(r['test_accuracy'], '.2f', '%')} | "
-            f"{r['skipped_steps']} | {fmt(r['final_loss_scale'], 'g')} |")
+            f"| {label(r)} | {budget_text(r)} | {fmt_mean_sd(r['test_accuracy'], '.2f', '%')} | "
+            f"{fmt_interval(acc, '.2f')} | {fmt_floor(acc, '.2f')} | {acc['verdict']} | "
+            f"{fmt_mean_sd(r['final_train_loss'], '.4f')} | {fmt_interval(loss, '.4f')} | "
+            f"{fmt_floor(loss, '.4f')} | {loss['verdict']} |")
+    return lines
+
+
+def speed_table(rows, base, mem_label):
+    lines = [f"| level | median step (ms) [min-max over seeds] | step time vs {base} [95% "
+             f"interval] | floor | speed verdict | samples/s | {mem_label} (MB) | memory vs "
+             f"{base} | loss divergence from {base} | {base}'s seed-to-seed distance | ratio |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if not r.get("vs_baseline"):
+            continue
+        st, d, t = r["vs_baseline"]["step_time"], r["divergence"], r["median_step_ms"]
+        lines.append(
+            f"| {label(r)} | {fmt(t['median'], '.2f')} [{fmt(t['min'], '.2f')}-"
+            f"{fmt(t['max'], '.2f')}] | {fmt_interval(st, '.2f')} | "
+            f"{fmt_floor(st, '.2f', rel=True)} | {st['verdict']} | "
+            f"{fmt(r['samples_per_s'], '.0f')} | {fmt(r['peak_memory_mb'], '.1f')} | "
+            f"{fmt(r.get('peak_memory_ratio'), '.2f', 'x')} | {fmt(d['mean'], '.4f')} | "
+            f"{fmt(d['floor'], '.4f')} | {fmt(d['ratio'], '.2f')} |")
+    return lines
+
+
+def seed_table(rows, base):
+    lines = [f"| level | seed | steps | test accuracy | {base}'s (same seed and step) | test "
+             f"loss | final train loss | {base}'s | median step (ms) | {base}'s | divergence | "
+             "skipped steps | final loss scale |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        for s in r.get("per_seed", []):
+            if s["status"] != "ok":
+                lines.append(f"| {r['level']} | {s['seed']} | {s['status']}: "
+                             f"{s.get('message', '')} | | | | | | | | | | |")
+                continue
+            lines.append(
+                f"| {r['level']} | {s['seed']} | {s['steps']} | "
+                f"{fmt(s['test_accuracy'], '.2f', '%')} | "
+                f"{fmt(s['baseline_test_accuracy'], '.2f', '%')} | {fmt(s['test_loss'], '.4f')} "
+                f"| {fmt(s['final_train_loss'], '.4f')} | "
+                f"{fmt(s['baseline_final_train_loss'], '.4f')} | "
+                f"{fmt(s['median_step_ms'], '.2f')} | {fmt(s['baseline_median_step_ms'], '.2f')} "
+                f"| {fmt(s['divergence'], '.4f')} | {s['skipped_steps']} | "
+                f"{fmt(s['final_loss_scale'], 'g')} |")
+    return lines
+
+
+def epoch_table(rows):
+    """Epoch mode: test accuracy after each epoch, mean over seeds."""
+    ok = [r for r in rows if r.get("per_seed") and r.get("epochs")]
+    if not ok:
+        return []
+    epochs = max(r["epochs"] for r in ok)
+    lines = ["| level | " + " | ".join(f"epoch {e}" for e in range(1, epochs + 1))
+             + " | train time per seed (s) |", "|---|" + "---:|" * (epochs + 1)]
+    for r in ok:
+        seeds = [s for s in r["per_seed"] if s["status"] == "ok"]
+        steps = sorted({k for s in seeds for k in s["accuracy_by_step"]})
+        cells = []
+        for k in steps:
+            vals = [s["accuracy_by_step"][k] for s in seeds if k in s["accuracy_by_step"]]
+            cells.append(fmt(statistics.mean(vals), ".2f", "%"))
+        times = [s["train_time_s"] for s in seeds if s.get("train_time_s") is not None]
+        lines.append(f"| {r['level']} | " + " | ".join(cells) + " | "
+                     + fmt(statistics.mean(times) if times else None, ".0f") + " |")
+    return ["Test accuracy after each epoch (mean over seeds):", ""] + lines + [""]
+
+
+def label(r):
+    return r["level"] + (" (baseline)" if r.get("baseline") else "") + (
+        " (slow)" if r.get("slow") else "")
+
+
+def write_markdown(path, summary, plot=True):
+    rows, base = summary["levels"], summary["baseline"] or "baseline"
+    kind = next((r.get("peak_memory_kind") for r in rows if r.get("peak_memory_kind")), "")
+    mem_label = {"cpu_peak_rss": "peak RSS", "cuda_peak_allocated": "CUDA peak allocated"}.get(
+        kind, "peak memory")
+    lines = markdown_header(summary)
+    lines += [f"**{summary['verdict']}**", "", "## Accuracy and final train loss", ""]
+    lines += accuracy_table(rows, base) + ["", "## Step time, memory, loss trajectory", ""]
+    lines += speed_table(rows, base, mem_label) + [""]
+    lines += epoch_table(rows)
+    lines += ["## Per seed", ""] + seed_table(rows, base) + [""]
     lines += [
-        "",
-        f"**{verdict}**",
-        "",
-        "Step time: median over the steps after the first 5 (forward, backward, optimizer step; "
-        "synchronized on CUDA); ratios are level / baseline"
-        + (f" ({base['level']})" if base is not None else "") + ", so below 1x is faster. "
-        "samples/s = batch size / median step time. Final train loss: mean of the last 20 "
-        "finite step losses. Equal accuracy: no more than "
-        f"{EQUAL_POINTS:g} percentage point below the baseline. "
-        + ("Plot: ab.png." if plot else "No plot: matplotlib is not installed."),
-        "",
-    ]
+        "## How to read it", "",
+        f"Verdict rule: {summary['rule']}.", "",
+        "Test accuracy: 10,000 test images (or --test-subset), eval mode, no grad. Final train "
+        f"loss: mean of the last {TAIL} finite step losses. Step time: median over the steps "
+        f"after the first {STEADY_SKIP} (forward, backward, optimizer step; synchronized on "
+        "CUDA); its floor is shown as the baseline's relative seed-to-seed spread. Loss "
+        "divergence: mean absolute difference between the level's and the baseline's training-"
+        "loss curves of the same seed, each smoothed by a trailing moving average of 1/20 of "
+        "the run (at least 5 steps), averaged over seeds; the seed-to-seed distance is the same "
+        "between the baseline's curves of two different seeds; ratio below 1: the level stays "
+        "closer to the baseline than a change of seed does. A slow level's baseline numbers are "
+        "the baseline's at the same step (its test set evaluated mid-run; training is not "
+        "changed by it). "
+        + ("Plot: ab.png." if plot else "No plot: matplotlib is not installed."), ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
 
 
-def moving_average(values, window):
-    out, acc, q = [], 0.0, []
-    for v in values:
-        q.append(v)
-        acc += v
-        if len(q) > window:
-            acc -= q.pop(0)
-        out.append(acc / len(q))
-    return out
+# ---- plot -------------------------------------------------------------------------------------
+COLORS = {"O0": "#222222", "O1": "#1f77b4", "O2": "#d62728", "O3": "#ff7f0e", "O4": "#2ca02c",
+          "O5": "#9467bd"}
+STYLES = {"O0": "-", "O1": "--", "O2": "-", "O3": "-.", "O4": "--", "O5": ":"}
 
 
-def write_plot(path, curves, rows, config):
+def plot_curves(ax_loss, ax_scale, summary, runs):
+    rows = {r["level"]: r for r in summary["levels"]}
+    for i, (level, seeds) in enumerate(runs.items()):
+        ok = {s: r for s, r in seeds.items() if r["status"] == "ok"}
+        if not ok:
+            continue
+        c, ls, lw = COLORS.get(level), STYLES.get(level, "-"), max(1.2, 3.0 - 0.4 * i)
+        n = min(len(r["steps"]) for r in ok.values())
+        window = ab_stats.smoothing_window(n)
+        curves = [ab_stats.smooth(losses(r, n), window) for r in ok.values()]
+        xs = list(range(1, n + 1))
+        pts = [[v for v in col if v is not None] for col in zip(*curves)]
+        keep = [j for j, p in enumerate(pts) if p]
+        acc = rows[level].get("test_accuracy", {}).get("mean")
+        ax_loss.plot([xs[j] for j in keep], [statistics.mean(pts[j]) for j in keep], color=c,
+                     linestyle=ls, linewidth=lw,
+                     label=f"{level}" + (f" ({acc:.1f}% at {n})" if acc is not None else ""))
+        if len(curves) > 1:
+            ax_loss.fill_between([xs[j] for j in keep], [min(pts[j]) for j in keep],
+                                 [max(pts[j]) for j in keep], color=c, alpha=0.12)
+        first = ok[min(ok)]
+        sc = [(s["step"], s["loss_scale"]) for s in first["steps"] if s.get("loss_scale")]
+        if sc:
+            ax_scale.step(*zip(*sc), where="post", color=c, linestyle=ls, linewidth=lw,
+                          label=level)
+        sk = [(s["step"], s["loss_scale"]) for s in first["steps"]
+              if s.get("skipped") and s.get("loss_scale")]
+        if sk:
+            ax_scale.scatter(*zip(*sk), marker="x", color=c, s=40, zorder=3)
+    import matplotlib.ticker
+    ax_loss.set_yscale("log")
+    ax_loss.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax_loss.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+    ax_loss.set_ylabel("training loss (moving average;\nline: mean over seeds, band: min-max)")
+    ax_loss.grid(True, which="both", alpha=0.3)
+    ax_loss.legend(loc="upper right", fontsize=9, title="level (test accuracy at its budget)",
+                   title_fontsize=8)
+    ax_scale.set_yscale("log", base=2)
+    ax_scale.set_ylabel("loss scale, first seed\n(x: skipped step)")
+    ax_scale.set_xlabel("step")
+    ax_scale.grid(True, which="both", alpha=0.3)
+    ax_scale.legend(loc="best", fontsize=8, ncol=3)
+
+
+def plot_interval(ax, comparison, color, ratio=False):
+    """A paired comparison as a point with its 95% interval, the floor as a grey band around
+    "no difference" (0, or 1x for a ratio)."""
+    center = 1.0 if ratio else 0.0
+    ax.axvline(center, color="#222222", linewidth=1)
+    f = comparison.get("floor")
+    if f is not None and f > 0:
+        lo, hi = (math.exp(-f), math.exp(f)) if ratio else (-f, f)
+        ax.axvspan(lo, hi, color="#999999", alpha=0.3, label="noise floor")
+    m = comparison.get("ratio") if ratio else comparison.get("mean_diff")
+    if m is None:
+        ax.text(0.5, 0.5, "n/a", transform=ax.transAxes, ha="center", va="center")
+        return
+    ci = comparison.get("ratio_ci95" if ratio else "ci95") or [m, m]
+    ax.errorbar([m], [0], xerr=[[m - ci[0]], [ci[1] - m]], fmt="o", color=color, capsize=5,
+                markersize=7)
+    points = [math.exp(d) for d in comparison["diffs"]] if ratio else comparison["diffs"]
+    ax.scatter(points, [0.25] * len(points), color=color, s=12, alpha=0.6, marker="|")
+    if ratio:
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib_formatter("%gx"))
+    ax.set_ylim(-1, 1)
+    ax.set_yticks([])
+    ax.tick_params(labelsize=7)
+    ax.grid(True, which="both", axis="x", alpha=0.3)
+
+
+def matplotlib_formatter(spec):
+    import matplotlib.ticker
+    return matplotlib.ticker.FormatStrFormatter(spec)
+
+
+def plot_level(ax_acc, ax_time, row, base):
+    """One level's panel: its test accuracy and step time against the baseline's, paired by
+    seed (point: mean difference / ratio, bar: 95% interval, ticks: single seeds, grey: the
+    baseline's seed-to-seed noise floor)."""
+    c = COLORS.get(row["level"], "C0")
+    acc, st = row["vs_baseline"]["test_accuracy"], row["vs_baseline"]["step_time"]
+    base_acc = [s["baseline_test_accuracy"] for s in row["per_seed"]
+                if s.get("baseline_test_accuracy") is not None]
+    plot_interval(ax_acc, acc, c)
+    ax_acc.set_xlabel(f"test accuracy - {base}'s (pts)", fontsize=8)
+    ax_acc.set_title(f"{row['level']}, {row['steps']} steps x {acc['n']} seeds: "
+                     f"{fmt(row['test_accuracy']['mean'], '.2f', '%')} vs "
+                     f"{fmt(statistics.mean(base_acc) if base_acc else None, '.2f', '%')}: "
+                     f"{acc['verdict']}", fontsize=8)
+    plot_interval(ax_time, st, c, ratio=True)
+    ax_time.set_xlabel(f"step time / {base}'s", fontsize=8)
+    ax_time.set_title(f"median {fmt(row['median_step_ms']['median'], '.1f')} ms: "
+                      f"{st['verdict']}", fontsize=8)
+
+
+def write_plot(path, summary, runs):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
-    colors = {"O0": "#222222", "O1": "#1f77b4", "O2": "#d62728", "O3": "#ff7f0e",
-              "O4": "#2ca02c", "O5": "#9467bd"}
-    styles = {"O0": "-", "O1": "--", "O2": "-", "O3": "-.", "O4": "--", "O5": ":"}
-    acc = {r["level"]: r.get("test_accuracy") for r in rows}
-    fig, (ax_loss, ax_scale) = plt.subplots(
-        2, 1, figsize=(10, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    for i, (level, steps) in enumerate(curves.items()):
-        # Later levels are drawn thinner and in their own line style, so coinciding curves
-        # (O0 and O1 often overlap) stay visible.
-        c, ls, lw = colors.get(level), styles.get(level, "-"), max(1.2, 3.2 - 0.5 * i)
-        pts = [(s["step"], s["loss"]) for s in steps if s.get("loss") is not None]
-        if pts:
-            xs, ys = zip(*pts)
-            window = max(1, len(xs) // 25)
-            ax_loss.plot(xs, ys, color=c, alpha=0.2, linewidth=0.8)
-            label = f"{level}" + (f"  (test acc {acc[level]:.1f}%)" if acc.get(level) else "")
-            ax_loss.plot(xs, moving_average(ys, window), color=c, linestyle=ls, linewidth=lw,
-                         label=label)
-        sc = [(s["step"], s["loss_scale"]) for s in steps if s.get("loss_scale") is not None]
-        if sc:
-            xs, ys = zip(*sc)
-            ax_scale.step(xs, ys, where="post", color=c, linestyle=ls, linewidth=lw, label=level)
-        skipped = [(s["step"], s["loss_scale"]) for s in steps
-                   if s.get("skipped") and s.get("loss_scale") is not None]
-        if skipped:
-            xs, ys = zip(*skipped)
-            ax_scale.scatter(xs, ys, marker="x", color=c, s=40, zorder=3,
-                             label=f"{level} skipped step")
-    ax_loss.set_ylabel("training loss (thin: per step, bold: moving average)")
-    ax_loss.set_yscale("log")
-    ax_loss.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax_loss.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
-    ax_loss.grid(True, which="both", alpha=0.3)
-    ax_loss.legend(loc="upper right", fontsize=10)
-    ax_loss.set_title(
-        f"optamp A/B: Fashion-MNIST CNN, {config.get('device', '?')}, "
-        f"{config.get('steps', '?')} steps x batch {config.get('batch_size', '?')}, "
-        f"seed {config.get('seed', '?')}", fontsize=12)
-    ax_scale.set_yscale("log", base=2)
-    ax_scale.set_ylabel("loss scale (x: skipped step)")
-    ax_scale.set_xlabel("step")
-    ax_scale.grid(True, which="both", alpha=0.3)
-    ax_scale.legend(loc="best", fontsize=9, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    base = summary["baseline"]
+    others = [r for r in summary["levels"] if r.get("vs_baseline") and r["level"] != base]
+    n = max(2, len(others))
+    fig = plt.figure(figsize=(15, max(7.5, 2.0 * n)))
+    grid = fig.add_gridspec(n, 3, width_ratios=[3.0, 1.3, 1.3], wspace=0.15, hspace=0.9)
+    ax_loss = fig.add_subplot(grid[:max(1, n * 3 // 5), 0])
+    ax_scale = fig.add_subplot(grid[max(1, n * 3 // 5):, 0], sharex=ax_loss)
+    plot_curves(ax_loss, ax_scale, summary, runs)
+    c = summary["config"]
+    ax_loss.set_title(f"optamp A/B: Fashion-MNIST CNN, {c.get('device', '?')}, batch "
+                      f"{c.get('batch_size', '?')}, baseline {base}", fontsize=11)
+    for i, row in enumerate(others):
+        plot_level(fig.add_subplot(grid[i, 1]), fig.add_subplot(grid[i, 2]), row, base)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="results/ab")
-    p.add_argument("--levels", default="O0,O1,O2")
+    p.add_argument("--levels", default="", help="only these levels (default: the plan's)")
     args = p.parse_args(argv)
-    levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()]
-
-    rows, curves, config = collect(args.out, levels)
-    fastest, verdict = add_ratios_and_verdict(rows)
-    base = baseline_of(rows)
-    summary = {"baseline": base["level"] if base is not None else None,
-               "equal_accuracy_points": EQUAL_POINTS, "fastest_at_equal_accuracy": fastest,
-               "verdict": verdict, "config": config, "levels": rows}
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
+    levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()] or None
+    summary, runs = build(args.out, levels)
     try:
-        write_plot(os.path.join(args.out, "ab.png"), curves, rows, config)
+        write_plot(os.path.join(args.out, "ab.png"), summary, runs)
         plot = True
     except ImportError as e:  # e.g. the GPU machine's bare python3; the numbers are all here
         print(f"ab_report: no plot ({e}); install matplotlib (e.g. apt-get install "
               "python3-matplotlib) for ab.png", file=sys.stderr)
         plot = False
-    write_markdown(os.path.join(args.out, "summary.md"), rows, config, verdict, plot)
-    print(verdict)
-    return 0 if any(r["status"] == "ok" for r in rows) else 1
+    summary["plot"] = "ab.png" if plot else None
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+        f.write("\n")
+    write_markdown(os.path.join(args.out, "summary.md"), summary, plot)
+    print(summary["verdict"])
+    return 0 if any(r["status"] != "missing" and r.get("seeds_ok") for r in summary["levels"]) \
+        else 1
 
 
 if __name__ == "__main__":

@@ -1,35 +1,48 @@
 #!/usr/bin/env bash
-# The main job: train the Fashion-MNIST CNN with the same seed, data and steps at several opt
-# levels and compare them (step time, samples/s, peak memory, loss, accuracy, loss scale).
+# The main job: train the Fashion-MNIST CNN at several opt levels on several seeds (same seed:
+# same initial weights and data order at every level) and compare each level with the baseline
+# seed by seed against the baseline's own seed-to-seed spread (test accuracy, final train loss,
+# step time, loss-curve divergence; peak memory, loss scale).
 #
-#   bash scripts/ab_test.sh                    # O0 (baseline), O1, O2, O4, O5 on the CPU, C++ trainer
+#   bash scripts/ab_test.sh                    # CPU: O0 (baseline), O1, O2, O4, O5, C++ trainer
+#   bash scripts/ab_test.sh --full             # train 5 epochs (to convergence), one seed
 #   bash scripts/ab_test.sh --device cuda      # on a GPU machine
-#   bash scripts/ab_test.sh --levels O0,O4,O5 --steps 400 --python
+#   bash scripts/ab_test.sh --levels O0,O4,O5 --seeds 8 --steps 600 --python
 #
-# Options: --levels L1,L2,..  (default O0,O1,O2 on cuda; O0,O1,O2,O4,O5 on cpu, where fp16 has no
-#                              fast kernels and the bf16 twins show the speed; the first is the baseline)
-#          --device cpu|cuda  --steps N (default 300 on cpu, 1000 on cuda)  --batch-size N (64)  --seed N (0)
-#          --lr X  --subset N (first N training images)  --test-subset N  --data DIR
-#          --python (run examples/python/train_fashion_mnist.py instead of the C++ binary)
+# Options: --levels L1,L2,..  (default O0,O1,O2 on cuda; O0,O1,O2,O4,O5 on cpu; the baseline is
+#                              O0 when listed, else the first)
+#          --device cpu|cuda  --seeds N|S1,S2,.. (cpu 5, cuda 3)  --seed N (one seed: N)
+#          --steps N (cpu 400, cuda 1000)  --slow-steps N (100)  --slow-seeds N (3)
+#          --slow-levels auto|none|L1,.. (auto: on a CPU the fp16 levels, and the bf16 ones
+#                              when the CPU has no bf16 instructions: they get the slow budget)
+#          --epochs E (every level E epochs, test set after each, cosine learning-rate decay;
+#                      no slow budget; 1 seed unless --seeds)  --full (= --epochs 5)
+#          --batch-size N (64)  --lr X (0.02)  --lr-schedule constant|cosine (cosine with --epochs)
+#          --subset N (first N training images)  --test-subset N
+#          --data DIR  --python (examples/python/train_fashion_mnist.py instead of the C++ binary)
 #          --out DIR (default results/ab)  --no-build  --bin PATH (a prebuilt trainer)
 # Every run first calls scripts/bootstrap.sh (idempotent, seconds once the machine is set up), so
-# on a fresh machine this command is all it takes.
-# Writes OUT/summary.md, OUT/summary.json, OUT/ab.png and per level OUT/<level>.{jsonl,log,err,status}.
-# Exit status: 0 when every level ran or reported itself unsupported, 1 otherwise.
+# on a fresh machine this command is all it takes. Before training it prints the CPU's bf16/fp16
+# instructions (what decides whether O4/O5 can be fast) and the budget of every level.
+# Writes OUT/summary.md, OUT/summary.json, OUT/ab.png, OUT/plan.json and per run
+# OUT/<level>-s<seed>.{jsonl,log,err,status}. Exit status: 0 when every run finished or its level
+# reported itself unsupported, 1 otherwise.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$OPTAMP_ROOT"
 
-levels="" device=cpu steps="" batch=64 seed=0 lr="" subset=0 test_subset=0
-data="" python=0 out="results/ab" build=1 bin=""
-usage() { sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+device=cpu batch=64 lr="" subset=0 test_subset=0 data="" python=0 out="results/ab" build=1 bin=""
+plan_args=()
+usage() { sed -n '2,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --levels) levels="$2"; shift 2 ;;
+    --levels|--steps|--seeds|--slow-steps|--slow-seeds|--slow-levels|--epochs|--lr-schedule)
+      [[ $# -ge 2 ]] || { echo "ab_test.sh: $1 needs a value" >&2; exit 2; }
+      plan_args+=("$1" "$2"); shift 2 ;;
+    --seed) plan_args+=(--seeds "$2,"); shift 2 ;;
+    --full) plan_args+=(--epochs 5); shift ;;
     --device) device="$2"; shift 2 ;;
-    --steps) steps="$2"; shift 2 ;;
     --batch-size) batch="$2"; shift 2 ;;
-    --seed) seed="$2"; shift 2 ;;
     --lr) lr="$2"; shift 2 ;;
     --subset) subset="$2"; shift 2 ;;
     --test-subset) test_subset="$2"; shift 2 ;;
@@ -42,10 +55,28 @@ while [[ $# -gt 0 ]]; do
     *) echo "ab_test.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
   esac
 done
+if [[ "$device" != cpu && "$device" != cuda ]]; then
+  echo "ab_test.sh: --device must be cpu or cuda, got \"$device\"" >&2; exit 2
+fi
+has_levels=0
+for a in "${plan_args[@]}"; do [[ "$a" == --levels ]] && has_levels=1; done
+if [[ $has_levels -eq 0 ]]; then
+  [[ "$device" == cuda ]] && plan_args+=(--levels O0,O1,O2) || plan_args+=(--levels O0,O1,O2,O4,O5)
+fi
 
 bash "$OPTAMP_ROOT/scripts/bootstrap.sh" ||
   { echo "ab_test.sh: scripts/bootstrap.sh failed; see its messages above" >&2; exit 1; }
 PY="$(optamp_python)" || { echo "ab_test.sh: no Python with torch (scripts/bootstrap.sh)" >&2; exit 1; }
+
+# The plan first: a bad option fails here, before the build. It prints the CPU's features and
+# every level's budget, and writes OUT/plan.json and OUT/runs.tsv.
+mkdir -p "$out"
+rm -f "$out"/O?-s*.jsonl "$out"/O?-s*.log "$out"/O?-s*.err "$out"/O?-s*.status \
+      "$out"/O?.jsonl "$out"/O?.log "$out"/O?.err "$out"/O?.status \
+      "$out"/summary.* "$out"/ab.png "$out"/plan.json "$out"/runs.tsv
+"$PY" "$OPTAMP_ROOT/scripts/ab_plan.py" --out "$out" --device "$device" --batch-size "$batch" \
+  --subset "$subset" "${plan_args[@]}" || exit 2
+
 if [[ $build -eq 1 && -z "$bin" ]]; then
   echo "ab_test.sh: building (scripts/common.sh optamp_build) ..."
   optamp_build >/tmp/optamp-ab-build.log 2>&1 ||
@@ -65,42 +96,47 @@ else
   trainer=("$bin")
 fi
 
-# fp16 kernels on a CPU are slow: 80-475 ms a step for this CNN on 2 cores, 4.7-25.6x O0,
-# depending on the CPU (docs/ab_test.md has the numbers). Keep the default CPU run short (300
-# steps: up to about 2.5 min per fp16 level) so the five default levels finish inside 10 minutes;
-# GPUs run a real schedule.
-if [[ -z "$steps" ]]; then [[ "$device" == cuda ]] && steps=1000 || steps=300; fi
-if [[ -z "$levels" ]]; then [[ "$device" == cuda ]] && levels="O0,O1,O2" || levels="O0,O1,O2,O4,O5"; fi
-args=(--device "$device" --steps "$steps" --batch-size "$batch" --seed "$seed"
-      --subset "$subset" --test-subset "$test_subset")
+args=(--device "$device" --batch-size "$batch" --subset "$subset" --test-subset "$test_subset")
 [[ -n "$lr" ]] && args+=(--lr "$lr")
 [[ -n "$data" ]] && args+=(--data "$data")
 
-mkdir -p "$out"
-rm -f "$out"/O?.jsonl "$out"/O?.log "$out"/O?.err "$out"/O?.status "$out"/summary.* "$out"/ab.png
-status=0
-IFS=',' read -r -a level_list <<<"$levels"
-start=$SECONDS
-for level in "${level_list[@]}"; do
-  echo "== $level: ${trainer[*]##*/} --opt-level $level ${args[*]}"
-  t0=$SECONDS
-  # stdout (properties report, summary line) -> LEVEL.log; stderr -> LEVEL.err and the terminal,
-  # with the trainer's progress line when the terminal is a TTY.
+# One run: trainer stdout (properties report, summary line) -> NAME.log; stderr -> NAME.err and
+# the terminal, with the trainer's progress line when the terminal is a TTY; NAME.status.
+run_one() {
+  local level="$1" seed="$2" flag="$3" budget="$4" eval_at="$5" schedule="$6" name="$1-s$2"
+  local t0=$SECONDS rc st msg extra=(--seed "$seed" "$flag" "$budget" --lr-schedule "$schedule")
+  [[ "$eval_at" != - ]] && extra+=(--eval-at "$eval_at")
+  echo "== $name: ${trainer[*]##*/} --opt-level $level ${extra[*]} ${args[*]}"
   OPTAMP_PROGRESS=$([[ -t 2 ]] && echo 1 || echo 0) \
-    "${trainer[@]}" --opt-level "$level" "${args[@]}" --metrics "$out/$level.jsonl" \
-    >"$out/$level.log" 2> >(tee "$out/$level.err" >&2)
+    "${trainer[@]}" --opt-level "$level" "${extra[@]}" "${args[@]}" --metrics "$out/$name.jsonl" \
+    </dev/null >"$out/$name.log" 2> >(tee "$out/$name.err" >&2)
   rc=$?
   wait  # for tee
-  msg="$(tr '\r' '\n' <"$out/$level.err" | grep -v '^\s*$' | tail -1 | sed 's/\\/\\\\/g; s/"/\\"/g')"
+  msg="$(tr '\r' '\n' <"$out/$name.err" | grep -v '^\s*$' | tail -1 | sed 's/\\/\\\\/g; s/"/\\"/g')"
   case $rc in
-    0) st=ok; grep '^summary:' "$out/$level.log" ;;
+    0) st=ok; grep '^summary:' "$out/$name.log" ;;
     3) st=unsupported; msg="${msg##*unsupported: }"; echo "   $level unsupported: $msg" ;;
-    *) st=failed; status=1; echo "   $level FAILED (exit $rc); log: $out/$level.log" >&2 ;;
+    *) st=failed; status=1; echo "   $name FAILED (exit $rc); log: $out/$name.log" >&2 ;;
   esac
   printf '{"status": "%s", "exit_code": %d, "message": "%s", "seconds": %d}\n' \
-    "$st" "$rc" "$msg" "$((SECONDS - t0))" >"$out/$level.status"
-done
+    "$st" "$rc" "$msg" "$((SECONDS - t0))" >"$out/$name.status"
+  [[ $st == unsupported ]] && unsupported[$level]="$msg"
+  return 0
+}
 
-"$PY" "$OPTAMP_ROOT/scripts/ab_report.py" --out "$out" --levels "$levels" || status=1
-echo "ab_test.sh: ran in $((SECONDS - start)) s; report: $out/summary.md, $out/summary.json, $out/ab.png"
+status=0
+declare -A unsupported=()
+start=$SECONDS
+while IFS=$'\t' read -r level seed flag budget eval_at schedule; do
+  if [[ -n "${unsupported[$level]+set}" ]]; then  # the same answer on every seed: not rerun
+    printf '{"status": "unsupported", "exit_code": 3, "message": "%s", "seconds": 0}\n' \
+      "${unsupported[$level]}" >"$out/$level-s$seed.status"
+    continue
+  fi
+  run_one "$level" "$seed" "$flag" "$budget" "$eval_at" "$schedule"
+done <"$out/runs.tsv"
+
+"$PY" "$OPTAMP_ROOT/scripts/ab_report.py" --out "$out" || status=1
+echo "ab_test.sh: took $((SECONDS / 60)) min $((SECONDS % 60)) s in all ($((SECONDS - start)) s of" \
+     "training runs); report: $out/summary.md, $out/summary.json, $out/ab.png"
 exit $status

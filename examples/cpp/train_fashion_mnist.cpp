@@ -6,7 +6,13 @@
 // Metrics file (one JSON object a line):
 //   {"type":"config", ...}                      the run's settings
 //   {"type":"step","step":1,"loss":..,"loss_scale":..,"skipped":false,"step_ms":..}
-//   {"type":"summary","test_accuracy":..,"median_step_ms":..,...}
+//   {"type":"eval","step":150,"test_accuracy":..,"test_loss":..}   for each --eval-at step
+//   {"type":"summary","test_accuracy":..,"test_loss":..,"median_step_ms":..,...}
+// --eval-at 100,400 evaluates the test set after those steps too (eval mode, no grad: training is
+// not changed, so a 100-step run's result equals the eval at step 100 of a longer run with the
+// same seed; ab_test.sh pairs levels run for fewer steps with the baseline this way).
+// --save-weights FILE writes the trained parameters and buffers (a name -> tensor dict, readable
+// with torch.load) so the test set's result can be checked against the weights independently.
 // stdout gets Apex's properties report (printed once, by amp::initialize at its default
 // verbosity 1) and a one-line summary; stderr Apex's "Gradient overflow" lines and a progress
 // line with rate and ETA when it is a terminal (OPTAMP_PROGRESS=1/0 forces it on/off).
@@ -16,6 +22,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <optamp/amp.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/cuda.h>
 #include <torch/nn.h>
 #include <torch/optim.h>
@@ -101,6 +108,7 @@ struct Args {
   std::int64_t epochs = 1;
   std::int64_t batch_size = 64;
   double lr = 0.02;
+  std::string lr_schedule = "constant";  // or "cosine": lr * (1 + cos(pi * step / steps)) / 2
   std::uint64_t seed = 0;
   std::string device = "cpu";
   std::string data = fashion_mnist::kDefaultDir;
@@ -108,12 +116,40 @@ struct Args {
   std::int64_t test_subset = 0;  // first N test images (0: all 10000)
   int threads = 0;               // 0: LibTorch's default
   std::string metrics;
+  std::vector<std::int64_t> eval_at;  // extra test-set evaluations after these steps
+  std::string save_weights;
 };
 
 const char* kUsage =
     "usage: train_fashion_mnist [--opt-level O0..O5] [--steps N | --epochs N] [--batch-size N]\n"
-    "         [--lr X] [--seed N] [--device cpu|cuda] [--data DIR] [--subset N]\n"
-    "         [--test-subset N] [--threads N] [--metrics FILE]\n";
+    "         [--lr X] [--lr-schedule constant|cosine] [--seed N] [--device cpu|cuda]\n"
+    "         [--data DIR] [--subset N] [--test-subset N] [--threads N] [--metrics FILE]\n"
+    "         [--eval-at S1,S2,..] [--save-weights FILE]\n";
+
+// "100,400" -> {100, 400}; every entry a step number >= 1.
+std::vector<std::int64_t> parse_steps(const std::string& flag, const std::string& v) {
+  std::vector<std::int64_t> out;
+  std::stringstream in(v);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    std::size_t used = 0;
+    std::int64_t step = 0;
+    try {
+      step = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;  // not a number: reported below
+    }
+    if (used == 0 || used != item.size() || step < 1)
+      throw std::invalid_argument(flag + " takes step numbers >= 1 separated by commas, got \"" +
+                                  v + "\"");
+    out.push_back(step);
+  }
+  if (out.empty())
+    throw std::invalid_argument(flag + " takes step numbers >= 1 separated by commas, got \"\"");
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
 
 Args parse_args(int argc, char** argv) {
   Args a;
@@ -135,6 +171,8 @@ Args parse_args(int argc, char** argv) {
       a.batch_size = std::stoll(v);
     else if (flag == "--lr")
       a.lr = std::stod(v);
+    else if (flag == "--lr-schedule")
+      a.lr_schedule = v;
     else if (flag == "--seed")
       a.seed = std::stoull(v);
     else if (flag == "--device")
@@ -149,10 +187,17 @@ Args parse_args(int argc, char** argv) {
       a.threads = std::stoi(v);
     else if (flag == "--metrics")
       a.metrics = v;
+    else if (flag == "--eval-at")
+      a.eval_at = parse_steps(flag, v);
+    else if (flag == "--save-weights")
+      a.save_weights = v;
     else
       throw std::invalid_argument("unknown flag " + flag);
   }
   amp::parse_opt_level(a.opt_level);  // throws, listing the valid levels
+  if (a.lr_schedule != "constant" && a.lr_schedule != "cosine")
+    throw std::invalid_argument("--lr-schedule must be constant or cosine, got \"" + a.lr_schedule +
+                                "\"");
   if (a.device != "cpu" && a.device != "cuda")
     throw std::invalid_argument("--device must be cpu or cuda, got " + a.device);
   if (a.steps < 0 || a.epochs < 1 || a.batch_size < 1 || a.subset < 0 || a.test_subset < 0 ||
@@ -233,6 +278,62 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// The learning rate of step `step` (0-based) of `total`: constant, or cosine decay to 0 (for
+// --epochs runs to convergence; a constant rate keeps a short run the prefix of a longer one).
+double lr_at(const Args& args, std::int64_t step, std::int64_t total) {
+  if (args.lr_schedule == "constant") return args.lr;
+  const double pi = std::acos(-1.0);
+  return args.lr * 0.5 *
+         (1.0 + std::cos(pi * static_cast<double>(step) / static_cast<double>(total)));
+}
+
+void set_lr(torch::optim::SGD& optimizer, double lr) {
+  for (auto& group : optimizer.param_groups())
+    static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
+}
+
+struct EvalResult {
+  double accuracy;  // percent of the test images classified right
+  double loss;      // mean cross-entropy over the test images
+};
+
+// Test-set pass: eval mode, no autograd (optamp's no_grad gate: the model's own fp32 weights,
+// no casts), batches of 1000. Leaves the model in train mode again, so it can run mid-training.
+EvalResult evaluate(Net& model, const fashion_mnist::Split& test, const torch::Device& device) {
+  model->eval();
+  std::int64_t correct = 0;
+  double loss_sum = 0;
+  {
+    torch::NoGradGuard no_grad;
+    const std::int64_t n_test = test.images.size(0);
+    for (std::int64_t i = 0; i < n_test; i += 1000) {
+      const std::int64_t j = std::min(n_test, i + 1000);
+      const torch::Tensor x = fashion_mnist::to_input(test.images.slice(0, i, j), device);
+      const torch::Tensor logits = model->forward(x).to(torch::kFloat).cpu();
+      const torch::Tensor y = test.labels.slice(0, i, j);
+      correct += logits.argmax(1).eq(y).sum().item<std::int64_t>();
+      loss_sum +=
+          torch::nn::functional::cross_entropy(
+              logits, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+              .item<double>();
+    }
+  }
+  model->train();
+  const double n = static_cast<double>(test.images.size(0));
+  return {100.0 * static_cast<double>(correct) / n, loss_sum / n};
+}
+
+// The trained parameters and buffers as a name -> tensor dict in torch.save's format.
+void save_weights(Net& model, const std::string& path) {
+  c10::Dict<std::string, torch::Tensor> dict;
+  for (const auto& p : model->named_parameters()) dict.insert(p.key(), p.value().detach().cpu());
+  for (const auto& b : model->named_buffers()) dict.insert(b.key(), b.value().detach().cpu());
+  const std::vector<char> bytes = torch::jit::pickle_save(c10::IValue(dict));
+  std::ofstream out(path, std::ios::binary);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!out) throw std::runtime_error("cannot write --save-weights " + path);
+}
+
 int run(const Args& args) {
   if (args.threads > 0) torch::set_num_threads(args.threads);
   if (args.device == "cuda" && !torch::cuda::is_available())
@@ -248,6 +349,9 @@ int run(const Args& args) {
   const std::int64_t batch = std::min(args.batch_size, n_train);
   const std::int64_t per_epoch = n_train / batch;  // the last partial batch is dropped
   const std::int64_t total = args.steps > 0 ? args.steps : args.epochs * per_epoch;
+  if (!args.eval_at.empty() && args.eval_at.back() > total)
+    throw std::invalid_argument("--eval-at " + std::to_string(args.eval_at.back()) +
+                                " is after the run's last step " + std::to_string(total));
 
   torch::manual_seed(args.seed);
   Net model;
@@ -276,6 +380,7 @@ int run(const Args& args) {
                    .integer("steps", total)
                    .integer("batch_size", batch)
                    .num("lr", args.lr)
+                   .str("lr_schedule", args.lr_schedule)
                    .integer("seed", static_cast<std::int64_t>(args.seed))
                    .integer("train_images", n_train)
                    .integer("test_images", test.images.size(0))
@@ -296,6 +401,8 @@ int run(const Args& args) {
   auto last_progress = start;
   std::vector<double> step_ms, losses;
   std::int64_t skipped_steps = 0;
+  double eval_s = 0;  // mid-training test passes, left out of train_time_s
+  auto next_eval = args.eval_at.begin();
 
   model->train();
   reset_peak_memory(device);
@@ -307,6 +414,7 @@ int run(const Args& args) {
     const torch::Tensor y = train.labels.index_select(0, idx).to(device);
     const double scale = AmpSession::loss_scale();
 
+    if (args.lr_schedule != "constant") set_lr(optimizer, lr_at(args, step, total));
     const auto t0 = Clock::now();
     optimizer.zero_grad();
     const torch::Tensor loss = torch::nn::functional::cross_entropy(model->forward(x), y);
@@ -341,25 +449,36 @@ int run(const Args& args) {
                    fmt_duration((total - step - 1) / rate).c_str());
       if (step + 1 == total) std::fprintf(stderr, "\n");
     }
+    if (next_eval != args.eval_at.end() && *next_eval == step + 1 && step + 1 < total) {
+      const auto e0 = Clock::now();
+      const EvalResult r = evaluate(model, test, device);
+      if (metrics.is_open())
+        metrics << Json()
+                       .str("type", "eval")
+                       .integer("step", step + 1)
+                       .num("test_accuracy", r.accuracy)
+                       .num("test_loss", r.loss)
+                       .done()
+                << "\n";
+      eval_s += std::chrono::duration<double>(Clock::now() - e0).count();
+      ++next_eval;
+    }
   }
-  const double train_s = std::chrono::duration<double>(Clock::now() - start).count();
+  const double train_s = std::chrono::duration<double>(Clock::now() - start).count() - eval_s;
   const double peak_mb = peak_memory_mb(device);
   const double final_scale = AmpSession::loss_scale();
 
-  // Test accuracy: eval mode, no autograd (optamp leaves no_grad code in the model's dtypes).
-  model->eval();
-  std::int64_t correct = 0;
-  {
-    torch::NoGradGuard no_grad;
-    const std::int64_t n_test = test.images.size(0);
-    for (std::int64_t i = 0; i < n_test; i += 1000) {
-      const std::int64_t j = std::min(n_test, i + 1000);
-      const torch::Tensor x = fashion_mnist::to_input(test.images.slice(0, i, j), device);
-      const torch::Tensor pred = model->forward(x).argmax(1).cpu();
-      correct += pred.eq(test.labels.slice(0, i, j)).sum().item<std::int64_t>();
-    }
-  }
-  const double accuracy = 100.0 * correct / static_cast<double>(test.images.size(0));
+  const EvalResult final_eval = evaluate(model, test, device);
+  if (metrics.is_open() && next_eval != args.eval_at.end())  // --eval-at named the last step
+    metrics << Json()
+                   .str("type", "eval")
+                   .integer("step", total)
+                   .num("test_accuracy", final_eval.accuracy)
+                   .num("test_loss", final_eval.loss)
+                   .done()
+            << "\n";
+  const double accuracy = final_eval.accuracy;
+  if (!args.save_weights.empty()) save_weights(model, args.save_weights);
   AmpSession::reset();
 
   // Median over the steady state: the first 5 steps (allocator and kernel warm-up) are left
@@ -381,6 +500,7 @@ int run(const Args& args) {
                                   .integer("steps", total)
                                   .integer("batch_size", batch)
                                   .num("test_accuracy", accuracy)
+                                  .num("test_loss", final_eval.loss)
                                   .num("peak_memory_mb", peak_mb)
                                   .str("peak_memory_kind", mem_kind)
                                   .num("median_step_ms", median_ms)
@@ -392,10 +512,12 @@ int run(const Args& args) {
                                   .done();
   if (metrics.is_open()) metrics << summary << "\n";
   std::printf(
-      "summary: %s %s | test accuracy %.2f%% | median step %.2f ms | %.0f samples/s | peak "
+      "summary: %s %s | test accuracy %.2f%% (loss %.4f) | median step %.2f ms | %.0f samples/s | "
+      "peak "
       "memory %.1f MB (%s) | final train loss %.4f | skipped %lld | loss scale %g | %.1f s\n",
-      args.opt_level.c_str(), args.device.c_str(), accuracy, median_ms, samples_per_s, peak_mb,
-      mem_kind.c_str(), final_loss, static_cast<long long>(skipped_steps), final_scale, train_s);
+      args.opt_level.c_str(), args.device.c_str(), accuracy, final_eval.loss, median_ms,
+      samples_per_s, peak_mb, mem_kind.c_str(), final_loss, static_cast<long long>(skipped_steps),
+      final_scale, train_s);
   return 0;
 }
 

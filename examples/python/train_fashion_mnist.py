@@ -4,8 +4,12 @@
     python examples/python/train_fashion_mnist.py --opt-level O2 --steps 200 --metrics o2.jsonl
 
 Metrics file (JSON lines): a "config" object, one "step" object per step (step, loss,
-loss_scale, skipped, step_ms) and a final "summary" object (test_accuracy, peak_memory_mb,
+loss_scale, skipped, step_ms), an "eval" object (step, test_accuracy, test_loss) for each
+--eval-at step and a final "summary" object (test_accuracy, test_loss, peak_memory_mb,
 median_step_ms, samples_per_s, final_train_loss, skipped_steps, final_loss_scale, ...).
+--eval-at evaluates mid-training without changing the training (eval mode, no grad), so a
+100-step run's result equals the eval at step 100 of a longer run with the same seed.
+--save-weights FILE writes the trained parameters and buffers (torch.save of the state dict).
 Exit status: 0 ok, 2 bad arguments, 3 the opt level is unsupported by this optamp build or
 device (amp.initialize raised NotImplementedError), 1 otherwise.
 
@@ -144,6 +148,18 @@ def fmt_duration(s):
     return f"{t // 60}:{t % 60:02d}"
 
 
+def step_list(text):
+    """argparse type: "100,400" -> [100, 400] (sorted, unique, every step >= 1)."""
+    try:
+        steps = sorted({int(v) for v in text.split(",")})
+    except ValueError:
+        steps = [0]
+    if not steps or steps[0] < 1:
+        raise argparse.ArgumentTypeError(
+            f'takes step numbers >= 1 separated by commas, got "{text}"')
+    return steps
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--opt-level", default="O0", choices=LEVELS)
@@ -151,6 +167,8 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
+                   help="cosine: lr * (1 + cos(pi * step / steps)) / 2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--data", default=DEFAULT_DATA)
@@ -158,11 +176,40 @@ def parse_args(argv=None):
     p.add_argument("--test-subset", type=int, default=0, help="first N test images (0: all)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--metrics", default="")
+    p.add_argument("--eval-at", type=step_list, default=[],
+                   help="also evaluate the test set after these steps (S1,S2,..)")
+    p.add_argument("--save-weights", default="", help="write the trained state dict here")
     a = p.parse_args(argv)
     if a.steps < 0 or a.epochs < 1 or a.batch_size < 1 or a.subset < 0 or a.test_subset < 0 \
             or not a.lr > 0:
         p.error("--steps >= 0, --epochs >= 1, --batch-size >= 1, --lr > 0")
     return a
+
+
+def lr_at(args, step, total):
+    """The learning rate of step `step` (0-based) of `total`: constant, or cosine decay to 0 (for
+    --epochs runs to convergence; a constant rate keeps a short run the prefix of a longer one).
+    """
+    if args.lr_schedule == "constant":
+        return args.lr
+    return args.lr * 0.5 * (1.0 + math.cos(math.pi * step / total))
+
+
+def evaluate(model, test_x, test_y, device):
+    """Test-set pass: eval mode, no grad (optamp's no_grad gate: the model's own fp32 weights,
+    no casts), batches of 1000. Returns (accuracy %, mean cross-entropy) and leaves the model in
+    train mode again, so it can run mid-training."""
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    with torch.no_grad():
+        for i in range(0, test_x.shape[0], 1000):
+            logits = model(to_input(test_x[i:i + 1000], device)).float().cpu()
+            y = test_y[i:i + 1000]
+            correct += int(logits.argmax(1).eq(y).sum())
+            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+    model.train()
+    n = test_x.shape[0]
+    return 100.0 * correct / n, loss_sum / n
 
 
 def run(args):
@@ -180,6 +227,8 @@ def run(args):
     batch = min(args.batch_size, n_train)
     per_epoch = n_train // batch  # the last partial batch is dropped
     total = args.steps if args.steps > 0 else args.epochs * per_epoch
+    if args.eval_at and args.eval_at[-1] > total:
+        raise ValueError(f"--eval-at {args.eval_at[-1]} is after the run's last step {total}")
 
     torch.manual_seed(args.seed)
     model = Net().to(device)
@@ -200,7 +249,8 @@ def run(args):
 
     emit({"type": "config", "program": "train_fashion_mnist.py", "language": "python",
           "opt_level": args.opt_level, "device": args.device, "steps": total,
-          "batch_size": batch, "lr": args.lr, "seed": args.seed, "train_images": n_train,
+          "batch_size": batch, "lr": args.lr, "lr_schedule": args.lr_schedule,
+          "seed": args.seed, "train_images": n_train,
           "test_images": int(test_x.shape[0]), "threads": torch.get_num_threads(),
           "torch": torch.__version__, "optamp": amp.__version__})
 
@@ -209,6 +259,8 @@ def run(args):
     tty = force == "1" if force else sys.stderr.isatty()
     start = last_progress = time.perf_counter()
     step_ms, losses, skipped_steps = [], [], 0
+    eval_s = 0.0  # mid-training test passes, left out of train_time_s
+    pending_evals = list(args.eval_at)
     order = None
 
     model.train()
@@ -222,6 +274,9 @@ def run(args):
         y = train_y.index_select(0, idx).to(device)
         scale = session.loss_scale()
 
+        if args.lr_schedule != "constant":
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(args, step, total)
         t0 = time.perf_counter()
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
@@ -247,17 +302,22 @@ def run(args):
                              f"ETA {fmt_duration((total - step - 1) / rate)}   ")
             if step + 1 == total:
                 sys.stderr.write("\n")
-    train_s = time.perf_counter() - start
+        if pending_evals and pending_evals[0] == step + 1 and step + 1 < total:
+            e0 = time.perf_counter()
+            acc, test_loss = evaluate(model, test_x, test_y, device)
+            emit({"type": "eval", "step": step + 1, "test_accuracy": acc, "test_loss": test_loss})
+            eval_s += time.perf_counter() - e0
+            pending_evals.pop(0)
+    train_s = time.perf_counter() - start - eval_s
     peak_mb = peak_memory_mb(device)
     final_scale = session.loss_scale()
 
-    model.eval()
-    correct = 0
-    with torch.no_grad():
-        for i in range(0, test_x.shape[0], 1000):
-            pred = model(to_input(test_x[i:i + 1000], device)).argmax(1).cpu()
-            correct += int(pred.eq(test_y[i:i + 1000]).sum())
-    accuracy = 100.0 * correct / test_x.shape[0]
+    accuracy, test_loss = evaluate(model, test_x, test_y, device)
+    if pending_evals:  # --eval-at named the last step
+        emit({"type": "eval", "step": total, "test_accuracy": accuracy, "test_loss": test_loss})
+    if args.save_weights:
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()},
+                   args.save_weights)
     session.reset()
 
     steady = step_ms[5:] if len(step_ms) > 10 else step_ms
@@ -268,14 +328,15 @@ def run(args):
     mem_kind = "cuda_peak_allocated" if device.type == "cuda" else "cpu_peak_rss"
     summary = {"type": "summary", "opt_level": args.opt_level, "device": args.device,
                "steps": total, "batch_size": batch, "test_accuracy": accuracy,
-               "peak_memory_mb": peak_mb, "peak_memory_kind": mem_kind,
+               "test_loss": test_loss, "peak_memory_mb": peak_mb, "peak_memory_kind": mem_kind,
                "median_step_ms": median_ms, "samples_per_s": samples_per_s,
                "final_train_loss": final_loss, "skipped_steps": skipped_steps,
                "final_loss_scale": final_scale, "train_time_s": train_s}
     emit({k: finite_or_none(v) if isinstance(v, float) else v for k, v in summary.items()})
     if metrics:
         metrics.close()
-    print(f"summary: {args.opt_level} {args.device} | test accuracy {accuracy:.2f}% | "
+    print(f"summary: {args.opt_level} {args.device} | test accuracy {accuracy:.2f}% "
+          f"(loss {test_loss:.4f}) | "
           f"median step {median_ms:.2f} ms | {samples_per_s:.0f} samples/s | peak memory "
           f"{peak_mb:.1f} MB ({mem_kind}) | final train loss {final_loss:.4f} | "
           f"skipped {skipped_steps} | loss scale {final_scale:g} | {train_s:.1f} s")

@@ -1,5 +1,6 @@
 """The A/B main job: both trainers at every level, report files, determinism, progress line,
---epochs, and (with a GPU) --device cuda.
+--epochs, --seeds end to end, evaluation on each level's own trained weights, --eval-at, and
+(with a GPU) --device cuda. The report's statistics on synthetic data: test_ab_stats.py.
 
 Every level must finish with status "ok" on the CPU: none may fail or report itself
 unsupported. Tests that train need Fashion-MNIST and are skipped without it; the argument and
@@ -24,8 +25,10 @@ from common_utils import BIN, DATA, PY_TRAINER, ROOT, env, trainer_binary
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 STATIC_SCALE_LEVELS = {"O0", "O3", "O4", "O5"}  # loss scale 1.0, never skips (docs/opt_levels.md)
 SMALL = ["--steps", "20", "--subset", "512", "--test-subset", "1000", "--seed", "0"]
-SUMMARY_FIELDS = ["test_accuracy", "peak_memory_mb", "peak_memory_kind", "median_step_ms",
-                  "samples_per_s", "final_train_loss", "skipped_steps", "final_loss_scale"]
+SUMMARY_FIELDS = ["test_accuracy", "test_loss", "peak_memory_mb", "peak_memory_kind",
+                  "median_step_ms", "samples_per_s", "final_train_loss", "skipped_steps",
+                  "final_loss_scale"]
+VERDICTS = {"better", "worse", "indistinguishable", "n/a"}
 
 needs_data = pytest.mark.skipif(
     not os.path.isfile(os.path.join(DATA, "train-images-idx3-ubyte.gz")),
@@ -79,9 +82,11 @@ def check_metrics(m, level, steps=20, batch=64, tiny=False, memory_kind="cpu_pea
         assert s["final_loss_scale"] == 1 and s["skipped_steps"] == 0
 
 
-def run_ab(out, *extra):
+def run_ab(out, *extra, levels=LEVELS, budget=SMALL):
+    """scripts/ab_test.sh; SMALL's --seed 0 is one seed (20 steps for every level: the slow
+    budget's 100 steps are capped by --steps)."""
     cmd = ["bash", os.path.join(ROOT, "scripts", "ab_test.sh"), "--out", str(out), "--levels",
-           ",".join(LEVELS), *extra, *SMALL]
+           ",".join(levels), *extra, *budget]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1200)
 
 
@@ -100,20 +105,21 @@ def py_ab_run(tmp_path_factory):
     return out, run_ab(out, "--python", "--no-build")
 
 
-def check_level(out, proc, level):
+def check_level(out, proc, level, seed=0):
     """One level of an ab_test.sh run: status ok, metrics, logs."""
-    with open(out / f"{level}.status") as f:
+    with open(out / f"{level}-s{seed}.status") as f:
         status = json.load(f)
     # No level may be unsupported or fail on the CPU.
     assert status["status"] == "ok", (status, proc.stdout[-3000:], proc.stderr[-3000:])
-    m = read_metrics(out / f"{level}.jsonl")
+    m = read_metrics(out / f"{level}-s{seed}.jsonl")
     check_metrics(m, level)
-    log = (out / f"{level}.log").read_text()
+    assert m["config"][0]["seed"] == seed
+    log = (out / f"{level}-s{seed}.log").read_text()
     assert log.count(REPORT_HEADER) == 1, log  # Apex's report, printed once (by initialize)
     assert f"opt_level                  : {level}" in log
     assert log.splitlines()[-1].startswith(f"summary: {level} cpu | test accuracy ")
     # stderr (no terminal: no progress line) has Apex's line for every skipped step, no other.
-    err = (out / f"{level}.err").read_text()
+    err = (out / f"{level}-s{seed}.err").read_text()
     assert "it/s" not in err and "\r" not in err
     overflows = [line for line in err.splitlines() if line.startswith(OVERFLOW)]
     assert len(overflows) == m["summary"][0]["skipped_steps"], err
@@ -135,34 +141,51 @@ def test_python_twin_level(py_ab_run, level):
     assert m["config"][0]["optamp"] == optamp.__version__
 
 
-def check_report(out, proc):
+def check_report(out, proc, levels=LEVELS, seeds=(0,)):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "summary.md" in proc.stdout
     assert "bootstrap: python " in proc.stdout  # ab_test.sh bootstraps on every run
+    # Before training: the CPU's bf16/fp16 instructions and every level's budget.
+    assert "bf16: avx512_bf16 " in proc.stdout and ", amx_bf16 " in proc.stdout
+    assert proc.stdout.index("Budget per level:") < proc.stdout.index("== O0-s0:")
     with open(out / "summary.json") as f:
         summary = json.load(f)
     assert summary["baseline"] == "O0"
-    assert summary["equal_accuracy_points"] == 1.0
+    assert summary["rule"].startswith("paired by seed")
     assert summary["verdict"].startswith("Verdict: ")
-    assert summary["fastest_at_equal_accuracy"] in LEVELS
-    assert [r["level"] for r in summary["levels"]] == LEVELS
+    assert summary["fastest_not_worse"] in levels
+    assert summary["cpu"]["bf16"] in ("amx", "avx512_bf16", "emulated")
+    assert set(summary["cpu"]["flags"]) >= {"avx512_bf16", "amx_bf16", "amx_tile"}
+    assert [r["level"] for r in summary["levels"]] == list(levels)
     for row in summary["levels"]:
         assert row["status"] == "ok", row
-        for k in SUMMARY_FIELDS + ["step_time_ratio", "peak_memory_ratio", "accuracy_delta"]:
-            assert row.get(k) is not None, (row["level"], k)
-        assert row["step_time_ratio"] > 0 and row["peak_memory_ratio"] > 0
-        assert 0 <= row["test_accuracy"] <= 100
+        assert row["seeds_ok"] == row["seeds"] and set(row["seeds"]) <= set(seeds)
+        assert len(row["per_seed"]) == len(row["seeds"])
+        for s in row["per_seed"]:
+            for k in ("test_accuracy", "test_loss", "final_train_loss", "median_step_ms",
+                      "baseline_test_accuracy", "baseline_median_step_ms", "divergence",
+                      "skipped_steps", "final_loss_scale", "peak_memory_mb"):
+                assert s.get(k) is not None, (row["level"], s["seed"], k)
+            assert 0 <= s["test_accuracy"] <= 100
+        for k in ("test_accuracy", "final_train_loss", "step_time"):
+            assert row["vs_baseline"][k]["verdict"] in VERDICTS | {"faster", "slower"}
+        assert row["vs_baseline"]["step_time"]["ratio"] > 0 and row["peak_memory_ratio"] > 0
+        assert row["divergence"]["mean"] >= 0
     o0 = summary["levels"][0]
-    assert o0["step_time_ratio"] == 1.0 and o0["accuracy_delta"] == 0.0
-    levels = {r["level"]: r for r in summary["levels"]}
-    for level in LEVELS:  # dynamic scaling at O1/O2 only; the others keep the static 1.0
-        assert (levels[level]["final_loss_scale"] > 1) == (level not in STATIC_SCALE_LEVELS)
+    assert o0["baseline"] and o0["vs_baseline"]["step_time"]["ratio"] == 1.0
+    assert o0["vs_baseline"]["test_accuracy"]["mean_diff"] == 0.0
+    assert o0["divergence"]["mean"] == 0.0
+    levels_by_name = {r["level"]: r for r in summary["levels"]}
+    for level in levels:  # dynamic scaling at O1/O2 only; the others keep the static 1.0
+        for s in levels_by_name[level]["per_seed"]:
+            assert (s["final_loss_scale"] > 1) == (level not in STATIC_SCALE_LEVELS)
     md = (out / "summary.md").read_text()
     assert "| level |" in md and "Verdict:" in md and "| O0 (baseline) |" in md
-    assert "step time vs O0" in md  # headers name the baseline
-    for level in LEVELS[1:]:
-        assert f"| {level} |" in md
-    # An ok level's last stderr line (progress, warnings) is not reported as its message.
+    assert "step time vs O0" in md and "Verdict rule: paired by seed" in md  # names the baseline
+    assert "## Per seed" in md and "bf16: avx512_bf16" in md
+    for level in levels[1:]:
+        assert f"| {level} |" in md or f"| {level} (slow) |" in md
+    # An ok run's last stderr line (progress, warnings) is not reported as its message.
     assert all("message" not in row for row in summary["levels"])
     try:
         import matplotlib  # noqa: F401
@@ -202,8 +225,8 @@ def test_python_twin_reproduces_the_cpp_losses(py_ab_run, request, level):
     if not os.access(BIN, os.X_OK):
         pytest.skip(f"no C++ trainer at {BIN}")
     cpp_out, _ = request.getfixturevalue("ab_run")
-    py = read_metrics(py_ab_run[0] / f"{level}.jsonl")
-    cpp = read_metrics(cpp_out / f"{level}.jsonl")
+    py = read_metrics(py_ab_run[0] / f"{level}-s0.jsonl")
+    cpp = read_metrics(cpp_out / f"{level}-s0.jsonl")
     rel = 5e-2 if level == "O3" else 1e-4
     assert [r["loss"] for r in py["step"]] == pytest.approx(
         [r["loss"] for r in cpp["step"]], rel=rel, abs=1e-5)
@@ -217,9 +240,176 @@ def test_trainer_deterministic(ab_run, tmp_path):
     path = tmp_path / "again.jsonl"
     subprocess.run([trainer_binary(), "--opt-level", "O0", *SMALL, "--metrics", str(path)],
                    check=True, capture_output=True, env=env(), timeout=300)
-    runs = [read_metrics(ab_run[0] / "O0.jsonl"), read_metrics(path)]
+    runs = [read_metrics(ab_run[0] / "O0-s0.jsonl"), read_metrics(path)]
     losses = [[r["loss"] for r in m["step"]] + [m["summary"][0]["test_accuracy"]] for m in runs]
     assert losses[0] == losses[1]
+
+
+# ---- --seeds end to end (both trainers) ------------------------------------------------------
+TINY = ["--subset", "256", "--test-subset", "200"]
+
+
+@pytest.fixture(scope="module", params=["cpp", "python"])
+def seeds_run(request, tmp_path_factory):
+    """ab_test.sh --seeds 2 on a tiny subset: O0 (baseline) and O4 for 8 steps, O1 made a slow
+    level (4 steps), with each trainer. A few seconds of training."""
+    out = tmp_path_factory.mktemp(f"ab_seeds_{request.param}")
+    extra = ["--bin", trainer_binary()] if request.param == "cpp" else ["--python", "--no-build"]
+    proc = run_ab(out, *extra, levels=["O0", "O1", "O4"],
+                  budget=["--seeds", "2", "--steps", "8", "--slow-steps", "4", "--slow-levels",
+                          "O1", *TINY])
+    return request.param, out, proc
+
+
+@needs_data
+def test_seeds_end_to_end(seeds_run):
+    """Every level on each of its seeds (same seed: same init and data order); the slow level
+    is compared with the baseline's test pass at its own step count; verdicts on 2 seeds."""
+    kind, out, proc = seeds_run
+    summary = check_report(out, proc, levels=["O0", "O1", "O4"], seeds=(0, 1))
+    assert summary["config"]["language"] == ("c++" if kind == "cpp" else "python")
+    plan = json.loads((out / "plan.json").read_text())
+    budget = {r["level"]: (r["steps"], r["seeds"], r["eval_at"]) for r in plan["levels"]}
+    assert budget == {"O0": (8, [0, 1], [4]), "O1": (4, [0, 1], []), "O4": (8, [0, 1], [])}
+    rows = {r["level"]: r for r in summary["levels"]}
+    for seed in (0, 1):
+        base = read_metrics(out / f"O0-s{seed}.jsonl")
+        (mid,) = base["eval"]  # the baseline's test pass at the slow budget
+        assert mid["step"] == 4
+        o1 = next(s for s in rows["O1"]["per_seed"] if s["seed"] == seed)
+        assert o1["steps"] == 4 and o1["baseline_test_accuracy"] == mid["test_accuracy"]
+        o4 = next(s for s in rows["O4"]["per_seed"] if s["seed"] == seed)
+        assert o4["baseline_test_accuracy"] == base["summary"][0]["test_accuracy"]
+        for level in ("O1", "O4"):
+            m = read_metrics(out / f"{level}-s{seed}.jsonl")
+            assert m["config"][0]["seed"] == seed
+            # Same seed, same initial weights and data: the first losses nearly agree.
+            assert m["step"][0]["loss"] == pytest.approx(base["step"][0]["loss"], rel=2e-2)
+    for row in summary["levels"]:  # two seeds: a floor and an interval, so a verdict
+        for k in ("test_accuracy", "final_train_loss", "step_time"):
+            assert row["vs_baseline"][k]["verdict"] != "n/a", (row["level"], k)
+            assert row["vs_baseline"][k]["n"] == 2
+    md = (out / "summary.md").read_text()
+    assert "| O1 (slow) | 4 x 2 |" in md and "| O4 | 8 x 2 |" in md
+
+
+# ---- the test pass sees each level's own trained weights ---------------------------------------
+def load_saved_weights(path):
+    """The trainers' --save-weights file: torch.save (Python) or torch::jit::pickle_save (C++,
+    whose typed dict needs one allow-listed global to load with weights_only)."""
+    import torch
+    import torch.jit._pickle
+    with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
+        return torch.load(path)
+
+
+@needs_data
+@pytest.mark.parametrize("kind", ["cpp", "python"])
+def test_evaluation_uses_each_levels_trained_weights(kind, tmp_path):
+    """Issue 20: four levels once reported the same test accuracy while their training losses
+    differed. Each level's reported accuracy and test loss are reproduced exactly by evaluating
+    the weights it saved in a plain fp32 model (no amp), and those weights and their test
+    logits differ from level to level, even where two accuracies coincide."""
+    import torch
+    sys.path.insert(0, os.path.dirname(PY_TRAINER))
+    import train_fashion_mnist as twin
+    test_x, test_y = twin.load(DATA, False, 1000)
+    logits, weights = {}, {}
+    for level in ("O0", "O1", "O2", "O4", "O5"):
+        path, metrics = tmp_path / f"{level}.pt", tmp_path / f"{level}.jsonl"
+        subprocess.run([*trainer(kind), "--opt-level", level, *SMALL, "--metrics", str(metrics),
+                        "--save-weights", str(path)], check=True, capture_output=True,
+                       env=env(), timeout=600)
+        summary = read_metrics(metrics)["summary"][0]
+        model = twin.Net()
+        weights[level] = load_saved_weights(path)
+        model.load_state_dict(weights[level])
+        accuracy, test_loss = twin.evaluate(model, test_x, test_y, "cpu")
+        assert accuracy == summary["test_accuracy"], level
+        assert test_loss == pytest.approx(summary["test_loss"], rel=1e-5), level
+        model.eval()
+        with torch.no_grad():
+            logits[level] = model(twin.to_input(test_x, "cpu"))
+    for a, b in (("O0", "O1"), ("O0", "O4"), ("O1", "O4"), ("O2", "O5"), ("O1", "O5")):
+        assert any(not torch.equal(weights[a][k], weights[b][k]) for k in weights[a]), (a, b)
+        assert (logits[a] - logits[b]).abs().max() > 1e-4, (a, b)
+
+
+@needs_data
+@pytest.mark.parametrize("kind", ["cpp", "python"])
+def test_eval_at_leaves_training_unchanged(kind, tmp_path):
+    """--eval-at: a mid-run test pass changes nothing in training (O2: working copies and
+    dynamic loss scaling), and equals the final test pass of a run that stops there; this is
+    what lets ab_test.sh compare a slow level with the baseline at the slow level's steps."""
+    def run(name, *extra):
+        path = tmp_path / f"{name}.jsonl"
+        subprocess.run([*trainer(kind), "--opt-level", "O2", "--seed", "1", *TINY, *extra,
+                        "--metrics", str(path)], check=True, capture_output=True, env=env(),
+                       timeout=600)
+        return read_metrics(path)
+    with_evals = run("evals", "--steps", "12", "--eval-at", "6,12")
+    plain = run("plain", "--steps", "12")
+    short = run("short", "--steps", "6")
+    losses = [r["loss"] for r in with_evals["step"]]
+    assert losses == [r["loss"] for r in plain["step"]]
+    assert losses[:6] == [r["loss"] for r in short["step"]]
+    assert [r["loss_scale"] for r in with_evals["step"]] == [r["loss_scale"] for r in plain["step"]]
+    at6, at12 = with_evals["eval"]
+    assert (at6["step"], at12["step"]) == (6, 12)
+    for mid, end in ((at6, short["summary"][0]), (at12, plain["summary"][0])):
+        assert mid["test_accuracy"] == end["test_accuracy"]
+        assert mid["test_loss"] == end["test_loss"]
+
+
+@needs_data
+def test_cosine_schedule(tmp_path):
+    """--lr-schedule cosine (what ab_test.sh --epochs uses): the twins agree step by step; the
+    first step is the constant schedule's (lr at step 0 is the full lr), later ones differ."""
+    runs = {}
+    for kind, schedule in (("cpp", "cosine"), ("python", "cosine"), ("cpp", "constant")):
+        path = tmp_path / f"{kind}-{schedule}.jsonl"
+        subprocess.run([*trainer(kind), "--opt-level", "O0", "--epochs", "2", "--subset", "256",
+                        "--test-subset", "100", "--lr-schedule", schedule, "--metrics", str(path)],
+                       check=True, capture_output=True, env=env(), timeout=300)
+        m = read_metrics(path)
+        assert m["config"][0]["lr_schedule"] == schedule
+        runs[kind, schedule] = [r["loss"] for r in m["step"]]
+    cos, const = runs["cpp", "cosine"], runs["cpp", "constant"]
+    assert runs["python", "cosine"] == pytest.approx(cos, rel=1e-4, abs=1e-5)
+    assert len(cos) == 8 and cos[:2] == const[:2] and cos[2:] != const[2:]
+
+
+@pytest.mark.parametrize("kind", ["cpp", "python"])
+def test_trainers_reject_bad_lr_schedule(kind):
+    proc = subprocess.run([*trainer(kind), "--lr-schedule", "linear"], capture_output=True,
+                          text=True, env=env(), timeout=120)
+    assert proc.returncode == 2 and "--lr-schedule" in proc.stderr and "linear" in proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["cpp", "python"])
+@pytest.mark.parametrize("value", ["0", "3,x", ""])
+def test_trainers_reject_bad_eval_at(kind, value):
+    proc = subprocess.run([*trainer(kind), "--eval-at", value], capture_output=True, text=True,
+                          env=env(), timeout=120)
+    assert proc.returncode == 2
+    assert "--eval-at" in proc.stderr and f'got "{value}"' in proc.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seeds", "x"], '--seeds takes a count >= 1 or distinct seeds >= 0 separated by commas, '
+                       'got "x"'),
+    (["--device", "tpu"], '--device must be cpu or cuda, got "tpu"'),
+    (["--steps", "-3"], "--steps must be >= 0, got -3"),
+    (["--bogus"], "unknown option --bogus"),
+])
+def test_ab_test_rejects_bad_options(tmp_path, args, message):
+    """Bad options stop ab_test.sh before any build or training, naming the option."""
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "ab_test.sh"), "--out",
+                           str(tmp_path), "--no-build", *args], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert "== O0" not in proc.stdout
 
 
 # ---- progress line and --epochs (both trainers) ---------------------------------------------
