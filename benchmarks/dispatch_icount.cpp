@@ -26,36 +26,11 @@
 #include <iostream>
 #include <string>
 
+#include "../examples/cpp/fashion_mnist_net.h"
 #include "optamp/amp.h"
 #include "training/bench_models.h"
 
 namespace {
-
-struct CnnImpl : torch::nn::Module {  // examples/cpp/train_fashion_mnist.cpp's layout
-  CnnImpl()
-      : conv1(torch::nn::Conv2dOptions(1, 16, 3).padding(1).bias(false)),
-        bn1(16),
-        conv2(torch::nn::Conv2dOptions(16, 32, 3).padding(1).bias(false)),
-        bn2(32),
-        fc1(32 * 7 * 7, 128),
-        fc2(128, 10) {
-    register_module("conv1", conv1);
-    register_module("bn1", bn1);
-    register_module("conv2", conv2);
-    register_module("bn2", bn2);
-    register_module("fc1", fc1);
-    register_module("fc2", fc2);
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    x = torch::max_pool2d(torch::relu(bn1(conv1(x))), 2);
-    x = torch::max_pool2d(torch::relu(bn2(conv2(x))), 2);
-    return fc2(torch::relu(fc1(x.flatten(1))));
-  }
-  torch::nn::Conv2d conv1, conv2;
-  torch::nn::BatchNorm2d bn1, bn2;
-  torch::nn::Linear fc1, fc2;
-};
-TORCH_MODULE(Cnn);
 
 struct Models : torch::nn::Module {
   Models() {
@@ -64,7 +39,7 @@ struct Models : torch::nn::Module {
     register_module("gpt", gpt);
   }
   torch::nn::Linear linear{8, 8};
-  Cnn cnn;
+  fashion_mnist::Net cnn;
   bench::GPT gpt{bench::GPTOptions{64, 16, 2, 32, 2}};
 };
 
