@@ -5,7 +5,7 @@
 # step time, loss-curve divergence; peak memory, loss scale).
 #
 #   bash scripts/ab_test.sh                    # CPU: O0 (baseline), O1, O2, O4, O5, C++ trainer
-#   bash scripts/ab_test.sh --full             # train 5 epochs (to convergence), one seed
+#   bash scripts/ab_test.sh --full             # train 10 epochs (to convergence), one seed
 #   bash scripts/ab_test.sh --device cuda      # on a GPU machine
 #   bash scripts/ab_test.sh --levels O0,O4,O5 --seeds 8 --steps 600 --python
 #
@@ -16,7 +16,7 @@
 #          --slow-levels auto|none|L1,.. (auto: on a CPU the fp16 levels, and the bf16 ones
 #                              when the CPU has no bf16 instructions: they get the slow budget)
 #          --epochs E (every level E epochs, test set after each, cosine learning-rate decay;
-#                      no slow budget; 1 seed unless --seeds)  --full (= --epochs 5)
+#                      no slow budget; 1 seed unless --seeds)  --full (= --epochs 10)
 #          --batch-size N (64)  --lr X (0.02)  --lr-schedule constant|cosine (cosine with --epochs)
 #          --subset N (first N training images)  --test-subset N
 #          --data DIR  --python (examples/python/train_fashion_mnist.py instead of the C++ binary)
@@ -40,7 +40,7 @@ while [[ $# -gt 0 ]]; do
       [[ $# -ge 2 ]] || { echo "ab_test.sh: $1 needs a value" >&2; exit 2; }
       plan_args+=("$1" "$2"); shift 2 ;;
     --seed) plan_args+=(--seeds "$2,"); shift 2 ;;
-    --full) plan_args+=(--epochs 5); shift ;;
+    --full) plan_args+=(--epochs 10); shift ;;
     --device) device="$2"; shift 2 ;;
     --batch-size) batch="$2"; shift 2 ;;
     --lr) lr="$2"; shift 2 ;;

@@ -21,6 +21,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
+#include <malloc.h>
 #include <optamp/amp.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/cuda.h>
@@ -401,7 +402,8 @@ int run(const Args& args) {
   auto last_progress = start;
   std::vector<double> step_ms, losses;
   std::int64_t skipped_steps = 0;
-  double eval_s = 0;  // mid-training test passes, left out of train_time_s
+  double eval_s = 0;   // mid-training test passes, left out of train_time_s
+  double peak_mb = 0;  // and out of the peak memory: the peak of each training stretch
   auto next_eval = args.eval_at.begin();
 
   model->train();
@@ -451,6 +453,7 @@ int run(const Args& args) {
     }
     if (next_eval != args.eval_at.end() && *next_eval == step + 1 && step + 1 < total) {
       const auto e0 = Clock::now();
+      peak_mb = std::max(peak_mb, peak_memory_mb(device));
       const EvalResult r = evaluate(model, test, device);
       if (metrics.is_open())
         metrics << Json()
@@ -460,12 +463,13 @@ int run(const Args& args) {
                        .num("test_loss", r.loss)
                        .done()
                 << "\n";
+      reset_peak_memory(device);
       eval_s += std::chrono::duration<double>(Clock::now() - e0).count();
       ++next_eval;
     }
   }
   const double train_s = std::chrono::duration<double>(Clock::now() - start).count() - eval_s;
-  const double peak_mb = peak_memory_mb(device);
+  peak_mb = std::max(peak_mb, peak_memory_mb(device));
   const double final_scale = AmpSession::loss_scale();
 
   const EvalResult final_eval = evaluate(model, test, device);

@@ -260,6 +260,7 @@ def run(args):
     start = last_progress = time.perf_counter()
     step_ms, losses, skipped_steps = [], [], 0
     eval_s = 0.0  # mid-training test passes, left out of train_time_s
+    peak_mb = 0.0  # and out of the peak memory: the peak of each training stretch
     pending_evals = list(args.eval_at)
     order = None
 
@@ -304,12 +305,14 @@ def run(args):
                 sys.stderr.write("\n")
         if pending_evals and pending_evals[0] == step + 1 and step + 1 < total:
             e0 = time.perf_counter()
+            peak_mb = max(peak_mb, peak_memory_mb(device))
             acc, test_loss = evaluate(model, test_x, test_y, device)
             emit({"type": "eval", "step": step + 1, "test_accuracy": acc, "test_loss": test_loss})
+            reset_peak_memory(device)
             eval_s += time.perf_counter() - e0
             pending_evals.pop(0)
     train_s = time.perf_counter() - start - eval_s
-    peak_mb = peak_memory_mb(device)
+    peak_mb = max(peak_mb, peak_memory_mb(device))
     final_scale = session.loss_scale()
 
     accuracy, test_loss = evaluate(model, test_x, test_y, device)
