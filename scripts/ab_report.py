@@ -4,15 +4,17 @@
     python scripts/ab_report.py --out results/ab [--levels O0,O1,O2]
 
 Reads OUT/plan.json (written by scripts/ab_plan.py: levels, budgets, seeds, CPU features),
-OUT/<level>-s<seed>.jsonl (config, step, eval and summary objects written by
-train_fashion_mnist) and OUT/<level>-s<seed>.status (JSON: status ok|unsupported|failed,
-message, exit_code; written by ab_test.sh), and writes OUT/summary.md, OUT/summary.json and
-OUT/ab.png (matplotlib, Agg). Without plan.json the levels come from --levels and the seeds
-from the files found.
+OUT/<run>.jsonl (config, step, eval and summary objects written by train_fashion_mnist) and
+OUT/<run>.status (JSON: status ok|unsupported|failed, message, exit_code; written by
+ab_test.sh) for every run <level>-s<seed> and the baseline's shorter budgets
+<level>-s<seed>-n<steps>, and writes OUT/summary.md, OUT/summary.json and OUT/ab.png
+(matplotlib, Agg). Without plan.json the levels come from --levels and the runs from the files
+found.
 
 The baseline is O0 when it ran, else the first level that ran. Every level is compared with
-the baseline seed by seed at the level's own step count (the baseline evaluates the test set
-at every shorter budget), by the rule in scripts/ab_stats.py (RULE, printed in the report).
+the baseline seed by seed after the same number of steps (the baseline's run of that budget;
+with a constant learning rate also its test pass at that step of a longer run), by the rule in
+scripts/ab_stats.py (RULE, printed in the report).
 """
 import argparse
 import glob
@@ -51,13 +53,8 @@ def read_jsonl(path):
     return run
 
 
-def run_name(level, seed):
-    return f"{level}-s{seed}"
-
-
-def read_run(out, level, seed):
+def read_run(out, name):
     """One trainer run: status (ok|unsupported|failed|missing), message, and the metrics."""
-    name = run_name(level, seed)
     status_path, metrics = (os.path.join(out, name + ext) for ext in (".status", ".jsonl"))
     status = {"status": "ok"}
     if os.path.isfile(status_path):
@@ -78,14 +75,19 @@ def read_run(out, level, seed):
 
 
 def plan_from_files(out, levels):
-    """A plan for output without plan.json: the seeds found per level, steps from the files."""
+    """A plan for output without plan.json: the runs found per level, steps from the files."""
     rows = []
     for lv in levels:
-        seeds = sorted(int(m.group(1)) for p in glob.glob(os.path.join(out, f"{lv}-s*.status"))
-                       + glob.glob(os.path.join(out, f"{lv}-s*.jsonl"))
-                       if (m := re.search(r"-s(\d+)\.\w+$", p)))
-        rows.append({"level": lv, "seeds": sorted(set(seeds)), "steps": None, "slow": False,
-                     "eval_at": []})
+        found = {}  # steps (None: the level's main runs) -> seeds
+        for path in glob.glob(os.path.join(out, f"{lv}-s*.*")):
+            m = re.fullmatch(re.escape(lv) + r"-s(\d+)(?:-n(\d+))?\.(?:status|jsonl)",
+                             os.path.basename(path))
+            if m:
+                steps = int(m.group(2)) if m.group(2) else None
+                found.setdefault(steps, set()).add(int(m.group(1)))
+        rows.append({"level": lv, "seeds": sorted(found.pop(None, ())), "steps": None,
+                     "slow": False, "eval_at": [],
+                     "extra": [{"steps": k, "seeds": sorted(v)} for k, v in sorted(found.items())]})
     return {"levels": rows, "cpu": None, "device": None, "mode": "steps", "baseline": None}
 
 
@@ -117,10 +119,19 @@ def median_step_ms(run, upto):
     return statistics.median(steady) if steady else None
 
 
+def valid_at(run, steps):
+    """Whether a run stands for `steps` steps of training: its own length, or (constant learning
+    rate only: then a shorter run is the prefix of a longer one) a longer run's prefix."""
+    if run.get("status") != "ok" or steps is None or len(run["steps"]) < steps:
+        return False
+    return len(run["steps"]) == steps or \
+        run["config"].get("lr_schedule", "constant") == "constant"
+
+
 def metrics_at(run, steps):
     """Test accuracy/loss, final train loss and median step time of a run after `steps` steps:
     the summary for its last step, an eval line and the curves' prefix for an earlier one."""
-    if run.get("status") != "ok" or steps is None or len(run["steps"]) < steps:
+    if not valid_at(run, steps):
         return None
     if run["summary"].get("steps") == steps:
         test = run["summary"]
@@ -192,7 +203,8 @@ def level_status(runs):
 
 
 def level_row(plan_row, runs, base_runs, batch):
-    """Everything the report says about one level."""
+    """Everything the report says about one level. base_runs: {steps: {seed: run}}, the
+    baseline's runs by budget."""
     ok = {s: r for s, r in runs.items() if r["status"] == "ok"}
     row = {"level": plan_row["level"], "status": level_status(runs) if runs else "missing",
            "seeds": sorted(runs), "seeds_ok": sorted(ok), "slow": plan_row.get("slow", False)}
@@ -209,8 +221,8 @@ def level_row(plan_row, runs, base_runs, batch):
     if plan_row.get("epochs"):
         row["epochs"] = plan_row["epochs"]
     level_at = {s: metrics_at(r, steps) for s, r in ok.items()}
-    base_at = {s: metrics_at(r, steps) for s, r in base_runs.items()}
-    base_at = {s: m for s, m in base_at.items() if m is not None}
+    base = baseline_for(base_runs, steps)
+    base_at = {s: metrics_at(r, steps) for s, r in base.items()}
     for key in ("test_accuracy", "test_loss", "final_train_loss"):
         row[key] = summarize(column(level_at, key))
     times = column(level_at, "median_step_ms")
@@ -225,45 +237,68 @@ def level_row(plan_row, runs, base_runs, batch):
     row["samples_per_s"] = batch / (med / 1000.0) if med else None
     row["vs_baseline"] = compare(level_at, base_at)
     div = ab_stats.divergence({s: losses(r, steps) for s, r in ok.items()},
-                              {s: losses(r, steps) for s, r in base_runs.items()
-                               if len(r["steps"]) >= steps}, steps)
+                              {s: losses(r, steps) for s, r in base.items()}, steps)
     row["divergence"] = {k: v for k, v in div.items() if k != "per_seed"}
     row["divergence"]["window"] = ab_stats.smoothing_window(steps)
     row["per_seed"] = per_seed_rows(row["level"], runs, level_at, base_at, div)
     return row
 
 
+def baseline_for(base_runs, steps):
+    """{seed: run} of the baseline standing for `steps` steps: its run of that budget, else (a
+    constant learning rate) the prefix of its longest runs."""
+    if steps in base_runs:
+        return {s: r for s, r in base_runs[steps].items() if valid_at(r, steps)}
+    longest = max(base_runs, default=None)
+    return {s: r for s, r in base_runs.get(longest, {}).items() if valid_at(r, steps)}
+
+
 # ---- the whole report -------------------------------------------------------------------------
+def ok_runs(runs):
+    return {s: r for s, r in runs.items() if r["status"] == "ok"}
+
+
 def build(out, levels=None):
     """(summary dict, {level: {seed: run}}) for OUT."""
+    from ab_plan import run_name
     plan = load_plan(out, levels)
-    runs = {r["level"]: {s: read_run(out, r["level"], s) for s in r["seeds"]}
+    runs = {r["level"]: {s: read_run(out, run_name(r["level"], s)) for s in r["seeds"]}
             for r in plan["levels"]}
-    ok_levels = [r["level"] for r in plan["levels"]
-                 if any(x["status"] == "ok" for x in runs[r["level"]].values())]
+    ok_levels = [r["level"] for r in plan["levels"] if ok_runs(runs[r["level"]])]
     base = "O0" if "O0" in ok_levels else (ok_levels[0] if ok_levels else None)
-    base_runs = {s: r for s, r in runs.get(base, {}).items() if r["status"] == "ok"}
-    config = next((r["config"] for r in base_runs.values()), {})
+    base_plan = next((r for r in plan["levels"] if r["level"] == base), {})
+    base_runs = {}  # steps -> {seed: run}: the baseline's runs by budget
+    for r in ok_runs(runs.get(base, {})).values():
+        base_runs.setdefault(len(r["steps"]), {})[r["config"].get("seed")] = r
+    extra_rows = []
+    for extra in base_plan.get("extra", []):
+        extra_runs = {s: read_run(out, run_name(base, s, extra["steps"])) for s in extra["seeds"]}
+        base_runs.setdefault(extra["steps"], {}).update(ok_runs(extra_runs))
+        extra_rows.append((dict(base_plan, steps=extra["steps"], seeds=extra["seeds"],
+                                epochs=None, extra=[]), extra_runs))
+    config = next((r["config"] for r in ok_runs(runs.get(base, {})).values()), {})
     batch = config.get("batch_size") or plan.get("batch_size") or 64
     rows = [level_row(p, runs[p["level"]], base_runs, batch) for p in plan["levels"]]
+    budgets = [level_row(p, r, base_runs, batch) for p, r in extra_rows]
     base_row = next((r for r in rows if r["level"] == base), None)
-    if base_row is not None:
-        base_row["baseline"] = True
-        base_mem = base_row.get("peak_memory_mb")
-        for r in rows:
-            if r.get("peak_memory_mb") is not None and base_mem:
-                r["peak_memory_ratio"] = r["peak_memory_mb"] / base_mem
+    for r in [base_row] + budgets if base_row is not None else []:
+        r["baseline"] = True
+    base_mem = base_row.get("peak_memory_mb") if base_row else None
+    for r in rows + budgets:
+        if r.get("peak_memory_mb") is not None and base_mem:
+            r["peak_memory_ratio"] = r["peak_memory_mb"] / base_mem
     fastest, verdict = overall_verdict(rows, base)
     summary = {"baseline": base, "rule": ab_stats.RULE, "verdict": verdict,
                "fastest_not_worse": fastest, "config": config, "cpu": plan.get("cpu"),
-               "mode": plan.get("mode"), "device": plan.get("device") or config.get("device"),
-               "levels": rows}
+               "mode": plan.get("mode"), "lr_schedule": config.get("lr_schedule"),
+               "device": plan.get("device") or config.get("device"), "levels": rows,
+               "baseline_budgets": budgets}
     return summary, runs
 
 
 def overall_verdict(rows, base):
     """The fastest level (median step time) whose accuracy and final train loss are not
-    'worse' than the baseline's."""
+    'worse' than the baseline's, and how the others' step times compare."""
     if base is None:
         return None, "Verdict: no level ran; see the logs next to this report."
     ok = [r for r in rows if r.get("vs_baseline") and r["median_step_ms"]["median"]]
@@ -271,33 +306,33 @@ def overall_verdict(rows, base):
                                           r["vs_baseline"]["final_train_loss"]["verdict"])]
     candidates = [r for r in ok if r not in worse]
     fastest = min(candidates, key=lambda r: r["median_step_ms"]["median"])
-    tail = ""
+    acc = fastest["vs_baseline"]["test_accuracy"]
+    if fastest["level"] == base:
+        text = (f"Verdict: {base} (baseline) is the fastest level whose test accuracy and final "
+                "train loss are not worse than the baseline's.")
+    else:
+        text = (f"Verdict: {fastest['level']} is the fastest level whose test accuracy and final "
+                f"train loss are not worse than {base}'s (accuracy {acc['verdict']}: "
+                f"{fmt_signed(acc['mean_diff'], '.2f')} pts over {acc['n']} seeds at "
+                f"{fastest['steps']} steps).")
+    others = [r for r in ok if r["level"] != base]
+    if others:
+        text += f" Step time vs {base}: " + "; ".join(
+            f"{r['level']} {fmt(r['vs_baseline']['step_time'].get('ratio'), '.2f', 'x')} "
+            f"({r['vs_baseline']['step_time']['verdict']})" for r in others) + "."
     if worse:
-        tail += " Worse than the baseline (excluded): " + ", ".join(
+        text += " Worse than the baseline (excluded): " + ", ".join(
             f"{r['level']} (accuracy {r['vs_baseline']['test_accuracy']['verdict']}, loss "
             f"{r['vs_baseline']['final_train_loss']['verdict']})" for r in worse) + "."
     unverified = [r["level"] for r in candidates if r["level"] != base
                   and r["vs_baseline"]["test_accuracy"]["verdict"] == "n/a"]
     if unverified:
-        tail += (f" No accuracy verdict for {', '.join(unverified)} (fewer than 2 seeds: run "
+        text += (f" No accuracy verdict for {', '.join(unverified)} (fewer than 2 seeds: run "
                  "with --seeds 3 or more).")
     not_run = [r["level"] for r in rows if r["status"] in ("unsupported", "failed", "missing")]
     if not_run:
-        tail += f" Not run: {', '.join(not_run)}."
-    if fastest["level"] == base:
-        others = [r["level"] for r in candidates if r["level"] != base]
-        return base, (f"Verdict: {base} (baseline) is the fastest level whose test accuracy and "
-                      "final train loss are not worse than the baseline's"
-                      + (f"; {', '.join(others)} did not beat it." if others else ".") + tail)
-    st = fastest["vs_baseline"]["step_time"]
-    acc = fastest["vs_baseline"]["test_accuracy"]
-    ci = st.get("ratio_ci95")
-    return fastest["level"], (
-        f"Verdict: {fastest['level']} is the fastest level whose test accuracy and final train "
-        f"loss are not worse than {base}'s: step time {st['ratio']:.2f}x {base}'s"
-        + (f" (95% interval {ci[0]:.2f}-{ci[1]:.2f}x, {st['verdict']})" if ci else "")
-        + f"; test accuracy {acc['verdict']} ({fmt_signed(acc['mean_diff'], '.2f')} pts over "
-        f"{acc['n']} seeds at {fastest['steps']} steps)." + tail)
+        text += f" Not run: {', '.join(not_run)}."
+    return fastest["level"], text
 
 
 # ---- formatting -------------------------------------------------------------------------------
@@ -353,9 +388,12 @@ def describe_cpu(cpu):
 
 def markdown_header(summary):
     c = summary["config"]
+    schedule = c.get("lr_schedule", "constant")
+    schedule += " decay to 0 over each run" if schedule == "cosine" else ""
     lines = ["# optamp A/B test: Fashion-MNIST CNN", "",
              f"{c.get('program', 'train_fashion_mnist')} ({c.get('language', '?')}), device "
-             f"{c.get('device', '?')}, batch {c.get('batch_size', '?')}, lr {c.get('lr', '?')}, "
+             f"{c.get('device', '?')}, batch {c.get('batch_size', '?')}, lr {c.get('lr', '?')} "
+             f"({schedule}), "
              f"{c.get('train_images', '?')} training images, {c.get('test_images', '?')} test "
              f"images, {c.get('threads', '?')} threads, torch {c.get('torch', '?')}. Baseline: "
              f"{summary['baseline']}. Budget: steps x seeds per level (slow levels, which have "
@@ -453,8 +491,18 @@ def label(r):
         " (slow)" if r.get("slow") else "")
 
 
+def table_rows(summary):
+    """The levels in order, the baseline's shorter budgets right after the baseline."""
+    out = []
+    for r in summary["levels"]:
+        out.append(r)
+        if r.get("baseline"):
+            out += summary.get("baseline_budgets", [])
+    return out
+
+
 def write_markdown(path, summary, plot=True):
-    rows, base = summary["levels"], summary["baseline"] or "baseline"
+    rows, base = table_rows(summary), summary["baseline"] or "baseline"
     kind = next((r.get("peak_memory_kind") for r in rows if r.get("peak_memory_kind")), "")
     mem_label = {"cpu_peak_rss": "peak RSS", "cuda_peak_allocated": "CUDA peak allocated"}.get(
         kind, "peak memory")
@@ -475,9 +523,9 @@ def write_markdown(path, summary, plot=True):
         "loss curves of the same seed, each smoothed by a trailing moving average of 1/20 of "
         "the run (at least 5 steps), averaged over seeds; the seed-to-seed distance is the same "
         "between the baseline's curves of two different seeds; ratio below 1: the level stays "
-        "closer to the baseline than a change of seed does. A slow level's baseline numbers are "
-        "the baseline's at the same step (its test set evaluated mid-run; training is not "
-        "changed by it). "
+        "closer to the baseline than a change of seed does. A level with fewer steps (a slow "
+        "level) is compared with the baseline's own runs of that many steps, on the same seeds "
+        f"(the {base} (baseline) rows with that budget). "
         + ("Plot: ab.png." if plot else "No plot: matplotlib is not installed."), ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
