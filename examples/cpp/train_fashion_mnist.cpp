@@ -293,13 +293,18 @@ void set_lr(torch::optim::SGD& optimizer, double lr) {
     static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
 }
 
+// Test batches: 250 images take half the time of 1000 on a CPU (2.7 -> 1.2 s for the 10,000 on
+// 2 cores: the activations of 1000 images overflow the caches and fault in fresh pages).
+constexpr std::int64_t kEvalBatch = 250;
+
 struct EvalResult {
   double accuracy;  // percent of the test images classified right
   double loss;      // mean cross-entropy over the test images
 };
 
 // Test-set pass: eval mode, no autograd (optamp's no_grad gate: the model's own fp32 weights,
-// no casts), batches of 1000. Leaves the model in train mode again, so it can run mid-training.
+// no casts), batches of kEvalBatch. Leaves the model in train mode again, so it can run
+// mid-training.
 EvalResult evaluate(Net& model, const fashion_mnist::Split& test, const torch::Device& device) {
   model->eval();
   std::int64_t correct = 0;
@@ -307,8 +312,8 @@ EvalResult evaluate(Net& model, const fashion_mnist::Split& test, const torch::D
   {
     torch::NoGradGuard no_grad;
     const std::int64_t n_test = test.images.size(0);
-    for (std::int64_t i = 0; i < n_test; i += 1000) {
-      const std::int64_t j = std::min(n_test, i + 1000);
+    for (std::int64_t i = 0; i < n_test; i += kEvalBatch) {
+      const std::int64_t j = std::min(n_test, i + kEvalBatch);
       const torch::Tensor x = fashion_mnist::to_input(test.images.slice(0, i, j), device);
       const torch::Tensor logits = model->forward(x).to(torch::kFloat).cpu();
       const torch::Tensor y = test.labels.slice(0, i, j);
