@@ -169,7 +169,7 @@ def compare(level_at, base_at):
     return out
 
 
-def per_seed_rows(level, runs, level_at, base_at, div):
+def per_seed_rows(runs, level_at, base_at, div):
     rows = []
     for seed, run in sorted(runs.items()):
         row = {"seed": seed, "status": run["status"]}
@@ -240,7 +240,7 @@ def level_row(plan_row, runs, base_runs, batch):
                               {s: losses(r, steps) for s, r in base.items()}, steps)
     row["divergence"] = {k: v for k, v in div.items() if k != "per_seed"}
     row["divergence"]["window"] = ab_stats.smoothing_window(steps)
-    row["per_seed"] = per_seed_rows(row["level"], runs, level_at, base_at, div)
+    row["per_seed"] = per_seed_rows(runs, level_at, base_at, div)
     return row
 
 

@@ -256,9 +256,10 @@ def test_python_twin_reproduces_the_cpp_losses(py_ab_run, request, level):
 
 @needs_data
 def test_trainer_deterministic(ab_run, tmp_path):
-    """A second O0 run gives bit-identical losses and accuracy."""
+    """A second O0 run gives bit-identical losses and accuracy (ab_test.sh's cosine decay)."""
     path = tmp_path / "again.jsonl"
-    subprocess.run([trainer_binary(), "--opt-level", "O0", *SMALL, "--metrics", str(path)],
+    subprocess.run([trainer_binary(), "--opt-level", "O0", *SMALL, "--lr-schedule", "cosine",
+                    "--metrics", str(path)],
                    check=True, capture_output=True, env=env(), timeout=300)
     runs = [read_metrics(ab_run[0] / "O0-s0.jsonl"), read_metrics(path)]
     losses = [[r["loss"] for r in m["step"]] + [m["summary"][0]["test_accuracy"]] for m in runs]
