@@ -202,6 +202,23 @@ def level_status(runs):
     return "failed" if "ok" not in states else "partly failed"
 
 
+def aggregate(level_at, ok, batch):
+    """A level's numbers over its seeds: mean and sd of accuracy and losses, median (min, max)
+    step time, median peak memory, samples/s."""
+    out = {key: summarize(column(level_at, key))
+           for key in ("test_accuracy", "test_loss", "final_train_loss")}
+    times = column(level_at, "median_step_ms").values()
+    med = statistics.median(times) if times else None
+    out["median_step_ms"] = {"median": med, "min": min(times, default=None),
+                             "max": max(times, default=None)}
+    mems = [r["summary"].get("peak_memory_mb") for r in ok.values()
+            if r["summary"].get("peak_memory_mb") is not None]
+    out["peak_memory_mb"] = statistics.median(mems) if mems else None
+    out["peak_memory_kind"] = next(iter(ok.values()))["summary"].get("peak_memory_kind")
+    out["samples_per_s"] = batch / (med / 1000.0) if med else None
+    return out
+
+
 def level_row(plan_row, runs, base_runs, batch):
     """Everything the report says about one level. base_runs: {steps: {seed: run}}, the
     baseline's runs by budget."""
@@ -223,18 +240,7 @@ def level_row(plan_row, runs, base_runs, batch):
     level_at = {s: metrics_at(r, steps) for s, r in ok.items()}
     base = baseline_for(base_runs, steps)
     base_at = {s: metrics_at(r, steps) for s, r in base.items()}
-    for key in ("test_accuracy", "test_loss", "final_train_loss"):
-        row[key] = summarize(column(level_at, key))
-    times = column(level_at, "median_step_ms")
-    row["median_step_ms"] = {"median": statistics.median(times.values()) if times else None,
-                             "min": min(times.values(), default=None),
-                             "max": max(times.values(), default=None)}
-    mems = [r["summary"].get("peak_memory_mb") for r in ok.values()
-            if r["summary"].get("peak_memory_mb") is not None]
-    row["peak_memory_mb"] = statistics.median(mems) if mems else None
-    row["peak_memory_kind"] = next(iter(ok.values()))["summary"].get("peak_memory_kind")
-    med = row["median_step_ms"]["median"]
-    row["samples_per_s"] = batch / (med / 1000.0) if med else None
+    row.update(aggregate(level_at, ok, batch))
     row["vs_baseline"] = compare(level_at, base_at)
     div = ab_stats.divergence({s: losses(r, steps) for s, r in ok.items()},
                               {s: losses(r, steps) for s, r in base.items()}, steps)
@@ -259,7 +265,8 @@ def ok_runs(runs):
 
 
 def build(out, levels=None):
-    """(summary dict, {level: {seed: run}}) for OUT."""
+    """(summary dict, curve sets) for OUT; a curve set is (label, level, {seed: run}) for every
+    level and for each of the baseline's shorter budgets."""
     from ab_plan import run_name
     plan = load_plan(out, levels)
     runs = {r["level"]: {s: read_run(out, run_name(r["level"], s)) for s in r["seeds"]}
@@ -293,7 +300,13 @@ def build(out, levels=None):
                "mode": plan.get("mode"), "lr_schedule": config.get("lr_schedule"),
                "device": plan.get("device") or config.get("device"), "levels": rows,
                "baseline_budgets": budgets}
-    return summary, runs
+    curve_sets = []
+    for r in plan["levels"]:
+        curve_sets.append((r["level"], r["level"], ok_runs(runs[r["level"]])))
+        if r["level"] == base:
+            curve_sets += [(f"{base}, {p['steps']} steps", base, ok_runs(x))
+                           for p, x in extra_rows]
+    return summary, curve_sets
 
 
 def overall_verdict(rows, base):
@@ -537,27 +550,30 @@ COLORS = {"O0": "#222222", "O1": "#1f77b4", "O2": "#d62728", "O3": "#ff7f0e", "O
 STYLES = {"O0": "-", "O1": "--", "O2": "-", "O3": "-.", "O4": "--", "O5": ":"}
 
 
-def plot_curves(ax_loss, ax_scale, summary, runs):
-    rows = {r["level"]: r for r in summary["levels"]}
-    for i, (level, seeds) in enumerate(runs.items()):
-        ok = {s: r for s, r in seeds.items() if r["status"] == "ok"}
+def plot_curves(ax_loss, ax_scale, curve_sets):
+    for i, (label, level, ok) in enumerate(curve_sets):
         if not ok:
             continue
         c, ls, lw = COLORS.get(level), STYLES.get(level, "-"), max(1.2, 3.0 - 0.4 * i)
+        if label != level:  # the baseline's shorter budget: thin, dotted
+            ls, lw = ":", 1.5
         n = min(len(r["steps"]) for r in ok.values())
         window = ab_stats.smoothing_window(n)
         curves = [ab_stats.smooth(losses(r, n), window) for r in ok.values()]
         xs = list(range(1, n + 1))
         pts = [[v for v in col if v is not None] for col in zip(*curves)]
         keep = [j for j, p in enumerate(pts) if p]
-        acc = rows[level].get("test_accuracy", {}).get("mean")
+        accs = [r["summary"]["test_accuracy"] for r in ok.values()
+                if r["summary"].get("test_accuracy") is not None]
         ax_loss.plot([xs[j] for j in keep], [statistics.mean(pts[j]) for j in keep], color=c,
-                     linestyle=ls, linewidth=lw,
-                     label=f"{level}" + (f" ({acc:.1f}% at {n})" if acc is not None else ""))
+                     linestyle=ls, linewidth=lw, label=f"{label}" + (
+                         f" ({statistics.mean(accs):.1f}% at {n})" if accs else ""))
         if len(curves) > 1:
             ax_loss.fill_between([xs[j] for j in keep], [min(pts[j]) for j in keep],
                                  [max(pts[j]) for j in keep], color=c, alpha=0.12)
         first = ok[min(ok)]
+        if label != level:
+            continue
         sc = [(s["step"], s["loss_scale"]) for s in first["steps"] if s.get("loss_scale")]
         if sc:
             ax_scale.step(*zip(*sc), where="post", color=c, linestyle=ls, linewidth=lw,
@@ -600,17 +616,14 @@ def plot_interval(ax, comparison, color, ratio=False):
     points = [math.exp(d) for d in comparison["diffs"]] if ratio else comparison["diffs"]
     ax.scatter(points, [0.25] * len(points), color=color, s=12, alpha=0.6, marker="|")
     if ratio:
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(matplotlib_formatter("%gx"))
+        import matplotlib.ticker
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_ylim(-1, 1)
     ax.set_yticks([])
     ax.tick_params(labelsize=7)
     ax.grid(True, which="both", axis="x", alpha=0.3)
-
-
-def matplotlib_formatter(spec):
-    import matplotlib.ticker
-    return matplotlib.ticker.FormatStrFormatter(spec)
 
 
 def plot_level(ax_acc, ax_time, row, base):
@@ -623,17 +636,17 @@ def plot_level(ax_acc, ax_time, row, base):
                 if s.get("baseline_test_accuracy") is not None]
     plot_interval(ax_acc, acc, c)
     ax_acc.set_xlabel(f"test accuracy - {base}'s (pts)", fontsize=8)
-    ax_acc.set_title(f"{row['level']}, {row['steps']} steps x {acc['n']} seeds: "
-                     f"{fmt(row['test_accuracy']['mean'], '.2f', '%')} vs "
+    ax_acc.set_title(f"{row['level']}, {row['steps']} steps x {acc['n']} seeds\n"
+                     f"{fmt(row['test_accuracy']['mean'], '.2f', '%')} vs {base} "
                      f"{fmt(statistics.mean(base_acc) if base_acc else None, '.2f', '%')}: "
                      f"{acc['verdict']}", fontsize=8)
     plot_interval(ax_time, st, c, ratio=True)
     ax_time.set_xlabel(f"step time / {base}'s", fontsize=8)
-    ax_time.set_title(f"median {fmt(row['median_step_ms']['median'], '.1f')} ms: "
+    ax_time.set_title(f"step time\nmedian {fmt(row['median_step_ms']['median'], '.1f')} ms: "
                       f"{st['verdict']}", fontsize=8)
 
 
-def write_plot(path, summary, runs):
+def write_plot(path, summary, curve_sets):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -646,7 +659,7 @@ def write_plot(path, summary, runs):
     grid = fig.add_gridspec(n, 3, width_ratios=[3.0, 1.3, 1.3], wspace=0.15, hspace=0.9)
     ax_loss = fig.add_subplot(grid[:max(1, n * 3 // 5), 0])
     ax_scale = fig.add_subplot(grid[max(1, n * 3 // 5):, 0], sharex=ax_loss)
-    plot_curves(ax_loss, ax_scale, summary, runs)
+    plot_curves(ax_loss, ax_scale, curve_sets)
     c = summary["config"]
     ax_loss.set_title(f"optamp A/B: Fashion-MNIST CNN, {c.get('device', '?')}, batch "
                       f"{c.get('batch_size', '?')}, baseline {base}", fontsize=11)
@@ -662,9 +675,9 @@ def main(argv=None):
     p.add_argument("--levels", default="", help="only these levels (default: the plan's)")
     args = p.parse_args(argv)
     levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()] or None
-    summary, runs = build(args.out, levels)
+    summary, curve_sets = build(args.out, levels)
     try:
-        write_plot(os.path.join(args.out, "ab.png"), summary, runs)
+        write_plot(os.path.join(args.out, "ab.png"), summary, curve_sets)
         plot = True
     except ImportError as e:  # e.g. the GPU machine's bare python3; the numbers are all here
         print(f"ab_report: no plot ({e}); install matplotlib (e.g. apt-get install "
