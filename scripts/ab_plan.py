@@ -8,17 +8,18 @@ and what this CPU offers for reduced precision.
 
 Writes OUT/plan.json and OUT/runs.tsv (one run a line, seed by seed so that a level's run and
 the baseline's run of the same seed are close in time: level, seed, budget flag, budget,
---eval-at list or "-", learning-rate schedule) and prints the plan, CPU features first.
+--eval-at list or "-", learning-rate schedule, run name) and prints the plan, CPU features
+first. A run's files are OUT/<run name>.*: <level>-s<seed>, or <level>-s<seed>-n<steps> for
+the baseline's runs at a shorter budget.
 
 Budgets (docs/ab_test.md). Levels without fast kernels on this device ("slow": on a CPU the
 fp16 levels O1-O3 always, since torch has no fast fp16 CPU convolutions, and O4/O5 when the CPU
 has no bf16 instructions) get --slow-steps and the first --slow-seeds seeds; the others get
 --steps and every seed. The baseline (O0 when listed, else the first level) runs the largest
-budget on every seed and evaluates the test set also at each shorter budget, so a level run
-for fewer steps is compared with the baseline at its own step count (a shorter run is the
-prefix of a longer one: same seed, same data order, constant learning rate). With --epochs
-every level trains that many epochs (no slow budget), with a cosine learning-rate decay unless
---lr-schedule says otherwise, and the test set is evaluated after each.
+budget on every seed, and each shorter budget on that budget's seeds, so every level is compared
+with the baseline trained for the same number of steps (the learning rate decays to 0 over each
+run: a cosine schedule, unless --lr-schedule constant). With --epochs every level trains that
+many epochs (no slow budget) and the test set is also evaluated after each epoch.
 """
 import argparse
 import json
@@ -161,26 +162,38 @@ def make_plan(a, cpu):
         rows.append(row)
     base = next(r for r in rows if r["baseline"])
     longest = max(r["steps"] for r in rows)
-    if not a.epochs:  # the baseline covers every budget, on every seed
-        base.update(steps=longest, seeds=seeds,
-                    eval_at=sorted({r["steps"] for r in rows if r["steps"] < longest}))
-    schedule = a.lr_schedule or ("cosine" if a.epochs else "constant")
+    base.update(steps=longest, seeds=seeds, extra=[])
+    for short in sorted({r["steps"] for r in rows if r["steps"] < longest}):
+        # The baseline at each shorter budget, on the seeds of the levels that run it.
+        short_seeds = sorted({s for r in rows if r["steps"] == short for s in r["seeds"]})
+        base["extra"].append({"steps": short, "seeds": short_seeds})
+    schedule = a.lr_schedule or "cosine"
     return {"device": a.device, "mode": "epochs" if a.epochs else "steps", "lr_schedule": schedule,
             "epochs": a.epochs or None, "baseline": baseline, "seeds": seeds,
             "batch_size": a.batch_size, "train_images": n_train, "steps_per_epoch": per_epoch,
             "levels": rows, "cpu": cpu}
 
 
+def run_name(level, seed, steps=None):
+    """A run's file name stem: <level>-s<seed>, or <level>-s<seed>-n<steps> for the baseline's
+    runs at a shorter budget."""
+    return f"{level}-s{seed}" + (f"-n{steps}" if steps else "")
+
+
 def runs(plan):
-    """(level, seed, flag, budget, eval_at, lr schedule) in run order: seed by seed, levels in
-    order."""
+    """(level, seed, flag, budget, eval_at, lr schedule, run name) in run order: seed by seed,
+    levels in order, the baseline's shorter budgets after its main run."""
     for seed in plan["seeds"]:
         for r in plan["levels"]:
             if seed in r["seeds"]:
                 flag, budget = ("--epochs", r["epochs"]) if r.get("epochs") else (
                     "--steps", r["steps"])
                 yield (r["level"], seed, flag, budget, ",".join(map(str, r["eval_at"])) or "-",
-                       plan["lr_schedule"])
+                       plan["lr_schedule"], run_name(r["level"], seed))
+            for extra in r.get("extra", []):
+                if seed in extra["seeds"]:
+                    yield (r["level"], seed, "--steps", extra["steps"], "-",
+                           plan["lr_schedule"], run_name(r["level"], seed, extra["steps"]))
 
 
 def seed_text(seeds):
@@ -199,9 +212,11 @@ def describe_plan(plan):
         note = " (baseline)" if r["baseline"] else (
             f" (slow: {r['why_slow']})" if r["slow"] else "")
         evals = (f"; test set also at steps {','.join(map(str, r['eval_at']))}"
-                 if r["eval_at"] else "")
+                 if r["eval_at"] and not r.get("epochs") else "")
+        extra = "".join(f"; also {e['steps']} steps on seeds {seed_text(e['seeds'])} (for the "
+                        "levels with that budget)" for e in r.get("extra", []))
         lines.append(f"  {r['level']}{note}: {budget} x batch {plan['batch_size']}, "
-                     f"seeds {seed_text(r['seeds'])}{evals}")
+                     f"seeds {seed_text(r['seeds'])}{evals}{extra}")
     return "\n".join(lines)
 
 

@@ -4,15 +4,17 @@
     python scripts/ab_report.py --out results/ab [--levels O0,O1,O2]
 
 Reads OUT/plan.json (written by scripts/ab_plan.py: levels, budgets, seeds, CPU features),
-OUT/<level>-s<seed>.jsonl (config, step, eval and summary objects written by
-train_fashion_mnist) and OUT/<level>-s<seed>.status (JSON: status ok|unsupported|failed,
-message, exit_code; written by ab_test.sh), and writes OUT/summary.md, OUT/summary.json and
-OUT/ab.png (matplotlib, Agg). Without plan.json the levels come from --levels and the seeds
-from the files found.
+OUT/<run>.jsonl (config, step, eval and summary objects written by train_fashion_mnist) and
+OUT/<run>.status (JSON: status ok|unsupported|failed, message, exit_code; written by
+ab_test.sh) for every run <level>-s<seed> and the baseline's shorter budgets
+<level>-s<seed>-n<steps>, and writes OUT/summary.md, OUT/summary.json and OUT/ab.png
+(matplotlib, Agg). Without plan.json the levels come from --levels and the runs from the files
+found.
 
 The baseline is O0 when it ran, else the first level that ran. Every level is compared with
-the baseline seed by seed at the level's own step count (the baseline evaluates the test set
-at every shorter budget), by the rule in scripts/ab_stats.py (RULE, printed in the report).
+the baseline seed by seed after the same number of steps (the baseline's run of that budget;
+with a constant learning rate also its test pass at that step of a longer run), by the rule in
+scripts/ab_stats.py (RULE, printed in the report).
 """
 import argparse
 import glob
@@ -51,13 +53,8 @@ def read_jsonl(path):
     return run
 
 
-def run_name(level, seed):
-    return f"{level}-s{seed}"
-
-
-def read_run(out, level, seed):
+def read_run(out, name):
     """One trainer run: status (ok|unsupported|failed|missing), message, and the metrics."""
-    name = run_name(level, seed)
     status_path, metrics = (os.path.join(out, name + ext) for ext in (".status", ".jsonl"))
     status = {"status": "ok"}
     if os.path.isfile(status_path):
@@ -78,14 +75,19 @@ def read_run(out, level, seed):
 
 
 def plan_from_files(out, levels):
-    """A plan for output without plan.json: the seeds found per level, steps from the files."""
+    """A plan for output without plan.json: the runs found per level, steps from the files."""
     rows = []
     for lv in levels:
-        seeds = sorted(int(m.group(1)) for p in glob.glob(os.path.join(out, f"{lv}-s*.status"))
-                       + glob.glob(os.path.join(out, f"{lv}-s*.jsonl"))
-                       if (m := re.search(r"-s(\d+)\.\w+$", p)))
-        rows.append({"level": lv, "seeds": sorted(set(seeds)), "steps": None, "slow": False,
-                     "eval_at": []})
+        found = {}  # steps (None: the level's main runs) -> seeds
+        for path in glob.glob(os.path.join(out, f"{lv}-s*.*")):
+            m = re.fullmatch(re.escape(lv) + r"-s(\d+)(?:-n(\d+))?\.(?:status|jsonl)",
+                             os.path.basename(path))
+            if m:
+                steps = int(m.group(2)) if m.group(2) else None
+                found.setdefault(steps, set()).add(int(m.group(1)))
+        rows.append({"level": lv, "seeds": sorted(found.pop(None, ())), "steps": None,
+                     "slow": False, "eval_at": [],
+                     "extra": [{"steps": k, "seeds": sorted(v)} for k, v in sorted(found.items())]})
     return {"levels": rows, "cpu": None, "device": None, "mode": "steps", "baseline": None}
 
 
@@ -117,10 +119,19 @@ def median_step_ms(run, upto):
     return statistics.median(steady) if steady else None
 
 
+def valid_at(run, steps):
+    """Whether a run stands for `steps` steps of training: its own length, or (constant learning
+    rate only: then a shorter run is the prefix of a longer one) a longer run's prefix."""
+    if run.get("status") != "ok" or steps is None or len(run["steps"]) < steps:
+        return False
+    return len(run["steps"]) == steps or \
+        run["config"].get("lr_schedule", "constant") == "constant"
+
+
 def metrics_at(run, steps):
     """Test accuracy/loss, final train loss and median step time of a run after `steps` steps:
     the summary for its last step, an eval line and the curves' prefix for an earlier one."""
-    if run.get("status") != "ok" or steps is None or len(run["steps"]) < steps:
+    if not valid_at(run, steps):
         return None
     if run["summary"].get("steps") == steps:
         test = run["summary"]
@@ -158,7 +169,7 @@ def compare(level_at, base_at):
     return out
 
 
-def per_seed_rows(level, runs, level_at, base_at, div):
+def per_seed_rows(runs, level_at, base_at, div):
     rows = []
     for seed, run in sorted(runs.items()):
         row = {"seed": seed, "status": run["status"]}
@@ -191,8 +202,26 @@ def level_status(runs):
     return "failed" if "ok" not in states else "partly failed"
 
 
+def aggregate(level_at, ok, batch):
+    """A level's numbers over its seeds: mean and sd of accuracy and losses, median (min, max)
+    step time, median peak memory, samples/s."""
+    out = {key: summarize(column(level_at, key))
+           for key in ("test_accuracy", "test_loss", "final_train_loss")}
+    times = column(level_at, "median_step_ms").values()
+    med = statistics.median(times) if times else None
+    out["median_step_ms"] = {"median": med, "min": min(times, default=None),
+                             "max": max(times, default=None)}
+    mems = [r["summary"].get("peak_memory_mb") for r in ok.values()
+            if r["summary"].get("peak_memory_mb") is not None]
+    out["peak_memory_mb"] = statistics.median(mems) if mems else None
+    out["peak_memory_kind"] = next(iter(ok.values()))["summary"].get("peak_memory_kind")
+    out["samples_per_s"] = batch / (med / 1000.0) if med else None
+    return out
+
+
 def level_row(plan_row, runs, base_runs, batch):
-    """Everything the report says about one level."""
+    """Everything the report says about one level. base_runs: {steps: {seed: run}}, the
+    baseline's runs by budget."""
     ok = {s: r for s, r in runs.items() if r["status"] == "ok"}
     row = {"level": plan_row["level"], "status": level_status(runs) if runs else "missing",
            "seeds": sorted(runs), "seeds_ok": sorted(ok), "slow": plan_row.get("slow", False)}
@@ -209,61 +238,80 @@ def level_row(plan_row, runs, base_runs, batch):
     if plan_row.get("epochs"):
         row["epochs"] = plan_row["epochs"]
     level_at = {s: metrics_at(r, steps) for s, r in ok.items()}
-    base_at = {s: metrics_at(r, steps) for s, r in base_runs.items()}
-    base_at = {s: m for s, m in base_at.items() if m is not None}
-    for key in ("test_accuracy", "test_loss", "final_train_loss"):
-        row[key] = summarize(column(level_at, key))
-    times = column(level_at, "median_step_ms")
-    row["median_step_ms"] = {"median": statistics.median(times.values()) if times else None,
-                             "min": min(times.values(), default=None),
-                             "max": max(times.values(), default=None)}
-    mems = [r["summary"].get("peak_memory_mb") for r in ok.values()
-            if r["summary"].get("peak_memory_mb") is not None]
-    row["peak_memory_mb"] = statistics.median(mems) if mems else None
-    row["peak_memory_kind"] = next(iter(ok.values()))["summary"].get("peak_memory_kind")
-    med = row["median_step_ms"]["median"]
-    row["samples_per_s"] = batch / (med / 1000.0) if med else None
+    base = baseline_for(base_runs, steps)
+    base_at = {s: metrics_at(r, steps) for s, r in base.items()}
+    row.update(aggregate(level_at, ok, batch))
     row["vs_baseline"] = compare(level_at, base_at)
     div = ab_stats.divergence({s: losses(r, steps) for s, r in ok.items()},
-                              {s: losses(r, steps) for s, r in base_runs.items()
-                               if len(r["steps"]) >= steps}, steps)
+                              {s: losses(r, steps) for s, r in base.items()}, steps)
     row["divergence"] = {k: v for k, v in div.items() if k != "per_seed"}
     row["divergence"]["window"] = ab_stats.smoothing_window(steps)
-    row["per_seed"] = per_seed_rows(row["level"], runs, level_at, base_at, div)
+    row["per_seed"] = per_seed_rows(runs, level_at, base_at, div)
     return row
 
 
+def baseline_for(base_runs, steps):
+    """{seed: run} of the baseline standing for `steps` steps: its run of that budget, else (a
+    constant learning rate) the prefix of its longest runs."""
+    if steps in base_runs:
+        return {s: r for s, r in base_runs[steps].items() if valid_at(r, steps)}
+    longest = max(base_runs, default=None)
+    return {s: r for s, r in base_runs.get(longest, {}).items() if valid_at(r, steps)}
+
+
 # ---- the whole report -------------------------------------------------------------------------
+def ok_runs(runs):
+    return {s: r for s, r in runs.items() if r["status"] == "ok"}
+
+
 def build(out, levels=None):
-    """(summary dict, {level: {seed: run}}) for OUT."""
+    """(summary dict, curve sets) for OUT; a curve set is (label, level, {seed: run}) for every
+    level and for each of the baseline's shorter budgets."""
+    from ab_plan import run_name
     plan = load_plan(out, levels)
-    runs = {r["level"]: {s: read_run(out, r["level"], s) for s in r["seeds"]}
+    runs = {r["level"]: {s: read_run(out, run_name(r["level"], s)) for s in r["seeds"]}
             for r in plan["levels"]}
-    ok_levels = [r["level"] for r in plan["levels"]
-                 if any(x["status"] == "ok" for x in runs[r["level"]].values())]
+    ok_levels = [r["level"] for r in plan["levels"] if ok_runs(runs[r["level"]])]
     base = "O0" if "O0" in ok_levels else (ok_levels[0] if ok_levels else None)
-    base_runs = {s: r for s, r in runs.get(base, {}).items() if r["status"] == "ok"}
-    config = next((r["config"] for r in base_runs.values()), {})
+    base_plan = next((r for r in plan["levels"] if r["level"] == base), {})
+    base_runs = {}  # steps -> {seed: run}: the baseline's runs by budget
+    for r in ok_runs(runs.get(base, {})).values():
+        base_runs.setdefault(len(r["steps"]), {})[r["config"].get("seed")] = r
+    extra_rows = []
+    for extra in base_plan.get("extra", []):
+        extra_runs = {s: read_run(out, run_name(base, s, extra["steps"])) for s in extra["seeds"]}
+        base_runs.setdefault(extra["steps"], {}).update(ok_runs(extra_runs))
+        extra_rows.append((dict(base_plan, steps=extra["steps"], seeds=extra["seeds"],
+                                epochs=None, extra=[]), extra_runs))
+    config = next((r["config"] for r in ok_runs(runs.get(base, {})).values()), {})
     batch = config.get("batch_size") or plan.get("batch_size") or 64
     rows = [level_row(p, runs[p["level"]], base_runs, batch) for p in plan["levels"]]
+    budgets = [level_row(p, r, base_runs, batch) for p, r in extra_rows]
     base_row = next((r for r in rows if r["level"] == base), None)
-    if base_row is not None:
-        base_row["baseline"] = True
-        base_mem = base_row.get("peak_memory_mb")
-        for r in rows:
-            if r.get("peak_memory_mb") is not None and base_mem:
-                r["peak_memory_ratio"] = r["peak_memory_mb"] / base_mem
+    for r in [base_row] + budgets if base_row is not None else []:
+        r["baseline"] = True
+    base_mem = base_row.get("peak_memory_mb") if base_row else None
+    for r in rows + budgets:
+        if r.get("peak_memory_mb") is not None and base_mem:
+            r["peak_memory_ratio"] = r["peak_memory_mb"] / base_mem
     fastest, verdict = overall_verdict(rows, base)
     summary = {"baseline": base, "rule": ab_stats.RULE, "verdict": verdict,
                "fastest_not_worse": fastest, "config": config, "cpu": plan.get("cpu"),
-               "mode": plan.get("mode"), "device": plan.get("device") or config.get("device"),
-               "levels": rows}
-    return summary, runs
+               "mode": plan.get("mode"), "lr_schedule": config.get("lr_schedule"),
+               "device": plan.get("device") or config.get("device"), "levels": rows,
+               "baseline_budgets": budgets}
+    curve_sets = []
+    for r in plan["levels"]:
+        curve_sets.append((r["level"], r["level"], ok_runs(runs[r["level"]])))
+        if r["level"] == base:
+            curve_sets += [(f"{base}, {p['steps']} steps", base, ok_runs(x))
+                           for p, x in extra_rows]
+    return summary, curve_sets
 
 
 def overall_verdict(rows, base):
     """The fastest level (median step time) whose accuracy and final train loss are not
-    'worse' than the baseline's."""
+    'worse' than the baseline's, and how the others' step times compare."""
     if base is None:
         return None, "Verdict: no level ran; see the logs next to this report."
     ok = [r for r in rows if r.get("vs_baseline") and r["median_step_ms"]["median"]]
@@ -271,33 +319,33 @@ def overall_verdict(rows, base):
                                           r["vs_baseline"]["final_train_loss"]["verdict"])]
     candidates = [r for r in ok if r not in worse]
     fastest = min(candidates, key=lambda r: r["median_step_ms"]["median"])
-    tail = ""
+    acc = fastest["vs_baseline"]["test_accuracy"]
+    if fastest["level"] == base:
+        text = (f"Verdict: {base} (baseline) is the fastest level whose test accuracy and final "
+                "train loss are not worse than the baseline's.")
+    else:
+        text = (f"Verdict: {fastest['level']} is the fastest level whose test accuracy and final "
+                f"train loss are not worse than {base}'s (accuracy {acc['verdict']}: "
+                f"{fmt_signed(acc['mean_diff'], '.2f')} pts over {acc['n']} seeds at "
+                f"{fastest['steps']} steps).")
+    others = [r for r in ok if r["level"] != base]
+    if others:
+        text += f" Step time vs {base}: " + "; ".join(
+            f"{r['level']} {fmt(r['vs_baseline']['step_time'].get('ratio'), '.2f', 'x')} "
+            f"({r['vs_baseline']['step_time']['verdict']})" for r in others) + "."
     if worse:
-        tail += " Worse than the baseline (excluded): " + ", ".join(
+        text += " Worse than the baseline (excluded): " + ", ".join(
             f"{r['level']} (accuracy {r['vs_baseline']['test_accuracy']['verdict']}, loss "
             f"{r['vs_baseline']['final_train_loss']['verdict']})" for r in worse) + "."
     unverified = [r["level"] for r in candidates if r["level"] != base
                   and r["vs_baseline"]["test_accuracy"]["verdict"] == "n/a"]
     if unverified:
-        tail += (f" No accuracy verdict for {', '.join(unverified)} (fewer than 2 seeds: run "
+        text += (f" No accuracy verdict for {', '.join(unverified)} (fewer than 2 seeds: run "
                  "with --seeds 3 or more).")
     not_run = [r["level"] for r in rows if r["status"] in ("unsupported", "failed", "missing")]
     if not_run:
-        tail += f" Not run: {', '.join(not_run)}."
-    if fastest["level"] == base:
-        others = [r["level"] for r in candidates if r["level"] != base]
-        return base, (f"Verdict: {base} (baseline) is the fastest level whose test accuracy and "
-                      "final train loss are not worse than the baseline's"
-                      + (f"; {', '.join(others)} did not beat it." if others else ".") + tail)
-    st = fastest["vs_baseline"]["step_time"]
-    acc = fastest["vs_baseline"]["test_accuracy"]
-    ci = st.get("ratio_ci95")
-    return fastest["level"], (
-        f"Verdict: {fastest['level']} is the fastest level whose test accuracy and final train "
-        f"loss are not worse than {base}'s: step time {st['ratio']:.2f}x {base}'s"
-        + (f" (95% interval {ci[0]:.2f}-{ci[1]:.2f}x, {st['verdict']})" if ci else "")
-        + f"; test accuracy {acc['verdict']} ({fmt_signed(acc['mean_diff'], '.2f')} pts over "
-        f"{acc['n']} seeds at {fastest['steps']} steps)." + tail)
+        text += f" Not run: {', '.join(not_run)}."
+    return fastest["level"], text
 
 
 # ---- formatting -------------------------------------------------------------------------------
@@ -353,9 +401,12 @@ def describe_cpu(cpu):
 
 def markdown_header(summary):
     c = summary["config"]
+    schedule = c.get("lr_schedule", "constant")
+    schedule += " decay to 0 over each run" if schedule == "cosine" else ""
     lines = ["# optamp A/B test: Fashion-MNIST CNN", "",
              f"{c.get('program', 'train_fashion_mnist')} ({c.get('language', '?')}), device "
-             f"{c.get('device', '?')}, batch {c.get('batch_size', '?')}, lr {c.get('lr', '?')}, "
+             f"{c.get('device', '?')}, batch {c.get('batch_size', '?')}, lr {c.get('lr', '?')} "
+             f"({schedule}), "
              f"{c.get('train_images', '?')} training images, {c.get('test_images', '?')} test "
              f"images, {c.get('threads', '?')} threads, torch {c.get('torch', '?')}. Baseline: "
              f"{summary['baseline']}. Budget: steps x seeds per level (slow levels, which have "
@@ -453,8 +504,18 @@ def label(r):
         " (slow)" if r.get("slow") else "")
 
 
+def table_rows(summary):
+    """The levels in order, the baseline's shorter budgets right after the baseline."""
+    out = []
+    for r in summary["levels"]:
+        out.append(r)
+        if r.get("baseline"):
+            out += summary.get("baseline_budgets", [])
+    return out
+
+
 def write_markdown(path, summary, plot=True):
-    rows, base = summary["levels"], summary["baseline"] or "baseline"
+    rows, base = table_rows(summary), summary["baseline"] or "baseline"
     kind = next((r.get("peak_memory_kind") for r in rows if r.get("peak_memory_kind")), "")
     mem_label = {"cpu_peak_rss": "peak RSS", "cuda_peak_allocated": "CUDA peak allocated"}.get(
         kind, "peak memory")
@@ -475,9 +536,9 @@ def write_markdown(path, summary, plot=True):
         "loss curves of the same seed, each smoothed by a trailing moving average of 1/20 of "
         "the run (at least 5 steps), averaged over seeds; the seed-to-seed distance is the same "
         "between the baseline's curves of two different seeds; ratio below 1: the level stays "
-        "closer to the baseline than a change of seed does. A slow level's baseline numbers are "
-        "the baseline's at the same step (its test set evaluated mid-run; training is not "
-        "changed by it). "
+        "closer to the baseline than a change of seed does. A level with fewer steps (a slow "
+        "level) is compared with the baseline's own runs of that many steps, on the same seeds "
+        f"(the {base} (baseline) rows with that budget). "
         + ("Plot: ab.png." if plot else "No plot: matplotlib is not installed."), ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -489,27 +550,30 @@ COLORS = {"O0": "#222222", "O1": "#1f77b4", "O2": "#d62728", "O3": "#ff7f0e", "O
 STYLES = {"O0": "-", "O1": "--", "O2": "-", "O3": "-.", "O4": "--", "O5": ":"}
 
 
-def plot_curves(ax_loss, ax_scale, summary, runs):
-    rows = {r["level"]: r for r in summary["levels"]}
-    for i, (level, seeds) in enumerate(runs.items()):
-        ok = {s: r for s, r in seeds.items() if r["status"] == "ok"}
+def plot_curves(ax_loss, ax_scale, curve_sets):
+    for i, (label, level, ok) in enumerate(curve_sets):
         if not ok:
             continue
         c, ls, lw = COLORS.get(level), STYLES.get(level, "-"), max(1.2, 3.0 - 0.4 * i)
+        if label != level:  # the baseline's shorter budget: thin, dotted
+            ls, lw = ":", 1.5
         n = min(len(r["steps"]) for r in ok.values())
         window = ab_stats.smoothing_window(n)
         curves = [ab_stats.smooth(losses(r, n), window) for r in ok.values()]
         xs = list(range(1, n + 1))
         pts = [[v for v in col if v is not None] for col in zip(*curves)]
         keep = [j for j, p in enumerate(pts) if p]
-        acc = rows[level].get("test_accuracy", {}).get("mean")
+        accs = [r["summary"]["test_accuracy"] for r in ok.values()
+                if r["summary"].get("test_accuracy") is not None]
         ax_loss.plot([xs[j] for j in keep], [statistics.mean(pts[j]) for j in keep], color=c,
-                     linestyle=ls, linewidth=lw,
-                     label=f"{level}" + (f" ({acc:.1f}% at {n})" if acc is not None else ""))
+                     linestyle=ls, linewidth=lw, label=f"{label}" + (
+                         f" ({statistics.mean(accs):.1f}% at {n})" if accs else ""))
         if len(curves) > 1:
             ax_loss.fill_between([xs[j] for j in keep], [min(pts[j]) for j in keep],
                                  [max(pts[j]) for j in keep], color=c, alpha=0.12)
         first = ok[min(ok)]
+        if label != level:
+            continue
         sc = [(s["step"], s["loss_scale"]) for s in first["steps"] if s.get("loss_scale")]
         if sc:
             ax_scale.step(*zip(*sc), where="post", color=c, linestyle=ls, linewidth=lw,
@@ -552,17 +616,14 @@ def plot_interval(ax, comparison, color, ratio=False):
     points = [math.exp(d) for d in comparison["diffs"]] if ratio else comparison["diffs"]
     ax.scatter(points, [0.25] * len(points), color=color, s=12, alpha=0.6, marker="|")
     if ratio:
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(matplotlib_formatter("%gx"))
+        import matplotlib.ticker
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_ylim(-1, 1)
     ax.set_yticks([])
     ax.tick_params(labelsize=7)
     ax.grid(True, which="both", axis="x", alpha=0.3)
-
-
-def matplotlib_formatter(spec):
-    import matplotlib.ticker
-    return matplotlib.ticker.FormatStrFormatter(spec)
 
 
 def plot_level(ax_acc, ax_time, row, base):
@@ -575,17 +636,17 @@ def plot_level(ax_acc, ax_time, row, base):
                 if s.get("baseline_test_accuracy") is not None]
     plot_interval(ax_acc, acc, c)
     ax_acc.set_xlabel(f"test accuracy - {base}'s (pts)", fontsize=8)
-    ax_acc.set_title(f"{row['level']}, {row['steps']} steps x {acc['n']} seeds: "
-                     f"{fmt(row['test_accuracy']['mean'], '.2f', '%')} vs "
+    ax_acc.set_title(f"{row['level']}, {row['steps']} steps x {acc['n']} seeds\n"
+                     f"{fmt(row['test_accuracy']['mean'], '.2f', '%')} vs {base} "
                      f"{fmt(statistics.mean(base_acc) if base_acc else None, '.2f', '%')}: "
                      f"{acc['verdict']}", fontsize=8)
     plot_interval(ax_time, st, c, ratio=True)
     ax_time.set_xlabel(f"step time / {base}'s", fontsize=8)
-    ax_time.set_title(f"median {fmt(row['median_step_ms']['median'], '.1f')} ms: "
+    ax_time.set_title(f"step time\nmedian {fmt(row['median_step_ms']['median'], '.1f')} ms: "
                       f"{st['verdict']}", fontsize=8)
 
 
-def write_plot(path, summary, runs):
+def write_plot(path, summary, curve_sets):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -598,7 +659,7 @@ def write_plot(path, summary, runs):
     grid = fig.add_gridspec(n, 3, width_ratios=[3.0, 1.3, 1.3], wspace=0.15, hspace=0.9)
     ax_loss = fig.add_subplot(grid[:max(1, n * 3 // 5), 0])
     ax_scale = fig.add_subplot(grid[max(1, n * 3 // 5):, 0], sharex=ax_loss)
-    plot_curves(ax_loss, ax_scale, summary, runs)
+    plot_curves(ax_loss, ax_scale, curve_sets)
     c = summary["config"]
     ax_loss.set_title(f"optamp A/B: Fashion-MNIST CNN, {c.get('device', '?')}, batch "
                       f"{c.get('batch_size', '?')}, baseline {base}", fontsize=11)
@@ -614,9 +675,9 @@ def main(argv=None):
     p.add_argument("--levels", default="", help="only these levels (default: the plan's)")
     args = p.parse_args(argv)
     levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()] or None
-    summary, runs = build(args.out, levels)
+    summary, curve_sets = build(args.out, levels)
     try:
-        write_plot(os.path.join(args.out, "ab.png"), summary, runs)
+        write_plot(os.path.join(args.out, "ab.png"), summary, curve_sets)
         plot = True
     except ImportError as e:  # e.g. the GPU machine's bare python3; the numbers are all here
         print(f"ab_report: no plot ({e}); install matplotlib (e.g. apt-get install "

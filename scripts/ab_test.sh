@@ -5,7 +5,7 @@
 # step time, loss-curve divergence; peak memory, loss scale).
 #
 #   bash scripts/ab_test.sh                    # CPU: O0 (baseline), O1, O2, O4, O5, C++ trainer
-#   bash scripts/ab_test.sh --full             # train 5 epochs (to convergence), one seed
+#   bash scripts/ab_test.sh --full             # train 10 epochs (to convergence), one seed
 #   bash scripts/ab_test.sh --device cuda      # on a GPU machine
 #   bash scripts/ab_test.sh --levels O0,O4,O5 --seeds 8 --steps 600 --python
 #
@@ -15,9 +15,10 @@
 #          --steps N (cpu 400, cuda 1000)  --slow-steps N (100)  --slow-seeds N (3)
 #          --slow-levels auto|none|L1,.. (auto: on a CPU the fp16 levels, and the bf16 ones
 #                              when the CPU has no bf16 instructions: they get the slow budget)
-#          --epochs E (every level E epochs, test set after each, cosine learning-rate decay;
-#                      no slow budget; 1 seed unless --seeds)  --full (= --epochs 5)
-#          --batch-size N (64)  --lr X (0.02)  --lr-schedule constant|cosine (cosine with --epochs)
+#          --epochs E (every level E epochs, test set after each; no slow budget; 1 seed
+#                      unless --seeds)  --full (= --epochs 10)
+#          --batch-size N (64)  --lr X (0.02)  --lr-schedule cosine|constant (cosine: decays to 0
+#                      over each run; the baseline runs every shorter budget too)
 #          --subset N (first N training images)  --test-subset N
 #          --data DIR  --python (examples/python/train_fashion_mnist.py instead of the C++ binary)
 #          --out DIR (default results/ab)  --no-build  --bin PATH (a prebuilt trainer)
@@ -25,22 +26,22 @@
 # on a fresh machine this command is all it takes. Before training it prints the CPU's bf16/fp16
 # instructions (what decides whether O4/O5 can be fast) and the budget of every level.
 # Writes OUT/summary.md, OUT/summary.json, OUT/ab.png, OUT/plan.json and per run
-# OUT/<level>-s<seed>.{jsonl,log,err,status}. Exit status: 0 when every run finished or its level
-# reported itself unsupported, 1 otherwise.
+# OUT/<level>-s<seed>.{jsonl,log,err,status} (the baseline's shorter budgets: <level>-s<seed>-n<steps>).
+# Exit status: 0 when every run finished or its level reported itself unsupported, 1 otherwise.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$OPTAMP_ROOT"
 
 device=cpu batch=64 lr="" subset=0 test_subset=0 data="" python=0 out="results/ab" build=1 bin=""
 plan_args=()
-usage() { sed -n '2,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,30p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --levels|--steps|--seeds|--slow-steps|--slow-seeds|--slow-levels|--epochs|--lr-schedule)
       [[ $# -ge 2 ]] || { echo "ab_test.sh: $1 needs a value" >&2; exit 2; }
       plan_args+=("$1" "$2"); shift 2 ;;
     --seed) plan_args+=(--seeds "$2,"); shift 2 ;;
-    --full) plan_args+=(--epochs 5); shift ;;
+    --full) plan_args+=(--epochs 10); shift ;;
     --device) device="$2"; shift 2 ;;
     --batch-size) batch="$2"; shift 2 ;;
     --lr) lr="$2"; shift 2 ;;
@@ -103,7 +104,7 @@ args=(--device "$device" --batch-size "$batch" --subset "$subset" --test-subset 
 # One run: trainer stdout (properties report, summary line) -> NAME.log; stderr -> NAME.err and
 # the terminal, with the trainer's progress line when the terminal is a TTY; NAME.status.
 run_one() {
-  local level="$1" seed="$2" flag="$3" budget="$4" eval_at="$5" schedule="$6" name="$1-s$2"
+  local level="$1" seed="$2" flag="$3" budget="$4" eval_at="$5" schedule="$6" name="$7"
   local t0=$SECONDS rc st msg extra=(--seed "$seed" "$flag" "$budget" --lr-schedule "$schedule")
   [[ "$eval_at" != - ]] && extra+=(--eval-at "$eval_at")
   echo "== $name: ${trainer[*]##*/} --opt-level $level ${extra[*]} ${args[*]}"
@@ -127,13 +128,13 @@ run_one() {
 status=0
 declare -A unsupported=()
 start=$SECONDS
-while IFS=$'\t' read -r level seed flag budget eval_at schedule; do
+while IFS=$'\t' read -r level seed flag budget eval_at schedule name; do
   if [[ -n "${unsupported[$level]+set}" ]]; then  # the same answer on every seed: not rerun
     printf '{"status": "unsupported", "exit_code": 3, "message": "%s", "seconds": 0}\n' \
-      "${unsupported[$level]}" >"$out/$level-s$seed.status"
+      "${unsupported[$level]}" >"$out/$name.status"
     continue
   fi
-  run_one "$level" "$seed" "$flag" "$budget" "$eval_at" "$schedule"
+  run_one "$level" "$seed" "$flag" "$budget" "$eval_at" "$schedule" "$name"
 done <"$out/runs.tsv"
 
 "$PY" "$OPTAMP_ROOT/scripts/ab_report.py" --out "$out" || status=1

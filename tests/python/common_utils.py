@@ -71,6 +71,9 @@ BUILD = os.environ.get("OPTAMP_BUILD_DIR", os.path.join(ROOT, "build"))
 BIN = os.path.join(BUILD, "examples", "cpp", "train_fashion_mnist")
 PY_TRAINER = os.path.join(ROOT, "examples", "python", "train_fashion_mnist.py")
 DATA = "/usr/share/datasets/fashion-mnist"
+needs_data = pytest.mark.skipif(
+    not os.path.isfile(os.path.join(DATA, "train-images-idx3-ubyte.gz")),
+    reason=f"Fashion-MNIST not in {DATA}: sudo apt-get install dataset-fashion-mnist")
 
 
 def trainer_binary():

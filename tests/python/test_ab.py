@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from common_utils import BIN, DATA, PY_TRAINER, ROOT, env, trainer_binary
+from common_utils import BIN, DATA, PY_TRAINER, ROOT, env, needs_data, trainer_binary
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 STATIC_SCALE_LEVELS = {"O0", "O3", "O4", "O5"}  # loss scale 1.0, never skips (docs/opt_levels.md)
@@ -30,9 +30,6 @@ SUMMARY_FIELDS = ["test_accuracy", "test_loss", "peak_memory_mb", "peak_memory_k
                   "final_loss_scale"]
 VERDICTS = {"better", "worse", "indistinguishable", "n/a"}
 
-needs_data = pytest.mark.skipif(
-    not os.path.isfile(os.path.join(DATA, "train-images-idx3-ubyte.gz")),
-    reason=f"Fashion-MNIST not in {DATA}: sudo apt-get install dataset-fashion-mnist")
 REPORT_HEADER = "Selected optimization level"  # Apex's properties report, first line
 OVERFLOW = "Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to "
 
@@ -147,7 +144,7 @@ def check_report(out, proc, levels=LEVELS, seeds=(0,)):
     assert "bootstrap: python " in proc.stdout  # ab_test.sh bootstraps on every run
     # Before training: the CPU's bf16/fp16 instructions and every level's budget.
     assert "bf16: avx512_bf16 " in proc.stdout and ", amx_bf16 " in proc.stdout
-    assert proc.stdout.index("Budget per level:") < proc.stdout.index("== O0-s0:")
+    assert proc.stdout.index("Budget per level") < proc.stdout.index("== O0-s0:")
     with open(out / "summary.json") as f:
         summary = json.load(f)
     assert summary["baseline"] == "O0"
@@ -236,9 +233,10 @@ def test_python_twin_reproduces_the_cpp_losses(py_ab_run, request, level):
 
 @needs_data
 def test_trainer_deterministic(ab_run, tmp_path):
-    """A second O0 run gives bit-identical losses and accuracy."""
+    """A second O0 run gives bit-identical losses and accuracy (ab_test.sh's cosine decay)."""
     path = tmp_path / "again.jsonl"
-    subprocess.run([trainer_binary(), "--opt-level", "O0", *SMALL, "--metrics", str(path)],
+    subprocess.run([trainer_binary(), "--opt-level", "O0", *SMALL, "--lr-schedule", "cosine",
+                    "--metrics", str(path)],
                    check=True, capture_output=True, env=env(), timeout=300)
     runs = [read_metrics(ab_run[0] / "O0-s0.jsonl"), read_metrics(path)]
     losses = [[r["loss"] for r in m["step"]] + [m["summary"][0]["test_accuracy"]] for m in runs]
@@ -264,20 +262,25 @@ def seeds_run(request, tmp_path_factory):
 @needs_data
 def test_seeds_end_to_end(seeds_run):
     """Every level on each of its seeds (same seed: same init and data order); the slow level
-    is compared with the baseline's test pass at its own step count; verdicts on 2 seeds."""
+    is compared with the baseline's runs of its own step count; verdicts on 2 seeds."""
     kind, out, proc = seeds_run
     summary = check_report(out, proc, levels=["O0", "O1", "O4"], seeds=(0, 1))
     assert summary["config"]["language"] == ("c++" if kind == "cpp" else "python")
     plan = json.loads((out / "plan.json").read_text())
-    budget = {r["level"]: (r["steps"], r["seeds"], r["eval_at"]) for r in plan["levels"]}
-    assert budget == {"O0": (8, [0, 1], [4]), "O1": (4, [0, 1], []), "O4": (8, [0, 1], [])}
+    assert plan["lr_schedule"] == "cosine"
+    budget = {r["level"]: (r["steps"], r["seeds"]) for r in plan["levels"]}
+    assert budget == {"O0": (8, [0, 1]), "O1": (4, [0, 1]), "O4": (8, [0, 1])}
+    assert plan["levels"][0]["extra"] == [{"steps": 4, "seeds": [0, 1]}]
     rows = {r["level"]: r for r in summary["levels"]}
+    (short,) = summary["baseline_budgets"]  # the baseline's 4-step runs, for O1
+    assert short["level"] == "O0" and short["steps"] == 4 and short["seeds_ok"] == [0, 1]
     for seed in (0, 1):
         base = read_metrics(out / f"O0-s{seed}.jsonl")
-        (mid,) = base["eval"]  # the baseline's test pass at the slow budget
-        assert mid["step"] == 4
+        base4 = read_metrics(out / f"O0-s{seed}-n4.jsonl")
+        assert base4["config"][0]["steps"] == 4 and base4["config"][0]["lr_schedule"] == "cosine"
         o1 = next(s for s in rows["O1"]["per_seed"] if s["seed"] == seed)
-        assert o1["steps"] == 4 and o1["baseline_test_accuracy"] == mid["test_accuracy"]
+        assert o1["steps"] == 4
+        assert o1["baseline_test_accuracy"] == base4["summary"][0]["test_accuracy"]
         o4 = next(s for s in rows["O4"]["per_seed"] if s["seed"] == seed)
         assert o4["baseline_test_accuracy"] == base["summary"][0]["test_accuracy"]
         for level in ("O1", "O4"):
@@ -291,6 +294,7 @@ def test_seeds_end_to_end(seeds_run):
             assert row["vs_baseline"][k]["n"] == 2
     md = (out / "summary.md").read_text()
     assert "| O1 (slow) | 4 x 2 |" in md and "| O4 | 8 x 2 |" in md
+    assert "| O0 (baseline) | 8 x 2 |" in md and "| O0 (baseline) | 4 x 2 |" in md
 
 
 # ---- the test pass sees each level's own trained weights ---------------------------------------
@@ -339,8 +343,9 @@ def test_evaluation_uses_each_levels_trained_weights(kind, tmp_path):
 @pytest.mark.parametrize("kind", ["cpp", "python"])
 def test_eval_at_leaves_training_unchanged(kind, tmp_path):
     """--eval-at: a mid-run test pass changes nothing in training (O2: working copies and
-    dynamic loss scaling), and equals the final test pass of a run that stops there; this is
-    what lets ab_test.sh compare a slow level with the baseline at the slow level's steps."""
+    dynamic loss scaling), and with a constant learning rate it equals the final test pass of a
+    run that stops there (ab_report.py relies on that when the baseline has no run of a shorter
+    budget; ab_test.sh --epochs uses it for the accuracy after each epoch)."""
     def run(name, *extra):
         path = tmp_path / f"{name}.jsonl"
         subprocess.run([*trainer(kind), "--opt-level", "O2", "--seed", "1", *TINY, *extra,

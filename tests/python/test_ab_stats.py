@@ -163,21 +163,24 @@ def test_cpu_features(tmp_path):
 
 def test_default_cpu_budget_without_bf16(tmp_path, capsys):
     """AVX2 only: fp16 and bf16 levels are slow (fewer steps and seeds); the baseline runs the
-    full budget on every seed and evaluates the test set at the slow budget too."""
+    full budget on every seed and the slow budget on the slow levels' seeds."""
     plan, lv, runs = plan_of(tmp_path, ["avx2"])
     assert plan["baseline"] == "O0" and plan["seeds"] == SEEDS
+    assert plan["lr_schedule"] == "cosine"
     assert lv["O0"]["steps"] == 400 and lv["O0"]["seeds"] == SEEDS
-    assert lv["O0"]["eval_at"] == [100]
+    assert lv["O0"]["extra"] == [{"steps": 100, "seeds": [0, 1, 2]}]
     for level in ("O1", "O2", "O4", "O5"):
         assert lv[level]["slow"] and lv[level]["steps"] == 100 and lv[level]["seeds"] == [0, 1, 2]
-    # Seed by seed: each level's run next to the baseline's of the same seed.
-    assert [(r[0], r[1]) for r in runs[:6]] == [("O0", "0"), ("O1", "0"), ("O2", "0"),
-                                                ("O4", "0"), ("O5", "0"), ("O0", "1")]
-    assert runs[0] == ["O0", "0", "--steps", "400", "100", "constant"]
-    assert runs[1] == ["O1", "0", "--steps", "100", "-", "constant"]
-    assert len(runs) == 5 + 4 * 3
+    # Seed by seed: each level's run next to the baseline's of the same seed and budget.
+    assert [r[-1] for r in runs[:7]] == ["O0-s0", "O0-s0-n100", "O1-s0", "O2-s0", "O4-s0",
+                                         "O5-s0", "O0-s1"]
+    assert runs[0] == ["O0", "0", "--steps", "400", "-", "cosine", "O0-s0"]
+    assert runs[1] == ["O0", "0", "--steps", "100", "-", "cosine", "O0-s0-n100"]
+    assert runs[2] == ["O1", "0", "--steps", "100", "-", "cosine", "O1-s0"]
+    assert len(runs) == 5 + 3 + 4 * 3
     out = capsys.readouterr().out
     assert "bf16: avx512_bf16 no, amx_bf16 no" in out and "O1 (slow: fp16 on a CPU)" in out
+    assert "also 100 steps on seeds 0-2" in out
 
 
 def test_budget_with_avx512_bf16(tmp_path):
@@ -185,7 +188,7 @@ def test_budget_with_avx512_bf16(tmp_path):
                           "--steps", "300", "--slow-steps", "120", "--slow-seeds", "2")
     assert not lv["O4"]["slow"] and lv["O4"]["steps"] == 300 and lv["O4"]["seeds"] == [0, 1, 2]
     assert lv["O1"]["slow"] and lv["O1"]["steps"] == 120 and lv["O1"]["seeds"] == [0, 1]
-    assert lv["O0"]["eval_at"] == [120]
+    assert lv["O0"]["extra"] == [{"steps": 120, "seeds": [0, 1]}]
 
 
 def test_budget_options(tmp_path):
@@ -193,9 +196,9 @@ def test_budget_options(tmp_path):
                           "--slow-levels", "none", "--steps", "50")
     assert lv["O4"]["baseline"] and not lv["O1"]["slow"]  # no O0: the first level
     assert lv["O1"]["steps"] == 50 and lv["O1"]["seeds"] == [7, 3]
-    assert [r[:2] for r in runs] == [["O4", "7"], ["O1", "7"], ["O4", "3"], ["O1", "3"]]
+    assert [r[-1] for r in runs] == ["O4-s7", "O1-s7", "O4-s3", "O1-s3"]
     _, lv, _ = plan_of(tmp_path, ["avx2"], "--steps", "60")  # slow steps capped by --steps
-    assert lv["O1"]["steps"] == 60 and lv["O0"]["eval_at"] == []
+    assert lv["O1"]["steps"] == 60 and lv["O0"]["extra"] == []
 
 
 def test_epochs_mode(tmp_path):
@@ -205,9 +208,9 @@ def test_epochs_mode(tmp_path):
     for r in lv.values():  # no slow budget, the test set after every epoch
         assert not r["slow"] and r["epochs"] == 3 and r["steps"] == 30
         assert r["eval_at"] == [10, 20, 30]
-    assert runs[0] == ["O0", "0", "--epochs", "3", "10,20,30", "cosine"]
+    assert runs[0] == ["O0", "0", "--epochs", "3", "10,20,30", "cosine", "O0-s0"]
     plan, _, runs = plan_of(tmp_path, ["avx2"], "--epochs", "1", "--lr-schedule", "constant")
-    assert plan["lr_schedule"] == "constant" and runs[0][-1] == "constant"
+    assert plan["lr_schedule"] == "constant" and runs[0][-2] == "constant"
 
 
 @pytest.mark.parametrize("text,expected", [("3", [0, 1, 2]), ("4,9", [4, 9]), ("5,", [5])])
@@ -222,13 +225,15 @@ def test_parse_seeds_rejects(text):
 
 
 # ---- ab_report on synthetic runs ---------------------------------------------------------------
-def write_run(out, level, seed, steps, accuracy, loss0, step_ms, evals=None, test_loss=0.5):
+def write_run(out, level, seed, steps, accuracy, loss0, step_ms, evals=None, test_loss=0.5,
+              name=None, schedule="cosine"):
     """A trainer's JSON lines: the loss curve decays from loss0 (with seeded noise), so two
     levels with the same loss0 and seed have the same curve."""
     rng = random.Random(seed)
     losses = [loss0 * math.exp(-k / 40) + 0.3 + rng.gauss(0, 0.05) for k in range(steps)]
     lines = [{"type": "config", "opt_level": level, "seed": seed, "steps": steps,
-              "batch_size": 64, "device": "cpu", "program": "synthetic", "language": "test"}]
+              "batch_size": 64, "device": "cpu", "program": "synthetic", "language": "test",
+              "lr_schedule": schedule}]
     for k, v in enumerate(losses, 1):
         lines.append({"type": "step", "step": k, "loss": v, "loss_scale": 1.0,
                       "skipped": False, "step_ms": step_ms})
@@ -241,9 +246,10 @@ def write_run(out, level, seed, steps, accuracy, loss0, step_ms, evals=None, tes
                   "median_step_ms": step_ms, "peak_memory_mb": 100.0,
                   "peak_memory_kind": "cpu_peak_rss", "skipped_steps": 0,
                   "final_loss_scale": 1.0, "train_time_s": 1.0})
-    with open(out / f"{level}-s{seed}.jsonl", "w") as f:
+    name = name or f"{level}-s{seed}"
+    with open(out / f"{name}.jsonl", "w") as f:
         f.write("\n".join(json.dumps(x) for x in lines) + "\n")
-    (out / f"{level}-s{seed}.status").write_text(json.dumps({"status": "ok", "exit_code": 0}))
+    (out / f"{name}.status").write_text(json.dumps({"status": "ok", "exit_code": 0}))
 
 
 def write_plan(out, levels):
@@ -254,14 +260,14 @@ def write_plan(out, levels):
 
 @pytest.fixture
 def synthetic(tmp_path):
-    """O0 (baseline, 200 steps, 5 seeds, test set also at step 100); O1 (slow: 100 steps, 3
-    seeds) as accurate as the baseline at step 100; O2 identical to O0; O4 2 points worse and
+    """O0 (baseline, 200 steps, 5 seeds, and 100 steps on seeds 0-2); O1 (slow: 100 steps, 3
+    seeds) as accurate as the baseline's 100-step runs; O2 identical to O0; O4 2 points worse and
     twice as slow; O5 1.5 points better, half the step time, the same loss curve + 0.1."""
     rng = random.Random(7)
     acc200 = {s: 85.0 + rng.gauss(0, 0.5) for s in SEEDS}
     acc100 = {s: 80.0 + rng.gauss(0, 0.8) for s in SEEDS}
     for s in SEEDS:
-        write_run(tmp_path, "O0", s, 200, acc200[s], 2.0, 10.0 + 0.2 * s, {100: acc100[s]})
+        write_run(tmp_path, "O0", s, 200, acc200[s], 2.0, 10.0 + 0.2 * s)
         write_run(tmp_path, "O2", s, 200, acc200[s], 2.0, 10.0 + 0.2 * s)
         write_run(tmp_path, "O4", s, 200, acc200[s] - 2.0 + rng.gauss(0, 0.1), 2.0,
                   2 * (10.0 + 0.2 * s))
@@ -269,9 +275,11 @@ def synthetic(tmp_path):
                   0.5 * (10.0 + 0.2 * s))
         if s < 3:
             write_run(tmp_path, "O1", s, 100, acc100[s], 2.0, 50.0)
+            write_run(tmp_path, "O0", s, 100, acc100[s], 2.0, 10.0 + 0.2 * s,
+                      name=f"O0-s{s}-n100")
     write_plan(tmp_path, [
         {"level": "O0", "baseline": True, "slow": False, "steps": 200, "seeds": SEEDS,
-         "eval_at": [100]},
+         "eval_at": [], "extra": [{"steps": 100, "seeds": [0, 1, 2]}]},
         {"level": "O1", "baseline": False, "slow": True, "why_slow": "fp16 on a CPU",
          "steps": 100, "seeds": [0, 1, 2], "eval_at": []},
         *({"level": lv, "baseline": False, "slow": False, "steps": 200, "seeds": SEEDS,
@@ -291,8 +299,8 @@ def test_report_classifies_known_differences(synthetic):
     assert verdict["O2"] == verdict["O0"]  # identical runs
     assert verdict["O4"]["test_accuracy"] == "worse" and verdict["O4"]["step_time"] == "slower"
     assert verdict["O5"]["test_accuracy"] == "better" and verdict["O5"]["step_time"] == "faster"
-    # O1 ran 100 steps: compared with the baseline's mid-run evaluation at step 100, on seeds
-    # 0-2, not with its 200-step result.
+    # O1 ran 100 steps: compared with the baseline's 100-step runs, on seeds 0-2, not with its
+    # 200-step result.
     o1 = rows["O1"]
     assert o1["steps"] == 100 and o1["vs_baseline"]["test_accuracy"]["seeds"] == [0, 1, 2]
     assert [s["baseline_test_accuracy"] for s in o1["per_seed"]] == [acc100[s] for s in (0, 1, 2)]
@@ -316,7 +324,7 @@ def test_report_files(synthetic):
                  "| O1 (slow) | 100 x 3 |", "| O4 | 200 x 5 |", "worse", "better",
                  "O0's seed-to-seed distance"):
         assert text in md, text
-    assert md.count("| O0 | ") == 5  # one per-seed row per baseline seed
+    assert md.count("| O0 | ") == 5 + 3  # per-seed rows: the baseline's 200- and 100-step runs
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rule"] == ab_stats.RULE and summary["baseline"] == "O0"
     o4 = next(r for r in summary["levels"] if r["level"] == "O4")
@@ -338,7 +346,37 @@ def test_report_without_plan_and_failed_runs(tmp_path):
     summary, _ = ab_report.build(str(tmp_path), ["O0", "O2", "O3"])
     rows = {r["level"]: r for r in summary["levels"]}
     assert rows["O0"]["seeds_ok"] == [0, 1] and rows["O0"]["steps"] == 30
-    assert rows["O2"]["status"] == "partly failed" and "seed 1: failed boom" in rows["O2"]["message"]
+    assert rows["O2"]["status"] == "partly failed"
+    assert "seed 1: failed boom" in rows["O2"]["message"]
     assert rows["O2"]["vs_baseline"]["test_accuracy"]["verdict"] == "n/a"  # one paired seed
     assert rows["O3"]["status"] == "unsupported" and "vs_baseline" not in rows["O3"]
     assert "Not run: O3" in summary["verdict"]
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_shorter_budget_without_its_baseline_runs(tmp_path, schedule):
+    """No baseline run of the slow level's budget: with a constant learning rate its test pass
+    at that step of the longer run stands in (a shorter run is the prefix of a longer one);
+    with a cosine schedule nothing does (the longer run's step 50 is not a 50-step run's end)."""
+    for s in (0, 1, 2):
+        write_run(tmp_path, "O0", s, 100, 85.0 + s, 2.0, 10.0, {50: 80.0 + s}, schedule=schedule)
+        write_run(tmp_path, "O1", s, 50, 80.5 + s, 2.0, 40.0, schedule=schedule)
+    summary, _ = ab_report.build(str(tmp_path), ["O0", "O1"])
+    o1 = next(r for r in summary["levels"] if r["level"] == "O1")
+    acc = o1["vs_baseline"]["test_accuracy"]
+    if schedule == "constant":
+        assert acc["n"] == 3 and acc["mean_diff"] == pytest.approx(0.5)
+        assert [s["baseline_test_accuracy"] for s in o1["per_seed"]] == [80.0, 81.0, 82.0]
+    else:
+        assert acc["n"] == 0 and acc["verdict"] == "n/a"
+
+
+def test_report_lists_the_baselines_shorter_budget(synthetic):
+    out, acc100 = synthetic
+    summary, _ = ab_report.build(str(out))
+    (short,) = summary["baseline_budgets"]
+    assert short["level"] == "O0" and short["baseline"] and short["steps"] == 100
+    assert short["test_accuracy"]["mean"] == pytest.approx(sum(acc100[s] for s in (0, 1, 2)) / 3)
+    ab_report.write_markdown(str(out / "summary.md"), summary, plot=False)
+    md = (out / "summary.md").read_text()
+    assert "| O0 (baseline) | 200 x 5 |" in md and "| O0 (baseline) | 100 x 3 |" in md
