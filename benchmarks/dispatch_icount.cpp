@@ -13,7 +13,8 @@
 //   relu        unlisted op on a tensor that is not a parameter
 //   mm          listed op, no parameter
 //   mm_param    mm(x, W), W a parameter of an 8x8 Linear
-//   add_param   add(x, W)
+//   add_param   add(x, W), x fp32 (at O5: promotion back to fp32 next to the bf16 working copy)
+//   add_param_bf16  add(x, W), x bf16 (as in an O5 forward, where activations are bf16)
 //   linear      the Linear module's forward (linear(x, W, b))
 //   cnn_backward, gpt_backward  backward() of a small CNN (the Fashion-MNIST example's layout,
 //               batch 8) / a 2-layer GPT (d 32, seq 16, batch 2); their forwards run outside the
@@ -44,7 +45,7 @@ struct Models : torch::nn::Module {
 };
 
 std::string g_case;
-at::Tensor g_a, g_b, g_images, g_labels, g_tokens;
+at::Tensor g_a, g_a_bf16, g_b, g_images, g_labels, g_tokens;
 Models* g_models = nullptr;
 
 void sink(const at::Tensor& t) { asm volatile("" : : "r"(t.unsafeGetTensorImpl()) : "memory"); }
@@ -68,6 +69,7 @@ void call_op() {
   if (g_case == "mm") return sink(at::mm(g_a, g_b));
   if (g_case == "mm_param") return sink(at::mm(g_a, w));
   if (g_case == "add_param") return sink(at::add(g_a, w));
+  if (g_case == "add_param_bf16") return sink(at::add(g_a_bf16, w));
   if (g_case == "linear") return sink(g_models->linear(g_a));
   std::cerr << "unknown case " << g_case << "\n";
   std::exit(2);
@@ -104,8 +106,10 @@ void initialize(const std::string& mode) {
 
 int main(int argc, char** argv) {
   if (argc != 4) {
-    std::cerr << "usage: dispatch_icount <noamp|native|native_fp16|optamp_o1|optamp_o2|optamp_o4|"
-                 "optamp_o5> <relu|mm|mm_param|add_param|linear|cnn_backward|gpt_backward> <n>\n";
+    std::cerr
+        << "usage: dispatch_icount <noamp|native|native_fp16|optamp_o1|optamp_o2|optamp_o4|"
+           "optamp_o5> "
+           "<relu|mm|mm_param|add_param|add_param_bf16|linear|cnn_backward|gpt_backward> <n>\n";
     return 2;
   }
   at::manual_seed(0);
@@ -114,6 +118,7 @@ int main(int argc, char** argv) {
   const int n = std::atoi(argv[3]);
   g_models = new Models();
   g_a = at::randn({8, 8});
+  g_a_bf16 = g_a.to(at::kBFloat16);
   g_b = at::randn({8, 8});
   g_images = at::randn({8, 1, 28, 28});
   g_labels = at::randint(10, {8});

@@ -15,7 +15,7 @@ if [[ "${1:-}" == "--icount" ]]; then
   shift
   configs=("$@")
   if [[ ${#configs[@]} -eq 0 ]]; then
-    for c in relu mm mm_param add_param linear; do
+    for c in relu mm mm_param add_param add_param_bf16 linear; do
       for m in noamp native optamp_o4 optamp_o5; do configs+=("$m:$c"); done
     done
     for c in mm mm_param; do
