@@ -7,7 +7,8 @@
 //   valgrind --tool=callgrind dispatch_icount <mode> <case> <n>
 //
 // modes: noamp; native (at::autocast CPU bf16); native_fp16 (CPU autocast, float16); optamp_o4,
-//        optamp_o5 (bf16); optamp_o1, optamp_o2 (fp16). Every mode builds the same models; the
+//        optamp_o5 (bf16); optamp_o1, optamp_o2 (fp16); a "_torch" suffix (optamp_o4_torch,
+//        optamp_o1_torch) selects op_lists "torch". Every mode builds the same models; the
 //        optamp modes initialize them through the public API.
 // cases (8x8 tensors):
 //   relu        unlisted op on a tensor that is not a parameter
@@ -96,10 +97,14 @@ void initialize(const std::string& mode) {
     return;
   }
   if (mode == "noamp") return;
-  const std::string level = mode.substr(mode.size() - 2);  // optamp_oN
+  // optamp_oN or optamp_oN_torch
+  const std::string level = mode.substr(std::string("optamp_o").size(), 1);
   amp::Options quiet;
   quiet.verbosity = 0;
-  amp::initialize(*g_models, "O" + level.substr(1), quiet);
+  if (mode.size() > 6 && mode.substr(mode.size() - 6) == "_torch") {
+    quiet.op_lists = amp::OpLists::kTorch;
+  }
+  amp::initialize(*g_models, "O" + level, quiet);
 }
 
 }  // namespace
@@ -108,7 +113,7 @@ int main(int argc, char** argv) {
   if (argc != 4) {
     std::cerr
         << "usage: dispatch_icount <noamp|native|native_fp16|optamp_o1|optamp_o2|optamp_o4|"
-           "optamp_o5> "
+           "optamp_o5|optamp_o4_torch|optamp_o1_torch> "
            "<relu|mm|mm_param|add_param|add_param_bf16|linear|cnn_backward|gpt_backward> <n>\n";
     return 2;
   }
