@@ -239,7 +239,7 @@ def main():
         return statistics.median(v) if v else float("nan")
 
     def ratio(c, ref):
-        if ref not in results:
+        if c not in results or ref not in results:  # a target's configuration was not run
             return float("nan")
         v = [b["median_ms"] / a["median_ms"] for a, b in zip(results[c], results[ref])
              if "median_ms" in a and "median_ms" in b]
@@ -262,6 +262,9 @@ def main():
     check("O2 throughput / native", ratio("O2", "native"), 1.05 if args.model == "gpt2" else 1.0)
     check("O1 throughput / native", ratio("O1", "native"), 0.98)
     check("O2 throughput / O3", ratio("O2", "O3"), 0.95)
+    # op_lists "torch": native autocast's casts, so its step time should be native's (<= 1.02x).
+    check("O1_torch throughput / native", ratio("O1_torch", "native"), 1 / 1.02)
+    check("O4_torch throughput / native_bf16", ratio("O4_torch", "native_bf16"), 1 / 1.02)
     if dev.type == "cuda":
         check("O2 peak memory / native", med("O2", "peak_mb") / med("native", "peak_mb"), 1.0, ge=False)
         for c in configs:

@@ -390,7 +390,8 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
   // Per round ratios (throughput = inverse time) against native and O3, then medians.
   auto ratio_to = [&](const std::string& c, const std::string& ref) {
     std::vector<double> v;
-    if (!results.count(ref)) return std::nan("");
+    // Either configuration may not have run (a target names configurations --configs left out).
+    if (!results.count(c) || !results.count(ref)) return std::nan("");
     for (int i = 0; i < a.rounds; ++i) {
       const double x = results[c][i].median_ms, y = results[ref][i].median_ms;
       if (std::isfinite(x) && std::isfinite(y)) v.push_back(y / x);
@@ -425,6 +426,9 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
   check("O2 throughput / native", ratio_to("O2", "native"), transformer ? 1.05 : 1.0);
   check("O1 throughput / native", ratio_to("O1", "native"), 0.98);
   check("O2 throughput / O3", ratio_to("O2", "O3"), 0.95);
+  // op_lists "torch": native autocast's casts, so its step time should be native's (<= 1.02x).
+  check("O1_torch throughput / native", ratio_to("O1_torch", "native"), 1.0 / 1.02);
+  check("O4_torch throughput / native_bf16", ratio_to("O4_torch", "native_bf16"), 1.0 / 1.02);
   if (device.is_cuda()) {
     check("O2 peak memory / native",
           med("O2", &RunResult::peak_mb) / med("native", &RunResult::peak_mb), 1.0, false);

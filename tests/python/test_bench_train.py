@@ -1,0 +1,26 @@
+"""benchmarks/bench_train.py end to end on a tiny model: a subset of configurations runs, and the
+summary prints the targets whose configurations ran (and only those)."""
+import json
+import os
+import subprocess
+import sys
+
+from common_utils import ROOT, env
+
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_train.py")
+
+
+def test_subset_of_configs_prints_its_targets_only(tmp_path):
+    out = tmp_path / "runs.json"
+    proc = subprocess.run([sys.executable, SCRIPT, "--model", "gpt2", "--device", "cpu", "--small",
+                           "--configs", "native_bf16,O4_torch", "--rounds", "2", "--warmup", "0",
+                           "--steps", "1", "--json", str(out)],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "target O4_torch throughput / native_bf16" in proc.stdout
+    # O2, O1 and native did not run: no line about them, and no crash looking for them.
+    assert "target O2" not in proc.stdout and "target O1" not in proc.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["round"], r["config"]) for r in rows) == [
+        (1, "O4_torch"), (1, "native_bf16"), (2, "O4_torch"), (2, "native_bf16")]
+    assert all(r["median_ms"] > 0 for r in rows)
