@@ -16,10 +16,16 @@
 //   mm_param    mm(x, W), W a parameter of an 8x8 Linear
 //   add_param   add(x, W), x fp32 (at O5: promotion back to fp32 next to the bf16 working copy)
 //   add_param_bf16  add(x, W), x bf16 (as in an O5 forward, where activations are bf16)
+//   add_mixed   add(x, y), x fp32, y a bf16 leaf that requires grad (not a parameter): torch's
+//               own cost of the promotion add_param meets at O5, the baseline it compares with
 //   linear      the Linear module's forward (linear(x, W, b))
 //   cnn_backward, gpt_backward  backward() of a small CNN (the Fashion-MNIST example's layout,
 //               batch 8) / a 2-layer GPT (d 32, seq 16, batch 2); their forwards run outside the
-//               measured function.
+//               measured function. As in training, each iteration starts from fresh casts: the
+//               cast caches (optamp's and native autocast's) are cleared after each backward, as
+//               scale_loss's unscale and the outermost autocast exit do once the weights change.
+//   cnn_backward_accum, gpt_backward_accum  the same with the caches kept across iterations, as
+//               between the micro-batches of gradient accumulation (weights unchanged).
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/nn.h>
@@ -46,13 +52,13 @@ struct Models : torch::nn::Module {
 };
 
 std::string g_case;
-at::Tensor g_a, g_a_bf16, g_b, g_images, g_labels, g_tokens;
+at::Tensor g_a, g_a_bf16, g_b, g_b_bf16, g_images, g_labels, g_tokens;
 Models* g_models = nullptr;
 
 void sink(const at::Tensor& t) { asm volatile("" : : "r"(t.unsafeGetTensorImpl()) : "memory"); }
 
 at::Tensor loss_of_forward() {
-  if (g_case == "cnn_backward") {
+  if (g_case.rfind("cnn_backward", 0) == 0) {
     return torch::cross_entropy_loss(g_models->cnn(g_images), g_labels);
   }
   const auto logits = g_models->gpt(g_tokens);
@@ -71,6 +77,7 @@ void call_op() {
   if (g_case == "mm_param") return sink(at::mm(g_a, w));
   if (g_case == "add_param") return sink(at::add(g_a, w));
   if (g_case == "add_param_bf16") return sink(at::add(g_a_bf16, w));
+  if (g_case == "add_mixed") return sink(at::add(g_a, g_b_bf16));
   if (g_case == "linear") return sink(g_models->linear(g_a));
   std::cerr << "unknown case " << g_case << "\n";
   std::exit(2);
@@ -78,7 +85,8 @@ void call_op() {
 
 template <int Tag>
 __attribute__((noipa)) void run(int count) {
-  const bool is_backward = g_case.size() > 9 && g_case.substr(g_case.size() - 9) == "_backward";
+  const bool is_backward = g_case.find("_backward") != std::string::npos;
+  const bool accumulate = g_case.find("_accum") != std::string::npos;
   for (int i = 0; i < count; ++i) {
     if (!is_backward) {
       call_op();
@@ -87,6 +95,10 @@ __attribute__((noipa)) void run(int count) {
     const at::Tensor loss = loss_of_forward();
     backward<Tag>(loss);
     for (auto& p : g_models->parameters()) p.mutable_grad().reset();
+    if (!accumulate) {
+      amp::clear_cache();
+      at::autocast::clear_cache();
+    }
   }
 }
 
@@ -114,7 +126,8 @@ int main(int argc, char** argv) {
     std::cerr
         << "usage: dispatch_icount <noamp|native|native_fp16|optamp_o1|optamp_o2|optamp_o4|"
            "optamp_o5|optamp_o4_torch|optamp_o1_torch> "
-           "<relu|mm|mm_param|add_param|add_param_bf16|linear|cnn_backward|gpt_backward> <n>\n";
+           "<relu|mm|mm_param|add_param|add_param_bf16|add_mixed|linear|cnn_backward|gpt_backward|"
+           "cnn_backward_accum|gpt_backward_accum> <n>\n";
     return 2;
   }
   at::manual_seed(0);
@@ -125,6 +138,7 @@ int main(int argc, char** argv) {
   g_a = at::randn({8, 8});
   g_a_bf16 = g_a.to(at::kBFloat16);
   g_b = at::randn({8, 8});
+  g_b_bf16 = g_b.to(at::kBFloat16).requires_grad_();  // as a working copy: autograd records
   g_images = at::randn({8, 1, 28, 28});
   g_labels = at::randint(10, {8});
   g_tokens = at::randint(64, {2, 16});

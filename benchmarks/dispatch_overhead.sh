@@ -15,13 +15,13 @@ if [[ "${1:-}" == "--icount" ]]; then
   shift
   configs=("$@")
   if [[ ${#configs[@]} -eq 0 ]]; then
-    for c in relu mm mm_param add_param add_param_bf16 linear; do
+    for c in relu mm mm_param add_param add_param_bf16 add_mixed linear; do
       for m in noamp native optamp_o4 optamp_o5; do configs+=("$m:$c"); done
     done
     for c in mm mm_param; do
       for m in native_fp16 optamp_o1 optamp_o2; do configs+=("$m:$c"); done
     done
-    for c in cnn_backward gpt_backward; do
+    for c in cnn_backward gpt_backward cnn_backward_accum gpt_backward_accum; do
       for m in noamp optamp_o4 optamp_o5; do configs+=("$m:$c"); done
     done
   fi
@@ -30,7 +30,7 @@ if [[ "${1:-}" == "--icount" ]]; then
   }
   for cfg in "${configs[@]}"; do
     mode="${cfg%%:*}" case="${cfg##*:}" n=200
-    [[ "$case" == *_backward ]] && n=10
+    [[ "$case" == *_backward* ]] && n=10
     f="$(mktemp)"
     valgrind --tool=callgrind --callgrind-out-file="$f" "$BUILD/benchmarks/dispatch_icount" \
       "$mode" "$case" "$n" >/dev/null 2>&1
@@ -39,7 +39,7 @@ if [[ "${1:-}" == "--icount" ]]; then
     per_call=$(( ($(ir_of "$f" "::run<2>(int)") -
                   $(ir_of "$f" "::run<1>(int)")) / n ))
     line="instructions/call $mode $case: $per_call"
-    if [[ "$case" == *_backward ]]; then
+    if [[ "$case" == *_backward* ]]; then
       bwd=$(( ($(ir_of "$f" "::backward<2>(") - $(ir_of "$f" "::backward<1>(")) / n ))
       line+=" (backward alone: $bwd)"
     fi
