@@ -18,12 +18,15 @@ On CUDA it also counts, per loss-scaling step over the same gradients, the kerne
 
 On the CPU, --isa caps the instruction set optamp's kernels use (OPTAMP_CPU_ISA: scalar, avx2,
 avx512; default: the widest the CPU runs), and the first line says which path ran, next to the
-CPU's vector extensions and torch's own CPU capability.
+CPU's vector extensions, torch's CPU capability and the instruction set of torch's unscale loop
+(AVX2 on AVX-512 CPUs too: torch 2.11 has no AVX-512 variant of that kernel).
+benchmarks/unscale_model.py models both loops on CPUs not at hand.
 
     PYTHONPATH=python python benchmarks/bench_unscale.py [--device cpu|cuda] [--reps 30]
                                                          [--isa scalar|avx2|avx512] [--threads N]
 """
 import argparse
+import ctypes
 import os
 import platform
 import statistics
@@ -126,17 +129,41 @@ def launches_and_syncs(shapes, dtype, dev):
         _C.reset_loss_scalers()
 
 
+# torch's DispatchStub slot for the AVX-512 variant of its CPU unscale kernel.
+_TORCH_UNSCALE_AVX512_SLOT = (
+    "_ZN2at6native12DispatchStubIPFvN3c108ArrayRefINS_6TensorEEERS4_RKS4_ENS0_72_amp_foreach_"
+    "non_finite_check_and_unscale_cpu_stub_DECLARE_DISPATCH_typeEE6AVX512E")
+
+
+def torch_unscale_kernel():
+    """The instruction set of the loop torch's CPU unscale runs: torch's CPU capability, except
+    where the kernel has no AVX-512 variant (torch 2.11 registers none: REGISTER_DISPATCH leaves
+    the slot empty) and DispatchStub falls back to AVX2."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if not cap.startswith("AVX512"):
+        return cap
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        slot = ctypes.c_void_p.in_dll(lib, _TORCH_UNSCALE_AVX512_SLOT).value
+    except (OSError, ValueError):
+        return cap + " (unverified)"
+    return cap if slot else "AVX2"
+
+
 def cpu_line():
     """The CPU, its vector extensions and the path optamp's CPU kernels take (ops/cpu/cpu_isa.cpp
     picks it the same way: AVX-512F, else AVX2+FMA+F16C, else scalar, capped by OPTAMP_CPU_ISA)."""
-    flags, model = set(), platform.processor()
+    flags, model, family = set(), platform.processor(), {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
+                key, _, value = (part.strip() for part in line.partition(":"))
+                if key == "model name" and not model:
+                    model = value
+                if key in ("cpu family", "model"):  # tell CPU generations of one brand apart
+                    family.setdefault(key, value)
+                if key == "flags":
+                    flags = set(value.split())
                     break
     except OSError:
         pass
@@ -147,8 +174,10 @@ def cpu_line():
     path = order[min(order.index(cap), order.index(best))]
     shown = [f for f in ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
                          "amx_bf16", "amx_tile") if f in flags]
-    return (f"cpu={model or 'unknown'} ({' '.join(shown) or 'no AVX2/AVX-512'}) "
-            f"torch capability={torch.backends.cpu.get_cpu_capability()} optamp path={path}")
+    generation = " ".join(f"{k} {v}" for k, v in family.items())
+    return (f"cpu={model or 'unknown'} [{generation}] ({' '.join(shown) or 'no AVX2/AVX-512'}) "
+            f"torch capability={torch.backends.cpu.get_cpu_capability()} "
+            f"torch unscale kernel={torch_unscale_kernel()} optamp path={path}")
 
 
 def main():

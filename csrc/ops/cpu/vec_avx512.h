@@ -64,3 +64,9 @@ struct Vec {
     return _mm256_movemask_epi8(hit) != 0;
   }
 };
+
+// The lanes vector_loops.h runs T in: 16 for every dtype.
+template <typename T>
+struct LanesFor {
+  using type = Vec;
+};
