@@ -58,12 +58,14 @@ struct Vec {
   }
 };
 
+#include "ops/cpu/vec_u16x16.h"
+
 // bf16 16 at a time, in two fp32 registers: narrowing back to 16 bits takes a pack and a
 // cross-lane permute (AVX2 has no 32->16 bit truncation), and one of each now serves 16 values
 // rather than 8. With two per 8 values on the one shuffle port this was the one AVX2 loop slower
 // than torch's (docs/benchmarks.md: 1.03-1.06x its time before, 1.00x after). fp32 and fp16 have
 // no such step and stay at 8 lanes.
-struct Bf16x16 {
+struct Bf16x16 : U16x16 {
   static constexpr int64_t kLanes = 16;
   struct F {
     __m256 lo, hi;
@@ -89,14 +91,6 @@ struct Bf16x16 {
     const __m256i h = _mm256_permute4x64_epi64(packed, 0xd8);  // lanes back in order
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
     return h;
-  }
-
-  OPTAMP_VEC_TARGET static __m256i max_exponent(__m256i seen, __m256i b, uint16_t e) {
-    return _mm256_max_epu16(seen, _mm256_and_si256(b, _mm256_set1_epi16(static_cast<short>(e))));
-  }
-  OPTAMP_VEC_TARGET static bool any_all_ones(__m256i seen, uint16_t e) {
-    const __m256i hit = _mm256_cmpeq_epi16(seen, _mm256_set1_epi16(static_cast<short>(e)));
-    return _mm256_movemask_epi8(hit) != 0;
   }
 };
 

@@ -5,9 +5,14 @@
 // bf16 is rounded with integer operations, not AVX512-BF16's vcvtneps2bf16: that instruction
 // flushes subnormal inputs and results to zero, where c10::BFloat16(float) (and the CUDA kernels)
 // keep them, so it would break bit-for-bit agreement.
-struct Vec {
+#include "ops/cpu/vec_u16x16.h"
+
+struct Vec : U16x16 {
   static constexpr int64_t kLanes = 16;
   using F = __m512;
+  // The 16-bit dtypes' non-finite test (U16x16), next to fp32's 512-bit one below.
+  using U16x16::any_all_ones;
+  using U16x16::max_exponent;
 
   OPTAMP_VEC_TARGET static F set1(float v) { return _mm512_set1_ps(v); }
   OPTAMP_VEC_TARGET static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -53,15 +58,8 @@ struct Vec {
   OPTAMP_VEC_TARGET static __m512i max_exponent(__m512i seen, __m512i b, uint32_t e) {
     return _mm512_max_epu32(seen, _mm512_and_si512(b, _mm512_set1_epi32(static_cast<int>(e))));
   }
-  OPTAMP_VEC_TARGET static __m256i max_exponent(__m256i seen, __m256i b, uint16_t e) {
-    return _mm256_max_epu16(seen, _mm256_and_si256(b, _mm256_set1_epi16(static_cast<short>(e))));
-  }
   OPTAMP_VEC_TARGET static bool any_all_ones(__m512i seen, uint32_t e) {
     return _mm512_cmpeq_epi32_mask(seen, _mm512_set1_epi32(static_cast<int>(e))) != 0;
-  }
-  OPTAMP_VEC_TARGET static bool any_all_ones(__m256i seen, uint16_t e) {
-    const __m256i hit = _mm256_cmpeq_epi16(seen, _mm256_set1_epi16(static_cast<short>(e)));
-    return _mm256_movemask_epi8(hit) != 0;
   }
 };
 
