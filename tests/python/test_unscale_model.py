@@ -1,6 +1,7 @@
 """benchmarks/unscale_model.py finds the loops it models: torch's AVX2 unscale loop and optamp's
 AVX2 and AVX-512 ones, each with the number of values one iteration handles, and llvm-mca runs
-on each of them (a smoke test of the tool; its cycle counts are a benchmark's, not asserted)."""
+on each of them (a smoke test of the tool; its cycle counts are a benchmark's, not asserted),
+and the loop torch itself runs on AVX-512 CPUs."""
 import os
 import re
 import shutil
@@ -34,3 +35,21 @@ def test_finds_and_models_every_loop():
                       proc.stdout, re.M)
     assert [r[0] for r in rows] == ["float32", "float16", "bfloat16"], proc.stdout
     assert all(float(c) > 0 for r in rows for c in r[1:]), proc.stdout
+
+
+def test_torch_runs_its_avx2_unscale_loop_on_avx512_cpus(monkeypatch):
+    """What benchmarks/bench_unscale.py prints as torch's unscale kernel, and what
+    docs/benchmarks.md compares the AVX-512 path against: torch 2.11 registers no AVX-512 variant
+    of _amp_foreach_non_finite_check_and_unscale_, so DispatchStub runs the AVX2 one there. Fails
+    if a torch upgrade adds one (then the docs' comparison changes)."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_unscale
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert bench_unscale.torch_unscale_kernel() == "AVX2"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert bench_unscale.torch_unscale_kernel() == "AVX2"
