@@ -9,7 +9,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$OPTAMP_ROOT"
 
 DEBIAN_PACKAGES=(cmake ninja-build ccache zlib1g-dev googletest libgtest-dev libbenchmark-dev
-                 dataset-fashion-mnist)
+                 libsimde-dev dataset-fashion-mnist)
 
 install_debian_packages() {
   [[ -n "${OPTAMP_SKIP_APT:-}" ]] && return 0  # e.g. the GPU machine: no network, no apt

@@ -4,6 +4,8 @@
 // misaligned starts, a tensor split between threads, non-contiguous and mixed-dtype lists, and
 // the non-finite flag with one bad value at every position. A path the CPU lacks is skipped (and
 // shows as skipped); test_unscale_math.cpp also holds each path to ops/unscale_math.h directly.
+// The AVX-512 loops also run on every CPU under SIMDe's emulation of the intrinsics
+// (avx512_emulated.cpp), called directly rather than through the ops, with the same inputs.
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -11,10 +13,13 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "avx512_emulated.h"
 #include "ops/cpu/cpu_isa.h"
 #include "ops/multi_tensor.h"
+#include "ops/unscale_math.h"
 #include "test_util.h"
 
 namespace amp {
@@ -95,25 +100,27 @@ std::vector<at::Tensor> copies(const std::vector<at::Tensor>& ts) {
   return out;
 }
 
-// Runs `op` on its own copy of the inputs with the scalar path and with `isa`; the outputs and
-// the flags must agree.
+// Runs `tested` and `reference` each on its own copy of the inputs; the outputs and the flags
+// must agree.
 using ListOp = std::function<void(std::vector<at::Tensor>&, at::Tensor& found)>;
-void expect_paths_agree(Isa isa, const std::vector<at::Tensor>& inputs, const ListOp& op,
-                        const std::string& what) {
-  auto by_scalar = copies(inputs), by_isa = copies(inputs);
-  auto found_scalar = at::zeros({1}), found_isa = at::zeros({1});
-  {
-    UsePath path(Isa::kScalar);
-    op(by_scalar, found_scalar);
-  }
-  {
-    UsePath path(isa);
-    op(by_isa, found_isa);
-  }
-  EXPECT_EQ(found_isa.item<float>(), found_scalar.item<float>()) << what;
+void expect_ops_agree(const std::vector<at::Tensor>& inputs, const ListOp& reference,
+                      const ListOp& tested, const std::string& what) {
+  auto by_reference = copies(inputs), by_tested = copies(inputs);
+  auto found_reference = at::zeros({1}), found_tested = at::zeros({1});
+  reference(by_reference, found_reference);
+  tested(by_tested, found_tested);
+  EXPECT_EQ(found_tested.item<float>(), found_reference.item<float>()) << what;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    EXPECT_TRUE(same_bits(by_isa[i], by_scalar[i])) << what << ", tensor " << i;
+    EXPECT_TRUE(same_bits(by_tested[i], by_reference[i])) << what << ", tensor " << i;
   }
+}
+
+// `op` run with the kernels of `isa`.
+ListOp on_path(Isa isa, ListOp op) {
+  return [isa, op](std::vector<at::Tensor>& ts, at::Tensor& found) {
+    UsePath path(isa);
+    op(ts, found);
+  };
 }
 
 // Every 16-bit pattern (fp16/bf16), or fp32 values over the whole exponent range with subnormals,
@@ -170,48 +177,111 @@ ListOp axpby_by(float a, float b) {
   };
 }
 
+// A set of kernels as the checks below use them: an unscale (a check only for a scale of 1.0) and
+// an axpby over lists.
+struct KernelSet {
+  std::function<ListOp(float inv_scale)> unscale;
+  std::function<ListOp(float a, float b)> axpby;
+};
+
+// The ops, with the kernels of `isa`.
+KernelSet through_ops(Isa isa) {
+  return {[isa](float s) { return on_path(isa, unscale_by(s)); },
+          [isa](float a, float b) { return on_path(isa, axpby_by(a, b)); }};
+}
+
+// The emulated AVX-512 loops (avx512_emulated.h), called on each (contiguous) tensor as the ops'
+// CPU kernels call the loops of the path they run.
+template <typename T>
+T* data(at::Tensor& t, const ops::detail::cpu::Kernels<T>& /*deduces T*/) {
+  return static_cast<T*>(t.data_ptr());
+}
+
+template <typename Body>
+bool with_emulated_kernels(at::ScalarType dtype, Body body) {
+  if (dtype == at::kFloat) return body(test::emulated_avx512_kernels<float>());
+  if (dtype == at::kHalf) return body(test::emulated_avx512_kernels<c10::Half>());
+  return body(test::emulated_avx512_kernels<c10::BFloat16>());
+}
+
+KernelSet emulated_avx512() {
+  auto unscale = [](float s) -> ListOp {
+    return [s](std::vector<at::Tensor>& ts, at::Tensor& found) {
+      bool bad = false;
+      for (auto& t : ts) {
+        bad |= with_emulated_kernels(t.scalar_type(), [&](auto k) {
+          auto* p = data(t, k);
+          return ops::detail::unscale_is_check(s) ? k.check(p, t.numel())
+                                                  : k.unscale(p, t.numel(), s);
+        });
+      }
+      if (bad) found.fill_(1.0);
+    };
+  };
+  auto axpby = [](float a, float b) -> ListOp {  // the tensors as axpby_by splits them
+    return [a, b](std::vector<at::Tensor>& ts, at::Tensor& found) {
+      const size_t third = ts.size() / 3;
+      bool bad = false;
+      for (auto [x_is_out, va, vb] : {std::tuple{false, a, b}, {true, b, a}}) {
+        for (size_t i = 0; i < third; ++i) {
+          at::Tensor &x = ts[third + i], &y = ts[2 * third + i];
+          at::Tensor& out = x_is_out ? x : ts[i];
+          bad |= with_emulated_kernels(out.scalar_type(), [&](auto k) {
+            return k.axpby(data(out, k), data(x, k), data(y, k), out.numel(), va, vb);
+          });
+        }
+      }
+      if (bad) found.fill_(1.0);
+    };
+  };
+  return {unscale, axpby};
+}
+
 const float kScales[] = {0.5f, 2.0f, 1.0f / 3.0f, 1048576.0f, 65530.0f / 65504.0f, 3e-39f, 1.0f};
 
-void expect_wild_values_agree(Isa isa, at::ScalarType dtype) {
+void expect_wild_values_agree(const KernelSet& tested, at::ScalarType dtype) {
+  const KernelSet reference = through_ops(Isa::kScalar);
   const auto list = pieces(wild_values(dtype));
   for (float s : kScales) {
-    expect_paths_agree(isa, list, unscale_by(s), c10::str("unscale s=", s));
+    expect_ops_agree(list, reference.unscale(s), tested.unscale(s), c10::str("unscale s=", s));
   }
   std::vector<at::Tensor> triple;
   for (int k = 0; k < 3; ++k) {
     for (const auto& t : k == 0 ? list : pieces(wild_values(dtype))) triple.push_back(t);
   }
   for (auto [a, b] : {std::pair{0.5f, 2.0f}, {1.0f / 3.0f, 1.0f}, {0.0f, 1.0f}, {1.0f, -0.1f}}) {
-    expect_paths_agree(isa, triple, axpby_by(a, b), c10::str("axpby a=", a, " b=", b));
+    expect_ops_agree(triple, reference.axpby(a, b), tested.axpby(a, b),
+                     c10::str("axpby a=", a, " b=", b));
   }
 }
 
 // Finite values leave the flag clear; one bad value at any position of lengths around the vector
 // widths sets it: inf or NaN (also for the read-only check of a scale of 1.0), or a finite value
 // out of range once unscaled.
-bool flags(const at::Tensor& t, float inv_scale) {
+bool flags(const KernelSet& kernels, const at::Tensor& t, float inv_scale) {
   auto found = at::zeros({1});
-  ops::unscale_check_({t.clone()}, found, at::full({1}, inv_scale));
+  std::vector<at::Tensor> list{t.clone()};
+  kernels.unscale(inv_scale)(list, found);
   return found.item<float>() != 0.0f;
 }
 
-void expect_flag_at_every_position(Isa isa, at::ScalarType dtype) {
-  UsePath path(isa);
+void expect_flag_at_every_position(const KernelSet& kernels, at::ScalarType dtype) {
   for (int64_t n : {7, 16, 17, 33, 47}) {
     const auto clean = (at::randn({n}) * 100).to(dtype);
-    EXPECT_FALSE(flags(clean, 0.5f)) << n;
-    EXPECT_FALSE(flags(clean, 1.0f)) << n;
+    EXPECT_FALSE(flags(kernels, clean, 0.5f)) << n;
+    EXPECT_FALSE(flags(kernels, clean, 1.0f)) << n;
     for (int64_t i = 0; i < n; ++i) {
       for (float bad : {kInf, -kInf, kNaN}) {
         auto t = clean.clone();
         t[i] = bad;
-        EXPECT_TRUE(flags(t, 0.5f)) << "n=" << n << " " << bad << " at " << i;
-        EXPECT_TRUE(flags(t, 1.0f)) << "n=" << n << " " << bad << " at " << i << " (check only)";
+        EXPECT_TRUE(flags(kernels, t, 0.5f)) << "n=" << n << " " << bad << " at " << i;
+        EXPECT_TRUE(flags(kernels, t, 1.0f))
+            << "n=" << n << " " << bad << " at " << i << " (check only)";
       }
       auto t = clean.clone();
       t[i] = 6e4f;  // finite in every dtype, not once multiplied by 1e34
-      EXPECT_FALSE(flags(t, 1.0f)) << "n=" << n << " at " << i;
-      EXPECT_TRUE(flags(t, 1e34f)) << "n=" << n << " at " << i;
+      EXPECT_FALSE(flags(kernels, t, 1.0f)) << "n=" << n << " at " << i;
+      EXPECT_TRUE(flags(kernels, t, 1e34f)) << "n=" << n << " at " << i;
     }
   }
 }
@@ -226,7 +296,10 @@ void expect_split_and_strided_lists_agree(Isa isa) {
     list.push_back((at::randn({3, 41}) * 10).to(dtype).slice(1, 0, 41, 2));
   }
   list[0][(1 << 16) + 3] = kNaN;  // in the second thread's share
-  for (float s : {0.25f, 1.0f}) expect_paths_agree(isa, list, unscale_by(s), "mixed list");
+  for (float s : {0.25f, 1.0f}) {
+    expect_ops_agree(list, on_path(Isa::kScalar, unscale_by(s)), on_path(isa, unscale_by(s)),
+                     "mixed list");
+  }
 }
 
 void expect_path_matches_scalar(Isa isa) {
@@ -237,8 +310,8 @@ void expect_path_matches_scalar(Isa isa) {
   at::manual_seed(19);
   for (auto dtype : kDtypes) {
     SCOPED_TRACE(::testing::Message() << isa_name(isa) << " " << dtype);
-    expect_wild_values_agree(isa, dtype);
-    expect_flag_at_every_position(isa, dtype);
+    expect_wild_values_agree(through_ops(isa), dtype);
+    expect_flag_at_every_position(through_ops(isa), dtype);
   }
   expect_split_and_strided_lists_agree(isa);
 }
@@ -246,6 +319,22 @@ void expect_path_matches_scalar(Isa isa) {
 TEST(CpuIsa, Avx2PathMatchesTheScalarPathBitForBit) { expect_path_matches_scalar(Isa::kAvx2); }
 
 TEST(CpuIsa, Avx512PathMatchesTheScalarPathBitForBit) { expect_path_matches_scalar(Isa::kAvx512); }
+
+// The same loops on every CPU, their intrinsics emulated: what keeps the AVX-512 code checked on
+// machines without AVX-512 (most of this project's). Splitting lists and dense copies are the ops'
+// and are checked above on the paths the CPU runs.
+TEST(CpuIsa, EmulatedAvx512LoopsMatchTheScalarPathBitForBit) {
+  if (!test::emulated_avx512_available()) {
+    GTEST_SKIP() << "built without SIMDe (Debian: libsimde-dev, which scripts/bootstrap.sh "
+                    "installs): the AVX-512 loops cannot be emulated";
+  }
+  at::manual_seed(19);
+  for (auto dtype : kDtypes) {
+    SCOPED_TRACE(::testing::Message() << "emulated avx512 " << dtype);
+    expect_wild_values_agree(emulated_avx512(), dtype);
+    expect_flag_at_every_position(emulated_avx512(), dtype);
+  }
+}
 
 }  // namespace
 }  // namespace amp
