@@ -2,6 +2,8 @@
 ``amp.initialize`` accepted, Apex-format ``amp.state_dict()`` checkpoints, and Apex-style
 training end to end (several models, optimizers and losses, ``add_param_group``, a checkpoint
 saved in one process and loaded in another) at O0-O3."""
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -410,6 +412,50 @@ def test_aot_runs_a_compiled_graph_with_casting_off_as_under_native_autocast(lev
     assert optamp.cast_count() > eager_before
     with optamp.disable_casts():
         assert compiled(x).dtype == torch.float32
+
+
+def test_flag_carries_exactly_what_dynamos_constant_decorator_adds():
+    # optamp marks its flag itself so that `import optamp` does not import torch._dynamo (1.7 s);
+    # the mark must stay what torch.compiler.assume_constant_result sets, whatever torch's version.
+    from optamp import _autocast_flag
+
+    def plain():
+        return True
+
+    before = dict(vars(plain))
+    decorated = torch.compiler.assume_constant_result(plain)
+    added = {k: v for k, v in vars(decorated).items() if before.get(k, object()) is not v}
+    assert added == {_autocast_flag.DYNAMO_CONSTANT_MARK: True}
+    flag = _autocast_flag._is_any_autocast_enabled
+    assert {k: getattr(flag, k, None) for k in added} == added
+
+
+_READS_THE_FLAG = """
+def fn(x):
+    return x * 2 if torch._C._is_any_autocast_enabled() else x - 1
+
+compiled = torch.compile(fn, fullgraph=True, backend="eager")
+x = torch.ones(3)
+optamp.initialize(torch.nn.Linear(2, 2), opt_level="O1", verbosity=0)
+assert torch.equal(compiled(x), x * 2)
+with optamp.disable_casts():
+    assert torch.equal(compiled(x), x - 1)
+assert torch.equal(compiled(x), x * 2)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("first", ["optamp", "torch._dynamo"])
+def test_compiled_code_reading_the_flag_folds_it_and_recompiles_when_casting_changes(first):
+    # fullgraph: the flag is a constant to Dynamo (no graph break on the `if`), and optamp's state
+    # is in the guards, so disable_casts gets the other branch. Imported first, Dynamo's list of
+    # functions to fold holds torch's own flag, and only the mark makes it fold optamp's.
+    import subprocess
+    second = "torch._dynamo" if first == "optamp" else "optamp"
+    code = f"import torch, {first}, {second}\n" + _READS_THE_FLAG
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
 # ---- 5. Apex-style training end to end -------------------------------------------------------
