@@ -9,8 +9,12 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$OPTAMP_ROOT"
 
 KIND="${1:-}"
+# The default thread filter's suites are all in optamp_concurrency_tests (tests/cpp/CMakeLists.txt),
+# a part of optamp_tests that builds in about 60% of the time; any other filter builds the whole.
+TARGET=optamp_tests
 case "$KIND" in
   thread) FILTER="${2:-Robustness.*:Levels/FaultInjection.*:ScaleLossTest.*:Initialize.ThreadState*:Compose.*}"
+          [[ -z "${2:-}" ]] && TARGET=optamp_concurrency_tests
           BUILD="$OPTAMP_ROOT/build-tsan" ;;
   address) FILTER="${2:-*}"; BUILD="$OPTAMP_ROOT/build-asan" ;;
   *) echo "usage: bash scripts/sanitize.sh thread|address [gtest filter]" >&2; exit 2 ;;
@@ -25,15 +29,15 @@ if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then
     -DOPTAMP_SANITIZE="$KIND" -DOPTAMP_WITH_CUDA=OFF -DOPTAMP_BUILD_PYTHON=OFF \
     -DOPTAMP_BUILD_EXAMPLES=OFF >/dev/null || exit 1
 fi
-cmake --build "$BUILD" -j "$(nproc)" --target optamp_tests || { echo "sanitize.sh: build failed"; exit 1; }
+cmake --build "$BUILD" -j "$(nproc)" --target "$TARGET" || { echo "sanitize.sh: build failed"; exit 1; }
 
 SUPP="$OPTAMP_ROOT/tests/cpp/sanitizers"
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 report_mutex_bugs=0 suppressions=$SUPP/tsan.supp"
 # LibTorch's registries are process-lifetime allocations by design: no leak checking.
 export ASAN_OPTIONS="detect_leaks=0 halt_on_error=1 abort_on_error=0"
 export UBSAN_OPTIONS="print_stacktrace=1 halt_on_error=1"
-echo "== $KIND sanitizer: optamp_tests --gtest_filter='$FILTER' =="
-"$BUILD/tests/cpp/optamp_tests" --gtest_filter="$FILTER" --gtest_brief=1
+echo "== $KIND sanitizer: $TARGET --gtest_filter='$FILTER' =="
+"$BUILD/tests/cpp/$TARGET" --gtest_filter="$FILTER" --gtest_brief=1
 status=$?
 [[ $status -eq 0 ]] && echo "sanitize.sh: $KIND: no reports, all tests passed" ||
   echo "sanitize.sh: $KIND: FAILED (exit $status)"
