@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import optamp
-from common_utils import Mlp, TinyNet, init, tol
+from common_utils import Mlp, TinyNet, env, init, tol
 
 pytestmark = pytest.mark.usefixtures("fresh")
 
@@ -453,8 +453,8 @@ def test_compiled_code_reading_the_flag_folds_it_and_recompiles_when_casting_cha
     import subprocess
     second = "torch._dynamo" if first == "optamp" else "optamp"
     code = f"import torch, {first}, {second}\n" + _READS_THE_FLAG
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
