@@ -1,0 +1,122 @@
+# The C++ runtime check, run at configure time before anything is built.
+#
+# torch's libraries need the shared C++ runtime (libstdc++.so.6). A shared library that carries
+# its own static copy of libstdc++ has a second set of locale and codecvt facets in the same
+# process: formatting a double through an ostream in liboptamp then crashes (seen on a GPU machine
+# whose default compiler, a site-built GCC, links libstdc++ statically into shared libraries; the
+# same link follows from -static-libstdc++ in CMAKE_SHARED_LINKER_FLAGS / CMAKE_MODULE_LINKER_FLAGS).
+#
+# The probe links a tiny shared and module library exactly as liboptamp and optamp._C are linked
+# (the compiler driver, CMAKE_CXX_FLAGS and the linker flags of each kind) and reads their NEEDED
+# entries. When the runtime is not among them, configure stops with an error that names a
+# compiler on this machine that links it shared (scripts/common.sh picks that one by itself).
+
+# Writes the C++ runtime libraries (libstdc++.so.*, libc++.so.*) that a shared library linked by
+# `compiler` with `flags` needs into `out_var` ("" when it links none; "FAILED: <why>" when the
+# probe could not link).
+function(optamp_probe_cxx_runtime compiler flags out_var)
+  set(dir "${CMAKE_BINARY_DIR}/CMakeFiles/optamp_cxx_runtime")
+  file(MAKE_DIRECTORY "${dir}")
+  # An ostream formatting a double: the call that crashed, and certain to need libstdc++.
+  file(WRITE "${dir}/probe.cpp" "#include <sstream>\n#include <string>\n"
+       "std::string optamp_runtime_probe(double v) { std::ostringstream s; s << v; return s.str(); }\n")
+  string(MAKE_C_IDENTIFIER "${compiler}" tag)
+  set(lib "${dir}/probe_${tag}.so")
+  separate_arguments(flag_list UNIX_COMMAND "${flags}")
+  execute_process(
+    COMMAND "${compiler}" ${flag_list} -fPIC -shared "${dir}/probe.cpp" -o "${lib}"
+    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 0)
+    set(${out_var} "FAILED: ${out}" PARENT_SCOPE)
+    return()
+  endif()
+  execute_process(COMMAND "${OPTAMP_READELF}" -d "${lib}" OUTPUT_VARIABLE dynamic RESULT_VARIABLE rc)
+  set(runtimes "")
+  string(REGEX MATCHALL "\\(NEEDED\\)[^\n]*\\[(libstdc\\+\\+|libc\\+\\+)\\.so[^]]*\\]" needed
+         "${dynamic}")
+  foreach(entry IN LISTS needed)
+    string(REGEX REPLACE ".*\\[([^]]+)\\].*" "\\1" name "${entry}")
+    list(APPEND runtimes "${name}")
+  endforeach()
+  set(${out_var} "${runtimes}" PARENT_SCOPE)
+endfunction()
+
+# The first compiler among the usual system ones, other than `compiler`, that links the runtime
+# shared with no extra flags ("" when none does).
+function(optamp_find_shared_runtime_compiler compiler out_var)
+  set(${out_var} "" PARENT_SCOPE)
+  file(REAL_PATH "${compiler}" current)
+  foreach(candidate /usr/bin/g++ /usr/bin/clang++ /usr/bin/c++)
+    if(NOT EXISTS "${candidate}")
+      continue()
+    endif()
+    file(REAL_PATH "${candidate}" real)
+    if(real STREQUAL current)
+      continue()
+    endif()
+    optamp_probe_cxx_runtime("${candidate}" "" runtimes)
+    if(runtimes AND NOT runtimes MATCHES "^FAILED")
+      set(${out_var} "${candidate}" PARENT_SCOPE)
+      return()
+    endif()
+  endforeach()
+endfunction()
+
+function(optamp_check_cxx_runtime)
+  if(NOT CMAKE_SYSTEM_NAME STREQUAL "Linux" OR OPTAMP_SKIP_CXX_RUNTIME_CHECK)
+    return()
+  endif()
+  find_program(OPTAMP_READELF NAMES readelf "${CMAKE_READELF}")
+  if(NOT OPTAMP_READELF)
+    message(WARNING "optamp: no readelf here, so the C++ runtime link was not checked")
+    return()
+  endif()
+  set(fix_file "${CMAKE_BINARY_DIR}/optamp_cxx_runtime_fix.txt")
+  file(REMOVE "${fix_file}")
+  string(TOUPPER "${CMAKE_BUILD_TYPE}" config)
+  set(static_kinds "")
+  foreach(kind SHARED MODULE)
+    optamp_probe_cxx_runtime("${CMAKE_CXX_COMPILER}"
+      "${CMAKE_CXX_FLAGS} ${CMAKE_${kind}_LINKER_FLAGS} ${CMAKE_${kind}_LINKER_FLAGS_${config}}"
+      runtimes)
+    if(runtimes MATCHES "^FAILED")
+      message(WARNING "optamp: the C++ runtime probe did not link, so the runtime link was not "
+                      "checked: ${runtimes}")
+      return()
+    endif()
+    if(NOT runtimes)
+      list(APPEND static_kinds "${kind}")
+    endif()
+  endforeach()
+  if(NOT static_kinds)
+    return()
+  endif()
+  string(REPLACE ";" " and " kinds "${static_kinds}")
+  # Whose doing is it: the flags, or the compiler itself?
+  optamp_probe_cxx_runtime("${CMAKE_CXX_COMPILER}" "" plain)
+  if(plain AND NOT plain MATCHES "^FAILED")
+    set(fix "remove -static-libstdc++ (or whatever links the runtime statically) from "
+            "CMAKE_CXX_FLAGS / CMAKE_SHARED_LINKER_FLAGS / CMAKE_MODULE_LINKER_FLAGS: "
+            "${CMAKE_CXX_COMPILER} links it shared without them")
+  else()
+    optamp_find_shared_runtime_compiler("${CMAKE_CXX_COMPILER}" other)
+    if(other)
+      # scripts/common.sh reconfigures with the compiler named in this file.
+      file(WRITE "${fix_file}" "${other}\n")
+      set(fix "configure with a compiler that links it shared, found on this machine: "
+              "-DCMAKE_CXX_COMPILER=${other} -DCMAKE_CUDA_HOST_COMPILER=${other} "
+              "(scripts/common.sh switches to it by itself)")
+    else()
+      set(fix "configure with a compiler that links it shared (-DCMAKE_CXX_COMPILER=<the "
+              "system's g++ or clang++>); none was found among /usr/bin/g++, clang++, c++")
+    endif()
+  endif()
+  string(CONCAT fix ${fix})
+  message(FATAL_ERROR
+    "optamp: ${CMAKE_CXX_COMPILER} links the C++ runtime (libstdc++) statically into ${kinds} "
+    "libraries (CMAKE_CXX_FLAGS='${CMAKE_CXX_FLAGS}', CMAKE_SHARED_LINKER_FLAGS="
+    "'${CMAKE_SHARED_LINKER_FLAGS}', CMAKE_MODULE_LINKER_FLAGS='${CMAKE_MODULE_LINKER_FLAGS}'). "
+    "torch uses the shared libstdc++.so.6, and a second, static copy in liboptamp or optamp._C "
+    "crashes the process (e.g. when a message formats a number). To fix it, ${fix}. "
+    "(-DOPTAMP_SKIP_CXX_RUNTIME_CHECK=ON skips this check.)")
+endfunction()

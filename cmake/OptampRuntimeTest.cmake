@@ -1,0 +1,111 @@
+# ctest scripts for the C++ runtime link (cmake/OptampCxxRuntime.cmake says why it matters).
+#
+#   -DMODE=needed -DOPTAMP_LIBRARIES="<liboptamp>;<optamp._C>" -DOPTAMP_TORCH_LIBRARY=<libc10.so>
+#       every library NEEDs the C++ runtime torch's own library NEEDs, and none defines
+#       libstdc++'s internals (what a static copy leaves behind).
+#   -DMODE=refused -DOPTAMP_SOURCE_DIR=<repo> -DOPTAMP_WORK_DIR=<scratch> -DOPTAMP_CXX=<compiler>
+#       configuring with -static-libstdc++ in the shared and module linker flags stops with the
+#       error that names the flags; a compiler that links the runtime statically by itself (a
+#       wrapper that appends the flag, as a site-built GCC does) stops with the error that names a
+#       compiler that does not, and scripts/common.sh then configures with that one.
+find_program(READELF readelf REQUIRED)
+find_program(NM nm REQUIRED)
+
+function(cxx_runtimes_of library out_var)
+  execute_process(COMMAND "${READELF}" -d "${library}" OUTPUT_VARIABLE dynamic
+                  RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "readelf -d failed on ${library}")
+  endif()
+  string(REGEX MATCHALL "\\[(libstdc\\+\\+|libc\\+\\+)\\.so[^]]*\\]" found "${dynamic}")
+  set(${out_var} "${found}" PARENT_SCOPE)
+endfunction()
+
+if(MODE STREQUAL "needed")
+  cxx_runtimes_of("${OPTAMP_TORCH_LIBRARY}" torch_runtimes)
+  if(NOT torch_runtimes)
+    message(FATAL_ERROR "${OPTAMP_TORCH_LIBRARY} NEEDs no C++ runtime: cannot compare")
+  endif()
+  foreach(library IN LISTS OPTAMP_LIBRARIES)
+    cxx_runtimes_of("${library}" ours)
+    foreach(runtime IN LISTS torch_runtimes)
+      list(FIND ours "${runtime}" at)
+      if(at EQUAL -1)
+        message(FATAL_ERROR "${library} does not NEED ${runtime} (it NEEDs '${ours}'), which "
+                            "torch's ${OPTAMP_TORCH_LIBRARY} NEEDs: a static C++ runtime inside it?")
+      endif()
+    endforeach()
+    # A static libstdc++ defines its own codecvt/locale internals (the crash's frames).
+    execute_process(COMMAND "${NM}" -C --defined-only "${library}" OUTPUT_VARIABLE symbols)
+    if(symbols MATCHES "std::(__cxx11::)?[a-z_]*codecvt[^\n]*::do_length")
+      message(FATAL_ERROR "${library} defines libstdc++'s codecvt internals: a static copy of "
+                          "the C++ runtime is linked into it")
+    endif()
+    message(STATUS "${library}: NEEDED ${ours}")
+  endforeach()
+  return()
+endif()
+
+if(NOT MODE STREQUAL "refused")
+  message(FATAL_ERROR "MODE must be needed or refused, got '${MODE}'")
+endif()
+
+# Configure only as far as the runtime check (it runs before Torch is looked up): seconds.
+function(configure_expecting_refusal name expect_regex)
+  set(build "${OPTAMP_WORK_DIR}/${name}")
+  file(REMOVE_RECURSE "${build}")
+  execute_process(
+    COMMAND ${CMAKE_COMMAND} -S "${OPTAMP_SOURCE_DIR}" -B "${build}" ${ARGN}
+    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  string(REGEX REPLACE "[ \n]+" " " flat "${out}")
+  if(rc EQUAL 0)
+    message(FATAL_ERROR "${name}: configure succeeded; expected the C++ runtime refusal")
+  endif()
+  if(NOT flat MATCHES "${expect_regex}")
+    message(FATAL_ERROR "${name}: configure failed, but not with '${expect_regex}':\n${out}")
+  endif()
+  message(STATUS "${name}: refused as expected")
+endfunction()
+
+configure_expecting_refusal(static_flags
+  "links the C\\+\\+ runtime \\(libstdc\\+\\+\\) statically into SHARED and MODULE libraries.*remove -static-libstdc\\+\\+"
+  -DCMAKE_CXX_COMPILER=${OPTAMP_CXX}
+  -DCMAKE_SHARED_LINKER_FLAGS=-static-libstdc++ -DCMAKE_MODULE_LINKER_FLAGS=-static-libstdc++)
+configure_expecting_refusal(static_module_only
+  "statically into MODULE libraries" -DCMAKE_CXX_COMPILER=${OPTAMP_CXX}
+  -DCMAKE_MODULE_LINKER_FLAGS=-static-libstdc++)
+
+# A compiler that links the runtime statically by itself.
+set(wrapper "${OPTAMP_WORK_DIR}/static-runtime-g++")
+file(WRITE "${wrapper}" "#!/bin/sh\nexec \"${OPTAMP_CXX}\" \"$@\" -static-libstdc++\n")
+file(CHMOD "${wrapper}" PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE)
+configure_expecting_refusal(static_compiler
+  "found on this machine: -DCMAKE_CXX_COMPILER=/" -DCMAKE_CXX_COMPILER=${wrapper})
+file(READ "${OPTAMP_WORK_DIR}/static_compiler/optamp_cxx_runtime_fix.txt" named)
+string(STRIP "${named}" named)
+if(NOT EXISTS "${named}")
+  message(FATAL_ERROR "the refusal named '${named}', which does not exist")
+endif()
+message(STATUS "static_compiler: the refusal names ${named}")
+
+# scripts/common.sh repairs it: it configures again with the compiler the refusal named.
+set(build "${OPTAMP_WORK_DIR}/script_repair")
+file(REMOVE_RECURSE "${build}")
+execute_process(
+  COMMAND ${CMAKE_COMMAND} -E env "CXX=${wrapper}" "OPTAMP_BUILD_DIR=${build}"
+          "OPTAMP_PYTHON=${OPTAMP_PYTHON}"
+          "OPTAMP_CMAKE_ARGS=-DOPTAMP_BUILD_TESTS=OFF -DOPTAMP_BUILD_EXAMPLES=OFF -DOPTAMP_WITH_CUDA=OFF"
+          bash -c "source '${OPTAMP_SOURCE_DIR}/scripts/common.sh' && optamp_configure"
+  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "scripts/common.sh did not configure with another compiler:\n${out}")
+endif()
+file(STRINGS "${build}/CMakeCache.txt" used REGEX "^CMAKE_CXX_COMPILER:")
+string(REGEX REPLACE "^[^=]*=" "" used "${used}")
+string(FIND "${out}" "configuring with ${named} instead" said)
+if(NOT used STREQUAL named OR said EQUAL -1)
+  message(FATAL_ERROR "scripts/common.sh: expected a configure with ${named} (and a line saying "
+                      "so), got '${used}':\n${out}")
+endif()
+file(REMOVE_RECURSE "${build}")
+message(STATUS "scripts/common.sh configured with ${named} instead of the static-runtime compiler")
