@@ -2,8 +2,11 @@
 # Prepares this machine for optamp, idempotently:
 #  - Debian packages the project needs (only those missing, only where apt-get can reach them);
 #  - a Python with torch >= 2.6: the current python3 if it has one (the GPU machine: no network),
-#    otherwise .venv/ with the pinned scripts/requirements.txt (torch 2.11.0).
-# Prints what it uses. A second run takes seconds.
+#    otherwise .venv/ with the pinned scripts/requirements.txt (torch 2.11.0);
+#  - PyPI's newest CMake in .tools/cmake-pypi, the second CMake scripts/cmake_compat.sh checks.
+# Without network (or with OPTAMP_OFFLINE=1) it installs nothing from PyPI and does not retry:
+# what is missing is named, and the tests that need it skip. Prints what it uses. A second run
+# takes seconds.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$OPTAMP_ROOT"
@@ -12,7 +15,8 @@ DEBIAN_PACKAGES=(cmake ninja-build ccache zlib1g-dev googletest libgtest-dev lib
                  libsimde-dev dataset-fashion-mnist)
 
 install_debian_packages() {
-  [[ -n "${OPTAMP_SKIP_APT:-}" ]] && return 0  # e.g. the GPU machine: no network, no apt
+  # e.g. the GPU machine: no network, no apt
+  [[ -n "${OPTAMP_SKIP_APT:-}" || -n "${OPTAMP_OFFLINE:-}" ]] && return 0
   command -v dpkg-query >/dev/null 2>&1 || return 0
   local missing=()
   for pkg in "${DEBIAN_PACKAGES[@]}"; do
@@ -25,8 +29,10 @@ install_debian_packages() {
     return 0
   fi
   echo "bootstrap: installing Debian packages: ${missing[*]}"
-  if ! { timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 600 \
-         apt-get install -y -qq "${missing[@]}"; } >/tmp/optamp-apt.log 2>&1; then
+  local no_retries=(-o Acquire::Retries=0 -o Acquire::http::Timeout=15)
+  if ! { timeout 300 apt-get update -qq "${no_retries[@]}" && DEBIAN_FRONTEND=noninteractive \
+         timeout 600 apt-get install -y -qq "${no_retries[@]}" "${missing[@]}"; } \
+       >/tmp/optamp-apt.log 2>&1; then
     echo "bootstrap: apt-get could not install ${missing[*]} (no network?); see /tmp/optamp-apt.log" >&2
   fi
 }
@@ -53,28 +59,69 @@ select_python() {
     if [[ ! -f "$stamp" ]]; then
       echo "bootstrap: creating $venv with torch 2.11.0 (pip's cache makes this quick)" >&2
       [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
-      "$venv/bin/python" -m pip install -q --disable-pip-version-check -r scripts/requirements.txt >&2
+      "$venv/bin/python" -m pip install "${PIP_FLAGS[@]}" -r scripts/requirements.txt >&2
       touch "$stamp"
     fi
     echo "$venv/bin/python"
   fi
 }
 
-# Test tools for a reused interpreter: install only what is missing (skipped without network).
+# PyPI's newest CMake (at the time of writing), scripts/cmake_compat.sh's second CMake.
+PYPI_CMAKE="cmake==4.4.5"
+PIP_FLAGS=(-q --disable-pip-version-check --retries 0 --timeout 15)
+
+# Exit 0 when pip can reach its index (asked once; OPTAMP_OFFLINE=1 says no without asking).
+pip_online() {
+  [[ -n "${OPTAMP_OFFLINE:-}" ]] && return 1
+  if [[ -z "${_optamp_online:-}" ]]; then
+    if timeout 30 "$1" -m pip download "${PIP_FLAGS[@]}" --no-deps -d "$(mktemp -d)" \
+         pip >/dev/null 2>&1; then
+      _optamp_online=yes
+    else
+      _optamp_online=no
+      echo "bootstrap: pip cannot reach its index (no network?): nothing is installed from PyPI" >&2
+    fi
+  fi
+  [[ "$_optamp_online" == yes ]]
+}
+
+# Test tools for a reused interpreter: install only what is missing. Without network they stay
+# missing, and the tests that need them skip with a reason (mypy: scripts/test.sh; expecttest,
+# numpy: the pytest modules that use them).
 ensure_python_tools() {
-  local py="$1"
-  "$py" -c "import pytest, numpy, mypy, scikit_build_core, expecttest" 2>/dev/null && return 0
+  local py="$1" missing=() mod
+  for mod in pytest numpy mypy scikit_build_core expecttest; do
+    "$py" -c "import $mod" 2>/dev/null || missing+=("$mod")
+  done
+  [[ ${#missing[@]} -eq 0 ]] && return 0
+  if ! pip_online "$py"; then
+    echo "bootstrap: not installed for $py: ${missing[*]} (the tests that need them skip)" >&2
+    return 0
+  fi
   local pins  # the versions scripts/requirements.txt pins, so every machine tests alike
   pins=$(grep -E '^(pytest|numpy|mypy|scikit-build-core|expecttest)==' scripts/requirements.txt |
     tr '\n' ' ')
   # shellcheck disable=SC2086
-  "$py" -m pip install -q $pins >&2 ||
-    echo "bootstrap: pytest/numpy/mypy/scikit-build-core/expecttest missing for $py" >&2
+  "$py" -m pip install "${PIP_FLAGS[@]}" $pins >&2 ||
+    echo "bootstrap: could not install ${missing[*]} for $py" >&2
+}
+
+ensure_pypi_cmake() {
+  local py="$1" dir="$OPTAMP_ROOT/.tools/cmake-pypi"
+  [[ -x "$dir/cmake/data/bin/cmake" && -f "$dir/.${PYPI_CMAKE}" ]] && return 0
+  pip_online "$py" || return 0
+  rm -rf "$dir"
+  if "$py" -m pip install "${PIP_FLAGS[@]}" --target "$dir" "$PYPI_CMAKE" >&2; then
+    touch "$dir/.${PYPI_CMAKE}"
+  else
+    echo "bootstrap: could not install $PYPI_CMAKE into $dir" >&2
+  fi
 }
 
 install_debian_packages
 PY="$(select_python)"
 ensure_python_tools "$PY"
+ensure_pypi_cmake "$PY"
 mkdir -p "$(dirname "$OPTAMP_PYTHON_FILE")"
 echo "$PY" >"$OPTAMP_PYTHON_FILE"
 "$PY" - "$PY" <<'PY'

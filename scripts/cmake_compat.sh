@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Test discovery under every CMake at hand (scripts/test.sh runs it after ctest):
+#  1. the suite in BUILD: ctest lists every test optamp_tests has (a broken discovery file lists
+#     none, as CMake 4.4 once did, and ctest then "passes" with 0 tests);
+#  2. tests/cmake_compat, the suite's own discovery call on a GoogleTest binary with the suite's
+#     kinds of test, configured, built and listed with Debian's cmake and with the newest cmake
+#     from PyPI (bootstrap.sh puts it in .tools/cmake-pypi; OPTAMP_EXTRA_CMAKES adds others):
+#     the counts must agree, and the last one runs it.
+# Usage: scripts/cmake_compat.sh [BUILD]
+set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+BUILD="${1:-$(optamp_build_dir)}"
+status=0
+
+# 1. The suite: ctest's gtest entries == the binary's own list (also with the CUDA tests, which
+#    ctest lists and skips without a GPU).
+listed=$("$BUILD/tests/cpp/optamp_tests" --gtest_list_tests | grep -c '^  ')
+cmake_bin="$(sed -n 's/^CMAKE_COMMAND:INTERNAL=//p' "$BUILD/CMakeCache.txt")"
+ctest_bin="$(dirname "$cmake_bin")/ctest"
+discovered=$("$ctest_bin" --test-dir "$BUILD" -N | grep -E 'Test +#' |
+  grep -v -E ': (packaging|sanitizers|example)\.' | wc -l)
+echo "cmake_compat: $BUILD ($("$cmake_bin" --version | head -1)): ctest lists $discovered" \
+     "GoogleTest tests, optamp_tests has $listed"
+[[ "$listed" -gt 0 && "$discovered" -eq "$listed" ]] || {
+  echo "cmake_compat: FAILED: ctest does not list every test of optamp_tests"; status=1; }
+
+# 2. tests/cmake_compat under each CMake.
+cmakes=("$(command -v cmake)")
+[[ -x "$OPTAMP_ROOT/.tools/cmake-pypi/cmake/data/bin/cmake" ]] &&
+  cmakes+=("$OPTAMP_ROOT/.tools/cmake-pypi/cmake/data/bin/cmake")
+for extra in ${OPTAMP_EXTRA_CMAKES:-}; do cmakes+=("$extra"); done
+if [[ ${#cmakes[@]} -lt 2 ]]; then
+  if [[ -n "${CI:-}" ]]; then
+    echo "cmake_compat: FAILED: no second CMake (bootstrap.sh installs PyPI's into .tools/)"
+    status=1
+  else
+    echo "cmake_compat: only one CMake here (no network for PyPI's?): the second check is skipped"
+  fi
+fi
+gen=()
+command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
+counts=()
+for cm in "${cmakes[@]}"; do
+  version="$("$cm" --version | head -1 | awk '{print $3}')"
+  dir="$BUILD/cmake_compat/$version"
+  rm -rf "$dir"; mkdir -p "$dir"
+  if ! { "$cm" -S "$OPTAMP_ROOT/tests/cmake_compat" -B "$dir" "${gen[@]}" \
+           -DOPTAMP_GTEST_SOURCE_DIR="${OPTAMP_GTEST_SOURCE_DIR:-}" ${OPTAMP_CMAKE_ARGS:-} &&
+         "$cm" --build "$dir"; } >"$dir.log" 2>&1; then
+    echo "cmake_compat: FAILED: cmake $version could not configure/build tests/cmake_compat" \
+         "(log: $dir.log)"; status=1; continue
+  fi
+  n=$("$(dirname "$cm")/ctest" --test-dir "$dir" -N | grep -c -E 'Test +#')
+  echo "cmake_compat: cmake $version lists $n tests of tests/cmake_compat"
+  counts+=("$n")
+  last=("$(dirname "$cm")/ctest" --test-dir "$dir")
+done
+if [[ ${#counts[@]} -gt 0 ]]; then
+  if [[ $(printf '%s\n' "${counts[@]}" | sort -u | wc -l) -ne 1 || ${counts[0]} -ne 5 ]]; then
+    echo "cmake_compat: FAILED: the CMakes list different counts (${counts[*]}), expected 5 each"
+    status=1
+  fi
+  "${last[@]}" --output-on-failure | tail -n 6 || status=1
+fi
+[[ $status -eq 0 ]] && echo "cmake_compat: passed" || echo "cmake_compat: FAILED"
+exit $status
