@@ -754,14 +754,19 @@ TEST_F(ScaleLossTest, FaultInjectionThousandSteps) {
   EXPECT_EQ(loss_scaler().skipped_steps(), injected);
 }
 
-TEST_F(ScaleLossTest, GuardOnCudaLossKeepsStateOnTheDevice_CUDA) {
-  OPTAMP_SKIP_WITHOUT_CUDA();
+// One clean step and one overflowing step with a loss on `device`: the scaler's state lives
+// there, the clean step's gradient is the unscaled one, the overflow skips and backs off.
+void check_guard_keeps_state_on_the_loss_device(at::Device device) {
   core::configure_loss_scalers(props());
+  // Made on the CPU and moved, so every device sees the same numbers (CUDA's generator differs).
+  // x is small enough that the fp16 branch's gradient fits fp16 at the initial scale 2^16: d/d
+  // out = 2^16 * 2 out / 12 stays below 65504 while |out| < 6 (here |out| < 2). The first GPU
+  // run used CUDA-generated x ~ N(0, 1): |out| reached 6 and the clean step overflowed.
   at::manual_seed(0);
-  auto w = at::randn({16, 4}, at::kCUDA).requires_grad_();
-  auto wh = at::randn({16, 4}, at::kCUDA).to(at::kHalf).requires_grad_();
+  auto w = at::randn({16, 4}).to(device).requires_grad_();
+  auto wh = at::randn({16, 4}).to(device).to(at::kHalf).requires_grad_();
   torch::optim::SGD opt({w, wh}, torch::optim::SGDOptions(0.1));
-  const auto x = at::randn({3, 16}, at::kCUDA);
+  const auto x = (at::randn({3, 16}) / 16).to(device);
   auto loss = [&] { return (x.mm(w) + x.to(at::kHalf).mm(wh).to(at::kFloat)).pow(2).mean(); };
   loss().backward();
   const auto g_ref = w.grad().clone();
@@ -771,7 +776,8 @@ TEST_F(ScaleLossTest, GuardOnCudaLossKeepsStateOnTheDevice_CUDA) {
     auto s = scale_loss(loss(), opt);
     s.backward();
   }
-  EXPECT_TRUE(loss_scaler().scale_tensor().is_cuda());
+  EXPECT_FALSE(loss_scaler().last_step_skipped());
+  EXPECT_EQ(loss_scaler().scale_tensor().device(), device);
   EXPECT_TRUE(all_close(w.grad(), g_ref, testing::tolerance(at::kFloat)));
   {
     auto s = scale_loss(loss(), opt);
@@ -781,6 +787,15 @@ TEST_F(ScaleLossTest, GuardOnCudaLossKeepsStateOnTheDevice_CUDA) {
   EXPECT_TRUE(loss_scaler().last_step_skipped());
   EXPECT_FALSE(w.grad().defined());
   EXPECT_EQ(loss_scaler().loss_scale(), 32768.0);
+}
+
+TEST_F(ScaleLossTest, GuardKeepsStateOnTheLossDevice) {
+  check_guard_keeps_state_on_the_loss_device(at::kCPU);
+}
+
+TEST_F(ScaleLossTest, GuardOnCudaLossKeepsStateOnTheDevice_CUDA) {
+  OPTAMP_SKIP_WITHOUT_CUDA();
+  check_guard_keeps_state_on_the_loss_device(at::kCUDA);
 }
 
 }  // namespace

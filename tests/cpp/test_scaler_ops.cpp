@@ -46,11 +46,19 @@ void check_unscale_matches_reference(at::Device d) {
     auto found = flag(d);
     ops::unscale_check_(list, found, scalar(0.125f, d));
     EXPECT_EQ(found.item<float>(), 0.0f) << dtype;
-    auto torch_found = flag(d);
-    at::_amp_foreach_non_finite_check_and_unscale_(torch_list, torch_found, scalar(0.125f, d));
+    // torch's CUDA unscale dispatches on float and half only (AmpKernels.cu: "not implemented
+    // for 'BFloat16'"), which is why GradScaler cannot unscale bf16 gradients on a GPU and
+    // optamp has its own kernel: there the reference alone is the judge.
+    const bool torch_has_kernel = !(d.is_cuda() && dtype == at::kBFloat16);
+    if (torch_has_kernel) {
+      auto torch_found = flag(d);
+      at::_amp_foreach_non_finite_check_and_unscale_(torch_list, torch_found, scalar(0.125f, d));
+    }
     for (size_t i = 0; i < list.size(); ++i) {
       EXPECT_TRUE(at::equal(list[i], expected[i])) << dtype << " size " << kSizes[i];
-      EXPECT_TRUE(at::equal(list[i], torch_list[i])) << dtype << " size " << kSizes[i];
+      if (torch_has_kernel) {
+        EXPECT_TRUE(at::equal(list[i], torch_list[i])) << dtype << " size " << kSizes[i];
+      }
     }
   }
 }

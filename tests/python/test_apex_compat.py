@@ -4,7 +4,6 @@ training end to end (several models, optimizers and losses, ``add_param_group``,
 saved in one process and loaded in another) at O0-O3."""
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,7 +21,6 @@ pytestmark = pytest.mark.usefixtures("fresh")
 
 APEX_VALUES = [
     ("O1", dict(enabled=1)),
-    ("O1", dict(enabled=np.bool_(True))),
     ("O1", dict(cast_model_type=False)),
     ("O1", dict(cast_model_type=torch.float32)),
     ("O2", dict(keep_batchnorm_fp32="False")),
@@ -37,20 +35,36 @@ APEX_VALUES = [
     ("O1", dict(loss_scale="128.0")),
     ("O1", dict(loss_scale="128")),
     ("O1", dict(loss_scale=128)),
-    ("O1", dict(loss_scale=np.float32(8.0))),
     ("O1", dict(loss_scale=torch.tensor(4.0))),
     ("O3", dict(loss_scale="dynamic")),
     ("O0", dict(loss_scale="dynamic")),
     ("O1", dict(min_loss_scale=1, max_loss_scale=2**24)),
-    ("O1", dict(min_loss_scale=np.float64(0.5))),
-    ("O1", dict(num_losses=np.int64(3))),
     ("O1", dict(verbosity=False)),
     ("O1", dict(cast_model_outputs=torch.float16)),
 ]
 
 
+# numpy scalars (numpy is optional: these cases skip without it): option, numpy type, value.
+APEX_NUMPY_VALUES = [
+    ("O1", "enabled", "bool_", True),
+    ("O1", "loss_scale", "float32", 8.0),
+    ("O1", "min_loss_scale", "float64", 0.5),
+    ("O1", "num_losses", "int64", 3),
+]
+
+
 @pytest.mark.parametrize("level,kwargs", APEX_VALUES, ids=lambda v: repr(v))
 def test_every_value_apex_accepted_initializes(level, kwargs):
+    _initialize_and_step(level, kwargs)
+
+
+@pytest.mark.parametrize("level,option,numpy_type,value", APEX_NUMPY_VALUES)
+def test_every_numpy_value_apex_accepted_initializes(level, option, numpy_type, value):
+    np = pytest.importorskip("numpy")
+    _initialize_and_step(level, {option: getattr(np, numpy_type)(value)})
+
+
+def _initialize_and_step(level, kwargs):
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kwargs = {"verbosity": 0, **kwargs}
@@ -63,7 +77,7 @@ def test_every_value_apex_accepted_initializes(level, kwargs):
 
 
 def test_values_read_as_apex_read_them():
-    p = optamp.resolve("O1", enabled=0, loss_scale="128", num_losses=np.int64(2), verbosity=False)
+    p = optamp.resolve("O1", enabled=0, loss_scale="128", num_losses=2, verbosity=False)
     assert p.enabled is False and p.loss_scale == 128.0 and p.num_losses == 2 and p.verbosity == 0
     assert optamp.resolve("O1", loss_scale=torch.tensor(4.0)).loss_scale == 4.0
     assert optamp.resolve("O2", keep_batchnorm_fp32="False").keep_batchnorm_fp32 is False
@@ -182,7 +196,13 @@ def test_apex_layout_of_a_fixed_scale_loads(level):
     assert int(optamp.loss_scaler(0).growth_tracker) == 0
 
 
+def test_numpy_integers_read_as_apex_read_them():
+    np = pytest.importorskip("numpy")
+    assert optamp.resolve("O1", num_losses=np.int64(2)).num_losses == 2
+
+
 def test_apex_layout_values_apex_wrote_as_tensors_and_numpy_load():
+    np = pytest.importorskip("numpy")
     model = Mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     init(model, opt, "O2")

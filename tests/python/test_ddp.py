@@ -99,36 +99,77 @@ def test_ddp_nccl_two_gpus_skip_together(tmp_path, level):
     _expect_ranks_agree(tmp_path)
 
 
-@pytest.mark.needs_cuda
-def test_nccl_one_rank_process_group_reduces_the_flag_on_the_gpu():
-    """One process, one GPU, a real NCCL group: initialize(process_group=) all-reduces the
-    scaler's CUDA flag (NCCL takes CUDA tensors only), an overflow still skips, the step keeps
-    its single device->host copy."""
-    if not dist.is_nccl_available():
-        pytest.skip("NCCL not available")
+def _one_rank_steps(device, process_group):
+    """Three O1 steps, the second with an infinite loss; returns which steps were skipped and the
+    scale tensor. The loss is a mean, as a real loss is: the gradient reaching the fp16 output is
+    then scale / numel. (A plain sum gives every output the gradient 65536 at the initial scale,
+    which fp16 cannot hold: that first step overflows legitimately, with or without a process
+    group, as it does under torch.amp.GradScaler.)"""
     import optamp
 
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    optamp.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    optamp.initialize(model, opt, opt_level="O1", verbosity=0, process_group=process_group)
+    skipped = []
+    for step in range(3):
+        opt.zero_grad()
+        loss = model(torch.randn(2, 4, device=device)).float().mean()
+        if step == 1:
+            loss = loss * float("inf")
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        skipped.append(optamp.loss_scaler().last_step_skipped)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    return skipped, optamp.loss_scaler().scale_tensor
+
+
+@pytest.mark.parametrize("backend,device", [
+    ("gloo", "cpu"),
+    pytest.param("nccl", "cuda", marks=pytest.mark.needs_cuda),
+])
+def test_one_rank_process_group_reduces_the_flag_on_the_scales_device(backend, device):
+    """One process, a real process group: initialize(process_group=) all-reduces the scaler's
+    flag on the scale's device (NCCL takes CUDA tensors only), the clean steps are clean, the
+    overflow still skips, exactly as without a group."""
+    import optamp
+
+    if backend == "nccl" and not dist.is_nccl_available():
+        pytest.skip("NCCL not available")
+    reference, _ = _one_rank_steps(device, None)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
+        skipped, scale = _one_rank_steps(device, dist.group.WORLD)
+        assert skipped == reference == [False, True, False]
+        assert scale.device.type == device
+    finally:
+        optamp.reset()
+        dist.destroy_process_group()
+
+
+def test_a_summed_fp16_output_overflows_at_the_initial_scale_with_or_without_a_group():
+    """What the first GPU run saw ("the first clean step is reported skipped" under NCCL) is
+    this, reproduced on the CPU: d(sum)/d(output) = 65536 rounds to inf in fp16, so step 0
+    overflows by itself; the flag's reduction plays no part."""
+    import optamp
+
+    def first_step_skipped():
         optamp.reset()
         torch.manual_seed(0)
-        model = torch.nn.Linear(4, 3).cuda()
+        model = torch.nn.Linear(4, 3)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         optamp.initialize(model, opt, opt_level="O1", verbosity=0,
-                          process_group=dist.group.WORLD)
-        skipped = []
-        for step in range(3):
-            opt.zero_grad()
-            loss = model(torch.randn(2, 4, device="cuda")).float().sum()
-            if step == 1:
-                loss = loss * float("inf")
-            with optamp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-            opt.step()
-            skipped.append(optamp.loss_scaler().last_step_skipped)
-        assert skipped == [False, True, False]
-        assert optamp.loss_scaler().scale_tensor.is_cuda
-        assert all(torch.isfinite(p).all() for p in model.parameters())
+                          process_group=dist.group.WORLD if dist.is_initialized() else None)
+        with optamp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+            scaled.backward()
+        return optamp.loss_scaler().last_step_skipped
+
+    assert first_step_skipped()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert first_step_skipped()
     finally:
         optamp.reset()
         dist.destroy_process_group()

@@ -269,16 +269,20 @@ def test_scale_loss_errors_name_the_model_parameters(fresh):
         scaled.backward()
 
 
-@pytest.mark.needs_cuda
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.needs_cuda)])
 @pytest.mark.parametrize("level", ["O1", "O2", "O3", "O5"])
-def test_cuda_training_steps(fresh, level):
-    model = TinyNet().cuda()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+def test_adam_training_steps(fresh, level, device):
+    model = TinyNet().to(device)
+    # O3 steps fp16 parameters directly: Adam's default eps=1e-8 is below fp16's smallest normal
+    # number, so its denominator underflows and steps blow up (initialize warns). 1e-4 is the
+    # smallest eps the warning accepts.
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-4 if level == "O3" else 1e-8)
     init(model, opt, opt_level=level)
-    x, y = torch.randn(4, 1, 4, 4, device="cuda"), torch.tensor([0, 1, 2, 0], device="cuda")
+    x, y = torch.randn(4, 1, 4, 4, device=device), torch.tensor([0, 1, 2, 0], device=device)
     for _ in range(3):
         loss = step(model, opt, x, y)
     assert torch.isfinite(loss)
+    assert optamp.loss_scaler().skipped_steps == 0
     assert model(x).dtype == (torch.bfloat16 if level == "O5" else torch.float16)
 
 
@@ -290,13 +294,20 @@ def test_o3_adam_eps_warning_is_a_python_warning(fresh):
 
 
 @pytest.mark.needs_cuda
-@pytest.mark.parametrize("level,syncs_per_step", [("O1", 1), ("O2", 1), ("O4", 0), ("O5", 0)])
-def test_cuda_step_syncs_at_most_once(fresh, level, syncs_per_step):
-    # The scaler's update is the only device->host copy of a step (none with a fixed scale).
+@pytest.mark.parametrize("level,overrides,syncs_per_step", [
+    ("O1", {}, 1), ("O2", {}, 1),
+    # A fixed scale checks for inf/NaN too (docs/design.md: fixed loss scales check for overflow)
+    # and skips such steps, which is a host decision: one copy. overflow_check=False is Apex's
+    # unchecked fixed scale: none.
+    ("O4", {}, 1), ("O5", {}, 1),
+    ("O4", {"overflow_check": False}, 0), ("O5", {"overflow_check": False}, 0),
+])
+def test_cuda_step_syncs_at_most_once(fresh, level, overrides, syncs_per_step):
+    # The scaler's update is the only device->host copy of a step.
     torch.manual_seed(0)
     model = TinyNet().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    init(model, opt, opt_level=level)
+    init(model, opt, opt_level=level, **overrides)
     x, y = torch.randn(4, 1, 4, 4, device="cuda"), torch.tensor([0, 1, 2, 0], device="cuda")
     step(model, opt, x, y)  # warm-up: first-use moves and allocations
     torch.cuda.synchronize()
