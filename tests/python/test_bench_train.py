@@ -24,3 +24,17 @@ def test_subset_of_configs_prints_its_targets_only(tmp_path):
     assert sorted((r["round"], r["config"]) for r in rows) == [
         (1, "O4_torch"), (1, "native_bf16"), (2, "O4_torch"), (2, "native_bf16")]
     assert all(r["median_ms"] > 0 for r in rows)
+
+
+def test_o3_configuration_trains_instead_of_skipping(tmp_path):
+    """The first GPU run's "O3 1.82x native" timed NaN steps that were skipped (AdamW eps=1e-8 on
+    fp16 parameters): the benchmark now gives O3 an fp16-safe eps, and reports skipped steps."""
+    out = tmp_path / "runs.json"
+    proc = subprocess.run([sys.executable, SCRIPT, "--model", "gpt2", "--device", "cpu", "--small",
+                           "--configs", "O3", "--rounds", "1", "--warmup", "1", "--steps", "3",
+                           "--json", str(out)],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["config"] for r in rows] == ["O3"]
+    assert rows[0]["skipped_steps"] == 0, rows
