@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Verifies a GPU machine in one command, without network: build (for this GPU's architecture
+# only), ctest (the *_CUDA tests run when a GPU is visible), the CMake check, pytest with the
+# needs_cuda tests first, a short training-benchmark pass (ResNet-50 and GPT-2 small, C++ and
+# Python, every level against native AMP) and the CUDA A/B run. Aimed at 10 minutes on an H100.
+#
+#   bash scripts/gpu_check.sh OUTDIR
+#
+# Leaves two files in OUTDIR, rewritten after every phase (so a run cut short still reports what
+# it finished): summary.md (each phase: result, pass/fail counts, minutes; every benchmark
+# target line) and logs.tar.gz (every log). The last line printed is "N passed, N failed", N
+# counting tests (ctest, pytest) and phases without tests of their own (build, CMake check,
+# benchmarks, A/B).
+# What the machine lacks is carried in .devcarry/ (docs/gpu.md): GoogleTest sources
+# (.devcarry/googletest) and the Fashion-MNIST files (.devcarry/fashion-mnist).
+# Environment: OPTAMP_BUILD_DIR (default /tmp/optamp-gpu-build), PYTEST_ARGS, OPTAMP_OFFLINE
+# (default 1: nothing is fetched), GPU_CHECK_BENCH_ARGS (default "--steps 10 --rounds 2
+# --warmup 3"), GPU_CHECK_AB_ARGS (default "--levels O0,O1,O2,O3,O4,O5 --steps 300"),
+# GPU_CHECK_DEVICE (the A/B's device, default cuda; cpu for a dry run of this script).
+set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+cd "$OPTAMP_ROOT"
+[[ $# -eq 1 ]] || { echo "usage: scripts/gpu_check.sh OUTDIR" >&2; exit 2; }
+OUT="$(mkdir -p "$1" && cd "$1" && pwd)"
+LOGS="$(mktemp -d)/logs"
+mkdir -p "$LOGS"
+export OPTAMP_OFFLINE="${OPTAMP_OFFLINE-1}" OPTAMP_SKIP_APT="${OPTAMP_SKIP_APT-1}"
+export OPTAMP_BUILD_DIR="${OPTAMP_BUILD_DIR:-/tmp/optamp-gpu-build}"
+cmake_args="-DCMAKE_CUDA_ARCHITECTURES=native"
+[[ -d .devcarry/googletest ]] && cmake_args+=" -DOPTAMP_GTEST_SOURCE_DIR=$PWD/.devcarry/googletest"
+export OPTAMP_CMAKE_ARGS="${OPTAMP_CMAKE_ARGS:-$cmake_args}"
+[[ -d .devcarry/googletest ]] && export OPTAMP_GTEST_SOURCE_DIR="$PWD/.devcarry/googletest"
+data_args=()
+[[ -d .devcarry/fashion-mnist ]] && data_args=(--data .devcarry/fashion-mnist)
+
+passed=0
+failed=0
+rows=()
+targets=()
+started=$(date +%s)
+
+write_summary() {
+  {
+    echo "# GPU check, $(date -u +%FT%TZ)"
+    echo
+    echo "- machine: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null |
+      head -1), $(nproc) cores; $(cmake --version | head -1); CXX $(sed -n \
+      's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$OPTAMP_BUILD_DIR/CMakeCache.txt" 2>/dev/null)"
+    echo "- commit: $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo ' (+ changes)')"
+    echo "- elapsed: $(( ($(date +%s) - started) / 60 )) min $(( ($(date +%s) - started) % 60 )) s"
+    echo
+    echo "| phase | result | passed | failed | skipped | minutes |"
+    echo "|---|---|---|---|---|---|"
+    printf '%s\n' "${rows[@]}"
+    if [[ ${#targets[@]} -gt 0 ]]; then
+      echo
+      echo "## Benchmark targets (ratios against native AMP, same run)"
+      echo
+      printf '%s\n' "${targets[@]}"
+    fi
+    echo
+    echo "$passed passed, $failed failed"
+  } >"$OUT/summary.md"
+  tar -czf "$OUT/logs.tar.gz" -C "$(dirname "$LOGS")" logs 2>/dev/null
+}
+
+# phase NAME COMMAND...: runs it with its output in logs/NAME.log; the counts come from the
+# runner's own summary (ctest, pytest) or, for a phase without one, its exit status.
+phase() {
+  local name="$1" t0 rc p=0 f=0 s=0 line
+  shift
+  t0=$(date +%s)
+  echo "== $name =="
+  "$@" >"$LOGS/$name.log" 2>&1
+  rc=$?
+  tail -n 3 "$LOGS/$name.log"
+  if line=$(grep -E '[0-9]+% tests passed, [0-9]+ tests failed out of [0-9]+' "$LOGS/$name.log" |
+            tail -1) && [[ -n "$line" ]]; then
+    f=$(sed -E 's/.*passed, ([0-9]+) tests failed out of ([0-9]+).*/\1/' <<<"$line")
+    p=$(( $(sed -E 's/.*out of ([0-9]+).*/\1/' <<<"$line") - f ))
+    s=$(grep -c -E '^[[:space:]]+[0-9]+ - .* \((Skipped|Disabled)\)$' "$LOGS/$name.log")
+    p=$(( p - s < 0 ? 0 : p - s ))
+  elif line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped)' "$LOGS/$name.log" | tail -1) &&
+       [[ -n "$line" ]]; then
+    p=$(grep -oE '[0-9]+ passed' <<<"$line" | grep -oE '[0-9]+' || echo 0)
+    f=$(( $(grep -oE '[0-9]+ failed' <<<"$line" | grep -oE '[0-9]+' || echo 0) +
+          $(grep -oE '[0-9]+ errors?' <<<"$line" | grep -oE '[0-9]+' || echo 0) ))
+    s=$(grep -oE '[0-9]+ skipped' <<<"$line" | grep -oE '[0-9]+' || echo 0)
+  elif [[ $rc -eq 0 ]]; then
+    p=1
+  else
+    f=1
+  fi
+  [[ $rc -ne 0 && $f -eq 0 ]] && f=1  # a runner that failed without counting a failure
+  passed=$((passed + p))
+  failed=$((failed + f))
+  local result=ok minutes
+  [[ $rc -ne 0 ]] && result="FAILED (exit $rc)"
+  minutes=$(awk -v t="$(( $(date +%s) - t0 ))" 'BEGIN { printf "%.1f", t / 60 }')
+  rows+=("| $name | $result | $p | $f | $s | $minutes |")
+  write_summary
+  return $rc
+}
+
+phase bootstrap bash scripts/bootstrap.sh
+PY="$(optamp_python)"
+if ! phase build bash -c 'source scripts/common.sh && optamp_build'; then
+  echo "gpu_check: the build failed; nothing else can run"
+  tail -n 1 "$OUT/summary.md"
+  exit 1
+fi
+phase ctest ctest --test-dir "$OPTAMP_BUILD_DIR" --output-on-failure -j "$(nproc)"
+phase cmake_compat bash scripts/cmake_compat.sh "$OPTAMP_BUILD_DIR"
+# The CUDA tests first: if time runs out, their result is already in.
+pytest_run() {
+  PYTHONPATH="$OPTAMP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" -m pytest tests/python -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} "$@"
+}
+phase pytest_cuda pytest_run -m needs_cuda
+phase pytest_rest pytest_run -m "not needs_cuda"
+# shellcheck disable=SC2086
+phase benchmarks bash benchmarks/gpu_training.sh "$LOGS/bench" \
+  ${GPU_CHECK_BENCH_ARGS:---steps 10 --rounds 2 --warmup 3}
+while IFS= read -r line; do targets+=("- $line"); done < <(
+  for f in "$LOGS"/bench/{cpp,py}_{resnet50,gpt2}.txt; do
+    [[ -f "$f" ]] && grep -E '^target ' "$f" | sed "s|^|$(basename "$f" .txt): |"
+  done)
+# shellcheck disable=SC2086
+phase ab bash scripts/ab_test.sh --device "${GPU_CHECK_DEVICE:-cuda}" "${data_args[@]}" --out "$LOGS/ab" \
+  ${GPU_CHECK_AB_ARGS:---levels O0,O1,O2,O3,O4,O5 --steps 300}
+[[ -f "$LOGS/ab/summary.md" ]] && cp "$LOGS/ab/summary.md" "$LOGS/ab_summary.md"
+write_summary
+cat "$OUT/summary.md"
+[[ $failed -eq 0 ]]
