@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from common_utils import ROOT
+from common_utils import BUILD, ROOT
 
 CHECK = textwrap.dedent("""
     import os, sys, torch, optamp
@@ -35,9 +35,26 @@ CHECK = textwrap.dedent("""
 """)
 
 
+def _scripts_compiler():
+    """The C++ compiler the scripts' build uses. Where the default one links libstdc++
+    statically, configure refuses it and scripts/common.sh chooses another; pip's build must
+    be told the same (CXX), as the refusal message says."""
+    try:
+        with open(os.path.join(BUILD, "CMakeCache.txt")) as f:
+            for line in f:
+                if line.startswith("CMAKE_CXX_COMPILER:"):
+                    return line.split("=", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def _env(**extra):
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # the installed package, not python/ of the checkout
+    cxx = _scripts_compiler()
+    if cxx and "CXX" not in env:
+        env.update(CXX=cxx, CUDAHOSTCXX=cxx)
     env.update(extra)
     return env
 
