@@ -14,8 +14,11 @@ endfunction()
 # Configure, build and run the consumer; the arguments tell CMake where optamp is.
 function(build_and_run_consumer)
   file(REMOVE_RECURSE "${build}")
+  # The consumer is built with optamp's compiler: where the default one links libstdc++
+  # statically, optamp was configured with another (cmake/OptampCxxRuntime.cmake), and so is the
+  # consumer, as a user of that machine would.
   run_step(${CMAKE_COMMAND} -S "${OPTAMP_CONSUMER_DIR}" -B "${build}" -G "${OPTAMP_CMAKE_GENERATOR}"
-           ${ARGN} -DCMAKE_BUILD_TYPE=Release)
+           ${ARGN} -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_COMPILER=${OPTAMP_CXX_COMPILER}")
   run_step(${CMAKE_COMMAND} --build "${build}")
   run_step("${build}/optamp_consumer")
 endfunction()

@@ -22,7 +22,7 @@
 # GPU_CHECK_MINUTES (default 9).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-cd "$OPTAMP_ROOT"
+cd "$OPTAMP_ROOT" || exit 1
 [[ $# -eq 1 ]] || { echo "usage: scripts/gpu_check.sh OUTDIR" >&2; exit 2; }
 OUT="$(mkdir -p "$1" && cd "$1" && pwd)"
 LOGS="$(mktemp -d)/logs"
