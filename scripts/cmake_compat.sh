@@ -38,6 +38,16 @@ cmakes=("$(command -v cmake)")
 [[ -x "$OPTAMP_ROOT/.tools/cmake-pypi/cmake/data/bin/cmake" ]] &&
   cmakes+=("$OPTAMP_ROOT/.tools/cmake-pypi/cmake/data/bin/cmake")
 for extra in ${OPTAMP_EXTRA_CMAKES:-}; do cmakes+=("$extra"); done
+# One of each version (where PyPI's cmake is the only one, as on the GPU machine, it is twice).
+declare -A seen=()
+distinct=()
+for cm in "${cmakes[@]}"; do
+  version="$("$cm" --version | head -1 | awk '{print $3}')"
+  [[ -n "${seen[$version]:-}" ]] && continue
+  seen[$version]=1
+  distinct+=("$cm")
+done
+cmakes=("${distinct[@]}")
 if [[ ${#cmakes[@]} -lt 2 ]]; then
   if [[ -n "${CI:-}" ]]; then
     echo "cmake_compat: FAILED: no second CMake (bootstrap.sh installs PyPI's into .tools/)"

@@ -85,9 +85,12 @@ phase() {
   "$@" >"$LOGS/$name.log" 2>&1
   rc=$?
   tail -n 3 "$LOGS/$name.log"
-  if line=$(grep -E '[0-9]+% tests passed, [0-9]+ tests failed out of [0-9]+' "$LOGS/$name.log" |
-            tail -1) && [[ -n "$line" ]]; then
-    f=$(sed -E 's/.*passed, ([0-9]+) tests failed out of ([0-9]+).*/\1/' <<<"$line")
+  # ctest: "100% tests passed, 0 tests failed out of N" (CMake 3) or "100% tests passed out of
+  # N" (CMake 4), "90% tests passed, 3 tests failed out of N" (both).
+  if line=$(grep -E '[0-9]+% tests passed(, [0-9]+ tests failed)? out of [0-9]+' \
+              "$LOGS/$name.log" | tail -1) && [[ -n "$line" ]]; then
+    f=0
+    [[ "$line" =~ ([0-9]+)\ tests\ failed ]] && f=${BASH_REMATCH[1]}
     p=$(( $(sed -E 's/.*out of ([0-9]+).*/\1/' <<<"$line") - f ))
     s=$(grep -c -E '^[[:space:]]+[0-9]+ - .* \((Skipped|Disabled)\)$' "$LOGS/$name.log")
     p=$(( p - s < 0 ? 0 : p - s ))
