@@ -70,11 +70,13 @@ select_python() {
 PYPI_CMAKE="cmake==4.4.5"
 PIP_FLAGS=(-q --disable-pip-version-check --retries 0 --timeout 15)
 
-# Exit 0 when pip can reach its index (asked once; OPTAMP_OFFLINE=1 says no without asking).
+# Exit 0 when pip can reach its index (asked once; OPTAMP_OFFLINE=1 says no without asking, and
+# CI, which has the registries, is not asked: a slow answer there must not skip an install).
 pip_online() {
   [[ -n "${OPTAMP_OFFLINE:-}" ]] && return 1
+  [[ -n "${CI:-}" ]] && return 0
   if [[ -z "${_optamp_online:-}" ]]; then
-    if timeout 30 "$1" -m pip download "${PIP_FLAGS[@]}" --no-deps -d "$(mktemp -d)" \
+    if timeout 60 "$1" -m pip download "${PIP_FLAGS[@]}" --no-deps -d "$(mktemp -d)" \
          pip >/dev/null 2>&1; then
       _optamp_online=yes
     else
