@@ -22,6 +22,7 @@
 # GPU_CHECK_MINUTES (default 9).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/runner_counts.sh"
 cd "$OPTAMP_ROOT" || exit 1
 [[ $# -eq 1 ]] || { echo "usage: scripts/gpu_check.sh OUTDIR" >&2; exit 2; }
 OUT="$(mkdir -p "$1" && cd "$1" && pwd)"
@@ -78,36 +79,14 @@ write_summary() {
 # phase NAME COMMAND...: runs it with its output in logs/NAME.log; the counts come from the
 # runner's own summary (ctest, pytest) or, for a phase without one, its exit status.
 phase() {
-  local name="$1" t0 rc p=0 f=0 s=0 line
+  local name="$1" t0 rc p f s
   shift
   t0=$(date +%s)
   echo "== $name =="
   "$@" >"$LOGS/$name.log" 2>&1
   rc=$?
   tail -n 3 "$LOGS/$name.log"
-  # ctest: "100% tests passed, 0 tests failed out of N" (CMake 3) or "100% tests passed out of
-  # N" (CMake 4), "90% tests passed, 3 tests failed out of N" (both).
-  if line=$(grep -E '[0-9]+% tests passed(, [0-9]+ tests failed)? out of [0-9]+' \
-              "$LOGS/$name.log" | tail -1) && [[ -n "$line" ]]; then
-    f=0
-    [[ "$line" =~ ([0-9]+)\ tests\ failed ]] && f=${BASH_REMATCH[1]}
-    p=$(( $(sed -E 's/.*out of ([0-9]+).*/\1/' <<<"$line") - f ))
-    s=$(grep -c -E '^[[:space:]]+[0-9]+ - .* \((Skipped|Disabled)\)$' "$LOGS/$name.log")
-    p=$(( p - s < 0 ? 0 : p - s ))
-  elif line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped)' "$LOGS/$name.log" | tail -1) &&
-       [[ -n "$line" ]]; then
-    p=$(grep -oE '[0-9]+ passed' <<<"$line" | grep -oE '[0-9]+' || echo 0)
-    f=$(( $(grep -oE '[0-9]+ failed' <<<"$line" | grep -oE '[0-9]+' || echo 0) +
-          $(grep -oE '[0-9]+ errors?' <<<"$line" | grep -oE '[0-9]+' || echo 0) ))
-    s=$(grep -oE '[0-9]+ skipped' <<<"$line" | grep -oE '[0-9]+' || echo 0)
-  elif [[ $rc -eq 0 ]]; then
-    p=1
-  else
-    f=1
-  fi
-  # A runner that failed without counting a failure is one; one stopped at the time budget
-  # (timeout's 124; pytest prints what it finished) is reported as cut short.
-  [[ $rc -ne 0 && $rc -ne 124 && $f -eq 0 ]] && f=1
+  read -r p f s < <(runner_counts "$LOGS/$name.log" "$rc")
   passed=$((passed + p))
   failed=$((failed + f))
   local result=ok minutes

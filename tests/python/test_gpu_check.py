@@ -1,0 +1,55 @@
+"""scripts/gpu_check.sh's counts (scripts/runner_counts.sh) from the closing lines the runners
+really print: ctest under CMake 3 and 4, pytest passing, failing, erroring and cut short. A GPU
+run is rare: a miscount there would go unnoticed until the report was read."""
+import os
+import subprocess
+
+import pytest
+
+from common_utils import ROOT
+
+LIB = os.path.join(ROOT, "scripts", "runner_counts.sh")
+
+CTEST3 = """\
+ 1/3 Test #1: A.B ....   Passed    0.1 sec
+ 2/3 Test #2: A.C_CUDA ....***Skipped   0.1 sec
+ 3/3 Test #3: A.D ....   Passed    0.1 sec
+
+100% tests passed, 0 tests failed out of 3
+
+Total Test time (real) =   0.31 sec
+
+The following tests did not run:
+\t  2 - A.C_CUDA (Skipped)
+"""
+CTEST4 = CTEST3.replace("100% tests passed, 0 tests failed out of 3", "100% tests passed out of 3")
+CTEST_FAILED = """\
+67% tests passed, 1 tests failed out of 3
+
+The following tests FAILED:
+\t  3 - A.D (Failed)
+Errors while running CTest
+"""
+CTEST_DISABLED = CTEST4.replace("(Skipped)", "(Disabled)")
+
+
+@pytest.mark.parametrize("log,rc,expected", [
+    (CTEST3, 0, (2, 0, 1)),
+    (CTEST4, 0, (2, 0, 1)),
+    (CTEST_DISABLED, 0, (2, 0, 1)),
+    (CTEST_FAILED, 8, (2, 1, 0)),
+    ("....s\n4 passed, 1 skipped in 0.31s\n", 0, (4, 0, 1)),
+    ("F..\n1 failed, 2 passed, 2 warnings in 1.02s\n", 1, (2, 1, 0)),
+    ("E\n1 passed, 2 errors in 0.50s\n", 1, (1, 2, 0)),
+    ("====== 7 passed, 3 deselected in 0.20s ======\n", 0, (7, 0, 0)),
+    ("!!! KeyboardInterrupt !!!\n12 passed in 30.00s\n", 124, (12, 0, 0)),  # cut at the budget
+    ("no tests ran in 0.00s\nERROR: file or directory not found: or\n", 4, (0, 1, 0)),
+    ("[58/58] Linking CXX executable x\n", 0, (1, 0, 0)),  # a phase without a runner
+    ("ninja: build stopped: subcommand failed.\n", 1, (0, 1, 0)),
+])
+def test_runner_counts_read_the_runners_closing_lines(tmp_path, log, rc, expected):
+    path = tmp_path / "phase.log"
+    path.write_text(log)
+    out = subprocess.run(["bash", "-c", f'source "{LIB}" && runner_counts "{path}" {rc}'],
+                         capture_output=True, text=True, check=True).stdout
+    assert tuple(int(v) for v in out.split()) == expected
