@@ -99,12 +99,12 @@ def test_ddp_nccl_two_gpus_skip_together(tmp_path, level):
     _expect_ranks_agree(tmp_path)
 
 
-def _one_rank_steps(device, process_group):
+def _one_rank_steps(device, process_group, reduce="mean"):
     """Three O1 steps, the second with an infinite loss; returns which steps were skipped and the
-    scale tensor. The loss is a mean, as a real loss is: the gradient reaching the fp16 output is
-    then scale / numel. (A plain sum gives every output the gradient 65536 at the initial scale,
-    which fp16 cannot hold: that first step overflows legitimately, with or without a process
-    group, as it does under torch.amp.GradScaler.)"""
+    scale tensor. The loss is a mean by default, as a real loss is: the gradient reaching the
+    fp16 output is then scale / numel. (With reduce="sum" every output gets the gradient 65536 at
+    the initial scale, which fp16 cannot hold: the first step overflows legitimately, with or
+    without a process group, as it does under torch.amp.GradScaler.)"""
     import optamp
 
     optamp.reset()
@@ -115,7 +115,7 @@ def _one_rank_steps(device, process_group):
     skipped = []
     for step in range(3):
         opt.zero_grad()
-        loss = model(torch.randn(2, 4, device=device)).float().mean()
+        loss = getattr(model(torch.randn(2, 4, device=device)).float(), reduce)()
         if step == 1:
             loss = loss * float("inf")
         with optamp.scale_loss(loss, opt) as scaled:
@@ -155,21 +155,12 @@ def test_a_summed_fp16_output_overflows_at_the_initial_scale_with_or_without_a_g
     overflows by itself; the flag's reduction plays no part."""
     import optamp
 
-    def first_step_skipped():
-        optamp.reset()
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 3)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        optamp.initialize(model, opt, opt_level="O1", verbosity=0,
-                          process_group=dist.group.WORLD if dist.is_initialized() else None)
-        with optamp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
-            scaled.backward()
-        return optamp.loss_scaler().last_step_skipped
-
-    assert first_step_skipped()
+    skipped, _ = _one_rank_steps("cpu", None, reduce="sum")
+    assert skipped[0]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        assert first_step_skipped()
+        skipped, _ = _one_rank_steps("cpu", dist.group.WORLD, reduce="sum")
+        assert skipped[0]
     finally:
         optamp.reset()
         dist.destroy_process_group()
