@@ -11,33 +11,51 @@
 # entries. When the runtime is not among them, configure stops with an error that names a
 # compiler on this machine that links it shared (scripts/common.sh picks that one by itself).
 
-# Writes the C++ runtime libraries (libstdc++.so.*, libc++.so.*) that a shared library linked by
-# `compiler` with `flags` needs into `out_var` ("" when it links none; "FAILED: <why>" when the
-# probe could not link).
+# The C++ runtimes (libstdc++.so.*, libc++.so.*) among `library`'s NEEDED entries, read with
+# `readelf` (also used by the ctest script cmake/OptampRuntimeTest.cmake).
+function(optamp_needed_cxx_runtimes readelf library out_var)
+  execute_process(COMMAND "${readelf}" -d "${library}" OUTPUT_VARIABLE dynamic
+                  RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "optamp: readelf -d failed on ${library}")
+  endif()
+  string(REGEX MATCHALL "\\(NEEDED\\)[^\n]*\\[(libstdc\\+\\+|libc\\+\\+)\\.so[^]]*\\]" needed
+         "${dynamic}")
+  set(runtimes "")
+  foreach(entry IN LISTS needed)
+    string(REGEX REPLACE ".*\\[([^]]+)\\].*" "\\1" name "${entry}")
+    list(APPEND runtimes "${name}")
+  endforeach()
+  set(${out_var} "${runtimes}" PARENT_SCOPE)
+endfunction()
+
+# Writes the C++ runtime libraries that a shared library linked by `compiler` with `flags` needs
+# into `out_var` ("" when it links none; "FAILED: <why>" when the probe could not link). Each
+# compiler and flags are probed once per configure.
 function(optamp_probe_cxx_runtime compiler flags out_var)
+  separate_arguments(flag_list UNIX_COMMAND "${flags}")
+  string(MD5 key "${compiler}|${flag_list}")
+  get_property(known GLOBAL PROPERTY "optamp_cxx_runtime_${key}" SET)
+  if(known)
+    get_property(runtimes GLOBAL PROPERTY "optamp_cxx_runtime_${key}")
+    set(${out_var} "${runtimes}" PARENT_SCOPE)
+    return()
+  endif()
   set(dir "${CMAKE_BINARY_DIR}/CMakeFiles/optamp_cxx_runtime")
   file(MAKE_DIRECTORY "${dir}")
   # An ostream formatting a double: the call that crashed, and certain to need libstdc++.
   file(WRITE "${dir}/probe.cpp" "#include <sstream>\n#include <string>\n"
        "std::string optamp_runtime_probe(double v) { std::ostringstream s; s << v; return s.str(); }\n")
-  string(MAKE_C_IDENTIFIER "${compiler}" tag)
-  set(lib "${dir}/probe_${tag}.so")
-  separate_arguments(flag_list UNIX_COMMAND "${flags}")
+  set(lib "${dir}/probe_${key}.so")
   execute_process(
     COMMAND "${compiler}" ${flag_list} -fPIC -shared "${dir}/probe.cpp" -o "${lib}"
     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
-  if(NOT rc EQUAL 0)
-    set(${out_var} "FAILED: ${out}" PARENT_SCOPE)
-    return()
+  if(rc EQUAL 0)
+    optamp_needed_cxx_runtimes("${OPTAMP_READELF}" "${lib}" runtimes)
+  else()
+    set(runtimes "FAILED: ${out}")
   endif()
-  execute_process(COMMAND "${OPTAMP_READELF}" -d "${lib}" OUTPUT_VARIABLE dynamic RESULT_VARIABLE rc)
-  set(runtimes "")
-  string(REGEX MATCHALL "\\(NEEDED\\)[^\n]*\\[(libstdc\\+\\+|libc\\+\\+)\\.so[^]]*\\]" needed
-         "${dynamic}")
-  foreach(entry IN LISTS needed)
-    string(REGEX REPLACE ".*\\[([^]]+)\\].*" "\\1" name "${entry}")
-    list(APPEND runtimes "${name}")
-  endforeach()
+  set_property(GLOBAL PROPERTY "optamp_cxx_runtime_${key}" "${runtimes}")
   set(${out_var} "${runtimes}" PARENT_SCOPE)
 endfunction()
 

@@ -10,24 +10,15 @@
 #       compiler that does not, and scripts/common.sh then configures with that one.
 find_program(READELF readelf REQUIRED)
 find_program(NM nm REQUIRED)
-
-function(cxx_runtimes_of library out_var)
-  execute_process(COMMAND "${READELF}" -d "${library}" OUTPUT_VARIABLE dynamic
-                  RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "readelf -d failed on ${library}")
-  endif()
-  string(REGEX MATCHALL "\\[(libstdc\\+\\+|libc\\+\\+)\\.so[^]]*\\]" found "${dynamic}")
-  set(${out_var} "${found}" PARENT_SCOPE)
-endfunction()
+include("${CMAKE_CURRENT_LIST_DIR}/OptampCxxRuntime.cmake")  # optamp_needed_cxx_runtimes
 
 if(MODE STREQUAL "needed")
-  cxx_runtimes_of("${OPTAMP_TORCH_LIBRARY}" torch_runtimes)
+  optamp_needed_cxx_runtimes("${READELF}" "${OPTAMP_TORCH_LIBRARY}" torch_runtimes)
   if(NOT torch_runtimes)
     message(FATAL_ERROR "${OPTAMP_TORCH_LIBRARY} NEEDs no C++ runtime: cannot compare")
   endif()
   foreach(library IN LISTS OPTAMP_LIBRARIES)
-    cxx_runtimes_of("${library}" ours)
+    optamp_needed_cxx_runtimes("${READELF}" "${library}" ours)
     foreach(runtime IN LISTS torch_runtimes)
       list(FIND ours "${runtime}" at)
       if(at EQUAL -1)
