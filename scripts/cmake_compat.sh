@@ -39,12 +39,12 @@ cmakes=("$(command -v cmake)")
   cmakes+=("$OPTAMP_ROOT/.tools/cmake-pypi/cmake/data/bin/cmake")
 for extra in ${OPTAMP_EXTRA_CMAKES:-}; do cmakes+=("$extra"); done
 # One of each version (where PyPI's cmake is the only one, as on the GPU machine, it is twice).
-declare -A seen=()
+declare -A version_of=()
 distinct=()
 for cm in "${cmakes[@]}"; do
   version="$("$cm" --version | head -1 | awk '{print $3}')"
-  [[ -n "${seen[$version]:-}" ]] && continue
-  seen[$version]=1
+  [[ " ${version_of[*]} " == *" $version "* ]] && continue
+  version_of[$cm]=$version
   distinct+=("$cm")
 done
 cmakes=("${distinct[@]}")
@@ -60,7 +60,7 @@ gen=()
 command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
 counts=()
 for cm in "${cmakes[@]}"; do
-  version="$("$cm" --version | head -1 | awk '{print $3}')"
+  version="${version_of[$cm]}"
   dir="$BUILD/cmake_compat/$version"
   rm -rf "$dir"; mkdir -p "$dir"
   if ! { "$cm" -S "$OPTAMP_ROOT/tests/cmake_compat" -B "$dir" "${gen[@]}" \

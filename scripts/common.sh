@@ -25,22 +25,21 @@ optamp_build_dir() { echo "${OPTAMP_BUILD_DIR:-$OPTAMP_ROOT/build}"; }
 # one, and two copies in one process crash), it names a system compiler that links it shared:
 # configure again with that one, and say so.
 optamp_configure() {
-  local py build gen=() fix
-  py="$(optamp_python)"
+  local build fix configure
   build="$(optamp_build_dir)"
   [[ -f "$build/CMakeCache.txt" ]] && return 0
-  command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
+  configure=(cmake -S "$OPTAMP_ROOT" -B "$build" -DCMAKE_BUILD_TYPE=Release
+             -DPython3_EXECUTABLE="$(optamp_python)")
+  command -v ninja >/dev/null 2>&1 && configure+=(-G Ninja)
   # shellcheck disable=SC2086
-  cmake -S "$OPTAMP_ROOT" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
-    -DPython3_EXECUTABLE="$py" ${OPTAMP_CMAKE_ARGS:-} && return 0
+  "${configure[@]}" ${OPTAMP_CMAKE_ARGS:-} && return 0
   fix="$(cat "$build/optamp_cxx_runtime_fix.txt" 2>/dev/null || true)"
   [[ -n "$fix" ]] || return 1
   echo "optamp: the default C++ compiler links libstdc++ statically into shared libraries;" \
        "configuring with $fix instead (set CXX to choose another)" >&2
   rm -rf "$build/CMakeCache.txt" "$build/CMakeFiles"
   # shellcheck disable=SC2086
-  cmake -S "$OPTAMP_ROOT" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
-    -DPython3_EXECUTABLE="$py" -DCMAKE_CXX_COMPILER="$fix" -DCMAKE_CUDA_HOST_COMPILER="$fix" \
+  "${configure[@]}" -DCMAKE_CXX_COMPILER="$fix" -DCMAKE_CUDA_HOST_COMPILER="$fix" \
     ${OPTAMP_CMAKE_ARGS:-}
 }
 

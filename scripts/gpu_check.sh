@@ -38,9 +38,11 @@ if [[ "$cap" =~ ^[0-9]+\.[0-9]+$ ]]; then
   cmake_args="-DCMAKE_CUDA_ARCHITECTURES=${cap/./}"
   export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$cap}"
 fi
-[[ -d .devcarry/googletest ]] && cmake_args+=" -DOPTAMP_GTEST_SOURCE_DIR=$PWD/.devcarry/googletest"
+if [[ -d .devcarry/googletest ]]; then
+  export OPTAMP_GTEST_SOURCE_DIR="$PWD/.devcarry/googletest"  # also for scripts/cmake_compat.sh
+  cmake_args+=" -DOPTAMP_GTEST_SOURCE_DIR=$OPTAMP_GTEST_SOURCE_DIR"
+fi
 export OPTAMP_CMAKE_ARGS="${OPTAMP_CMAKE_ARGS:-$cmake_args}"
-[[ -d .devcarry/googletest ]] && export OPTAMP_GTEST_SOURCE_DIR="$PWD/.devcarry/googletest"
 data_args=()
 [[ -d .devcarry/fashion-mnist ]] && data_args=(--data .devcarry/fashion-mnist)
 
@@ -108,11 +110,10 @@ fi
 phase ctest ctest --test-dir "$OPTAMP_BUILD_DIR" --output-on-failure -j "$(nproc)"
 phase cmake_compat bash scripts/cmake_compat.sh "$OPTAMP_BUILD_DIR"
 # The CUDA tests first: if time runs out, their result is already in.
-pytest_run() {
-  PYTHONPATH="$OPTAMP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}" \
-    "$PY" -m pytest tests/python -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} "$@"
-}
-phase pytest_cuda pytest_run -m needs_cuda
+export PYTHONPATH="$OPTAMP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck disable=SC2206
+pytest_cmd=("$PY" -m pytest tests/python -q -rs -p no:cacheprovider ${PYTEST_ARGS:-})
+phase pytest_cuda "${pytest_cmd[@]}" -m needs_cuda
 # shellcheck disable=SC2086
 phase benchmarks bash benchmarks/gpu_training.sh "$LOGS/bench" \
   ${GPU_CHECK_BENCH_ARGS:---steps 10 --rounds 2 --warmup 3}
@@ -128,10 +129,7 @@ phase ab bash scripts/ab_test.sh --device "${GPU_CHECK_DEVICE:-cuda}" "${data_ar
 # run under the device tool's 10-minute limit still ends with a summary.
 left=$(( budget - ($(date +%s) - started) - 15 ))
 if [[ $left -gt 60 ]]; then
-  export PYTHONPATH="$OPTAMP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
-  # shellcheck disable=SC2086
-  phase pytest_cpu timeout --signal=INT "$left" "$PY" -m pytest tests/python -q -rs -p no:cacheprovider \
-    ${PYTEST_ARGS:-} -m "not needs_cuda"
+  phase pytest_cpu timeout --signal=INT "$left" "${pytest_cmd[@]}" -m "not needs_cuda"
 else
   rows+=("| pytest_cpu | not run: ${left}s left of the ${budget}s budget (CI runs these) | 0 | 0 | 0 | 0 |")
 fi
