@@ -13,6 +13,7 @@
 
 #include "core/format.h"
 #include "ops/multi_tensor.h"
+#include "scaler/step_status.h"
 
 namespace amp {
 namespace {
@@ -46,10 +47,38 @@ LossScaler::LossScaler(const Properties& props, int loss_id)
   TORCH_CHECK_VALUE(std::isfinite(value) && value >= kScaleFloor && value <= kFloatMax,
                     "loss scale must lie within [2^-126, 3.4e38] (float32's normal range), got ",
                     value);
+  statuses_ = std::make_unique<detail::StepStatusQueue>();
   loss_scale_ = static_cast<float>(value);
   scale_ = at::full({}, value, at::kFloat);
   growth_tracker_ = at::zeros({}, at::kInt);
   hysteresis_tracker_ = at::full({}, hysteresis_, at::kInt);
+}
+
+LossScaler::~LossScaler() = default;
+
+void LossScaler::settle() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  settle_locked(/*wait=*/true);
+}
+double LossScaler::loss_scale() const {
+  settle();
+  std::lock_guard<std::mutex> lock(mutex_);
+  return loss_scale_;
+}
+bool LossScaler::last_step_skipped() const {
+  settle();
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_step_skipped_;
+}
+int64_t LossScaler::skipped_steps() const {
+  settle();
+  std::lock_guard<std::mutex> lock(mutex_);
+  return skipped_steps_;
+}
+int64_t LossScaler::floor_skips() const {
+  settle();
+  std::lock_guard<std::mutex> lock(mutex_);
+  return floor_skips_;
 }
 
 at::Tensor LossScaler::scale_tensor() const {
@@ -139,7 +168,7 @@ void LossScaler::check_gradients(const std::vector<at::Tensor>& grads,
 
 void LossScaler::unscale_into(const std::vector<at::Tensor>& grads,
                               const std::vector<at::Tensor>& stashed, const at::Tensor& inv_scale,
-                              DeviceFlags& found) const {
+                              DeviceFlags& found, bool check_stash) const {
   // Validate everything before touching anything: never leave grads half-unscaled.
   check_gradients(grads, stashed);
   struct DeviceGroup {
@@ -166,14 +195,22 @@ void LossScaler::unscale_into(const std::vector<at::Tensor>& grads,
                                ? inv_scale
                                : inv_scale.to(dg.device, /*non_blocking=*/true);
     if (!dg.plain.empty()) ops::unscale_check_(dg.plain, flag, inv);
-    if (!dg.out.empty()) ops::axpby_check_(dg.out, dg.out, dg.stash, inv, 1.0, flag);
+    if (dg.out.empty()) continue;
+    if (check_stash) {
+      ops::axpby_check_(dg.out, dg.out, dg.stash, inv, 1.0, flag);
+    } else {
+      // The stash is not checked again: after an overflow skipped on the device it still holds
+      // that inf, and counting it would back the scale off once per later micro-batch.
+      ops::unscale_check_(dg.out, flag, inv);
+      at::_foreach_add_(dg.out, dg.stash);
+    }
   }
 }
 
 void LossScaler::unscale(const std::vector<at::Tensor>& grads,
                          const std::vector<at::Tensor>& stashed) {
   std::lock_guard<std::mutex> lock(mutex_);
-  unscale_into(grads, stashed, inverse_scale(), found_inf_);
+  unscale_into(grads, stashed, inverse_scale(), found_inf_, /*check_stash=*/true);
   pending_ = true;
 }
 
@@ -185,12 +222,12 @@ bool LossScaler::update() {
     found = std::move(found_inf_);
     found_inf_.clear();
   }
-  return update_from(std::move(found)).skipped;
+  return update_from(std::move(found), /*on_device=*/false).skipped;
 }
 
 LossScaler::StepResult LossScaler::finish_step(const std::vector<at::Tensor>& grads,
                                                const std::vector<at::Tensor>& stashed,
-                                               const at::Tensor& inv_scale) {
+                                               const at::Tensor& inv_scale, bool on_device) {
   TORCH_CHECK_VALUE(
       inv_scale.defined() && inv_scale.numel() == 1 && inv_scale.scalar_type() == at::kFloat,
       "inv_scale must be a one-element float32 tensor");
@@ -200,15 +237,20 @@ LossScaler::StepResult LossScaler::finish_step(const std::vector<at::Tensor>& gr
   // A fixed scale of 1.0 that checks nothing needs no pass at all (Apex's shortcut).
   const bool identity = !checks_ && fixed_scale_ == 1.0 && !any_stash;
   if (!identity && !grads.empty()) {
-    unscale_into(grads, any_stash ? stashed : std::vector<at::Tensor>{}, inv_scale, found);
+    unscale_into(grads, any_stash ? stashed : std::vector<at::Tensor>{}, inv_scale, found,
+                 /*check_stash=*/!on_device);
   }
-  return update_from(std::move(found));
+  return update_from(std::move(found), on_device);
 }
 
-LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list) {
+LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list, bool on_device) {
   if (!checks_) {
+    std::lock_guard<std::mutex> lock(mutex_);
     last_step_skipped_ = false;
-    return {false, loss_scale_.load(), floor_skips_.load()};
+    StepResult result;
+    result.loss_scale = loss_scale_;
+    result.floor_skips = floor_skips_;
+    return result;
   }
   c10::Device device(c10::kCPU);
   FoundInfReducer reducer;
@@ -229,49 +271,78 @@ LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list) {
       reduce_found_inf(reducer, found);
     } catch (...) {
       // The guard skips the step (see scale_loss.cpp); the scale stays as it was.
+      std::lock_guard<std::mutex> lock(mutex_);
+      settle_locked(/*wait=*/true);  // earlier steps' results first (an error path: waiting is fine)
       last_step_skipped_ = true;
       ++skipped_steps_;
       throw;
     }
   }
+  // Several devices' flags or a reducer (a user's may sum): torch's fused optimizers skip only on
+  // a flag of exactly 1.
+  if (on_device && (found_list.size() != 1 || reducer)) found = found.ne(0).to(at::kFloat);
   StepResult result;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (found.device() != scale_.device()) found = found.to(scale_.device());
-    const double used = loss_scale_.load();
     if (dynamic_) {
       ops::update_scale_(scale_, growth_tracker_, hysteresis_tracker_, found, growth_factor_,
                          backoff_factor_, growth_interval_, hysteresis_, lowest_scale_,
                          max_loss_scale_);
     }
-    // The one device->host copy of the step: overflow flag and new scale together.
-    const at::Tensor status = at::cat({found.reshape({1}), scale_.reshape({1})}).to(at::kCPU);
-    const float* s = status.const_data_ptr<float>();
-    result.skipped = s[0] != 0.0f;
-    result.loss_scale = s[1];
-    loss_scale_ = s[1];
-    last_step_skipped_ = result.skipped;
-    if (result.skipped) {
-      ++skipped_steps_;
-      // At the bottom already: a fixed scale, or a dynamic one that cannot back off further
-      // (min_loss_scale or the floor). Skips there can only repeat: count them for the error.
-      const bool at_bottom = !dynamic_ || used <= lowest_scale_;
-      floor_skips_ = at_bottom ? floor_skips_ + 1 : 0;
+    // Earlier results first (in step order), then this step's: overflow flag and new scale
+    // together, waited for only when the host skips the step itself.
+    settle_locked(/*wait=*/false);
+    statuses_->push(at::cat({found.reshape({1}), scale_.reshape({1})}));
+    // Bounded: a host running far ahead of its device waits for its oldest results.
+    constexpr size_t kMaxQueued = 64;
+    while (statuses_->size() > kMaxQueued) settle_one_locked(/*wait=*/true);
+    if (!on_device) {
+      settle_locked(/*wait=*/true);
+      result.skipped = last_step_skipped_;
     } else {
-      floor_skips_ = 0;
+      result.found_inf = found;
     }
+    result.loss_scale = loss_scale_;
     result.floor_skips = floor_skips_;
-  }
-  if (result.skipped && verbosity_ >= 1) {
-    if (dynamic_) {
-      std::cerr << "Gradient overflow. Skipping step, loss scaler " << loss_id_
-                << " reducing loss scale to " << number_name(result.loss_scale) << std::endl;
-    } else {
-      std::cerr << "Gradient overflow. Skipping step, loss scaler " << loss_id_
-                << " keeping its fixed loss scale " << number_name(result.loss_scale) << std::endl;
-    }
+    result.floor_limit = floor_limit_;
+    floor_limit_ = false;
   }
   return result;
+}
+
+void LossScaler::settle_locked(bool wait) const {
+  while (settle_one_locked(wait)) {
+  }
+}
+
+bool LossScaler::settle_one_locked(bool wait) const {
+  const std::optional<detail::StepStatus> status = statuses_->pop(wait);
+  if (!status) return false;
+  const double used = loss_scale_;
+  const bool skipped = status->found_inf != 0.0f;
+  loss_scale_ = status->scale;
+  last_step_skipped_ = skipped;
+  if (skipped) {
+    ++skipped_steps_;
+    // At the bottom already: a fixed scale, or a dynamic one that cannot back off further
+    // (min_loss_scale or the floor). Skips there can only repeat: count them for the error.
+    const bool at_bottom = !dynamic_ || used <= lowest_scale_;
+    floor_skips_ = at_bottom ? floor_skips_ + 1 : 0;
+    if (floor_skips_ > 0 && floor_skips_ % kFloorSkipLimit == 0) floor_limit_ = true;
+  } else {
+    floor_skips_ = 0;
+  }
+  if (skipped && verbosity_ >= 1) {
+    if (dynamic_) {
+      std::cerr << "Gradient overflow. Skipping step, loss scaler " << loss_id_
+                << " reducing loss scale to " << number_name(loss_scale_) << std::endl;
+    } else {
+      std::cerr << "Gradient overflow. Skipping step, loss scaler " << loss_id_
+                << " keeping its fixed loss scale " << number_name(loss_scale_) << std::endl;
+    }
+  }
+  return true;
 }
 
 void LossScaler::reduce_found_inf(const FoundInfReducer& reducer, at::Tensor& found) const {

@@ -73,11 +73,12 @@ void LossScaler::check_state(const StateDict& from, const std::string& prefix) c
 void LossScaler::save(StateDict& into, const std::string& prefix) const {
   auto cpu = [](const at::Tensor& t) { return t.detach().to(at::kCPU).clone().reshape({}); };
   std::lock_guard<std::mutex> lock(mutex_);
+  settle_locked(/*wait=*/true);
   into.insert(prefix + "scale", cpu(scale_));
   into.insert(prefix + "growth_tracker", cpu(growth_tracker_));
   into.insert(prefix + "hysteresis", cpu(hysteresis_tracker_));
-  into.insert(prefix + "skipped", at::scalar_tensor(skipped_steps_.load(), at::kLong));
-  into.insert(prefix + "floor_skips", at::scalar_tensor(floor_skips_.load(), at::kLong));
+  into.insert(prefix + "skipped", at::scalar_tensor(skipped_steps_, at::kLong));
+  into.insert(prefix + "floor_skips", at::scalar_tensor(floor_skips_, at::kLong));
 }
 
 void LossScaler::load(const StateDict& from, const std::string& prefix) {
@@ -85,6 +86,8 @@ void LossScaler::load(const StateDict& from, const std::string& prefix) {
   auto get = [&](const char* name) { return from.at(prefix + name).to(at::kCPU).reshape({}); };
   const at::Tensor scale = get("scale");
   std::lock_guard<std::mutex> lock(mutex_);
+  settle_locked(/*wait=*/true);  // results of earlier steps must not land on the loaded state
+  floor_limit_ = false;
   scale_.copy_(scale);
   growth_tracker_.copy_(get("growth_tracker"));
   hysteresis_tracker_.copy_(get("hysteresis"));

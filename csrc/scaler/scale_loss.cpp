@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "optamp/core.h"
+#include "optamp/fused_optimizers.h"
 #include "scaler/scale_loss_core.h"
 
 namespace amp {
@@ -49,6 +50,21 @@ void collect_params(const std::vector<torch::optim::Optimizer*>& optimizers,
   }
 }
 
+// When every optimizer skips on the device (amp::FusedAdam, ...), the guard hands them its
+// overflow flag instead of waiting for it. One that does not makes the whole guard wait, since
+// that optimizer's skip needs the flag on the host anyway.
+core::DeviceSkip device_skip_of(const std::vector<torch::optim::Optimizer*>& optimizers) {
+  std::vector<DeviceSkippingOptimizer*> skipping;
+  for (auto* o : optimizers) {
+    auto* d = dynamic_cast<DeviceSkippingOptimizer*>(o);
+    if (!d) return {};
+    skipping.push_back(d);
+  }
+  return [skipping](const at::Tensor& found_inf) {
+    for (auto* d : skipping) d->add_found_inf(found_inf);
+  };
+}
+
 }  // namespace
 
 ScaledLoss scale_loss(const at::Tensor& loss,
@@ -64,7 +80,8 @@ ScaledLoss scale_loss(const at::Tensor& loss,
                                                   : "optimizers[" + std::to_string(k) + "]");
   }
   core::check_optimizers_allowed(identities, descriptions);
-  return core::scale_loss(loss, std::move(params), std::move(labels), options, "optimizer");
+  return core::scale_loss(loss, std::move(params), std::move(labels), options, "optimizer",
+                          device_skip_of(optimizers));
 }
 
 namespace {

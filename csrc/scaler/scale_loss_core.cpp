@@ -99,6 +99,7 @@ std::optional<std::string> model_name(const at::Tensor& p) {
 struct ScaleLossState {
   std::shared_ptr<LossScaler> scaler;
   ScaleLossOptions options;
+  core::DeviceSkip device_skip;  // set: the optimizers skip on the device
   at::Tensor scaled_loss;
   at::Tensor inv_scale;  // 1/scale the loss was multiplied by (unscaling uses this, see below)
   // False once the guard has finished: a backward through scaled_loss then raises (its
@@ -157,6 +158,31 @@ void release_active(ScaleLossState& s) {
   for (const auto& p : s.params) b.active.erase(p.unsafeGetTensorImpl());
 }
 
+// The error after kFloorSkipLimit consecutive skips at the minimum scale. Only now: a
+// per-parameter check of this step's gradients (one sync per gradient) names the culprits.
+std::string floor_message(const ScaleLossState& s, const LossScaler& scaler,
+                          const LossScaler::StepResult& result, const std::vector<at::Tensor>& grads,
+                          const std::vector<size_t>& grad_param) {
+  std::ostringstream names;
+  int count = 0;
+  for (size_t k = 0; k < grads.size(); ++k) {
+    if (!at::isfinite(grads[k]).all().item<bool>()) {
+      names << (count++ ? ", " : "") << describe_param(s, grad_param[k]);
+    }
+  }
+  std::ostringstream msg;
+  const char* bottom = !scaler.dynamic()                                 ? "its fixed loss scale"
+                       : scaler.lowest_scale() > LossScaler::kScaleFloor ? "min_loss_scale"
+                                                                         : "the scale floor";
+  msg << "amp: loss scaler " << scaler.loss_id() << " skipped " << result.floor_skips
+      << " consecutive steps at " << bottom << " (" << result.loss_scale
+      << ") because of non-finite gradients; the model diverged"
+      << (scaler.dynamic() ? " or min_loss_scale is too high" : "")
+      << ". Parameters with non-finite gradients in the last step: "
+      << (count ? names.str() : std::string("(none: the stashed gradients overflowed)"));
+  return msg.str();
+}
+
 void finish_normally(ScaleLossState& s) {
   if (s.options.delay_unscale) return;  // grads stay scaled; the records carry the stashes
   LossScaler& scaler = *s.scaler;
@@ -196,8 +222,10 @@ void finish_normally(ScaleLossState& s) {
   LossScaler::check_gradients(grads, stashes);  // bad gradients: an error, nothing changed
   LossScaler::StepResult result;
   try {
-    // Unscale with this guard's own 1/scale and overflow flag; the step's only device->host sync.
-    result = scaler.finish_step(grads, stashes, s.inv_scale);
+    // Unscale with this guard's own 1/scale and overflow flag; the step's only device->host sync,
+    // none when the optimizers skip on the device.
+    result = scaler.finish_step(grads, stashes, s.inv_scale,
+                                /*on_device=*/static_cast<bool>(s.device_skip));
   } catch (...) {
     // A found_inf reducer failed (e.g. a collective timed out), or the unscale itself: whether
     // this or another rank overflowed is unknown, so this step is skipped as on an overflow, and
@@ -208,34 +236,14 @@ void finish_normally(ScaleLossState& s) {
   }
   settle_book(result.skipped);
   s.skipped = result.skipped;
-
-  std::string floor_error;
+  const std::string floor_error =
+      result.floor_limit ? floor_message(s, scaler, result, grads, grad_param) : std::string();
   if (result.skipped) {
-    if (result.floor_skips > 0 && result.floor_skips % LossScaler::kFloorSkipLimit == 0) {
-      // Only now: a per-parameter check (one sync per gradient) to name the culprits.
-      std::ostringstream names;
-      int count = 0;
-      for (size_t k = 0; k < grads.size(); ++k) {
-        if (!at::isfinite(grads[k]).all().item<bool>()) {
-          names << (count++ ? ", " : "") << describe_param(s, grad_param[k]);
-        }
-      }
-      std::ostringstream msg;
-      const char* bottom = !scaler.dynamic() ? "its fixed loss scale"
-                           : scaler.lowest_scale() > LossScaler::kScaleFloor ? "min_loss_scale"
-                                                                             : "the scale floor";
-      msg << "amp: loss scaler " << scaler.loss_id() << " skipped " << result.floor_skips
-          << " consecutive steps at " << bottom << " (" << result.loss_scale
-          << ") because of non-finite gradients; the model diverged"
-          << (scaler.dynamic() ? " or min_loss_scale is too high" : "")
-          << ". Parameters with non-finite gradients in the last step: "
-          << (count ? names.str() : std::string("(none: the stashed gradients overflowed)"));
-      floor_error = msg.str();
-    }
     for (auto& p : s.params) p.mutable_grad() = at::Tensor();
   } else {
     for (auto& [i, stash] : stash_only) s.params[i].mutable_grad() = stash;
   }
+  if (result.found_inf.defined()) s.device_skip(result.found_inf);
   notify_weights_may_change();
   TORCH_CHECK(floor_error.empty(), floor_error);
 }
@@ -325,7 +333,7 @@ bool finish(ScaledLoss& guard, bool unwinding) {
 
 ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
                       std::vector<std::string> labels, ScaleLossOptions options,
-                      const char* owner_kind) {
+                      const char* owner_kind, DeviceSkip device_skip) {
   std::shared_ptr<LossScaler> scaler_ptr = loss_scaler_ptr(options.loss_id);  // configured? id?
   LossScaler& scaler = *scaler_ptr;
   TORCH_CHECK_VALUE(loss.defined(), "loss must be a defined tensor, got an undefined tensor");
@@ -361,6 +369,7 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
   }
   s->scaler = scaler_ptr;
   s->options = options;
+  s->device_skip = std::move(device_skip);
   s->uncaught_at_entry = std::uncaught_exceptions();
 
   auto& b = book();

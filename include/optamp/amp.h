@@ -8,6 +8,7 @@
 
 #include "optamp/autocast.h"
 #include "optamp/cast_cache.h"
+#include "optamp/fused_optimizers.h"
 #include "optamp/initialize.h"
 #include "optamp/loss_scaler.h"
 #include "optamp/opt_level.h"

@@ -8,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,15 +62,23 @@ OPTAMP_API std::shared_ptr<LossScaler> loss_scaler_ptr(int loss_id);
 OPTAMP_API void check_optimizers_allowed(const std::vector<const void*>& identities,
                                          const std::vector<std::string>& descriptions);
 
+// Where a guard sends its overflow flag when the optimizers skip on the device (torch's fused
+// Adam/AdamW/SGD, amp::FusedAdam): found_inf is a one-element float32 tensor, 0 or 1, on the
+// scale's device. Called once per non-delayed finish of a scaler that checks for overflow.
+using DeviceSkip = std::function<void(const at::Tensor& found_inf)>;
+
 // amp::scale_loss over an explicit parameter list. labels[i] names params[i] in error messages
 // (may be empty: then "param <i>"); owner_kind says what the parameters came from ("optimizer").
+// With `device_skip`, finishing waits for nothing and resets no gradient: the flag goes to
+// device_skip and the optimizer skips on the device. Without it, finishing waits for the flag
+// (one device->host sync) and resets the gradients after an overflow.
 // Throws on bad input with nothing changed.
 OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
                                  std::vector<std::string> labels, ScaleLossOptions options,
-                                 const char* owner_kind);
+                                 const char* owner_kind, DeviceSkip device_skip = {});
 // Ends a guard explicitly (a Python context manager's __exit__). `unwinding`: an exception is in
 // flight (restore, don't throw). Idempotent. Returns whether this guard's step overflowed (its
-// grads were reset).
+// grads were reset); always false for a guard with a DeviceSkip (the host does not know yet).
 OPTAMP_API bool finish(ScaledLoss& guard, bool unwinding);
 
 }  // namespace amp::core

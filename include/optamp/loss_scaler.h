@@ -2,16 +2,18 @@
 // Dynamic (or fixed) loss scaling: one LossScaler per loss (Properties::num_losses).
 //
 // The scale, growth tracker and hysteresis tracker live as tensors on the device of the losses
-// they scale (moved there on first use). A step costs at most one device->host copy: after the
-// fused unscale + non-finite check and the on-device scale update, the overflow flag and the
-// new scale come back together. The host accessors below read the values of that copy and never
-// synchronize on their own. See docs/loss_scaling.md.
+// they scale (moved there on first use). After the fused unscale + non-finite check and the
+// on-device scale update, the overflow flag and the new scale travel back to the host together,
+// without waiting. A step waits for them (the step's one device->host sync) only when the host
+// must skip the step itself; with an optimizer that skips on the device (finish_step with
+// on_device) nothing waits, and the host accessors below wait for the values when they are
+// read. See docs/loss_scaling.md.
 
 #include <ATen/core/Tensor.h>
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -22,6 +24,9 @@
 namespace amp {
 
 class StateDict;
+namespace detail {
+class StepStatusQueue;
+}  // namespace detail
 
 class OPTAMP_API LossScaler {
  public:
@@ -41,19 +46,22 @@ class OPTAMP_API LossScaler {
   LossScaler(const Properties& props, int loss_id);
   LossScaler(const LossScaler&) = delete;
   LossScaler& operator=(const LossScaler&) = delete;
+  ~LossScaler();
 
   int loss_id() const { return loss_id_; }
   bool dynamic() const { return dynamic_; }
   // Whether steps are checked for inf/NaN: always with a dynamic scale; with a fixed one unless
   // Properties::overflow_check is false (Apex's behaviour) or amp is disabled.
   bool checks_overflow() const { return checks_; }
-  // The scale after the last update (host copy; no sync).
-  double loss_scale() const { return loss_scale_.load(); }
-  bool last_step_skipped() const { return last_step_skipped_.load(); }
+  // The host accessors: each first waits for the results of steps that skipped on the device
+  // and have not reached the host yet (a device->host sync, only then).
+  // The scale after the last update.
+  double loss_scale() const;
+  bool last_step_skipped() const;
   // Total number of skipped (overflowing) steps.
-  int64_t skipped_steps() const { return skipped_steps_.load(); }
+  int64_t skipped_steps() const;
   // Consecutive skipped steps taken at the minimum scale (see kFloorSkipLimit).
-  int64_t floor_skips() const { return floor_skips_.load(); }
+  int64_t floor_skips() const;
   // The lowest scale this scaler can reach: max(min_loss_scale, kScaleFloor).
   double lowest_scale() const { return lowest_scale_; }
   // The hysteresis setting: overflowing steps tolerated before a backoff (the tracker's start).
@@ -79,14 +87,24 @@ class OPTAMP_API LossScaler {
   };
   ScaledLossValue scale_for_step(const at::Tensor& loss);
   struct StepResult {
-    bool skipped = false;   // inf/NaN found: the caller must not step
-    double loss_scale = 1;  // the scale after this step's update
+    // inf/NaN found: the caller must not step. Always false for a step finished on_device.
+    bool skipped = false;
+    double loss_scale = 1;  // the scale after the last update the host knows of
     int64_t floor_skips = 0;
+    // The skips at the minimum scale reached a multiple of kFloorSkipLimit with this step (or,
+    // on_device, with an earlier step whose result arrived now).
+    bool floor_limit = false;
+    // on_device: the step's overflow flag (one-element float32 on the scale's device, exactly 0
+    // or 1, the found_inf torch's fused optimizers take); undefined when the scaler checks nothing.
+    at::Tensor found_inf;
   };
   // Unscales grads with `inv_scale` (see unscale() for `stashed`), checks for inf/NaN and updates
-  // the scale: the step's one device->host sync (none when the scaler checks nothing).
+  // the scale. Without `on_device`, waits for the overflow flag (the step's one device->host sync;
+  // none when the scaler checks nothing). With it, nothing waits: the caller's optimizer skips on
+  // the device with result.found_inf, and the host learns the outcome later.
   StepResult finish_step(const std::vector<at::Tensor>& grads,
-                         const std::vector<at::Tensor>& stashed, const at::Tensor& inv_scale);
+                         const std::vector<at::Tensor>& stashed, const at::Tensor& inv_scale,
+                         bool on_device = false);
 
   // --- the same step in two calls (one thread at a time): unscale any number of times, then
   // update() once. -------------------------------------------------------------------------------
@@ -131,9 +149,14 @@ class OPTAMP_API LossScaler {
   using DeviceFlags = std::vector<std::pair<c10::Device, at::Tensor>>;
   at::Tensor inverse_scale() const;
   void unscale_into(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& stashed,
-                    const at::Tensor& inv_scale, DeviceFlags& found) const;
-  StepResult update_from(DeviceFlags found);
+                    const at::Tensor& inv_scale, DeviceFlags& found, bool check_stash) const;
+  StepResult update_from(DeviceFlags found, bool on_device);
   void reduce_found_inf(const FoundInfReducer& reducer, at::Tensor& found) const;
+  // Applies the queued step results to the host counters, in step order: those that have arrived,
+  // or (wait) all of them. Callers hold mutex_.
+  void settle_locked(bool wait) const;
+  bool settle_one_locked(bool wait) const;
+  void settle() const;
 
   int loss_id_;
   bool dynamic_, checks_;
@@ -153,10 +176,14 @@ class OPTAMP_API LossScaler {
   bool pending_ = false;
   FoundInfReducer found_inf_reducer_;
 
-  std::atomic<double> loss_scale_;
-  std::atomic<bool> last_step_skipped_{false};
-  std::atomic<int64_t> skipped_steps_{0};
-  std::atomic<int64_t> floor_skips_{0};
+  // Step results on their way to the host, and the host counters they update (mutable: the const
+  // accessors settle the queue first). Guarded by mutex_.
+  std::unique_ptr<detail::StepStatusQueue> statuses_;
+  mutable double loss_scale_;
+  mutable bool last_step_skipped_ = false;
+  mutable int64_t skipped_steps_ = 0;
+  mutable int64_t floor_skips_ = 0;
+  mutable bool floor_limit_ = false;  // set by settling, taken by the step that reports it
 };
 
 // The scaler of `loss_id`. Throws when loss scaling is not configured (amp::initialize has not

@@ -3,7 +3,6 @@
 // and on CUDA; the table covers exactly the policy table's entries. Also the policies each rule
 // set applies (docs/casting.md).
 #include <ATen/ATen.h>
-#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <cstring>
@@ -113,44 +112,6 @@ TEST(CastPolicies, EachRuleSetAppliesItsPolicies) {
   }
 }
 
-// Records the operators ("aten::op" / "aten::op.overload") that code dispatches at the top
-// level on this thread, leaving out the calls made inside them.
-class TopLevelOps {
- public:
-  std::vector<std::string> record(const std::function<void()>& fn) {
-    std::vector<std::string> called;
-    sink_ = &called;
-    depth_ = 0;
-    const auto handle = at::addThreadLocalCallback(
-        at::RecordFunctionCallback(&enter, &leave).scopes({at::RecordScope::FUNCTION}));
-    try {
-      fn();
-    } catch (...) {
-      at::removeCallback(handle);
-      sink_ = nullptr;
-      throw;
-    }
-    at::removeCallback(handle);
-    sink_ = nullptr;
-    return called;
-  }
-
- private:
-  static std::unique_ptr<at::ObserverContext> enter(const at::RecordFunction& fn) {
-    if (depth_++ == 0 && sink_ != nullptr) {
-      if (auto op = fn.operator_name()) {
-        sink_->push_back(op->overload_name.empty() ? op->name : op->name + "." + op->overload_name);
-      }
-    }
-    return nullptr;
-  }
-  static void leave(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) { --depth_; }
-  static thread_local std::vector<std::string>* sink_;
-  static thread_local int depth_;
-};
-thread_local std::vector<std::string>* TopLevelOps::sink_ = nullptr;
-thread_local int TopLevelOps::depth_ = 0;
-
 // The mechanical cross-check of tests/op_cases.txt against the policy table: every entry (except
 // the banned one, BannedOpSaysWhatToUseInstead) has a case of its name under its policy, that
 // case really dispatches that overload, and no case names something not in the table.
@@ -190,7 +151,7 @@ TEST_F(Casting, EveryTableEntryHasACaseThatCallsIt) {
       continue;
     }
     const auto called =
-        TopLevelOps().record([&] { run_case(*found, detail::level_low_dtype(), at::kCPU); });
+        top_level_ops([&] { run_case(*found, detail::level_low_dtype(), at::kCPU); });
     std::string seen;
     for (const auto& op : called) seen += " " + op;
     EXPECT_NE(std::find(called.begin(), called.end(), "aten::" + name), called.end())

@@ -1,5 +1,6 @@
 #include "test_util.h"
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
 #include <fstream>
@@ -59,6 +60,41 @@ Tolerance tolerance(at::ScalarType dtype) {
          << "not close (rtol=" << tol.rtol << ", atol=" << tol.atol << "): at flat index " << worst
          << " actual " << a.flatten()[worst].item<double>() << " expected "
          << e.flatten()[worst].item<double>();
+}
+
+namespace {
+
+thread_local std::vector<std::string>* top_level_sink = nullptr;
+thread_local int call_depth = 0;
+
+std::unique_ptr<at::ObserverContext> enter_op(const at::RecordFunction& fn) {
+  if (call_depth++ == 0 && top_level_sink != nullptr) {
+    if (auto op = fn.operator_name()) {
+      top_level_sink->push_back(op->overload_name.empty() ? op->name
+                                                          : op->name + "." + op->overload_name);
+    }
+  }
+  return nullptr;
+}
+void leave_op(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) { --call_depth; }
+
+}  // namespace
+
+std::vector<std::string> top_level_ops(const std::function<void()>& fn) {
+  std::vector<std::string> called;
+  top_level_sink = &called;
+  call_depth = 0;
+  const auto handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(&enter_op, &leave_op).scopes({at::RecordScope::FUNCTION}));
+  struct Remove {
+    at::CallbackHandle handle;
+    ~Remove() {
+      at::removeCallback(handle);
+      top_level_sink = nullptr;
+    }
+  } remove{handle};
+  fn();
+  return called;
 }
 
 }  // namespace amp::testing

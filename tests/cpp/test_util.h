@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -22,6 +23,11 @@ Tolerance tolerance(at::ScalarType dtype);
 // EXPECT-style closeness with the table's tolerance for `dtype`; reports the worst element.
 ::testing::AssertionResult all_close(const at::Tensor& actual, const at::Tensor& expected,
                                      Tolerance tol);
+
+// The operators ("aten::op" / "aten::op.overload") that fn dispatches at the top level on this
+// thread, leaving out the calls made inside them (a CPU kernel reading a CPU tensor is no sync;
+// host code calling aten::_local_scalar_dense is one on a GPU).
+std::vector<std::string> top_level_ops(const std::function<void()>& fn);
 
 }  // namespace amp::testing
 

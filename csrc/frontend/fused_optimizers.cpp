@@ -1,0 +1,175 @@
+// amp::FusedAdam / FusedAdamW: torch::optim's Adam and AdamW stepped by torch's fused kernels,
+// which take the loss scaler's overflow flag and skip on the device (optamp/fused_optimizers.h).
+#include "optamp/fused_optimizers.h"
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+namespace amp {
+
+void DeviceSkippingOptimizer::add_found_inf(const at::Tensor& found_inf) {
+  TORCH_CHECK_VALUE(found_inf.defined() && found_inf.numel() == 1 &&
+                        found_inf.scalar_type() == at::kFloat,
+                    "found_inf must be a one-element float32 tensor, got ",
+                    found_inf.defined() ? found_inf.toString() : std::string("an undefined tensor"));
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!found_inf_.defined()) {
+    found_inf_ = found_inf.reshape({});
+  } else {
+    found_inf_ = at::maximum(found_inf_, found_inf.to(found_inf_.device()).reshape({}));
+  }
+}
+
+at::Tensor DeviceSkippingOptimizer::take_found_inf() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::exchange(found_inf_, at::Tensor());
+}
+
+namespace {
+
+using StateMap = ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>>;
+
+// The tensors of one fused launch: the kernels take one device and one dtype per call.
+struct Bucket {
+  c10::Device device;
+  at::ScalarType dtype;
+  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+};
+
+Bucket& bucket_for(std::vector<Bucket>& buckets, const at::Tensor& p) {
+  for (auto& b : buckets)
+    if (b.device == p.device() && b.dtype == p.scalar_type()) return b;
+  return buckets.emplace_back(Bucket{p.device(), p.scalar_type(), {}, {}, {}, {}, {}, {}});
+}
+
+// The parameter's state, created as torch::optim::Adam creates it.
+template <typename State>
+State& state_of(StateMap& state, const at::Tensor& p, bool amsgrad) {
+  auto it = state.find(p.unsafeGetTensorImpl());
+  if (it == state.end()) {
+    auto fresh = std::make_unique<State>();
+    fresh->step(0);
+    fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+    fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+    if (amsgrad) fresh->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+    it = state.emplace(p.unsafeGetTensorImpl(), std::move(fresh)).first;
+  }
+  return static_cast<State&>(*it->second);
+}
+
+// The step count the kernel reads: a float32 0-dim tensor on the parameter's device, started from
+// the host count (a fresh state, or one loaded from a checkpoint).
+at::Tensor& device_step(detail::DeviceSteps& steps, const at::Tensor& p, int64_t host_step) {
+  at::Tensor& t = steps[p.unsafeGetTensorImpl()];
+  if (!t.defined() || t.device() != p.device()) {
+    t = at::full({}, static_cast<double>(host_step), at::TensorOptions(at::kFloat).device(p.device()));
+  }
+  return t;
+}
+
+template <typename Options, typename State>
+void fused_step(std::vector<torch::optim::OptimizerParamGroup>& groups, StateMap& state,
+                detail::DeviceSteps& steps, const at::Tensor& found_inf, bool decoupled) {
+  for (auto& group : groups) {
+    const auto& o = static_cast<const Options&>(group.options());
+    std::vector<Bucket> buckets;
+    for (const auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      TORCH_CHECK_VALUE(!p.grad().is_sparse(), decoupled ? "FusedAdamW" : "FusedAdam",
+                        " needs dense gradients, got a sparse one for a parameter of shape ",
+                        p.sizes());
+      State& s = state_of<State>(state, p, o.amsgrad());
+      Bucket& b = bucket_for(buckets, p);
+      b.params.push_back(p);
+      b.grads.push_back(p.grad());
+      b.exp_avgs.push_back(s.exp_avg());
+      b.exp_avg_sqs.push_back(s.exp_avg_sq());
+      if (o.amsgrad()) b.max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
+      b.steps.push_back(device_step(steps, p, s.step()));
+    }
+    const auto [beta1, beta2] = o.betas();
+    for (auto& b : buckets) {
+      std::optional<at::Tensor> found;
+      if (found_inf.defined()) {
+        found = found_inf.device() == b.device ? found_inf
+                                               : found_inf.to(b.device, /*non_blocking=*/true);
+      }
+      at::_foreach_add_(b.steps, 1);
+      if (decoupled) {
+        at::_fused_adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps,
+                          o.lr(), beta1, beta2, o.weight_decay(), o.eps(), o.amsgrad(),
+                          /*maximize=*/false, /*grad_scale=*/std::nullopt, found);
+      } else {
+        at::_fused_adam_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps,
+                         o.lr(), beta1, beta2, o.weight_decay(), o.eps(), o.amsgrad(),
+                         /*maximize=*/false, /*grad_scale=*/std::nullopt, found);
+      }
+      // A skipped step does not count (the kernel left everything else as it was).
+      if (found) at::_foreach_add_(b.steps, *found, -1);
+    }
+  }
+}
+
+// Brings the host's AdamParamState::step up to date from the device counts (one copy).
+template <typename State>
+void settle_steps(const StateMap& state, const detail::DeviceSteps& steps) {
+  std::vector<std::pair<State*, at::Tensor>> live;
+  for (const auto& [impl, t] : steps) {
+    auto it = state.find(impl);
+    if (it != state.end()) live.emplace_back(static_cast<State*>(it->second.get()), t);
+  }
+  if (live.empty()) return;
+  std::vector<at::Tensor> counts;
+  for (const auto& [s, t] : live) counts.push_back(t.to(at::kCPU).reshape({1}));
+  const at::Tensor host = at::cat(counts);
+  const float* values = host.const_data_ptr<float>();
+  for (size_t i = 0; i < live.size(); ++i) live[i].first->step(static_cast<int64_t>(values[i]));
+}
+
+template <typename Step>
+torch::Tensor run_step(const torch::optim::Optimizer::LossClosure& closure, Step&& step) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  step();
+  return loss;
+}
+
+}  // namespace
+
+torch::Tensor FusedAdam::step(LossClosure closure) {
+  return run_step(closure, [this] {
+    fused_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
+        param_groups_, state_, steps_, take_found_inf(), /*decoupled=*/false);
+  });
+}
+void FusedAdam::save(torch::serialize::OutputArchive& archive) const {
+  settle_steps<torch::optim::AdamParamState>(state_, steps_);
+  torch::optim::Adam::save(archive);
+}
+void FusedAdam::load(torch::serialize::InputArchive& archive) {
+  torch::optim::Adam::load(archive);
+  steps_.clear();  // the loaded host counts start the device counts again
+}
+
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  return run_step(closure, [this] {
+    fused_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+        param_groups_, state_, steps_, take_found_inf(), /*decoupled=*/true);
+  });
+}
+void FusedAdamW::save(torch::serialize::OutputArchive& archive) const {
+  settle_steps<torch::optim::AdamWParamState>(state_, steps_);
+  torch::optim::AdamW::save(archive);
+}
+void FusedAdamW::load(torch::serialize::InputArchive& archive) {
+  torch::optim::AdamW::load(archive);
+  steps_.clear();
+}
+
+}  // namespace amp

@@ -1,0 +1,51 @@
+// StepStatusQueue: queued device->host copies of loss-scaler step results (see step_status.h).
+#include "scaler/step_status.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <atomic>
+
+namespace amp::detail {
+namespace {
+
+std::atomic<int64_t> waits{0};
+
+}  // namespace
+
+int64_t status_waits() { return waits.load(); }
+
+void StepStatusQueue::push(const at::Tensor& status) {
+  Entry entry;
+  const c10::Device device = status.device();
+  if (device.is_cpu()) {
+    entry.host = status;  // already host memory; nothing to wait for
+  } else if (device.is_cuda()) {
+    // Pinned memory makes the copy truly asynchronous; the event says when it has landed.
+    entry.host = at::empty({2}, at::TensorOptions(at::kFloat).pinned_memory(true));
+    entry.host.copy_(status, /*non_blocking=*/true);
+    c10::Event copied(device.type());
+    copied.record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+    entry.copied.emplace(std::move(copied));
+  } else {
+    entry.host = status.to(at::kCPU);  // a backend without events: a plain (waiting) copy
+  }
+  entries_.push_back(std::move(entry));
+}
+
+std::optional<StepStatus> StepStatusQueue::pop(bool wait) {
+  if (entries_.empty()) return std::nullopt;
+  Entry& front = entries_.front();
+  if (wait) {
+    ++waits;
+    if (front.copied) front.copied->synchronize();
+  } else if (front.copied && !front.copied->query()) {
+    return std::nullopt;
+  }
+  const float* values = front.host.const_data_ptr<float>();
+  const StepStatus status{values[0], values[1]};
+  entries_.pop_front();
+  return status;
+}
+
+}  // namespace amp::detail

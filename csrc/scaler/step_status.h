@@ -1,0 +1,49 @@
+#pragma once
+// Internal: the results of loss-scaler steps on their way from the device to the host.
+//
+// A step's result (overflow flag and new scale, computed on the scale's device) is needed on the
+// host only for the counters, the log line and the host-side skip. Reading it at once costs a
+// device->host synchronization per step, which is what keeps a GPU step host-bound. So each step
+// queues its result: a non-blocking copy into pinned host memory plus an event recorded after
+// it. Later steps take what has arrived without waiting (pop(false)); a caller that needs a value
+// now waits for it (pop(true)), which is the one place a step synchronizes.
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+
+#include <cstdint>
+#include <deque>
+#include <optional>
+
+namespace amp::detail {
+
+struct StepStatus {
+  float found_inf;  // > 0: the step overflowed
+  float scale;      // the scale after the step's update
+};
+
+class StepStatusQueue {
+ public:
+  // Starts moving `status` (float32 [found_inf, scale], on any device) to the host; never waits.
+  void push(const at::Tensor& status);
+  // The oldest queued status: only once its copy has arrived when `wait` is false (nullopt
+  // otherwise), else waiting for it. nullopt when the queue is empty.
+  std::optional<StepStatus> pop(bool wait);
+  bool empty() const { return entries_.empty(); }
+  size_t size() const { return entries_.size(); }
+  void clear() { entries_.clear(); }
+
+ private:
+  struct Entry {
+    at::Tensor host;                 // CPU float32 [2] (pinned when the source was a CUDA tensor)
+    std::optional<c10::Event> copied;  // recorded after the copy; none: the values are there
+  };
+  std::deque<Entry> entries_;
+};
+
+// How many times a status had to be waited for (pop(true)) in this process: the host reads
+// that a step or an accessor forced. Tests use it to show that a step with a device-skipping
+// optimizer forces none.
+int64_t status_waits();
+
+}  // namespace amp::detail

@@ -1,0 +1,78 @@
+#pragma once
+// Optimizers that skip an overflowing step on the device, so a training step never waits for the
+// GPU (torch.optim's fused=True Adam/AdamW in Python are the same idea; LibTorch's C++ optimizers
+// have no fused form).
+//
+//   amp::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+//   amp::initialize(model, optimizer, "O2");
+//   {
+//     auto scaled = amp::scale_loss(loss, optimizer);
+//     scaled.backward();
+//   }                    // hands the step's overflow flag to the optimizer; reads nothing back
+//   optimizer.step();    // one fused kernel per device and dtype; changes nothing after an overflow
+//
+// With every optimizer of a guard a DeviceSkippingOptimizer, scale_loss neither waits for the
+// overflow flag nor resets gradients: the flag stays on the device and the optimizer's kernel
+// skips the update (parameters, moments and step counts unchanged). The scaler's host accessors
+// (loss_scaler().last_step_skipped(), ...) wait for the flag only when they are called.
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "optamp/export.h"
+
+namespace amp {
+
+// What scale_loss needs from an optimizer to leave the skip on the device.
+class OPTAMP_API DeviceSkippingOptimizer {
+ public:
+  virtual ~DeviceSkippingOptimizer() = default;
+  // A guard's overflow flag (one-element float32, 0 or 1). Flags of several guards before one
+  // step combine: the step is skipped when any of them overflowed.
+  void add_found_inf(const at::Tensor& found_inf);
+  // The combined flag for the step that runs now (undefined: no guard since the last step).
+  at::Tensor take_found_inf();
+
+ private:
+  std::mutex mutex_;
+  at::Tensor found_inf_;
+};
+
+namespace detail {
+// The step counts of a fused Adam(W) as device tensors (the kernel reads them there), keyed by
+// parameter; the host's AdamParamState::step is brought up to date when the optimizer is saved.
+using DeviceSteps = std::unordered_map<c10::TensorImpl*, at::Tensor>;
+}  // namespace detail
+
+// torch::optim::Adam with its update done by torch's fused kernel (at::_fused_adam_), skipped on
+// the device after an overflow. Same options, same state, and checkpoints interchangeable with
+// torch::optim::Adam. AdamParamState::step() on the host is current only after save(); the
+// kernel keeps the count on the parameter's device.
+class OPTAMP_API FusedAdam : public torch::optim::Adam, public DeviceSkippingOptimizer {
+ public:
+  using torch::optim::Adam::Adam;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+ private:
+  mutable detail::DeviceSteps steps_;
+};
+
+// torch::optim::AdamW (decoupled weight decay) the same way, with at::_fused_adamw_.
+class OPTAMP_API FusedAdamW : public torch::optim::AdamW, public DeviceSkippingOptimizer {
+ public:
+  using torch::optim::AdamW::AdamW;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+ private:
+  mutable detail::DeviceSteps steps_;
+};
+
+}  // namespace amp

@@ -1,0 +1,344 @@
+// Steps that never wait for the device: amp::FusedAdam/FusedAdamW against torch::optim's
+// Adam/AdamW, no host read during steps at O1-O5 (and exactly one per step with an optimizer that
+// skips on the host), an injected inf skipped bit-exactly on the device, several guards before
+// one step, checkpoints interchangeable with torch::optim::Adam, the floor error, and the lazy
+// scaler accessors.
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/serialize.h>
+
+#include <algorithm>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "optamp/amp.h"
+#include "scaler/step_status.h"
+#include "test_util.h"
+
+namespace amp {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+struct MlpImpl : torch::nn::Module {
+  torch::nn::Linear fc1{8, 16};
+  torch::nn::LayerNorm ln{torch::nn::LayerNormOptions({16})};
+  torch::nn::Linear fc2{16, 4};
+  MlpImpl() {
+    register_module("fc1", fc1);
+    register_module("ln", ln);
+    register_module("fc2", fc2);
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2(at::relu(ln(fc1(x)))); }
+};
+TORCH_MODULE(Mlp);
+
+at::Tensor batch(int i, const c10::Device& device) {
+  at::manual_seed(100 + i);
+  return at::randn({4, 8}).to(device);
+}
+
+at::Tensor loss_of(Mlp& model, int i, const c10::Device& device) {
+  return model->forward(batch(i, device)).to(at::kFloat).pow(2).mean();
+}
+
+// One training step; `poison` puts an inf into fc1's weight gradient inside the guard.
+void train_step(Mlp& model, torch::optim::Optimizer& opt, int i, const c10::Device& device,
+                bool poison = false) {
+  opt.zero_grad();
+  {
+    auto scaled = scale_loss(loss_of(model, i, device), opt);
+    scaled.backward();
+    if (poison) model->fc1->weight.grad()[0][0] = kInf;
+  }
+  opt.step();
+}
+
+std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.detach().clone());
+  return out;
+}
+
+bool bit_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!at::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+// Every moment tensor of an Adam-family optimizer, in parameter order.
+template <typename State>
+std::vector<at::Tensor> moments(const torch::optim::Optimizer& opt) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : opt.param_groups()[0].params()) {
+    const auto it = opt.state().find(p.unsafeGetTensorImpl());
+    if (it == opt.state().end()) continue;
+    const auto& s = static_cast<const State&>(*it->second);
+    out.push_back(s.exp_avg().clone());
+    out.push_back(s.exp_avg_sq().clone());
+  }
+  return out;
+}
+
+int64_t adam_step_count(const torch::optim::Optimizer& opt) {
+  const auto& p = opt.param_groups()[0].params()[0];
+  return static_cast<const torch::optim::AdamParamState&>(
+             *opt.state().at(p.unsafeGetTensorImpl()))
+      .step();
+}
+
+std::string saved(const torch::optim::Optimizer& opt) {
+  std::ostringstream out;
+  torch::save(opt, out);
+  return out.str();
+}
+
+// The host reads a step makes: top-level aten::_local_scalar_dense / is_nonzero / item calls
+// (each one a device->host sync on a GPU) and waits for a queued scaler result.
+struct HostReads {
+  int64_t scalar_reads = 0;
+  int64_t status_waits = 0;
+};
+template <typename Fn>
+HostReads host_reads_of(Fn&& fn) {
+  const int64_t waits_before = detail::status_waits();
+  HostReads reads;
+  for (const auto& op : testing::top_level_ops(fn)) {
+    reads.scalar_reads += op == "aten::_local_scalar_dense" || op == "aten::is_nonzero" ||
+                          op == "aten::item";
+  }
+  reads.status_waits = detail::status_waits() - waits_before;
+  return reads;
+}
+
+Options quiet() {
+  Options o;
+  o.verbosity = 0;
+  return o;
+}
+
+class DeviceSkip : public ::testing::Test {
+ protected:
+  void SetUp() override { reset(); }
+  void TearDown() override { reset(); }
+};
+
+// ---- the optimizers themselves -------------------------------------------------------------
+
+template <typename Fused, typename Plain, typename Options>
+void expect_same_training(Options options) {
+  at::manual_seed(0);
+  const at::Tensor w0 = at::randn({5, 3}), b0 = at::randn({3});
+  auto make = [&] {
+    return std::vector<at::Tensor>{w0.clone().requires_grad_(), b0.clone().requires_grad_()};
+  };
+  auto fused_params = make(), plain_params = make();
+  Fused fused(fused_params, options);
+  Plain plain(plain_params, options);
+  for (int i = 0; i < 6; ++i) {
+    for (auto* ps : {&fused_params, &plain_params}) {
+      at::manual_seed(i);
+      const at::Tensor x = at::randn({7, 5});
+      x.mm((*ps)[0]).add((*ps)[1]).tanh().pow(2).sum().backward();
+    }
+    fused.step();
+    plain.step();
+    fused.zero_grad();
+    plain.zero_grad();
+  }
+  for (size_t i = 0; i < fused_params.size(); ++i) {
+    EXPECT_TRUE(at::allclose(fused_params[i], plain_params[i], 1e-5, 1e-6))
+        << "param " << i << ": fused " << fused_params[i] << " plain " << plain_params[i];
+  }
+  EXPECT_EQ(adam_step_count(plain), 6);
+  EXPECT_EQ(saved(fused).empty(), false);
+  EXPECT_EQ(adam_step_count(fused), 6) << "save() brings the host step count up to date";
+}
+
+TEST_F(DeviceSkip, FusedAdamTrainsLikeAdam) {
+  expect_same_training<FusedAdam, torch::optim::Adam>(
+      torch::optim::AdamOptions(1e-2).weight_decay(0.1));
+  expect_same_training<FusedAdam, torch::optim::Adam>(torch::optim::AdamOptions(1e-2).amsgrad(true));
+}
+
+TEST_F(DeviceSkip, FusedAdamWTrainsLikeAdamW) {
+  expect_same_training<FusedAdamW, torch::optim::AdamW>(torch::optim::AdamWOptions(1e-2));
+  expect_same_training<FusedAdamW, torch::optim::AdamW>(
+      torch::optim::AdamWOptions(1e-2).amsgrad(true).weight_decay(0.3));
+}
+
+TEST_F(DeviceSkip, FoundInfMustBeAOneElementFloatTensor) {
+  FusedAdam opt(std::vector<at::Tensor>{at::zeros({2}, at::requires_grad())});
+  OPTAMP_EXPECT_THROW_WITH(opt.add_found_inf(at::zeros({2})), c10::ValueError,
+                           "found_inf must be a one-element float32 tensor");
+  EXPECT_FALSE(opt.take_found_inf().defined());
+}
+
+// ---- no host read in a step ------------------------------------------------------------------
+
+class DeviceSkipLevels : public testing::OnDevices<DeviceSkip, const char*> {};
+
+TEST_P(DeviceSkipLevels, StepsReadNothingOnTheHostWithAFusedOptimizer) {
+  const c10::Device device(this->device());
+  Mlp model;
+  model->to(device);
+  FusedAdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-4));
+  initialize(model, opt, param(), quiet());
+  train_step(model, opt, 0, device);  // first step: state and caches get created
+  const HostReads reads = host_reads_of([&] {
+    for (int i = 1; i <= 4; ++i) train_step(model, opt, i, device);
+  });
+  EXPECT_EQ(reads.scalar_reads, 0);
+  EXPECT_EQ(reads.status_waits, 0);
+  // Reading the results afterwards waits for them, then they are right.
+  EXPECT_EQ(loss_scaler().skipped_steps(), 0);
+  EXPECT_FALSE(loss_scaler().last_step_skipped());
+  EXPECT_EQ(loss_scaler().loss_scale(), loss_scaler().scale_tensor().item<float>());
+}
+
+TEST_P(DeviceSkipLevels, StepsWaitOncePerStepWithAHostSkippingOptimizer) {
+  const c10::Device device(this->device());
+  Mlp model;
+  model->to(device);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-4));
+  initialize(model, opt, param(), quiet());
+  train_step(model, opt, 0, device);
+  const HostReads reads = host_reads_of([&] {
+    for (int i = 1; i <= 4; ++i) train_step(model, opt, i, device);
+  });
+  EXPECT_EQ(reads.scalar_reads, 0);
+  EXPECT_EQ(reads.status_waits, loss_scaler().checks_overflow() ? 4 : 0);
+}
+
+TEST_P(DeviceSkipLevels, InjectedInfIsSkippedOnTheDeviceBitExactly) {
+  const c10::Device device(this->device());
+  Mlp model;
+  model->to(device);
+  FusedAdam opt(model->parameters(), torch::optim::AdamOptions(1e-3).eps(1e-4));
+  initialize(model, opt, param(), quiet());
+  for (int i = 0; i < 2; ++i) train_step(model, opt, i, device);
+  const auto params_before = snapshot(model->parameters());
+  const auto moments_before = moments<torch::optim::AdamParamState>(opt);
+  const double scale_before = loss_scaler().loss_scale();
+  train_step(model, opt, 2, device, /*poison=*/true);
+  EXPECT_TRUE(model->fc1->weight.grad().defined()) << "the device skips; no host reset";
+  EXPECT_TRUE(bit_equal(snapshot(model->parameters()), params_before));
+  EXPECT_TRUE(bit_equal(moments<torch::optim::AdamParamState>(opt), moments_before));
+  EXPECT_TRUE(loss_scaler().last_step_skipped());
+  EXPECT_EQ(loss_scaler().skipped_steps(), 1);
+  EXPECT_EQ(loss_scaler().loss_scale(),
+            loss_scaler().dynamic() ? scale_before / 2 : scale_before);
+  saved(opt);
+  EXPECT_EQ(adam_step_count(opt), 2) << "the skipped step is not counted";
+  train_step(model, opt, 3, device);
+  EXPECT_FALSE(loss_scaler().last_step_skipped());
+  EXPECT_FALSE(bit_equal(snapshot(model->parameters()), params_before));
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, DeviceSkipLevels,
+                         ::testing::Combine(::testing::Values("O1", "O2", "O3", "O4", "O5"),
+                                            testing::kDevices),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param)) +
+                                  testing::device_suffix(std::get<1>(info.param));
+                         });
+
+// ---- several guards, mixed optimizers, checkpoints, the floor ------------------------------
+
+TEST_F(DeviceSkip, AnOverflowInAnyGuardBeforeTheStepSkipsIt) {
+  Mlp model;
+  FusedAdam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
+  initialize(model, opt, "O1", quiet());
+  train_step(model, opt, 0, c10::kCPU);
+  const auto before = snapshot(model->parameters());
+  {
+    auto scaled = scale_loss(loss_of(model, 1, c10::kCPU), opt);
+    scaled.backward();
+    model->fc2->bias.grad()[0] = kInf;
+  }
+  {
+    auto scaled = scale_loss(loss_of(model, 2, c10::kCPU), opt);  // clean: grads accumulate
+    scaled.backward();
+  }
+  opt.step();
+  EXPECT_TRUE(bit_equal(snapshot(model->parameters()), before));
+  EXPECT_EQ(loss_scaler().skipped_steps(), 1);
+  train_step(model, opt, 3, c10::kCPU);
+  EXPECT_FALSE(bit_equal(snapshot(model->parameters()), before)) << "the flag was consumed";
+}
+
+TEST_F(DeviceSkip, AGuardWithAHostSkippingOptimizerWaitsAndResetsGrads) {
+  Mlp model;
+  FusedAdam fused(model->fc1->parameters(), torch::optim::AdamOptions(1e-3));
+  torch::optim::Adam plain(model->fc2->parameters(), torch::optim::AdamOptions(1e-3));
+  std::vector<torch::optim::Optimizer*> both{&fused, &plain};
+  initialize({model}, {fused, plain}, "O1", quiet());
+  const int64_t waits = detail::status_waits();
+  {
+    auto scaled = scale_loss(loss_of(model, 0, c10::kCPU), both);
+    scaled.backward();
+    model->fc1->weight.grad()[0][0] = kInf;
+  }
+  EXPECT_EQ(detail::status_waits() - waits, 1);
+  EXPECT_FALSE(model->fc1->weight.grad().defined()) << "the host skip resets the grads";
+  EXPECT_FALSE(fused.take_found_inf().defined());
+}
+
+TEST_F(DeviceSkip, CheckpointsAreInterchangeableWithTorchAdam) {
+  Mlp model;
+  FusedAdam fused(model->parameters(), torch::optim::AdamOptions(1e-3));
+  initialize(model, fused, "O1", quiet());
+  train_step(model, fused, 0, c10::kCPU);
+  train_step(model, fused, 1, c10::kCPU, /*poison=*/true);
+  train_step(model, fused, 2, c10::kCPU);
+  const std::string archive = saved(fused);
+
+  Mlp other;
+  torch::optim::Adam plain(other->parameters(), torch::optim::AdamOptions(1e-3));
+  std::istringstream in(archive);
+  torch::load(plain, in);
+  EXPECT_EQ(adam_step_count(plain), 2);
+  EXPECT_TRUE(bit_equal(moments<torch::optim::AdamParamState>(plain),
+                        moments<torch::optim::AdamParamState>(fused)));
+
+  // And back: a FusedAdam resumes from the count it loaded.
+  FusedAdam resumed(model->parameters(), torch::optim::AdamOptions(1e-3));
+  std::istringstream again(saved(plain));
+  torch::load(resumed, again);
+  reset();
+  initialize(model, resumed, "O1", quiet());
+  train_step(model, resumed, 3, c10::kCPU);
+  saved(resumed);
+  EXPECT_EQ(adam_step_count(resumed), 3);
+}
+
+TEST_F(DeviceSkip, TheFloorErrorStillNamesTheParameters) {
+  Mlp model;
+  FusedAdam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
+  Options o = quiet();
+  o.min_loss_scale = 65536.0;  // the initial scale: every overflow is at the floor
+  initialize(model, opt, "O1", o);
+  std::string error;
+  int steps = 0;
+  try {
+    for (; steps < LossScaler::kFloorSkipLimit + 2; ++steps) {
+      train_step(model, opt, steps, c10::kCPU, /*poison=*/true);
+    }
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  }
+  // The results reach the host in order; on the CPU at the next step at the latest.
+  EXPECT_GE(steps, LossScaler::kFloorSkipLimit - 1);
+  EXPECT_LE(steps, LossScaler::kFloorSkipLimit);
+  EXPECT_NE(error.find("consecutive steps at min_loss_scale"), std::string::npos) << error;
+  EXPECT_NE(error.find("fc1.weight"), std::string::npos) << error;
+}
+
+}  // namespace
+}  // namespace amp
