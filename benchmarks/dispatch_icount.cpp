@@ -26,6 +26,11 @@
 //               scale_loss's unscale and the outermost autocast exit do once the weights change.
 //   cnn_backward_accum, gpt_backward_accum  the same with the caches kept across iterations, as
 //               between the micro-batches of gradient accumulation (weights unchanged).
+//   gpt_step    a whole training step of that GPT: zero_grad, forward + loss, loss scaling,
+//               backward, amp::FusedAdamW step (skipping on the device: no host read). optamp
+//               modes: scale_loss; native modes: autocast around forward + loss only, then
+//               torch.amp.GradScaler's work for a fused optimizer (scale, fused check/unscale,
+//               found_inf handed to the optimizer, _amp_update_scale_), with the same optimizer.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/nn.h>
@@ -51,9 +56,16 @@ struct Models : torch::nn::Module {
   bench::GPT gpt{bench::GPTOptions{64, 16, 2, 32, 2}};
 };
 
-std::string g_case;
+std::string g_case, g_mode;
 at::Tensor g_a, g_a_bf16, g_b, g_b_bf16, g_images, g_labels, g_tokens;
 Models* g_models = nullptr;
+amp::FusedAdamW* g_optimizer = nullptr;  // gpt_step
+
+// torch.amp.GradScaler's state (init 2^16, growth 2 every 2000 steps, backoff 0.5).
+struct NativeScaler {
+  at::Tensor scale = at::full({}, 65536.0, at::kFloat), growth = at::zeros({}, at::kInt),
+             found_inf = at::zeros({}, at::kFloat);
+} g_native_scaler;
 
 void sink(const at::Tensor& t) { asm volatile("" : : "r"(t.unsafeGetTensorImpl()) : "memory"); }
 
@@ -83,8 +95,57 @@ void call_op() {
   std::exit(2);
 }
 
+bool native_mode() { return g_mode.rfind("native", 0) == 0; }
+
+void optamp_step() {
+  g_optimizer->zero_grad();
+  const at::Tensor loss = loss_of_forward();
+  {
+    auto scaled = amp::scale_loss(loss, *g_optimizer);
+    scaled.backward();
+  }
+  g_optimizer->step();
+}
+
+// torch.autocast around forward + loss, then GradScaler.scale / step / update for a fused
+// optimizer (as torch/amp/grad_scaler.py does for _step_supports_amp_scaling).
+void native_step() {
+  auto& s = g_native_scaler;
+  g_optimizer->zero_grad();
+  at::Tensor loss;
+  at::autocast::set_autocast_enabled(at::kCPU, true);
+  loss = loss_of_forward();
+  at::autocast::set_autocast_enabled(at::kCPU, false);
+  at::autocast::clear_cache();  // torch.autocast's exit
+  (loss * s.scale).backward();
+  std::vector<at::Tensor> grads;
+  for (const auto& p : g_optimizer->param_groups()[0].params())
+    if (p.grad().defined()) grads.push_back(p.grad());
+  s.found_inf.zero_();
+  at::_amp_foreach_non_finite_check_and_unscale_(grads, s.found_inf, s.scale.reciprocal());
+  g_optimizer->add_found_inf(s.found_inf.clone());
+  g_optimizer->step();
+  at::_amp_update_scale_(s.scale, s.growth, s.found_inf, 2.0, 0.5, 2000);
+}
+
+void plain_step() {  // noamp: fp32, no scaling
+  g_optimizer->zero_grad();
+  loss_of_forward().backward();
+  g_optimizer->step();
+}
+
+template <int Tag>
+__attribute__((noipa)) void train_step() {
+  if (g_mode == "noamp") return plain_step();
+  native_mode() ? native_step() : optamp_step();
+}
+
 template <int Tag>
 __attribute__((noipa)) void run(int count) {
+  if (g_case == "gpt_step") {
+    for (int i = 0; i < count; ++i) train_step<Tag>();
+    return;
+  }
   const bool is_backward = g_case.find("_backward") != std::string::npos;
   const bool accumulate = g_case.find("_accum") != std::string::npos;
   for (int i = 0; i < count; ++i) {
@@ -103,6 +164,14 @@ __attribute__((noipa)) void run(int count) {
 }
 
 void initialize(const std::string& mode) {
+  if (g_case == "gpt_step") {
+    g_optimizer =
+        new amp::FusedAdamW(g_models->gpt->parameters(), torch::optim::AdamWOptions(1e-4));
+    if (native_mode()) {  // enabled around each forward (native_step)
+      at::autocast::set_autocast_dtype(at::kCPU, mode == "native" ? at::kBFloat16 : at::kHalf);
+      return;
+    }
+  }
   if (mode == "native" || mode == "native_fp16") {
     at::autocast::set_autocast_enabled(at::kCPU, true);
     at::autocast::set_autocast_dtype(at::kCPU, mode == "native" ? at::kBFloat16 : at::kHalf);
@@ -116,7 +185,11 @@ void initialize(const std::string& mode) {
   if (mode.size() > 6 && mode.substr(mode.size() - 6) == "_torch") {
     quiet.op_lists = amp::OpLists::kTorch;
   }
-  amp::initialize(*g_models, "O" + level, quiet);
+  if (g_optimizer) {
+    amp::initialize(*g_models, *g_optimizer, "O" + level, quiet);
+  } else {
+    amp::initialize(*g_models, "O" + level, quiet);
+  }
 }
 
 }  // namespace
@@ -127,11 +200,12 @@ int main(int argc, char** argv) {
         << "usage: dispatch_icount <noamp|native|native_fp16|optamp_o1|optamp_o2|optamp_o4|"
            "optamp_o5|optamp_o4_torch|optamp_o1_torch> "
            "<relu|mm|mm_param|add_param|add_param_bf16|add_mixed|linear|cnn_backward|gpt_backward|"
-           "cnn_backward_accum|gpt_backward_accum> <n>\n";
+           "cnn_backward_accum|gpt_backward_accum|gpt_step> <n>\n";
     return 2;
   }
   at::manual_seed(0);
   at::set_num_threads(1);
+  g_mode = argv[1];
   g_case = argv[2];
   const int n = std::atoi(argv[3]);
   g_models = new Models();

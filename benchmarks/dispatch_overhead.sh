@@ -9,8 +9,9 @@ cmake "$BUILD" -DOPTAMP_BUILD_BENCHMARKS=ON >/dev/null && cmake --build "$BUILD"
 if [[ "${1:-}" == "--icount" ]]; then
   # Deterministic instruction counts under callgrind (20-60 s per configuration): every op case
   # without amp, with native bf16 autocast and at O4/O5; mm cases in fp16 (native, O1, O2); a
-  # whole backward of the CNN and of a small GPT at O4 and O5. Extra arguments: only those
-  # configurations ("optamp_o5:relu ...").
+  # whole backward of the CNN and of a small GPT at O4 and O5; a whole GPT training step (fused
+  # AdamW) without amp, native fp16/bf16 + GradScaler's work and O1/O2/O4/O5. Extra arguments:
+  # only those configurations ("optamp_o5:relu ...").
   cmake --build "$BUILD" --target dispatch_icount >/dev/null
   shift
   configs=("$@")
@@ -24,6 +25,9 @@ if [[ "${1:-}" == "--icount" ]]; then
     for c in cnn_backward gpt_backward cnn_backward_accum gpt_backward_accum; do
       for m in noamp optamp_o4 optamp_o5; do configs+=("$m:$c"); done
     done
+    for m in noamp native_fp16 optamp_o1 optamp_o2 native optamp_o4 optamp_o5; do
+      configs+=("$m:gpt_step")
+    done
   fi
   ir_of() {  # inclusive Ir of a function in an annotated callgrind output
     grep -F "$2" "$1" | grep -v constprop | head -1 | awk '{gsub(",","",$1); print $1}'
@@ -31,6 +35,7 @@ if [[ "${1:-}" == "--icount" ]]; then
   for cfg in "${configs[@]}"; do
     mode="${cfg%%:*}" case="${cfg##*:}" n=200
     [[ "$case" == *_backward* ]] && n=10
+    [[ "$case" == *_step ]] && n=5
     f="$(mktemp)"
     valgrind --tool=callgrind --callgrind-out-file="$f" "$BUILD/benchmarks/dispatch_icount" \
       "$mode" "$case" "$n" >/dev/null 2>&1

@@ -17,7 +17,7 @@ class GPT2Workload : public bench::Workload {
     return "GPT layers " + std::to_string(opts_.layers) + " d_model " +
            std::to_string(opts_.d_model) + " heads " + std::to_string(opts_.heads) + " vocab " +
            std::to_string(opts_.vocab) + ", batch " + std::to_string(batch_) + " x seq " +
-           std::to_string(opts_.seq) + ", AdamW";
+           std::to_string(opts_.seq) + (fused_ ? ", amp::FusedAdamW" : ", AdamW");
   }
   bool parse_flag(const std::string& f, const std::string& v) override {
     if (f == "--batch")
@@ -50,8 +50,12 @@ class GPT2Workload : public bench::Workload {
     model_ = bench::GPT(opts_);
     model_->to(device);
     model_->train();
-    optimizer_ = std::make_unique<torch::optim::AdamW>(
-        model_->parameters(), torch::optim::AdamWOptions(1e-4).weight_decay(0.01));
+    const auto options = torch::optim::AdamWOptions(1e-4).weight_decay(0.01);
+    if (fused_) {
+      optimizer_ = std::make_unique<amp::FusedAdamW>(model_->parameters(), options);
+    } else {
+      optimizer_ = std::make_unique<torch::optim::AdamW>(model_->parameters(), options);
+    }
     const auto opt = torch::dtype(torch::kLong).device(device);
     tokens_ = torch::randint(opts_.vocab, {batch_, opts_.seq}, opt);
     targets_ = torch::randint(opts_.vocab, {batch_, opts_.seq}, opt);
@@ -73,7 +77,7 @@ class GPT2Workload : public bench::Workload {
   bench::GPTOptions opts_;
   std::int64_t batch_ = 8;
   bench::GPT model_{nullptr};
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
   torch::Tensor tokens_, targets_;
 };
 

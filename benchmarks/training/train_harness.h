@@ -14,7 +14,11 @@
 //   O1_torch .. O5_torch  the same with op_lists torch (torch.autocast's op lists)
 //   native            at::autocast (fp16) around forward+loss + a hand-written dynamic loss scaler
 //                     doing what torch.amp.GradScaler does (fused unscale/check,
-//                     _amp_update_scale_, one found_inf.item() per step, step skipped on overflow)
+//                     _amp_update_scale_, one found_inf.item() per step, step skipped on overflow;
+//                     with --fused, GradScaler's protocol for fused optimizers: the flag goes to
+//                     the optimizer, no item())
+// --fused: the workload's optimizer skips on the device (amp::FusedAdamW for GPT-2; ResNet-50's
+// SGD has no fused C++ form and stays as it is), so optamp's steps and native's make no sync.
 //   native_bf16       at::autocast (bf16), no scaler
 // Peak memory: CUDA caching allocator peak allocated bytes during the timed steps; on CPU the RSS
 // high-water mark (process-wide: with several configurations in one process it is an upper bound
@@ -65,9 +69,15 @@ class Workload {
   // Builds the model (seeded by the caller) on `device`, its optimizer and a fixed batch.
   virtual void build(const torch::Device& device) = 0;
   virtual std::shared_ptr<torch::nn::Module> module() = 0;
+  // --fused: build an optimizer that skips on the device where the workload has one.
+  void set_fused(bool fused) { fused_ = fused; }
+  bool fused() const { return fused_; }
   virtual torch::optim::Optimizer& optimizer() = 0;
   virtual torch::Tensor loss() = 0;  // forward + loss on the fixed batch
   virtual void destroy() = 0;
+
+ protected:
+  bool fused_ = false;
 };
 
 struct HarnessArgs {
@@ -75,6 +85,7 @@ struct HarnessArgs {
   std::vector<std::string> configs{"native", "O0", "O0_tf32", "O1",         "O2",
                                    "O3",     "O4", "O5",      "native_bf16"};
   int warmup = 5, steps = 20, rounds = 3, threads = 0;
+  bool fused = false;
   std::string json;
 };
 
@@ -135,8 +146,15 @@ class HandScaler {
         if (p.grad().defined()) grads.push_back(p.grad());
     found_inf_.zero_();
     at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf_, scale_.reciprocal());
-    const bool skip = found_inf_.item<float>() != 0.0f;  // the step's one device->host sync
-    if (!skip) opt.step();
+    bool skip = false;
+    if (auto* device_skipping = dynamic_cast<amp::DeviceSkippingOptimizer*>(&opt)) {
+      // GradScaler with a fused optimizer: the flag goes to the kernel, nothing is read back.
+      device_skipping->add_found_inf(found_inf_.clone());
+      opt.step();
+    } else {
+      skip = found_inf_.item<float>() != 0.0f;  // the step's one device->host sync
+      if (!skip) opt.step();
+    }
     at::_amp_update_scale_(scale_, growth_, found_inf_, 2.0, 0.5, 2000);
     return skip;
   }
@@ -216,6 +234,7 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
   RunResult r;
   torch::manual_seed(0);
   set_tf32(config == "O0_tf32");
+  wl.set_fused(a.fused);
   wl.build(device);
   auto& opt = wl.optimizer();
   const bool optamp = is_optamp_config(config);
@@ -241,8 +260,7 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
           auto scaled = amp::scale_loss(loss, opt);
           scaled.backward();
         }
-        opt.step();  // a no-op after an overflow (the guard left the grads undefined)
-        r.skipped += amp::loss_scaler(0).last_step_skipped();
+        opt.step();  // a no-op after an overflow (the guard or the fused kernel skips it)
       };
     } else if (config == "native") {
       scaler = std::make_unique<HandScaler>(device);
@@ -283,6 +301,8 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
     }
     r.peak_mb = peak_mb(device);
     r.median_ms = median(ms);
+    // Read once, after the timed steps: reading it every step would wait for every step.
+    if (optamp) r.skipped = amp::loss_scaler(0).skipped_steps();
 #ifdef OPTAMP_BENCH_CUDA
     if (device.is_cuda()) {
       SyncCounter counter;
@@ -321,7 +341,8 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
   const std::string usage =
       "usage: " + wl.name() +
       " [--device cpu|cuda] [--configs native,O0,O0_tf32,O1,...,O5,native_bf16]\n"
-      "         [--warmup N] [--steps N] [--rounds N] [--threads N] [--json FILE] [--small]\n" +
+      "         [--warmup N] [--steps N] [--rounds N] [--threads N] [--json FILE] [--small]\n"
+      "         [--fused]   (an optimizer that skips on the device: no sync per step)\n" +
       wl.usage();
   try {
     for (int i = 1; i < argc; ++i) {
@@ -332,6 +353,10 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
       }
       if (f == "--small") {
         wl.small();
+        continue;
+      }
+      if (f == "--fused") {
+        a.fused = true;
         continue;
       }
       if (i + 1 >= argc) throw std::invalid_argument(f + " needs a value");
@@ -361,6 +386,7 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
     return 2;
   }
   if (a.threads > 0) torch::set_num_threads(a.threads);
+  wl.set_fused(a.fused);
   if (a.device.empty()) a.device = torch::cuda::is_available() ? "cuda" : "cpu";
   const torch::Device device = a.device == "cuda" ? torch::Device(torch::kCUDA, 0) : torch::kCPU;
   if (device.is_cuda() && !torch::cuda::is_available()) {

@@ -10,10 +10,10 @@
 namespace amp {
 
 void DeviceSkippingOptimizer::add_found_inf(const at::Tensor& found_inf) {
-  TORCH_CHECK_VALUE(found_inf.defined() && found_inf.numel() == 1 &&
-                        found_inf.scalar_type() == at::kFloat,
-                    "found_inf must be a one-element float32 tensor, got ",
-                    found_inf.defined() ? found_inf.toString() : std::string("an undefined tensor"));
+  TORCH_CHECK_VALUE(
+      found_inf.defined() && found_inf.numel() == 1 && found_inf.scalar_type() == at::kFloat,
+      "found_inf must be a one-element float32 tensor, got ",
+      found_inf.defined() ? found_inf.toString() : std::string("an undefined tensor"));
   std::lock_guard<std::mutex> lock(mutex_);
   if (!found_inf_.defined()) {
     found_inf_ = found_inf.reshape({});
@@ -64,7 +64,8 @@ State& state_of(StateMap& state, const at::Tensor& p, bool amsgrad) {
 at::Tensor& device_step(detail::DeviceSteps& steps, const at::Tensor& p, int64_t host_step) {
   at::Tensor& t = steps[p.unsafeGetTensorImpl()];
   if (!t.defined() || t.device() != p.device()) {
-    t = at::full({}, static_cast<double>(host_step), at::TensorOptions(at::kFloat).device(p.device()));
+    t = at::full({}, static_cast<double>(host_step),
+                 at::TensorOptions(at::kFloat).device(p.device()));
   }
   return t;
 }

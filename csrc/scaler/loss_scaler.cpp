@@ -75,6 +75,10 @@ int64_t LossScaler::skipped_steps() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return skipped_steps_;
 }
+int64_t LossScaler::host_waits() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return host_waits_;
+}
 int64_t LossScaler::floor_skips() const {
   settle();
   std::lock_guard<std::mutex> lock(mutex_);
@@ -272,7 +276,8 @@ LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list, bool on_d
     } catch (...) {
       // The guard skips the step (see scale_loss.cpp); the scale stays as it was.
       std::lock_guard<std::mutex> lock(mutex_);
-      settle_locked(/*wait=*/true);  // earlier steps' results first (an error path: waiting is fine)
+      settle_locked(
+          /*wait=*/true);  // earlier steps' results first (an error path: waiting is fine)
       last_step_skipped_ = true;
       ++skipped_steps_;
       throw;
@@ -301,7 +306,7 @@ LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list, bool on_d
       settle_locked(/*wait=*/true);
       result.skipped = last_step_skipped_;
     } else {
-      result.found_inf = found;
+      result.found_inf = found.reshape({});  // 0-dim, as torch.amp.GradScaler hands it over
     }
     result.loss_scale = loss_scale_;
     result.floor_skips = floor_skips_;
@@ -319,6 +324,7 @@ void LossScaler::settle_locked(bool wait) const {
 bool LossScaler::settle_one_locked(bool wait) const {
   const std::optional<detail::StepStatus> status = statuses_->pop(wait);
   if (!status) return false;
+  host_waits_ += wait;
   const double used = loss_scale_;
   const bool skipped = status->found_inf != 0.0f;
   loss_scale_ = status->scale;

@@ -161,7 +161,8 @@ void release_active(ScaleLossState& s) {
 // The error after kFloorSkipLimit consecutive skips at the minimum scale. Only now: a
 // per-parameter check of this step's gradients (one sync per gradient) names the culprits.
 std::string floor_message(const ScaleLossState& s, const LossScaler& scaler,
-                          const LossScaler::StepResult& result, const std::vector<at::Tensor>& grads,
+                          const LossScaler::StepResult& result,
+                          const std::vector<at::Tensor>& grads,
                           const std::vector<size_t>& grad_param) {
   std::ostringstream names;
   int count = 0;

@@ -4,16 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
-#include <atomic>
-
 namespace amp::detail {
-namespace {
-
-std::atomic<int64_t> waits{0};
-
-}  // namespace
-
-int64_t status_waits() { return waits.load(); }
 
 void StepStatusQueue::push(const at::Tensor& status) {
   Entry entry;
@@ -37,7 +28,6 @@ std::optional<StepStatus> StepStatusQueue::pop(bool wait) {
   if (entries_.empty()) return std::nullopt;
   Entry& front = entries_.front();
   if (wait) {
-    ++waits;
     if (front.copied) front.copied->synchronize();
   } else if (front.copied && !front.copied->query()) {
     return std::nullopt;

@@ -11,7 +11,6 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
 
-#include <cstdint>
 #include <deque>
 #include <optional>
 
@@ -35,15 +34,10 @@ class StepStatusQueue {
 
  private:
   struct Entry {
-    at::Tensor host;                 // CPU float32 [2] (pinned when the source was a CUDA tensor)
+    at::Tensor host;                   // CPU float32 [2] (pinned when the source was a CUDA tensor)
     std::optional<c10::Event> copied;  // recorded after the copy; none: the values are there
   };
   std::deque<Entry> entries_;
 };
-
-// How many times a status had to be waited for (pop(true)) in this process: the host reads
-// that a step or an accessor forced. Tests use it to show that a step with a device-skipping
-// optimizer forces none.
-int64_t status_waits();
 
 }  // namespace amp::detail

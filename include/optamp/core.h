@@ -63,7 +63,7 @@ OPTAMP_API void check_optimizers_allowed(const std::vector<const void*>& identit
                                          const std::vector<std::string>& descriptions);
 
 // Where a guard sends its overflow flag when the optimizers skip on the device (torch's fused
-// Adam/AdamW/SGD, amp::FusedAdam): found_inf is a one-element float32 tensor, 0 or 1, on the
+// Adam/AdamW/SGD, amp::FusedAdam): found_inf is a 0-dim float32 tensor, 0 or 1, on the
 // scale's device. Called once per non-delayed finish of a scaler that checks for overflow.
 using DeviceSkip = std::function<void(const at::Tensor& found_inf)>;
 

@@ -9,7 +9,8 @@
 //     auto scaled = amp::scale_loss(loss, optimizer);
 //     scaled.backward();
 //   }                    // hands the step's overflow flag to the optimizer; reads nothing back
-//   optimizer.step();    // one fused kernel per device and dtype; changes nothing after an overflow
+//   optimizer.step();    // one fused kernel per device and dtype; changes nothing after an
+//   overflow
 //
 // With every optimizer of a guard a DeviceSkippingOptimizer, scale_loss neither waits for the
 // overflow flag nor resets gradients: the flag stays on the device and the optimizer's kernel

@@ -62,6 +62,11 @@ class OPTAMP_API LossScaler {
   int64_t skipped_steps() const;
   // Consecutive skipped steps taken at the minimum scale (see kFloorSkipLimit).
   int64_t floor_skips() const;
+  // How many step results the host has asked for before they were known to be there: one per
+  // step that skips on the host, none for steps an optimizer skips on the device (until an
+  // accessor above is read). On a GPU each is a device->host sync; a sync-free loop keeps it
+  // constant.
+  int64_t host_waits() const;
   // The lowest scale this scaler can reach: max(min_loss_scale, kScaleFloor).
   double lowest_scale() const { return lowest_scale_; }
   // The hysteresis setting: overflowing steps tolerated before a backoff (the tracker's start).
@@ -94,8 +99,8 @@ class OPTAMP_API LossScaler {
     // The skips at the minimum scale reached a multiple of kFloorSkipLimit with this step (or,
     // on_device, with an earlier step whose result arrived now).
     bool floor_limit = false;
-    // on_device: the step's overflow flag (one-element float32 on the scale's device, exactly 0
-    // or 1, the found_inf torch's fused optimizers take); undefined when the scaler checks nothing.
+    // on_device: the step's overflow flag (0-dim float32 on the scale's device, exactly 0 or 1:
+    // the found_inf torch's fused optimizers take); undefined when the scaler checks nothing.
     at::Tensor found_inf;
   };
   // Unscales grads with `inv_scale` (see unscale() for `stashed`), checks for inf/NaN and updates
@@ -183,7 +188,8 @@ class OPTAMP_API LossScaler {
   mutable bool last_step_skipped_ = false;
   mutable int64_t skipped_steps_ = 0;
   mutable int64_t floor_skips_ = 0;
-  mutable bool floor_limit_ = false;  // set by settling, taken by the step that reports it
+  mutable bool floor_limit_ = false;
+  mutable int64_t host_waits_ = 0;  // set by settling, taken by the step that reports it
 };
 
 // The scaler of `loss_id`. Throws when loss scaling is not configured (amp::initialize has not

@@ -21,6 +21,8 @@ const double kScaleFloor = LossScaler::kScaleFloor;  // an addressable copy for 
 // is treated like an exception exit (stashes restored, nothing unscaled, nothing raised).
 struct PyScaledLoss {
   std::unique_ptr<ScaledLoss> guard;
+  // With device_skip: where the guard leaves its overflow flag for the optimizers.
+  std::shared_ptr<at::Tensor> found_inf = std::make_shared<at::Tensor>();
   ~PyScaledLoss() {
     if (!guard) return;
     try {
@@ -72,6 +74,10 @@ void bind_scaler(py::module_& m) {
       .def_property_readonly("last_step_skipped", &LossScaler::last_step_skipped)
       .def_property_readonly("skipped_steps", &LossScaler::skipped_steps)
       .def_property_readonly("floor_skips", &LossScaler::floor_skips)
+      .def_property_readonly("host_waits", &LossScaler::host_waits,
+                             "Step results the host asked for before they were known to be there "
+                             "(a device->host sync each on a GPU): one per step that skips on the "
+                             "host, none for steps a fused optimizer skips on the device.")
       .def_property_readonly("scale_tensor", &LossScaler::scale_tensor)
       .def_property_readonly("growth_tracker", &LossScaler::growth_tracker)
       .def_property_readonly("hysteresis_tracker", &LossScaler::hysteresis_tracker)
@@ -122,32 +128,44 @@ void bind_scaler(py::module_& m) {
              auto guard = std::move(self.guard);
              return core::finish(*guard, unwinding);
            }),
-           py::arg("unwinding") = false);
+           py::arg("unwinding") = false)
+      .def_property_readonly(
+          "found_inf",
+          [](const PyScaledLoss& self) -> std::optional<at::Tensor> {
+            if (!self.found_inf->defined()) return std::nullopt;
+            return *self.found_inf;
+          },
+          "With device_skip: the finished step's overflow flag (0-dim float32 on the "
+          "scale's device, 0 or 1), for the optimizers to skip on the device; None otherwise.");
 
-  m.def("_scale_loss",
-        torch::wrap_pybind_function([](const at::Tensor& loss, std::vector<at::Tensor> params,
-                                       int loss_id, bool delay_unscale,
-                                       std::vector<std::string> names,
-                                       const std::vector<std::uintptr_t>& optimizer_ids) {
-          std::vector<const void*> identities;
-          std::vector<std::string> descriptions;
-          for (size_t k = 0; k < optimizer_ids.size(); ++k) {
-            identities.push_back(reinterpret_cast<const void*>(optimizer_ids[k]));
-            descriptions.push_back(optimizer_ids.size() == 1
-                                       ? std::string("optimizer")
-                                       : "optimizers[" + std::to_string(k) + "]");
-          }
-          core::check_optimizers_allowed(identities, descriptions);
-          auto guard = std::make_unique<ScaledLoss>(
-              core::scale_loss(loss, std::move(params), std::move(names),
-                               ScaleLossOptions{loss_id, delay_unscale}, "optimizer"));
-          auto holder = std::make_unique<PyScaledLoss>();
-          holder->guard = std::move(guard);
-          return holder;
-        }),
-        py::arg("loss"), py::arg("params"), py::arg("loss_id") = 0,
-        py::arg("delay_unscale") = false, py::arg("names") = std::vector<std::string>{},
-        py::arg("optimizer_ids") = std::vector<std::uintptr_t>{});
+  m.def(
+      "_scale_loss",
+      torch::wrap_pybind_function(
+          [](const at::Tensor& loss, std::vector<at::Tensor> params, int loss_id,
+             bool delay_unscale, std::vector<std::string> names,
+             const std::vector<std::uintptr_t>& optimizer_ids, bool device_skip) {
+            std::vector<const void*> identities;
+            std::vector<std::string> descriptions;
+            for (size_t k = 0; k < optimizer_ids.size(); ++k) {
+              identities.push_back(reinterpret_cast<const void*>(optimizer_ids[k]));
+              descriptions.push_back(optimizer_ids.size() == 1
+                                         ? std::string("optimizer")
+                                         : "optimizers[" + std::to_string(k) + "]");
+            }
+            core::check_optimizers_allowed(identities, descriptions);
+            auto holder = std::make_unique<PyScaledLoss>();
+            core::DeviceSkip sink;
+            if (device_skip) {
+              sink = [slot = holder->found_inf](const at::Tensor& found_inf) { *slot = found_inf; };
+            }
+            holder->guard = std::make_unique<ScaledLoss>(core::scale_loss(
+                loss, std::move(params), std::move(names), ScaleLossOptions{loss_id, delay_unscale},
+                "optimizer", std::move(sink)));
+            return holder;
+          }),
+      py::arg("loss"), py::arg("params"), py::arg("loss_id") = 0, py::arg("delay_unscale") = false,
+      py::arg("names") = std::vector<std::string>{},
+      py::arg("optimizer_ids") = std::vector<std::uintptr_t>{}, py::arg("device_skip") = false);
 
   m.def("state_dict", []() {
     py::dict out;

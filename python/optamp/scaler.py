@@ -128,6 +128,14 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int = 0,
     With several guards before one ``optimizer.step()`` (several losses, or accumulation
     without ``delay_unscale``), an overflow in any of them skips that step, as in Apex: the
     guard installs a one-shot step pre-hook that sets the grads to None before the step runs.
+
+    Optimizers that skip on the device (torch's ``fused=True`` Adam, AdamW and SGD, and any
+    optimizer with ``_step_supports_amp_scaling``, the protocol ``torch.amp.GradScaler`` uses):
+    when every optimizer given is one, the guard waits for nothing. It leaves the grads as they
+    are and hands the overflow flag to the optimizers as ``optimizer.found_inf`` (with
+    ``grad_scale=None``: the grads are unscaled already), and their kernels skip the update on
+    the device; the flag is dropped after the step. The scaler's ``last_step_skipped`` and
+    counters then wait for the device only when they are read.
     """
     check_process_group(process_group)
     if not isinstance(loss, torch.Tensor):
@@ -138,8 +146,9 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int = 0,
         raise TypeError(f"delay_unscale must be a bool, got {type(delay_unscale).__name__}")
     opts = _as_optimizers(optimizers)
     params, labels = _params_of(opts)
+    device_skip = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in opts)
     guard = _C._scale_loss(loss, params, loss_id, delay_unscale, labels,
-                           [id(opt) for opt in opts])
+                           [id(opt) for opt in opts], device_skip)
     try:
         yield guard.loss
     except BaseException:
@@ -158,6 +167,35 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int = 0,
     if skipped:
         for opt in opts:
             _skip_next_step(opt)
+    found_inf = guard.found_inf
+    if found_inf is not None:
+        for opt in opts:
+            _hand_found_inf(opt, found_inf)
+
+
+def _hand_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """Give the next ``optimizer.step()`` the overflow flag, as torch.amp.GradScaler does for
+    optimizers with ``_step_supports_amp_scaling``: the fused kernel skips on the device. Flags
+    of several guards before one step combine (any overflow skips); a one-shot post hook drops
+    them after the step."""
+    holder: Any = optimizer  # carries the attributes GradScaler's protocol reads
+    earlier = getattr(holder, "_optamp_found_inf", None)
+    combined = found_inf if earlier is None else torch.maximum(earlier, found_inf)
+    holder._optamp_found_inf = combined
+    holder.found_inf = combined
+    holder.grad_scale = None  # the guard has unscaled the grads already
+    if getattr(holder, "_optamp_found_inf_hook", None) is not None:
+        return
+
+    def drop(opt: Any, args: Any, kwargs: Any) -> None:
+        for name in ("found_inf", "grad_scale"):
+            if hasattr(opt, name):
+                delattr(opt, name)
+        opt._optamp_found_inf = None
+        opt._optamp_found_inf_hook.remove()
+        opt._optamp_found_inf_hook = None
+
+    holder._optamp_found_inf_hook = optimizer.register_step_post_hook(drop)
 
 
 def _skip_next_step(optimizer: torch.optim.Optimizer) -> None:

@@ -16,7 +16,6 @@
 #include <vector>
 
 #include "optamp/amp.h"
-#include "scaler/step_status.h"
 #include "test_util.h"
 
 namespace amp {
@@ -88,8 +87,7 @@ std::vector<at::Tensor> moments(const torch::optim::Optimizer& opt) {
 
 int64_t adam_step_count(const torch::optim::Optimizer& opt) {
   const auto& p = opt.param_groups()[0].params()[0];
-  return static_cast<const torch::optim::AdamParamState&>(
-             *opt.state().at(p.unsafeGetTensorImpl()))
+  return static_cast<const torch::optim::AdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()))
       .step();
 }
 
@@ -103,17 +101,17 @@ std::string saved(const torch::optim::Optimizer& opt) {
 // (each one a device->host sync on a GPU) and waits for a queued scaler result.
 struct HostReads {
   int64_t scalar_reads = 0;
-  int64_t status_waits = 0;
+  int64_t host_waits = 0;
 };
 template <typename Fn>
 HostReads host_reads_of(Fn&& fn) {
-  const int64_t waits_before = detail::status_waits();
+  const int64_t waits_before = loss_scaler().host_waits();
   HostReads reads;
   for (const auto& op : testing::top_level_ops(fn)) {
-    reads.scalar_reads += op == "aten::_local_scalar_dense" || op == "aten::is_nonzero" ||
-                          op == "aten::item";
+    reads.scalar_reads +=
+        op == "aten::_local_scalar_dense" || op == "aten::is_nonzero" || op == "aten::item";
   }
-  reads.status_waits = detail::status_waits() - waits_before;
+  reads.host_waits = loss_scaler().host_waits() - waits_before;
   return reads;
 }
 
@@ -164,7 +162,8 @@ void expect_same_training(Options options) {
 TEST_F(DeviceSkip, FusedAdamTrainsLikeAdam) {
   expect_same_training<FusedAdam, torch::optim::Adam>(
       torch::optim::AdamOptions(1e-2).weight_decay(0.1));
-  expect_same_training<FusedAdam, torch::optim::Adam>(torch::optim::AdamOptions(1e-2).amsgrad(true));
+  expect_same_training<FusedAdam, torch::optim::Adam>(
+      torch::optim::AdamOptions(1e-2).amsgrad(true));
 }
 
 TEST_F(DeviceSkip, FusedAdamWTrainsLikeAdamW) {
@@ -195,7 +194,7 @@ TEST_P(DeviceSkipLevels, StepsReadNothingOnTheHostWithAFusedOptimizer) {
     for (int i = 1; i <= 4; ++i) train_step(model, opt, i, device);
   });
   EXPECT_EQ(reads.scalar_reads, 0);
-  EXPECT_EQ(reads.status_waits, 0);
+  EXPECT_EQ(reads.host_waits, 0);
   // Reading the results afterwards waits for them, then they are right.
   EXPECT_EQ(loss_scaler().skipped_steps(), 0);
   EXPECT_FALSE(loss_scaler().last_step_skipped());
@@ -213,7 +212,7 @@ TEST_P(DeviceSkipLevels, StepsWaitOncePerStepWithAHostSkippingOptimizer) {
     for (int i = 1; i <= 4; ++i) train_step(model, opt, i, device);
   });
   EXPECT_EQ(reads.scalar_reads, 0);
-  EXPECT_EQ(reads.status_waits, loss_scaler().checks_overflow() ? 4 : 0);
+  EXPECT_EQ(reads.host_waits, loss_scaler().checks_overflow() ? 4 : 0);
 }
 
 TEST_P(DeviceSkipLevels, InjectedInfIsSkippedOnTheDeviceBitExactly) {
@@ -232,8 +231,7 @@ TEST_P(DeviceSkipLevels, InjectedInfIsSkippedOnTheDeviceBitExactly) {
   EXPECT_TRUE(bit_equal(moments<torch::optim::AdamParamState>(opt), moments_before));
   EXPECT_TRUE(loss_scaler().last_step_skipped());
   EXPECT_EQ(loss_scaler().skipped_steps(), 1);
-  EXPECT_EQ(loss_scaler().loss_scale(),
-            loss_scaler().dynamic() ? scale_before / 2 : scale_before);
+  EXPECT_EQ(loss_scaler().loss_scale(), loss_scaler().dynamic() ? scale_before / 2 : scale_before);
   saved(opt);
   EXPECT_EQ(adam_step_count(opt), 2) << "the skipped step is not counted";
   train_step(model, opt, 3, device);
@@ -279,13 +277,13 @@ TEST_F(DeviceSkip, AGuardWithAHostSkippingOptimizerWaitsAndResetsGrads) {
   torch::optim::Adam plain(model->fc2->parameters(), torch::optim::AdamOptions(1e-3));
   std::vector<torch::optim::Optimizer*> both{&fused, &plain};
   initialize({model}, {fused, plain}, "O1", quiet());
-  const int64_t waits = detail::status_waits();
+  const int64_t waits = loss_scaler().host_waits();
   {
     auto scaled = scale_loss(loss_of(model, 0, c10::kCPU), both);
     scaled.backward();
     model->fc1->weight.grad()[0][0] = kInf;
   }
-  EXPECT_EQ(detail::status_waits() - waits, 1);
+  EXPECT_EQ(loss_scaler().host_waits() - waits, 1);
   EXPECT_FALSE(model->fc1->weight.grad().defined()) << "the host skip resets the grads";
   EXPECT_FALSE(fused.take_found_inf().defined());
 }

@@ -1,0 +1,187 @@
+"""Steps that never wait for the device with optimizers that skip on it (torch's fused=True
+Adam/AdamW/SGD): no host read during steps at O1-O5, an injected inf skipped bit-exactly, the
+same training as the host-skipping path, several guards before one step, and on a GPU no
+device->host sync at all (the C++ twin: tests/cpp/test_device_skip.cpp)."""
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import optamp
+from common_utils import Mlp, init
+
+LEVELS = ["O1", "O2", "O3", "O4", "O5"]
+HOST_READS = ("_local_scalar_dense", "is_nonzero", "item")
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts the top-level ops that read a tensor's value on the host (a sync on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in HOST_READS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def fused(kind, params, device_kw="fused"):
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-3, eps=1e-4, **{device_kw: True})
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, **{device_kw: True})
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9, **{device_kw: True})
+
+
+def batch(i, device="cpu"):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(4, 4, generator=g).to(device)
+
+
+def train_step(model, opt, i, device="cpu", poison=False):
+    opt.zero_grad()
+    with optamp.scale_loss(model(batch(i, device)).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+        if poison:
+            model.fc1.weight.grad[0, 0] = float("inf")
+    opt.step()
+
+
+def setup(level, kind, device="cpu", host_skip=False):
+    model = Mlp().to(device)
+    if host_skip:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4, foreach=False)
+    else:
+        opt = fused(kind, model.parameters())
+    model, opt = init(model, opt, opt_level=level)
+    train_step(model, opt, 0, device)  # first step: state and caches get created
+    return model, opt
+
+
+def snapshot(model, opt):
+    state = [t.clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return [p.detach().clone() for p in model.parameters()], state
+
+
+def bit_equal(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_steps_read_nothing_on_the_host_with_a_fused_optimizer(fresh, level, kind):
+    model, opt = setup(level, kind)
+    scaler = optamp.loss_scaler()
+    waits = scaler.host_waits
+    with ScalarReads() as mode:
+        for i in range(1, 5):
+            train_step(model, opt, i)
+    assert mode.reads == []
+    assert scaler.host_waits == waits
+    # Read afterwards, the results wait for the device and are right.
+    assert scaler.skipped_steps == 0 and not scaler.last_step_skipped
+    assert scaler.loss_scale() == scaler.scale_tensor.item()
+    assert not hasattr(opt, "found_inf"), "the flag is dropped after the step"
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_host_skipping_optimizer_waits_once_per_step(fresh, level):
+    model, opt = setup(level, None, host_skip=True)
+    scaler = optamp.loss_scaler()
+    waits = scaler.host_waits
+    for i in range(1, 5):
+        train_step(model, opt, i)
+    assert scaler.host_waits - waits == (4 if scaler.checks_overflow else 0)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_injected_inf_is_skipped_on_the_device_bit_exactly(fresh, level, kind):
+    model, opt = setup(level, kind)
+    scaler = optamp.loss_scaler()
+    train_step(model, opt, 1)
+    params, state = snapshot(model, opt)
+    scale = scaler.loss_scale()
+    train_step(model, opt, 2, poison=True)
+    assert model.fc1.weight.grad is not None, "the device skips; the host resets nothing"
+    after_params, after_state = snapshot(model, opt)
+    assert bit_equal(after_params, params)
+    assert bit_equal(after_state, state), "moments and step counts unchanged"
+    assert scaler.last_step_skipped and scaler.skipped_steps == 1
+    assert scaler.loss_scale() == (scale / 2 if scaler.dynamic else scale)
+    train_step(model, opt, 3)
+    assert not scaler.last_step_skipped
+    assert not bit_equal(snapshot(model, opt)[0], params)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_device_skip_trains_like_the_host_skip(fresh, level):
+    """The same run, with one overflow, through fused AdamW (skips on the device) and the plain
+    AdamW loop (the guard skips on the host): same parameters within float32 rounding."""
+    results = []
+    for use_fused in (True, False):
+        optamp.reset()
+        torch.manual_seed(0)
+        model = Mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=use_fused,
+                                foreach=False if not use_fused else None)
+        model, opt = init(model, opt, opt_level=level)
+        for i in range(6):
+            train_step(model, opt, i, poison=(i == 2))
+        results.append([p.detach().clone() for p in model.parameters()])
+        assert optamp.loss_scaler().skipped_steps == 1
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_an_overflow_in_any_guard_before_the_step_skips_it(fresh):
+    model, opt = setup("O1", "adam")
+    before = snapshot(model, opt)
+    opt.zero_grad()
+    with optamp.scale_loss(model(batch(1)).pow(2).mean(), opt) as scaled:
+        scaled.backward()
+        model.fc2.bias.grad[0] = float("inf")
+    with optamp.scale_loss(model(batch(2)).pow(2).mean(), opt) as scaled:  # clean, accumulates
+        scaled.backward()
+    opt.step()
+    assert bit_equal(snapshot(model, opt)[0], before[0])
+    assert optamp.loss_scaler().skipped_steps == 1, "the stash's inf is not counted twice"
+    train_step(model, opt, 3)
+    assert not bit_equal(snapshot(model, opt)[0], before[0]), "the flag was consumed"
+
+
+def test_a_guard_over_a_fused_and_a_plain_optimizer_skips_on_the_host(fresh):
+    model = Mlp()
+    opt_a = torch.optim.Adam(model.fc1.parameters(), lr=1e-3, fused=True)
+    opt_b = torch.optim.Adam(model.fc2.parameters(), lr=1e-3)
+    model, [opt_a, opt_b] = init(model, [opt_a, opt_b], opt_level="O1")
+    waits = optamp.loss_scaler().host_waits
+    with optamp.scale_loss(model(batch(0)).pow(2).mean(), [opt_a, opt_b]) as scaled:
+        scaled.backward()
+        model.fc1.weight.grad[0, 0] = float("inf")
+    assert optamp.loss_scaler().host_waits - waits == 1
+    assert model.fc1.weight.grad is None, "the host skip resets the grads"
+    assert not hasattr(opt_a, "found_inf")
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_cuda_steps_with_a_fused_optimizer_never_sync(fresh, level, kind):
+    model, opt = setup(level, kind, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(1, 4):
+                train_step(model, opt, i, device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert syncs == []
+    assert optamp.loss_scaler().skipped_steps == 0
