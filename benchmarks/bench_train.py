@@ -12,6 +12,9 @@ same seed:
   O0 .. O5     model, opt = optamp.initialize(model, opt, opt_level=...);
                with optamp.scale_loss(loss, opt) as s: s.backward()      (O0_tf32: TF32 on)
   O1_torch ..  the same with op_lists="torch" (torch.autocast's own op lists)
+  O2_graph, O5_graph  O2/O5 with the whole step (forward, scale_loss, backward, fused AdamW/SGD
+               step with capturable=True) captured once into a CUDA graph and replayed (CUDA only;
+               docs/loss_scaling.md, "CUDA graphs")
 
 --fused builds the optimizers with fused=True (SGD, AdamW): their kernels skip an overflowing step
 on the device (GradScaler's protocol, which optamp.scale_loss follows too), so neither native nor
@@ -64,23 +67,25 @@ class Workload:
         return (f"{self.args.model} " + " ".join(f"{k}={v}" for k, v in self.kw.items())
                 + (" fused optimizer" if self.args.fused else ""))
 
-    def optimizer_kw(self):
+    def optimizer_kw(self, graph=False):
+        if graph:  # a captured step: the skip stays on the device, the step counts too
+            return {"fused": True, "capturable": True}
         return {"fused": True} if self.args.fused else {}
 
-    def build(self):
+    def build(self, graph=False):
         kw, dev = dict(self.kw), self.device
         batch = kw.pop("batch")
         if self.args.model == "resnet50":
             image = kw.pop("image")
             model = ResNet(**kw).to(dev).train()
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4,
-                                  **self.optimizer_kw())
+                                  **self.optimizer_kw(graph))
             x = torch.randn(batch, 3, image, image, device=dev)
             y = torch.randint(kw["classes"], (batch,), device=dev)
             return model, opt, lambda m: F.cross_entropy(m(x), y)
         model = GPT(**kw).to(dev).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
-                                **self.optimizer_kw())
+                                **self.optimizer_kw(graph))
         tok = torch.randint(kw["vocab"], (batch, kw["seq"]), device=dev)
         tgt = torch.randint(kw["vocab"], (batch, kw["seq"]), device=dev)
         return model, opt, lambda m: F.cross_entropy(m(tok).view(-1, kw["vocab"]).float(), tgt.view(-1))
@@ -114,8 +119,35 @@ def peak_mb(dev):
     return float("nan")
 
 
+def graphed(step, dev, warmup=3):
+    """The recipe of docs/loss_scaling.md: warm up on a side stream, capture one step, replay."""
+    if dev.type != "cuda":
+        raise NotImplementedError("CUDA graph capture needs a CUDA device")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(zero_grad=False)  # the grads were set to None by the last warm-up step's zero_grad
+    return graph.replay
+
+
 def make_step(config, model, opt, loss_fn, dev):
     """Returns the step function of one configuration (NotImplementedError: unsupported)."""
+    if config.endswith("_graph"):
+        model, opt = optamp.initialize(model, opt, opt_level=config[:2], verbosity=0)
+
+        def step(zero_grad=True):
+            loss = loss_fn(model)
+            with optamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            if zero_grad:
+                opt.zero_grad(set_to_none=True)
+        return graphed(step, dev)
     if config.startswith("O"):
         lists = "torch" if config.endswith("_torch") else "apex"
         model, opt = optamp.initialize(model, opt, opt_level=config[:2], verbosity=0,
@@ -175,7 +207,7 @@ def count_syncs(step, dev, n=3):
 def run_config(wl, config, args, dev):
     torch.manual_seed(0)
     set_tf32(config.endswith("_tf32"))
-    model, opt, loss_fn = wl.build()
+    model, opt, loss_fn = wl.build(graph=config.endswith("_graph"))
     if config.startswith("O3"):
         # O3 steps fp16 parameters directly: AdamW's default eps=1e-8 underflows in fp16 and the
         # steps turn NaN (then skipped: once reported as "O3 1.82x native"). 1e-4 is the smallest
@@ -198,7 +230,9 @@ def run_config(wl, config, args, dev):
             ms.append((time.perf_counter() - t0) * 1e3)
         res.update(median_ms=statistics.median(ms), peak_mb=peak_mb(dev),
                    syncs_per_step=count_syncs(step, dev))
-        if config.startswith("O"):  # a level whose steps are skipped measures nothing
+        if config.startswith("O") and not config.endswith("_graph"):
+            # A level whose steps are skipped measures nothing. (Replayed steps never reach the
+            # host counters: check a graph config's scale instead.)
             res["skipped_steps"] = optamp.loss_scaler().skipped_steps
     except NotImplementedError as e:  # optamp.initialize: level unsupported on this device
         res["skipped"] = str(e)

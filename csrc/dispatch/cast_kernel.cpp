@@ -77,6 +77,7 @@ std::optional<CastPolicy> CastKernel::policy(ListSet set) const {
 CastKernel::CastKernel(const c10::FunctionSchema& schema)
     : num_arguments_(schema.arguments().size()), name_(schema.name()) {
   for (auto& p : policies_) p.store(kUnlisted);
+  promotes_natively_ = promotes_natively(schema.name().c_str(), schema.overload_name().c_str());
   if (!schema.overload_name().empty()) name_ += "." + schema.overload_name();
   const auto& args = schema.arguments();
   for (std::size_t i = 0; i < args.size(); ++i) {
@@ -142,22 +143,26 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
   if (policy == CastPolicy::kLower) {
     target = decision.low;
   } else if (policy == CastPolicy::kPromote) {
-    // Widest floating width among the inputs; fp16 mixed with bf16 widens to fp32.
-    ScalarType widest = ScalarType::Undefined;
+    // Widest floating width among the inputs; fp16 mixed with bf16 widens to fp32. Torch's own
+    // promotion ranks 0-dim tensors below the others: it agrees with ours when the widest type
+    // is among the tensors with dimensions (or there are none).
+    ScalarType widest = ScalarType::Undefined, widest_dimensioned = ScalarType::Undefined;
     bool mixed = false;
+    auto widen = [](ScalarType a, ScalarType b) {
+      if (a == ScalarType::Undefined || a == b) return b;
+      return (is_reduced(a) && is_reduced(b)) ? ScalarType::Float : c10::promoteTypes(a, b);
+    };
     rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
       if (!t.defined() || !t.is_floating_point() || is_wrapped_number(t)) return std::nullopt;
       const ScalarType s = t.scalar_type();
-      if (widest == ScalarType::Undefined) {
-        widest = s;
-      } else if (s != widest) {
-        mixed = true;
-        widest = (is_reduced(s) && is_reduced(widest)) ? ScalarType::Float
-                                                       : c10::promoteTypes(widest, s);
-      }
+      mixed = mixed || (widest != ScalarType::Undefined && s != widest);
+      widest = widen(widest, s);
+      if (t.dim() > 0) widest_dimensioned = widen(widest_dimensioned, s);
       return std::nullopt;
     });
-    if (!mixed) {
+    const bool torch_agrees = promotes_natively_ && (widest_dimensioned == widest ||
+                                                     widest_dimensioned == ScalarType::Undefined);
+    if (!mixed || torch_agrees) {
       op.redispatchBoxed(below, stack);
       return;
     }

@@ -38,7 +38,8 @@ class CastKernel final : public c10::OperatorKernel {
   std::atomic<const char*> banned_message_{nullptr};
   std::vector<Slot> slots_;  // read-only tensor arguments (written ones are never cast)
   std::size_t num_arguments_;
-  int dtype_index_ = -1;  // the op's `ScalarType? dtype` argument, if any
+  int dtype_index_ = -1;            // the op's `ScalarType? dtype` argument, if any
+  bool promotes_natively_ = false;  // see promotes_natively() (policy_table.h)
   std::string name_;
 };
 

@@ -182,6 +182,16 @@ constexpr OpName kPromoteOps[] = {
     {"aten::tensordot", ""}, {"aten::embedding_bag", ""}, {"aten::embedding_bag", "padding_idx"},
 };
 
+// The promote ops that do the promotion themselves, bit for bit as a cast would, gradients included
+// (checked per op by tests/python/test_casting.py; atan2 is not: its backward computes in the
+// inputs' own dtypes): a cast first only adds an op and an autograd node per call.
+constexpr OpName kNativelyPromotingOps[] = {
+    {"aten::add", "Tensor"}, {"aten::sub", "Tensor"}, {"aten::mul", "Tensor"},
+    {"aten::div", "Tensor"}, {"aten::eq", "Tensor"},  {"aten::ne", "Tensor"},
+    {"aten::lt", "Tensor"},  {"aten::le", "Tensor"},  {"aten::gt", "Tensor"},
+    {"aten::ge", "Tensor"},  {"aten::cat", ""},       {"aten::stack", ""},
+};
+
 // banned: refused at O1/O4 and in regions with the message (what to use instead); at O2/O5 an
 // fp32 loss.
 struct BannedOp {
@@ -458,6 +468,13 @@ const std::vector<TableEntry>& table_of(ListSet set) {
 }
 
 const std::vector<TableEntry>& builtin_table() { return table_of(ListSet::kApex); }
+
+bool promotes_natively(const char* name, const char* overload) {
+  for (const auto& op : kNativelyPromotingOps) {
+    if (std::strcmp(op.name, name) == 0 && std::strcmp(op.overload, overload) == 0) return true;
+  }
+  return false;
+}
 
 }  // namespace amp::detail
 

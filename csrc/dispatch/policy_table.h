@@ -31,4 +31,10 @@ const std::vector<TableEntry>& table_of(ListSet set);
 // Apex's table (table_of(ListSet::kApex)).
 const std::vector<TableEntry>& builtin_table();
 
+// Promote ops whose kernels already compute mixed floating dtypes in the promoted type, with the
+// result and the gradients of an explicit cast (TensorIterator ops and cat/stack): where torch's
+// promotion picks the same dtype as the promote policy, the cast kernel leaves the promotion to
+// them instead of casting first. `name` "aten::add", `overload` "Tensor".
+bool promotes_natively(const char* name, const char* overload);
+
 }  // namespace amp::detail

@@ -13,6 +13,7 @@
 
 #include "core/format.h"
 #include "ops/multi_tensor.h"
+#include "ops/stream_capture.h"
 #include "scaler/step_status.h"
 
 namespace amp {
@@ -294,6 +295,20 @@ LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list, bool on_d
       ops::update_scale_(scale_, growth_tracker_, hysteresis_tracker_, found, growth_factor_,
                          backoff_factor_, growth_interval_, hysteresis_, lowest_scale_,
                          max_loss_scale_);
+    }
+    if (ops::stream_is_capturing(scale_.device())) {
+      // Captured into a CUDA graph: the host sees this step once, at capture, and never its
+      // replays, so it keeps no result (querying events or allocating pinned memory would also
+      // break the capture). The scale tensors stay right on the device; the host counters cover
+      // eager steps only.
+      TORCH_CHECK(on_device,
+                  "amp: a scale_loss step captured into a CUDA graph needs optimizers that skip "
+                  "on the device (amp::FusedAdam/FusedAdamW, or torch's fused=True Adam/AdamW/SGD "
+                  "in Python): skipping on the host would read the overflow flag during capture");
+      result.found_inf = found.reshape({});
+      result.loss_scale = loss_scale_;
+      result.floor_skips = floor_skips_;
+      return result;
     }
     // Earlier results first (in step order), then this step's: overflow flag and new scale
     // together, waited for only when the host skips the step itself.

@@ -84,7 +84,7 @@ void record_parameter_dtypes(const std::vector<at::Tensor>& parameters) {
 }
 
 void check_parameter_dtypes(const std::vector<at::Tensor>& params,
-                            const std::vector<std::string>& labels) {
+                            const std::function<std::string(size_t)>& labels) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   for (size_t i = 0; i < params.size(); ++i) {
@@ -92,9 +92,9 @@ void check_parameter_dtypes(const std::vector<at::Tensor>& params,
     if (it == r.dtypes.end() || it->second.first.lock().get() != params[i].unsafeGetTensorImpl())
       continue;
     TORCH_CHECK_VALUE(params[i].scalar_type() == it->second.second,
-                      param_label(params[i], i < labels.size() ? labels[i] : "a parameter"),
-                      " must still be ", dtype_name(it->second.second),
-                      " as when amp::initialize ran, got ", dtype_name(params[i].scalar_type()),
+                      param_label(params[i], labels(i)), " must still be ",
+                      dtype_name(it->second.second), " as when amp::initialize ran, got ",
+                      dtype_name(params[i].scalar_type()),
                       ": the model was cast after initialize (e.g. model->to(torch::kDouble)), "
                       "which optamp does not follow. Call amp::reset(), cast the model, and "
                       "initialize again (or cast before initialize); moving it to another device "

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -19,8 +20,8 @@ void restrict_loss_scaling_to(const std::vector<const void*>& optimizers);
 // which would otherwise fail later in a forward with torch's mixed-dtype errors. Cleared by
 // configure/reset.
 void record_parameter_dtypes(const std::vector<at::Tensor>& parameters);
-// Throws a ValueError naming labels[i] when params[i]'s dtype differs from the recorded one.
+// Throws a ValueError naming labels(i) when params[i]'s dtype differs from the recorded one.
 void check_parameter_dtypes(const std::vector<at::Tensor>& params,
-                            const std::vector<std::string>& labels);
+                            const std::function<std::string(size_t)>& labels);
 
 }  // namespace amp::detail

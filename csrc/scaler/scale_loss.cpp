@@ -27,21 +27,21 @@ ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer& optimizer
 
 namespace {
 
-// Every parameter of the optimizers, with a label that says where it sits.
+// Every parameter of the optimizers, and how many each param group holds (the labels that say
+// where a parameter sits are made from these only for an error message).
 void collect_params(const std::vector<torch::optim::Optimizer*>& optimizers,
-                    std::vector<at::Tensor>& params, std::vector<std::string>& labels) {
+                    std::vector<at::Tensor>& params,
+                    std::vector<std::vector<size_t>>& group_sizes) {
   TORCH_CHECK_VALUE(!optimizers.empty(), "optimizers must not be empty, got an empty list");
   for (size_t k = 0; k < optimizers.size(); ++k) {
     TORCH_CHECK_VALUE(optimizers[k] != nullptr, "optimizers[", k, "] must not be null");
     size_t count = 0;
-    const auto& groups = optimizers[k]->param_groups();
-    for (size_t g = 0; g < groups.size(); ++g) {
-      const auto& ps = groups[g].params();
-      for (size_t i = 0; i < ps.size(); ++i, ++count) {
-        params.push_back(ps[i]);
-        labels.push_back("optimizer " + std::to_string(k) + " param_groups[" + std::to_string(g) +
-                         "].params[" + std::to_string(i) + "]");
-      }
+    auto& sizes = group_sizes.emplace_back();
+    for (const auto& group : optimizers[k]->param_groups()) {
+      const auto& ps = group.params();
+      params.insert(params.end(), ps.begin(), ps.end());
+      sizes.push_back(ps.size());
+      count += ps.size();
     }
     TORCH_CHECK_VALUE(
         count > 0,
@@ -71,8 +71,8 @@ ScaledLoss scale_loss(const at::Tensor& loss,
                       const std::vector<torch::optim::Optimizer*>& optimizers,
                       ScaleLossOptions options) {
   std::vector<at::Tensor> params;
-  std::vector<std::string> labels;
-  collect_params(optimizers, params, labels);
+  std::vector<std::vector<size_t>> group_sizes;
+  collect_params(optimizers, params, group_sizes);
   std::vector<const void*> identities(optimizers.begin(), optimizers.end());
   std::vector<std::string> descriptions;
   for (size_t k = 0; k < optimizers.size(); ++k) {
@@ -80,8 +80,9 @@ ScaledLoss scale_loss(const at::Tensor& loss,
                                                   : "optimizers[" + std::to_string(k) + "]");
   }
   core::check_optimizers_allowed(identities, descriptions);
-  return core::scale_loss(loss, std::move(params), std::move(labels), options, "optimizer",
-                          device_skip_of(optimizers));
+  return core::scale_loss(loss, std::move(params),
+                          core::optimizer_param_labels(std::move(group_sizes)), options,
+                          "optimizer", device_skip_of(optimizers));
 }
 
 namespace {
@@ -110,9 +111,10 @@ bool step(torch::optim::Optimizer& optimizer) { return step(one(optimizer)); }
 
 bool step(const std::vector<torch::optim::Optimizer*>& optimizers) {
   std::vector<at::Tensor> params;
-  std::vector<std::string> labels;
-  collect_params(optimizers, params, labels);
-  const bool skip = detail::take_step_overflows(params, labels);
+  std::vector<std::vector<size_t>> group_sizes;
+  collect_params(optimizers, params, group_sizes);
+  const bool skip =
+      detail::take_step_overflows(params, core::optimizer_param_labels(std::move(group_sizes)));
   if (skip) {
     for (auto& p : params) p.mutable_grad() = at::Tensor();
     return false;

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <algorithm>
 #include <atomic>
 #include <exception>
 #include <mutex>
@@ -106,7 +107,9 @@ struct ScaleLossState {
   // gradients would stay multiplied by the scale, since nothing unscales them any more).
   std::shared_ptr<std::atomic<bool>> live = std::make_shared<std::atomic<bool>>(true);
   std::vector<at::Tensor> params;
-  std::vector<std::string> labels;
+  core::ParamLabeler labeler;        // names the caller's i-th parameter
+  std::vector<size_t> caller_index;  // params[j] is the caller's caller_index[j]-th parameter
+  std::string label(size_t j) const { return labeler(caller_index[j]); }
   std::vector<bool> created_record;  // this guard stashed params[i] (and may restore it)
   int uncaught_at_entry = 0;
   bool finished = false;
@@ -133,7 +136,7 @@ namespace {
 std::string describe_param(const ScaleLossState& s, size_t i) {
   const auto name = model_name(s.params[i]);
   std::ostringstream out;
-  out << (name ? *name + " " : std::string()) << "(" << s.labels[i] << ", shape "
+  out << (name ? *name + " " : std::string()) << "(" << s.label(i) << ", shape "
       << s.params[i].sizes() << ")";
   return out.str();
 }
@@ -279,11 +282,11 @@ void warn_if_casting_is_off_here() {
 }  // namespace
 
 bool take_step_overflows(const std::vector<at::Tensor>& params,
-                         const std::vector<std::string>& labels) {
+                         const std::function<std::string(size_t)>& labels) {
   auto& b = book();
   std::lock_guard<std::mutex> lock(b.mutex);
   for (size_t i = 0; i < params.size(); ++i) {
-    TORCH_CHECK(!b.find(params[i]), "amp::step: ", param_label(params[i], labels[i]),
+    TORCH_CHECK(!b.find(params[i]), "amp::step: ", param_label(params[i], labels(i)),
                 " still holds scaled gradients (the last scale_loss guard used delay_unscale); "
                 "finish with a guard without delay_unscale before stepping");
   }
@@ -332,11 +335,34 @@ bool finish(ScaledLoss& guard, bool unwinding) {
   return s->skipped;
 }
 
+ParamLabeler optimizer_param_labels(std::vector<std::vector<size_t>> group_sizes) {
+  return [sizes = std::move(group_sizes)](size_t index) {
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      for (size_t g = 0; g < sizes[k].size(); ++g) {
+        if (index < sizes[k][g]) {
+          return "optimizer " + std::to_string(k) + " param_groups[" + std::to_string(g) +
+                 "].params[" + std::to_string(index) + "]";
+        }
+        index -= sizes[k][g];
+      }
+    }
+    return "param " + std::to_string(index);
+  };
+}
+
 ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
                       std::vector<std::string> labels, ScaleLossOptions options,
                       const char* owner_kind, DeviceSkip device_skip) {
+  ParamLabeler labeler = [labels = std::move(labels)](size_t i) {
+    return i < labels.size() ? labels[i] : "param " + std::to_string(i);
+  };
+  return scale_loss(loss, std::move(params), std::move(labeler), options, owner_kind,
+                    std::move(device_skip));
+}
+
+ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, ParamLabeler labels,
+                      ScaleLossOptions options, const char* owner_kind, DeviceSkip device_skip) {
   std::shared_ptr<LossScaler> scaler_ptr = loss_scaler_ptr(options.loss_id);  // configured? id?
-  LossScaler& scaler = *scaler_ptr;
   TORCH_CHECK_VALUE(loss.defined(), "loss must be a defined tensor, got an undefined tensor");
   TORCH_CHECK_VALUE(at::isFloatingType(loss.scalar_type()) && loss.numel() == 1,
                     "loss must be a floating-point scalar (one element), got a ",
@@ -347,27 +373,40 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
                     loss.requires_grad() ? "True" : "False", " and no grad_fn");
   TORCH_CHECK_VALUE(!params.empty(), owner_kind,
                     " must have at least one parameter, got one with no parameters");
+  if (!labels) labels = [](size_t i) { return "param " + std::to_string(i); };
 
-  // Deduplicate (a parameter may appear in several optimizers / groups).
   auto s = std::make_unique<ScaleLossState>();
-  {
-    std::unordered_set<c10::TensorImpl*> seen;
-    for (size_t i = 0; i < params.size(); ++i) {
-      TORCH_CHECK_VALUE(params[i].defined(), owner_kind, " parameter ",
-                        labels.size() > i ? labels[i] : std::to_string(i),
-                        " must be a defined tensor");
-      if (!seen.insert(params[i].unsafeGetTensorImpl()).second) continue;
-      s->params.push_back(params[i]);
-      s->labels.push_back(labels.size() > i ? labels[i] : "param " + std::to_string(i));
-    }
+  s->labeler = std::move(labels);
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK_VALUE(params[i].defined(), owner_kind, " parameter ", s->labeler(i),
+                      " must be a defined tensor");
   }
-  check_parameter_dtypes(s->params, s->labels);
+  // Deduplicate (a parameter may appear in several optimizers / groups), keeping first
+  // occurrences in order: sorted addresses, no per-parameter allocation.
+  std::vector<std::pair<c10::TensorImpl*, size_t>> order;
+  order.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) order.emplace_back(params[i].unsafeGetTensorImpl(), i);
+  std::sort(order.begin(), order.end());
+  std::vector<bool> keep(params.size(), false);
+  for (size_t j = 0; j < order.size(); ++j) {
+    keep[order[j].second] = j == 0 || order[j].first != order[j - 1].first;
+  }
+  s->params.reserve(params.size());
+  s->caller_index.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!keep[i]) continue;
+    s->params.push_back(std::move(params[i]));
+    s->caller_index.push_back(i);
+  }
+  const ScaleLossState& state = *s;
+  check_parameter_dtypes(s->params, [&state](size_t j) { return state.label(j); });
   for (size_t i = 0; i < s->params.size(); ++i) {
     const auto t = s->params[i].scalar_type();
     TORCH_CHECK_VALUE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16,
                       "parameters must be float32, float16 or bfloat16 for loss scaling, got ", t,
-                      " for ", param_label(s->params[i], s->labels[i]));
+                      " for ", param_label(s->params[i], s->label(i)));
   }
+  LossScaler& scaler = *scaler_ptr;
   s->scaler = scaler_ptr;
   s->options = options;
   s->device_skip = std::move(device_skip);
@@ -379,7 +418,7 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
     for (size_t i = 0; i < s->params.size(); ++i) {
       TORCH_CHECK(!b.active.count(s->params[i].unsafeGetTensorImpl()),
                   "scale_loss guards must not be nested on the same ", owner_kind, ": ",
-                  param_label(s->params[i], s->labels[i]),
+                  param_label(s->params[i], s->label(i)),
                   " is already inside an active scale_loss guard; let the outer guard finish "
                   "(leave its scope) first");
     }

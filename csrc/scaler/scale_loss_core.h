@@ -11,11 +11,11 @@
 
 namespace amp::detail {
 
-// For amp::step: refuses (c10::Error naming labels[i]) a parameter that still holds scaled
+// For amp::step: refuses (c10::Error naming labels(i)) a parameter that still holds scaled
 // gradients, and returns whether any of `params` overflowed in a guard since its last step
 // (forgetting it).
 bool take_step_overflows(const std::vector<at::Tensor>& params,
-                         const std::vector<std::string>& labels);
+                         const std::function<std::string(size_t)>& labels);
 
 // Optional: the model's name for a parameter (e.g. "fc.weight"), installed by initialize, which
 // knows the model. Returns nullopt when unknown. The one place parameter names live: both fronts

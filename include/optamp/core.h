@@ -67,12 +67,23 @@ OPTAMP_API void check_optimizers_allowed(const std::vector<const void*>& identit
 // scale's device. Called once per non-delayed finish of a scaler that checks for overflow.
 using DeviceSkip = std::function<void(const at::Tensor& found_inf)>;
 
-// amp::scale_loss over an explicit parameter list. labels[i] names params[i] in error messages
-// (may be empty: then "param <i>"); owner_kind says what the parameters came from ("optimizer").
+// Names the i-th parameter of a scale_loss call in error messages; called only when a message is
+// built (a step formats no strings).
+using ParamLabeler = std::function<std::string(size_t index)>;
+// The fronts' labels for the parameters of optimizers laid out as group_sizes[k][g] (the number
+// of parameters of param group g of optimizer k): "optimizer k param_groups[g].params[i]".
+OPTAMP_API ParamLabeler optimizer_param_labels(std::vector<std::vector<size_t>> group_sizes);
+
+// amp::scale_loss over an explicit parameter list. labels names params[i] in error messages
+// (empty: "param <i>"); owner_kind says what the parameters came from ("optimizer").
 // With `device_skip`, finishing waits for nothing and resets no gradient: the flag goes to
 // device_skip and the optimizer skips on the device. Without it, finishing waits for the flag
 // (one device->host sync) and resets the gradients after an overflow.
 // Throws on bad input with nothing changed.
+OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
+                                 ParamLabeler labels, ScaleLossOptions options,
+                                 const char* owner_kind, DeviceSkip device_skip = {});
+// The same with the labels spelled out (labels[i] names params[i]; may be empty).
 OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
                                  std::vector<std::string> labels, ScaleLossOptions options,
                                  const char* owner_kind, DeviceSkip device_skip = {});

@@ -142,7 +142,7 @@ void bind_scaler(py::module_& m) {
       "_scale_loss",
       torch::wrap_pybind_function(
           [](const at::Tensor& loss, std::vector<at::Tensor> params, int loss_id,
-             bool delay_unscale, std::vector<std::string> names,
+             bool delay_unscale, std::vector<std::vector<size_t>> group_sizes,
              const std::vector<std::uintptr_t>& optimizer_ids, bool device_skip) {
             std::vector<const void*> identities;
             std::vector<std::string> descriptions;
@@ -159,12 +159,12 @@ void bind_scaler(py::module_& m) {
               sink = [slot = holder->found_inf](const at::Tensor& found_inf) { *slot = found_inf; };
             }
             holder->guard = std::make_unique<ScaledLoss>(core::scale_loss(
-                loss, std::move(params), std::move(names), ScaleLossOptions{loss_id, delay_unscale},
-                "optimizer", std::move(sink)));
+                loss, std::move(params), core::optimizer_param_labels(std::move(group_sizes)),
+                ScaleLossOptions{loss_id, delay_unscale}, "optimizer", std::move(sink)));
             return holder;
           }),
       py::arg("loss"), py::arg("params"), py::arg("loss_id") = 0, py::arg("delay_unscale") = false,
-      py::arg("names") = std::vector<std::string>{},
+      py::arg("group_sizes") = std::vector<std::vector<size_t>>{},
       py::arg("optimizer_ids") = std::vector<std::uintptr_t>{}, py::arg("device_skip") = false);
 
   m.def("state_dict", []() {

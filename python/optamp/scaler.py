@@ -35,22 +35,25 @@ def _as_optimizers(optimizers: object) -> List[Any]:
                     f"{type(optimizers).__name__}")
 
 
-def _params_of(optimizers: List[Any]) -> Tuple[List[torch.Tensor], List[str]]:
-    """The optimizers' parameters and where each sits, labelled as the C++ front labels them;
-    the core adds the model's name ("fc1.weight") that initialize gave it."""
+def _params_of(optimizers: List[Any]) -> Tuple[List[torch.Tensor], List[List[int]]]:
+    """The optimizers' parameters and the size of each param group: the core labels a parameter
+    from these ("optimizer 0 param_groups[1].params[2]", plus the model's name initialize gave it)
+    only when an error message needs it."""
     params: List[torch.Tensor] = []
-    labels: List[str] = []
-    for k, opt in enumerate(optimizers):
+    group_sizes: List[List[int]] = []
+    for opt in optimizers:
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(
                 "optimizers must be a torch.optim.Optimizer or a list of them, got "
                 f"{type(opt).__name__}"
             )
-        for g, group in enumerate(opt.param_groups):
-            for i, p in enumerate(group["params"]):
-                params.append(p)
-                labels.append(f"optimizer {k} param_groups[{g}].params[{i}]")
-    return params, labels
+        sizes = []
+        for group in opt.param_groups:
+            group_params = group["params"]
+            params.extend(group_params)
+            sizes.append(len(group_params))
+        group_sizes.append(sizes)
+    return params, group_sizes
 
 
 def check_process_group(process_group: Optional["ProcessGroup"]) -> None:
@@ -145,9 +148,9 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int = 0,
     if not isinstance(delay_unscale, bool):
         raise TypeError(f"delay_unscale must be a bool, got {type(delay_unscale).__name__}")
     opts = _as_optimizers(optimizers)
-    params, labels = _params_of(opts)
+    params, group_sizes = _params_of(opts)
     device_skip = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in opts)
-    guard = _C._scale_loss(loss, params, loss_id, delay_unscale, labels,
+    guard = _C._scale_loss(loss, params, loss_id, delay_unscale, group_sizes,
                            [id(opt) for opt in opts], device_skip)
     try:
         yield guard.loss

@@ -15,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "ops/stream_capture.h"
 #include "optamp/amp.h"
+#include "optamp/core.h"
 #include "test_util.h"
 
 namespace amp {
@@ -336,6 +338,55 @@ TEST_F(DeviceSkip, TheFloorErrorStillNamesTheParameters) {
   EXPECT_LE(steps, LossScaler::kFloorSkipLimit);
   EXPECT_NE(error.find("consecutive steps at min_loss_scale"), std::string::npos) << error;
   EXPECT_NE(error.find("fc1.weight"), std::string::npos) << error;
+}
+
+// ---- steps captured into a CUDA graph ---------------------------------------------------
+// Capture is simulated on the CPU by a capture query that says "capturing" for every device: the
+// scaler's logic is the same for any device (the CUDA query only answers the question).
+
+class SimulatedCapture {
+ public:
+  SimulatedCapture()
+      : previous_(ops::detail::set_capture_query([](const c10::Device&) { return true; })) {}
+  ~SimulatedCapture() { ops::detail::set_capture_query(previous_); }
+
+ private:
+  ops::detail::CaptureQuery previous_;
+};
+
+TEST_F(DeviceSkip, ACapturedStepKeepsItsResultOnTheDevice) {
+  Mlp model;
+  FusedAdam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
+  initialize(model, opt, "O2", quiet());
+  train_step(model, opt, 0, c10::kCPU);
+  const int64_t skipped = loss_scaler().skipped_steps();
+  const at::Tensor scale = loss_scaler().scale_tensor();
+  const void* storage = scale.const_data_ptr();
+  const auto before = snapshot(model->parameters());
+  {
+    SimulatedCapture capture;
+    const HostReads reads = host_reads_of([&] { train_step(model, opt, 1, c10::kCPU, true); });
+    EXPECT_EQ(reads.scalar_reads, 0);
+    EXPECT_EQ(reads.host_waits, 0);
+  }
+  // The device did everything: the step was skipped and the scale backed off in place (the
+  // graph's replays update the same storage), while the host kept no result of the step.
+  EXPECT_TRUE(bit_equal(snapshot(model->parameters()), before));
+  EXPECT_EQ(loss_scaler().scale_tensor().const_data_ptr(), storage);
+  EXPECT_EQ(loss_scaler().scale_tensor().item<float>(), scale.item<float>());
+  EXPECT_EQ(scale.item<float>(), 32768.0f);
+  EXPECT_EQ(loss_scaler().skipped_steps(), skipped);
+}
+
+TEST_F(DeviceSkip, ACapturedStepRefusesAnOptimizerThatSkipsOnTheHost) {
+  Mlp model;
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
+  initialize(model, opt, "O1", quiet());
+  SimulatedCapture capture;
+  auto scaled = scale_loss(loss_of(model, 0, c10::kCPU), opt);
+  scaled.backward();
+  OPTAMP_EXPECT_THROW_WITH(core::finish(scaled, /*unwinding=*/false), c10::Error,
+                           "captured into a CUDA graph", "skip on the device", "FusedAdam");
 }
 
 }  // namespace

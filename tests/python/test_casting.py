@@ -57,7 +57,10 @@ def _check_tables(low, device):
     for name, run in {**PROMOTE, **PROMOTE_PY}.items():
         before = optamp.cast_count()
         assert run(m).dtype == RESULT.get(name, torch.float32), name
-        assert optamp.cast_count() > before, f"{name}: no input was cast"
+        if name in NATIVE_PROMOTION or name == "operator*":
+            assert optamp.cast_count() == before, f"{name}: torch promotes it itself"
+        else:
+            assert optamp.cast_count() > before, f"{name}: no input was cast"
     # Same widths: left alone.
     a = r(3, dtype=low, device=device)
     before = optamp.cast_count()
@@ -76,6 +79,36 @@ def test_tables_through_initialize(fresh, level, device):
     """Every C++ table case (and the Python-only paths) on the CPU, and on CUDA when visible."""
     init(Mlp().to(device), opt_level=level)
     _check_tables(LEVELS[level], device)
+
+
+# The promote ops torch computes in the promoted dtype by itself (policy_table.cpp,
+# kNativelyPromotingOps): optamp does not cast their inputs first.
+NATIVE_PROMOTION = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "eq.Tensor",
+                    "ne.Tensor", "lt.Tensor", "le.Tensor", "gt.Tensor", "ge.Tensor", "cat",
+                    "stack")
+
+
+@pytest.mark.parametrize("name", NATIVE_PROMOTION)
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_native_promotion_matches_an_explicit_cast_bit_for_bit(name, low):
+    """What leaving the promotion to torch relies on: the same values and the same gradients
+    (dtype and bits) as casting the narrower inputs first, for low+fp32 and fp16+bf16."""
+    op = getattr(torch.ops.aten, name.split(".")[0])
+    for dtypes in ((low, torch.float32), (torch.float32, low), (torch.float16, torch.bfloat16)):
+        a = (torch.rand(3, 4) + 0.5).to(dtypes[0]).requires_grad_()
+        b = (torch.rand(3, 4) + 0.5).to(dtypes[1]).requires_grad_()
+
+        def call(x, y):
+            return op([x, y]) if name in ("cat", "stack") else op(x, y)
+        native = call(a, b)
+        wide = torch.promote_types(*dtypes) if torch.float32 in dtypes else torch.float32
+        cast = call(a.to(wide), b.to(wide))
+        assert native.dtype == cast.dtype and torch.equal(native, cast), (name, dtypes)
+        if native.is_floating_point():
+            g = torch.rand_like(native)
+            assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(
+                torch.autograd.grad(native, [a, b], g), torch.autograd.grad(cast, [a, b], g))), \
+                (name, dtypes)
 
 
 def test_doubles_ints_and_no_grad_are_left_alone(fresh):

@@ -185,3 +185,55 @@ def test_cuda_steps_with_a_fused_optimizer_never_sync(fresh, level, kind):
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert syncs == []
     assert optamp.loss_scaler().skipped_steps == 0
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_cuda_graph_replays_match_eager_steps_bit_for_bit(fresh, level):
+    """The recipe of docs/loss_scaling.md ("CUDA graphs"): the whole step (forward, scale_loss,
+    backward, fused step) captured once and replayed gives the eager run's parameters and scale,
+    bit for bit."""
+    batches = [batch(i, "cuda") for i in range(7)]
+
+    def build():
+        torch.manual_seed(0)
+        model = Mlp().cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, capturable=True)
+        return init(model, opt, opt_level=level)
+
+    def make_step(model, opt, x):
+        def step(zero_grad=True):
+            with optamp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            if zero_grad:
+                opt.zero_grad(set_to_none=True)
+        return step
+
+    model, opt = build()
+    for b in batches:
+        make_step(model, opt, b)()
+    eager = [p.detach().clone() for p in model.parameters()]
+    eager_scale = optamp.loss_scaler().scale_tensor.clone()
+    optamp.reset()
+
+    model, opt = build()
+    static_x = batches[0].clone()
+    step = make_step(model, opt, static_x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for b in batches[:3]:
+            static_x.copy_(b)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(zero_grad=False)
+    for b in batches[3:]:
+        static_x.copy_(b)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager))
+    assert torch.equal(optamp.loss_scaler().scale_tensor, eager_scale)
+
