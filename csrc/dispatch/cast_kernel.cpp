@@ -105,6 +105,60 @@ CastKernel::CastKernel(const c10::FunctionSchema& schema)
   }
 }
 
+void PromoteWidth::add(const at::Tensor& t) {
+  if (!t.defined() || !t.is_floating_point() || is_wrapped_number(t)) return;
+  const ScalarType s = t.scalar_type();
+  auto widen = [](ScalarType a, ScalarType b) {
+    if (a == ScalarType::Undefined || a == b) return b;
+    return (is_reduced(a) && is_reduced(b)) ? ScalarType::Float : c10::promoteTypes(a, b);
+  };
+  mixed = mixed || (widest != ScalarType::Undefined && s != widest);
+  widest = widen(widest, s);
+  if (t.dim() > 0) widest_dimensioned = widen(widest_dimensioned, s);
+}
+
+bool PromoteWidth::torch_agrees() const {
+  return widest_dimensioned == widest || widest_dimensioned == ScalarType::Undefined;
+}
+
+CallPlan CastKernel::plan(std::optional<c10::DeviceType> device) const {
+  const CastDecision decision = device ? decide(*device) : CastDecision{};
+  const std::optional<CastPolicy> listed = policy(decision.lists);
+  CallPlan p;
+  p.policy = listed.value_or(CastPolicy::kLower);
+  if (!listed || !policy_applies(p.policy, decision.rules)) {
+    p.native_owns = decision.native_owns;
+    return p;
+  }
+  // NotImplementedError in Python, as Apex raised (a RuntimeError subclass, c10::Error in C++).
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !(p.policy == CastPolicy::kBanned && decision.rules == RuleSet::kFullLists),
+      banned_message_.load() != nullptr ? banned_message_.load()
+                                        : "this op is banned under optamp casting");
+  p.cast = true;
+  // fp32, fp32 losses, and banned treated as a loss at O2/O5 compute in fp32.
+  p.target = p.policy == CastPolicy::kLower ? decision.low : ScalarType::Float;
+  return p;
+}
+
+bool CastKernel::plan_promotion(const PromoteWidth& width, CallPlan& p) const {
+  // Ops that promote by themselves are left to it where torch picks the same dtype (a cast first
+  // would only add an op and an autograd node; see policy_table.h).
+  if (!width.mixed || (promotes_natively_ && width.torch_agrees())) return false;
+  p.target = width.widest;
+  return true;
+}
+
+std::optional<at::Tensor> CastKernel::cast_argument(const at::Tensor& t, const CallPlan& p) const {
+  if (!is_castable(t) || t.scalar_type() == p.target) return std::nullopt;
+  if (p.policy != CastPolicy::kLower && p.policy != CastPolicy::kPromote &&
+      !is_reduced(t.scalar_type())) {
+    return std::nullopt;  // fp32 policy: only reduced inputs are widened
+  }
+  if (verbosity() >= 2) log_cast_once(t.scalar_type(), p.target, name_);
+  return cast_through_cache(t, p.target).tensor;
+}
+
 void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                             torch::jit::Stack* stack) {
   const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kCastKey);
@@ -116,87 +170,45 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
     if (!device && t.defined()) device = t.device().type();
     return std::nullopt;
   });
-  const CastDecision decision = device ? decide(*device) : CastDecision{};
-  const std::optional<CastPolicy> listed = policy(decision.lists);
-  const CastPolicy policy = listed.value_or(CastPolicy::kLower);
-  if (!listed || !policy_applies(policy, decision.rules)) {
+  CallPlan p = plan(device);
+  if (!p.cast) {
     std::optional<c10::impl::ExcludeDispatchKeyGuard> stay_out;
-    if (decision.native_owns) stay_out.emplace(kCastKey);
+    if (p.native_owns) stay_out.emplace(kCastKey);
     op.redispatchBoxed(below, stack);
     return;
   }
-  // NotImplementedError in Python, as Apex raised (a RuntimeError subclass, c10::Error in C++).
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      !(policy == CastPolicy::kBanned && decision.rules == RuleSet::kFullLists),
-      banned_message_.load() != nullptr ? banned_message_.load()
-                                        : "this op is banned under optamp casting");
-
   // Casts must not come back into optamp's kernels (nor should composite ops' inner calls).
   c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);
-  const bool verbose = verbosity() >= 2;
-  auto cast_to = [&](const at::Tensor& t, ScalarType target) -> std::optional<at::Tensor> {
-    if (verbose) log_cast_once(t.scalar_type(), target, name_);
-    return cast_through_cache(t, target).tensor;
-  };
-
-  ScalarType target = ScalarType::Undefined;
-  if (policy == CastPolicy::kLower) {
-    target = decision.low;
-  } else if (policy == CastPolicy::kPromote) {
-    // Widest floating width among the inputs; fp16 mixed with bf16 widens to fp32. Torch's own
-    // promotion ranks 0-dim tensors below the others: it agrees with ours when the widest type
-    // is among the tensors with dimensions (or there are none).
-    ScalarType widest = ScalarType::Undefined, widest_dimensioned = ScalarType::Undefined;
-    bool mixed = false;
-    auto widen = [](ScalarType a, ScalarType b) {
-      if (a == ScalarType::Undefined || a == b) return b;
-      return (is_reduced(a) && is_reduced(b)) ? ScalarType::Float : c10::promoteTypes(a, b);
-    };
+  if (p.policy == CastPolicy::kPromote) {
+    PromoteWidth width;
     rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
-      if (!t.defined() || !t.is_floating_point() || is_wrapped_number(t)) return std::nullopt;
-      const ScalarType s = t.scalar_type();
-      mixed = mixed || (widest != ScalarType::Undefined && s != widest);
-      widest = widen(widest, s);
-      if (t.dim() > 0) widest_dimensioned = widen(widest_dimensioned, s);
+      width.add(t);
       return std::nullopt;
     });
-    const bool torch_agrees = promotes_natively_ && (widest_dimensioned == widest ||
-                                                     widest_dimensioned == ScalarType::Undefined);
-    if (!mixed || torch_agrees) {
+    if (!plan_promotion(width, p)) {
       op.redispatchBoxed(below, stack);
       return;
     }
-    target = widest;
-  } else {  // fp32, fp32 losses, banned treated as a loss at O2/O5
-    target = ScalarType::Float;
-    if (dtype_index_ >= 0) {
-      if (!(*stack)[base + dtype_index_].isNone()) {
-        // The caller chose the result dtype: that is the precision asked for, and widening the
-        // inputs would make ops that refuse to narrow (linalg_vector_norm, norm) fail. Native
-        // autocast's fp32_set_opt_dtype leaves such calls alone too.
-        op.redispatchBoxed(below, stack);
-        return;
-      }
-      // Ops with a dtype argument compute in fp32 without a separate input cast.
-      bool any_reduced = false;
-      rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
-        any_reduced = any_reduced || (t.defined() && is_reduced(t.scalar_type()));
-        return std::nullopt;
-      });
-      if (any_reduced) (*stack)[base + dtype_index_] = c10::IValue(ScalarType::Float);
+  } else if (p.policy != CastPolicy::kLower && dtype_index_ >= 0) {
+    if (!(*stack)[base + dtype_index_].isNone()) {
+      // The caller chose the result dtype: that is the precision asked for, and widening the
+      // inputs would make ops that refuse to narrow (linalg_vector_norm, norm) fail. Native
+      // autocast's fp32_set_opt_dtype leaves such calls alone too.
       op.redispatchBoxed(below, stack);
       return;
     }
+    // Ops with a dtype argument compute in fp32 without a separate input cast.
+    bool any_reduced = false;
+    rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
+      any_reduced = any_reduced || (t.defined() && is_reduced(t.scalar_type()));
+      return std::nullopt;
+    });
+    if (any_reduced) (*stack)[base + dtype_index_] = c10::IValue(ScalarType::Float);
+    op.redispatchBoxed(below, stack);
+    return;
   }
-
-  rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
-    if (!is_castable(t) || t.scalar_type() == target) return std::nullopt;
-    if (policy != CastPolicy::kLower && policy != CastPolicy::kPromote &&
-        !is_reduced(t.scalar_type())) {
-      return std::nullopt;  // fp32 policy: only reduced inputs are widened
-    }
-    return cast_to(t, target);
-  });
+  rewrite_tensors(slots_, *stack, base,
+                  [&](const at::Tensor& t) { return cast_argument(t, p); });
   op.redispatchBoxed(below, stack);
 }
 

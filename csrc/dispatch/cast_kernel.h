@@ -12,6 +12,25 @@
 
 namespace amp::detail {
 
+// The widest floating width among a promote call's inputs (fp16 mixed with bf16 widens to fp32),
+// and whether torch's own promotion would pick the same: it ranks 0-dim tensors below the others,
+// so it agrees when the widest type is among the tensors with dimensions (or there are none).
+struct PromoteWidth {
+  c10::ScalarType widest = c10::ScalarType::Undefined;
+  c10::ScalarType widest_dimensioned = c10::ScalarType::Undefined;
+  bool mixed = false;
+  void add(const at::Tensor& t);
+  bool torch_agrees() const;
+};
+
+// What one call does, decided before any argument is touched (CastKernel::plan).
+struct CallPlan {
+  bool cast = false;         // false: redispatch as is
+  bool native_owns = false;  // (when not casting) native autocast owns the call: stay out below
+  CastPolicy policy = CastPolicy::kLower;
+  c10::ScalarType target = c10::ScalarType::Undefined;  // lower: the level's; fp32: Float
+};
+
 class CastKernel final : public c10::OperatorKernel {
  public:
   // Listed in no table until set_policy.
@@ -23,8 +42,19 @@ class CastKernel final : public c10::OperatorKernel {
   // nullopt: the op is not in that table (the kernel only redispatches).
   std::optional<CastPolicy> policy(ListSet set) const;
 
+  // The boxed kernel (any schema).
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                   torch::jit::Stack* stack);
+
+  // The steps both the boxed kernel and the unboxed ones (unboxed_kernels.cpp) take:
+  // the gate, the table and the banned check for a call whose first tensor is on `device`
+  // (throws for a banned op);
+  CallPlan plan(std::optional<c10::DeviceType> device) const;
+  // a promote call whose width is known: whether to cast, to what (plan.target);
+  bool plan_promotion(const PromoteWidth& width, CallPlan& plan) const;
+  // one argument under a casting plan: the cast tensor, or nullopt to keep it.
+  std::optional<at::Tensor> cast_argument(const at::Tensor& t, const CallPlan& plan) const;
+  bool has_dtype_argument() const { return dtype_index_ >= 0; }
 
  private:
   enum class SlotKind : std::uint8_t { kTensor, kOptionalTensor, kTensorList, kOptionalTensorList };

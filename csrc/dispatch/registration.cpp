@@ -3,6 +3,7 @@
 // policy change (register_half_op and friends) updates the kernel in place, so nothing is ever
 // deregistered while other threads may be dispatching.
 #include "dispatch/registration.h"
+#include "dispatch/unboxed_kernels.h"
 
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -55,8 +56,12 @@ CastKernel& kernel_locked(Registry& r, const c10::OperatorHandle& op) {
   auto kernel = std::make_unique<CastKernel>(op.schema());
   CastKernel& registered = *kernel;
   r.kernels[name] = kernel.get();
-  library->impl(qualified(name).c_str(),
-                torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
+  if (register_unboxed(*library, name, qualified(name), kernel.get())) {
+    kernel.release();  // the unboxed kernel refers to it; it lives as long as the registry
+  } else {
+    library->impl(qualified(name).c_str(),
+                  torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
+  }
   return registered;
 }
 

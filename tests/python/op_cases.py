@@ -193,6 +193,12 @@ FP32_PY = {
     "interpolate_bicubic_antialias": lambda m: F.interpolate(m.r(1, 1, 4, 4), size=(2, 3),
                                                              mode="bicubic", antialias=True),
 }
+# The promote ops torch computes in the promoted dtype by itself (policy_table.cpp,
+# kNativelyPromotingOps): optamp does not cast their inputs first. "operator*" is mul.Tensor.
+NATIVE_PROMOTION = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "eq.Tensor",
+                    "ne.Tensor", "lt.Tensor", "le.Tensor", "gt.Tensor", "ge.Tensor", "cat",
+                    "stack", "operator*")
+
 PROMOTE_PY = {
     "operator*": lambda m: m.r(3) * m.hi(3),
     "F.bilinear": lambda m: F.bilinear(m.r(2, 3), m.hi(2, 4), m.hi(5, 3, 4)),

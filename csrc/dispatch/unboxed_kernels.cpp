@@ -1,0 +1,116 @@
+// Unboxed casting kernels for hot operators (unboxed_kernels.h): one template over at::_ops's
+// signature, instantiated per operator.
+#include "dispatch/unboxed_kernels.h"
+
+#include <ATen/Operators.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <string>
+#include <optional>
+#include <utility>
+
+#include "dispatch/cast_state.h"
+
+namespace amp::detail {
+namespace {
+
+// Tensor arguments are visited and cast; every other argument passes through as it is.
+template <typename F>
+void visit(const at::Tensor& t, F&& f) {
+  f(t);
+}
+template <typename F>
+void visit(const std::optional<at::Tensor>& t, F&& f) {
+  if (t) f(*t);
+}
+template <typename T, typename F>
+void visit(const T& /*not a tensor*/, F&& /*f*/) {}
+
+at::Tensor converted(const at::Tensor& t, const CastKernel& k, const CallPlan& p) {
+  auto cast = k.cast_argument(t, p);
+  return cast ? std::move(*cast) : t;
+}
+std::optional<at::Tensor> converted(const std::optional<at::Tensor>& t, const CastKernel& k,
+                                    const CallPlan& p) {
+  if (!t) return t;
+  return converted(*t, k, p);
+}
+template <typename T>
+const T& converted(const T& a, const CastKernel& /*k*/, const CallPlan& /*p*/) {
+  return a;
+}
+
+template <typename Op, typename Signature = typename Op::schema>
+struct Unboxed;
+
+template <typename Op, typename Ret, typename... Args>
+struct Unboxed<Op, Ret(Args...)> {
+  static Ret call(const CastKernel& k, c10::DispatchKeySet keys, Args... args) {
+    const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kCastKey);
+    std::optional<c10::DeviceType> device;
+    (visit(args, [&](const at::Tensor& t) {
+       if (!device && t.defined()) device = t.device().type();
+     }),
+     ...);
+    CallPlan p = k.plan(device);
+    if (!p.cast) {
+      std::optional<c10::impl::ExcludeDispatchKeyGuard> stay_out;
+      if (p.native_owns) stay_out.emplace(kCastKey);
+      return Op::redispatch(below, args...);
+    }
+    c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);
+    if (p.policy == CastPolicy::kPromote) {
+      PromoteWidth width;
+      (visit(args, [&](const at::Tensor& t) { width.add(t); }), ...);
+      if (!k.plan_promotion(width, p)) return Op::redispatch(below, args...);
+    }
+    return Op::redispatch(below, converted(args, k, p)...);
+  }
+
+  static void register_on(torch::Library& library, const char* qualified,
+                          const CastKernel* kernel) {
+    library.impl(qualified, torch::CppFunction([kernel](c10::DispatchKeySet keys,
+                                                        Args... args) -> Ret {
+      return call(*kernel, keys, std::forward<Args>(args)...);
+    }));
+  }
+};
+
+struct HotOp {
+  const char* name;
+  const char* overload;
+  void (*register_on)(torch::Library&, const char*, const CastKernel*);
+  template <typename Op>
+  static constexpr HotOp of() {
+    return {Op::name, Op::overload_name, &Unboxed<Op>::register_on};
+  }
+};
+
+// The listed operators a transformer or CNN step calls most, forward and backward (the backward's
+// matmuls and adds come through here too, only to be passed on). None has a `dtype` argument
+// (those keep the boxed kernel, which handles it).
+const HotOp kHotOps[] = {
+    HotOp::of<at::_ops::mm>(),          HotOp::of<at::_ops::addmm>(),
+    HotOp::of<at::_ops::bmm>(),         HotOp::of<at::_ops::baddbmm>(),
+    HotOp::of<at::_ops::matmul>(),      HotOp::of<at::_ops::linear>(),
+    HotOp::of<at::_ops::add_Tensor>(),  HotOp::of<at::_ops::sub_Tensor>(),
+    HotOp::of<at::_ops::mul_Tensor>(),  HotOp::of<at::_ops::div_Tensor>(),
+    HotOp::of<at::_ops::layer_norm>(),  HotOp::of<at::_ops::gelu>(),
+    HotOp::of<at::_ops::conv2d>(),      HotOp::of<at::_ops::scaled_dot_product_attention>(),
+};
+
+}  // namespace
+
+bool register_unboxed(torch::Library& library, const c10::OperatorName& name,
+                      const std::string& qualified, const CastKernel* kernel) {
+  for (const HotOp& op : kHotOps) {
+    if (name.name == op.name && name.overload_name == op.overload) {
+      TORCH_INTERNAL_ASSERT(!kernel->has_dtype_argument(), qualified);
+      op.register_on(library, qualified.c_str(), kernel);
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace amp::detail
