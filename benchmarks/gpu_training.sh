@@ -7,7 +7,9 @@
 #   bash benchmarks/gpu_training.sh /tmp/smoke --device cpu --small --steps 2 --rounds 1
 #
 # Writes OUTDIR/{cpp,py}_{resnet50,gpt2}.{txt,jsonl}; each .txt ends with the table and the
-# target checks (ratios vs native AMP measured in the same round).
+# target checks (ratios vs native AMP measured in the same round). Then GPT-2 again with fused
+# optimizers (--fused: native's GradScaler and optamp both skip on the device, no sync per step)
+# and, in Python, the whole O2/O5 step captured in a CUDA graph: {cpp,py}_gpt2_fused.{txt,jsonl}.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/common.sh"
 OUTDIR="${1:-bench-results}"
@@ -31,4 +33,10 @@ for model in resnet50 gpt2; do
   PYTHONPATH="$OPTAMP_ROOT/python" "$PY" "$OPTAMP_ROOT/benchmarks/bench_train.py" --model "$model" \
     --json "$OUTDIR/py_$model.jsonl" "$@" 2>&1 | tee "$OUTDIR/py_$model.txt"
 done
+FUSED_CONFIGS=native,O1,O2,O4,O5,native_bf16
+"$BUILD/benchmarks/training/bench_train_gpt2" --fused --configs "$FUSED_CONFIGS" \
+  --json "$OUTDIR/cpp_gpt2_fused.jsonl" "$@" 2>&1 | tee "$OUTDIR/cpp_gpt2_fused.txt"
+PYTHONPATH="$OPTAMP_ROOT/python" "$PY" "$OPTAMP_ROOT/benchmarks/bench_train.py" --model gpt2 \
+  --fused --configs "$FUSED_CONFIGS,O2_graph,O5_graph" --json "$OUTDIR/py_gpt2_fused.jsonl" "$@" \
+  2>&1 | tee "$OUTDIR/py_gpt2_fused.txt"
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUTDIR/machine.txt"

@@ -118,7 +118,7 @@ phase pytest_cuda "${pytest_cmd[@]}" -m needs_cuda
 phase benchmarks bash benchmarks/gpu_training.sh "$LOGS/bench" \
   ${GPU_CHECK_BENCH_ARGS:---steps 10 --rounds 2 --warmup 3}
 while IFS= read -r line; do targets+=("- $line"); done < <(
-  for f in "$LOGS"/bench/{cpp,py}_{resnet50,gpt2}.txt; do
+  for f in "$LOGS"/bench/{cpp,py}_{resnet50,gpt2,gpt2_fused}.txt; do
     [[ -f "$f" ]] && grep -E '^target ' "$f" | sed "s|^|$(basename "$f" .txt): |"
   done)
 # shellcheck disable=SC2086

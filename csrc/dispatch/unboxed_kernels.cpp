@@ -5,8 +5,8 @@
 #include <ATen/Operators.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
-#include <string>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "dispatch/cast_state.h"
@@ -48,9 +48,10 @@ struct Unboxed<Op, Ret(Args...)> {
   static Ret call(const CastKernel& k, c10::DispatchKeySet keys, Args... args) {
     const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kCastKey);
     std::optional<c10::DeviceType> device;
-    (visit(args, [&](const at::Tensor& t) {
-       if (!device && t.defined()) device = t.device().type();
-     }),
+    (visit(args,
+           [&](const at::Tensor& t) {
+             if (!device && t.defined()) device = t.device().type();
+           }),
      ...);
     CallPlan p = k.plan(device);
     if (!p.cast) {
@@ -69,10 +70,10 @@ struct Unboxed<Op, Ret(Args...)> {
 
   static void register_on(torch::Library& library, const char* qualified,
                           const CastKernel* kernel) {
-    library.impl(qualified, torch::CppFunction([kernel](c10::DispatchKeySet keys,
-                                                        Args... args) -> Ret {
-      return call(*kernel, keys, std::forward<Args>(args)...);
-    }));
+    library.impl(qualified,
+                 torch::CppFunction([kernel](c10::DispatchKeySet keys, Args... args) -> Ret {
+                   return call(*kernel, keys, std::forward<Args>(args)...);
+                 }));
   }
 };
 
@@ -90,13 +91,13 @@ struct HotOp {
 // matmuls and adds come through here too, only to be passed on). None has a `dtype` argument
 // (those keep the boxed kernel, which handles it).
 const HotOp kHotOps[] = {
-    HotOp::of<at::_ops::mm>(),          HotOp::of<at::_ops::addmm>(),
-    HotOp::of<at::_ops::bmm>(),         HotOp::of<at::_ops::baddbmm>(),
-    HotOp::of<at::_ops::matmul>(),      HotOp::of<at::_ops::linear>(),
-    HotOp::of<at::_ops::add_Tensor>(),  HotOp::of<at::_ops::sub_Tensor>(),
-    HotOp::of<at::_ops::mul_Tensor>(),  HotOp::of<at::_ops::div_Tensor>(),
-    HotOp::of<at::_ops::layer_norm>(),  HotOp::of<at::_ops::gelu>(),
-    HotOp::of<at::_ops::conv2d>(),      HotOp::of<at::_ops::scaled_dot_product_attention>(),
+    HotOp::of<at::_ops::mm>(),         HotOp::of<at::_ops::addmm>(),
+    HotOp::of<at::_ops::bmm>(),        HotOp::of<at::_ops::baddbmm>(),
+    HotOp::of<at::_ops::matmul>(),     HotOp::of<at::_ops::linear>(),
+    HotOp::of<at::_ops::add_Tensor>(), HotOp::of<at::_ops::sub_Tensor>(),
+    HotOp::of<at::_ops::mul_Tensor>(), HotOp::of<at::_ops::div_Tensor>(),
+    HotOp::of<at::_ops::layer_norm>(), HotOp::of<at::_ops::gelu>(),
+    HotOp::of<at::_ops::conv2d>(),     HotOp::of<at::_ops::scaled_dot_product_attention>(),
 };
 
 }  // namespace

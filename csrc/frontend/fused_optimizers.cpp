@@ -141,36 +141,50 @@ torch::Tensor run_step(const torch::optim::Optimizer::LossClosure& closure, Step
   return loss;
 }
 
+// Which kernel and which option/state classes each family member uses.
+template <typename Base>
+struct Family;
+template <>
+struct Family<torch::optim::Adam> {
+  using Options = torch::optim::AdamOptions;
+  using State = torch::optim::AdamParamState;
+  static constexpr bool kDecoupled = false;
+};
+template <>
+struct Family<torch::optim::AdamW> {
+  using Options = torch::optim::AdamWOptions;
+  using State = torch::optim::AdamWParamState;
+  static constexpr bool kDecoupled = true;
+};
+
 }  // namespace
 
-torch::Tensor FusedAdam::step(LossClosure closure) {
+namespace detail {
+
+template <typename Base>
+torch::Tensor FusedAdamFamily<Base>::step(LossClosure closure) {
+  using F = Family<Base>;
   return run_step(closure, [this] {
-    fused_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-        param_groups_, state_, steps_, take_found_inf(), /*decoupled=*/false);
+    fused_step<typename F::Options, typename F::State>(this->param_groups_, this->state_, steps_,
+                                                       take_found_inf(), F::kDecoupled);
   });
 }
-void FusedAdam::save(torch::serialize::OutputArchive& archive) const {
-  settle_steps<torch::optim::AdamParamState>(state_, steps_);
-  torch::optim::Adam::save(archive);
+
+template <typename Base>
+void FusedAdamFamily<Base>::save(torch::serialize::OutputArchive& archive) const {
+  settle_steps<typename Family<Base>::State>(this->state_, steps_);
+  Base::save(archive);
 }
-void FusedAdam::load(torch::serialize::InputArchive& archive) {
-  torch::optim::Adam::load(archive);
+
+template <typename Base>
+void FusedAdamFamily<Base>::load(torch::serialize::InputArchive& archive) {
+  Base::load(archive);
   steps_.clear();  // the loaded host counts start the device counts again
 }
 
-torch::Tensor FusedAdamW::step(LossClosure closure) {
-  return run_step(closure, [this] {
-    fused_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-        param_groups_, state_, steps_, take_found_inf(), /*decoupled=*/true);
-  });
-}
-void FusedAdamW::save(torch::serialize::OutputArchive& archive) const {
-  settle_steps<torch::optim::AdamWParamState>(state_, steps_);
-  torch::optim::AdamW::save(archive);
-}
-void FusedAdamW::load(torch::serialize::InputArchive& archive) {
-  torch::optim::AdamW::load(archive);
-  steps_.clear();
-}
+template class FusedAdamFamily<torch::optim::Adam>;
+template class FusedAdamFamily<torch::optim::AdamW>;
+
+}  // namespace detail
 
 }  // namespace amp

@@ -57,33 +57,19 @@ LossScaler::LossScaler(const Properties& props, int loss_id)
 
 LossScaler::~LossScaler() = default;
 
-void LossScaler::settle() const {
+template <typename T>
+T LossScaler::settled(const T& field) const {
   std::lock_guard<std::mutex> lock(mutex_);
   settle_locked(/*wait=*/true);
+  return field;
 }
-double LossScaler::loss_scale() const {
-  settle();
-  std::lock_guard<std::mutex> lock(mutex_);
-  return loss_scale_;
-}
-bool LossScaler::last_step_skipped() const {
-  settle();
-  std::lock_guard<std::mutex> lock(mutex_);
-  return last_step_skipped_;
-}
-int64_t LossScaler::skipped_steps() const {
-  settle();
-  std::lock_guard<std::mutex> lock(mutex_);
-  return skipped_steps_;
-}
+double LossScaler::loss_scale() const { return settled(loss_scale_); }
+bool LossScaler::last_step_skipped() const { return settled(last_step_skipped_); }
+int64_t LossScaler::skipped_steps() const { return settled(skipped_steps_); }
+int64_t LossScaler::floor_skips() const { return settled(floor_skips_); }
 int64_t LossScaler::host_waits() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return host_waits_;
-}
-int64_t LossScaler::floor_skips() const {
-  settle();
-  std::lock_guard<std::mutex> lock(mutex_);
-  return floor_skips_;
 }
 
 at::Tensor LossScaler::scale_tensor() const {

@@ -47,33 +47,38 @@ namespace detail {
 // The step counts of a fused Adam(W) as device tensors (the kernel reads them there), keyed by
 // parameter; the host's AdamParamState::step is brought up to date when the optimizer is saved.
 using DeviceSteps = std::unordered_map<c10::TensorImpl*, at::Tensor>;
+
+// torch::optim::Adam or AdamW (`Base`) stepped by torch's fused kernel, skipped on the device
+// after an overflow. Instantiated for the two classes below only (in fused_optimizers.cpp).
+template <typename Base>
+class FusedAdamFamily : public Base, public DeviceSkippingOptimizer {
+ public:
+  using Base::Base;
+  using typename Base::LossClosure;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+ private:
+  mutable DeviceSteps steps_;
+};
+extern template class OPTAMP_API FusedAdamFamily<torch::optim::Adam>;
+extern template class OPTAMP_API FusedAdamFamily<torch::optim::AdamW>;
 }  // namespace detail
 
 // torch::optim::Adam with its update done by torch's fused kernel (at::_fused_adam_), skipped on
 // the device after an overflow. Same options, same state, and checkpoints interchangeable with
 // torch::optim::Adam. AdamParamState::step() on the host is current only after save(); the
 // kernel keeps the count on the parameter's device.
-class OPTAMP_API FusedAdam : public torch::optim::Adam, public DeviceSkippingOptimizer {
+class OPTAMP_API FusedAdam : public detail::FusedAdamFamily<torch::optim::Adam> {
  public:
-  using torch::optim::Adam::Adam;
-  torch::Tensor step(LossClosure closure = nullptr) override;
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void load(torch::serialize::InputArchive& archive) override;
-
- private:
-  mutable detail::DeviceSteps steps_;
+  using FusedAdamFamily::FusedAdamFamily;
 };
 
 // torch::optim::AdamW (decoupled weight decay) the same way, with at::_fused_adamw_.
-class OPTAMP_API FusedAdamW : public torch::optim::AdamW, public DeviceSkippingOptimizer {
+class OPTAMP_API FusedAdamW : public detail::FusedAdamFamily<torch::optim::AdamW> {
  public:
-  using torch::optim::AdamW::AdamW;
-  torch::Tensor step(LossClosure closure = nullptr) override;
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void load(torch::serialize::InputArchive& archive) override;
-
- private:
-  mutable detail::DeviceSteps steps_;
+  using FusedAdamFamily::FusedAdamFamily;
 };
 
 }  // namespace amp

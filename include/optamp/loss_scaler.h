@@ -161,7 +161,9 @@ class OPTAMP_API LossScaler {
   // or (wait) all of them. Callers hold mutex_.
   void settle_locked(bool wait) const;
   bool settle_one_locked(bool wait) const;
-  void settle() const;
+  // `field` (a host counter below) after settling every queued result.
+  template <typename T>
+  T settled(const T& field) const;
 
   int loss_id_;
   bool dynamic_, checks_;

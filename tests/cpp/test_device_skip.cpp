@@ -117,11 +117,7 @@ HostReads host_reads_of(Fn&& fn) {
   return reads;
 }
 
-Options quiet() {
-  Options o;
-  o.verbosity = 0;
-  return o;
-}
+using testing::quiet;
 
 class DeviceSkip : public ::testing::Test {
  protected:

@@ -94,11 +94,7 @@ Net make_net_on(at::Device device) {
   return net;
 }
 
-Options quiet() {
-  Options o;
-  o.verbosity = 0;
-  return o;
-}
+using testing::quiet;
 
 enum class Opt { kSgd, kAdam };
 

@@ -87,11 +87,7 @@ std::string serialized(const torch::optim::Optimizer& opt) {
   return out.str();
 }
 
-Options quiet() {
-  Options o;
-  o.verbosity = 0;
-  return o;
-}
+using testing::quiet;
 
 class Robustness : public ::testing::Test {
  protected:

@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "optamp/opt_level.h"
+
 #include <functional>
 #include <string>
 #include <tuple>
@@ -28,6 +30,13 @@ Tolerance tolerance(at::ScalarType dtype);
 // thread, leaving out the calls made inside them (a CPU kernel reading a CPU tensor is no sync;
 // host code calling aten::_local_scalar_dense is one on a GPU).
 std::vector<std::string> top_level_ops(const std::function<void()>& fn);
+
+// Options with verbosity 0: no properties report or overflow lines in the test output.
+inline Options quiet() {
+  Options o;
+  o.verbosity = 0;
+  return o;
+}
 
 }  // namespace amp::testing
 
