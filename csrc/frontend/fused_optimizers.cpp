@@ -159,8 +159,6 @@ struct Family<torch::optim::AdamW> {
 
 }  // namespace
 
-namespace detail {
-
 template <typename Base>
 torch::Tensor FusedAdamFamily<Base>::step(LossClosure closure) {
   using F = Family<Base>;
@@ -184,7 +182,5 @@ void FusedAdamFamily<Base>::load(torch::serialize::InputArchive& archive) {
 
 template class FusedAdamFamily<torch::optim::Adam>;
 template class FusedAdamFamily<torch::optim::AdamW>;
-
-}  // namespace detail
 
 }  // namespace amp

@@ -47,9 +47,11 @@ namespace detail {
 // The step counts of a fused Adam(W) as device tensors (the kernel reads them there), keyed by
 // parameter; the host's AdamParamState::step is brought up to date when the optimizer is saved.
 using DeviceSteps = std::unordered_map<c10::TensorImpl*, at::Tensor>;
+}  // namespace detail
 
 // torch::optim::Adam or AdamW (`Base`) stepped by torch's fused kernel, skipped on the device
-// after an overflow. Instantiated for the two classes below only (in fused_optimizers.cpp).
+// after an overflow: the common base of FusedAdam and FusedAdamW (instantiated for those two
+// only, in the library).
 template <typename Base>
 class FusedAdamFamily : public Base, public DeviceSkippingOptimizer {
  public:
@@ -60,23 +62,22 @@ class FusedAdamFamily : public Base, public DeviceSkippingOptimizer {
   void load(torch::serialize::InputArchive& archive) override;
 
  private:
-  mutable DeviceSteps steps_;
+  mutable detail::DeviceSteps steps_;
 };
 extern template class OPTAMP_API FusedAdamFamily<torch::optim::Adam>;
 extern template class OPTAMP_API FusedAdamFamily<torch::optim::AdamW>;
-}  // namespace detail
 
 // torch::optim::Adam with its update done by torch's fused kernel (at::_fused_adam_), skipped on
 // the device after an overflow. Same options, same state, and checkpoints interchangeable with
 // torch::optim::Adam. AdamParamState::step() on the host is current only after save(); the
 // kernel keeps the count on the parameter's device.
-class OPTAMP_API FusedAdam : public detail::FusedAdamFamily<torch::optim::Adam> {
+class OPTAMP_API FusedAdam : public FusedAdamFamily<torch::optim::Adam> {
  public:
   using FusedAdamFamily::FusedAdamFamily;
 };
 
 // torch::optim::AdamW (decoupled weight decay) the same way, with at::_fused_adamw_.
-class OPTAMP_API FusedAdamW : public detail::FusedAdamFamily<torch::optim::AdamW> {
+class OPTAMP_API FusedAdamW : public FusedAdamFamily<torch::optim::AdamW> {
  public:
   using FusedAdamFamily::FusedAdamFamily;
 };
