@@ -337,16 +337,17 @@ bool finish(ScaledLoss& guard, bool unwinding) {
 
 ParamLabeler optimizer_param_labels(std::vector<std::vector<size_t>> group_sizes) {
   return [sizes = std::move(group_sizes)](size_t index) {
+    size_t rest = index;
     for (size_t k = 0; k < sizes.size(); ++k) {
       for (size_t g = 0; g < sizes[k].size(); ++g) {
-        if (index < sizes[k][g]) {
+        if (rest < sizes[k][g]) {
           return "optimizer " + std::to_string(k) + " param_groups[" + std::to_string(g) +
-                 "].params[" + std::to_string(index) + "]";
+                 "].params[" + std::to_string(rest) + "]";
         }
-        index -= sizes[k][g];
+        rest -= sizes[k][g];
       }
     }
-    return "param " + std::to_string(index);
+    return "param " + std::to_string(index);  // beyond the layout given
   };
 }
 

@@ -798,5 +798,15 @@ TEST_F(ScaleLossTest, GuardOnCudaLossKeepsStateOnTheDevice_CUDA) {
   check_guard_keeps_state_on_the_loss_device(at::kCUDA);
 }
 
+// Labels are made from the optimizers' group sizes only when a message needs one.
+TEST(ParamLabels, NameTheOptimizerTheGroupAndTheIndexWithinIt) {
+  const auto label = core::optimizer_param_labels({{2, 1}, {3}});
+  EXPECT_EQ(label(0), "optimizer 0 param_groups[0].params[0]");
+  EXPECT_EQ(label(1), "optimizer 0 param_groups[0].params[1]");
+  EXPECT_EQ(label(2), "optimizer 0 param_groups[1].params[0]");
+  EXPECT_EQ(label(4), "optimizer 1 param_groups[0].params[1]");
+  EXPECT_EQ(label(9), "param 9");
+}
+
 }  // namespace
 }  // namespace amp
