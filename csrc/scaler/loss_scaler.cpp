@@ -299,7 +299,9 @@ LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list, bool on_d
     // Earlier results first (in step order), then this step's: overflow flag and new scale
     // together, waited for only when the host skips the step itself.
     settle_locked(/*wait=*/false);
-    statuses_->push(at::cat({found.reshape({1}), scale_.reshape({1})}));
+    // Skipping on the host: the step's one sync, a blocking copy (earlier steps' results, queued
+    // before it on the stream, have arrived by then).
+    statuses_->push(at::cat({found.reshape({1}), scale_.reshape({1})}), /*wait_now=*/!on_device);
     // Bounded: a host running far ahead of its device waits for its oldest results.
     constexpr size_t kMaxQueued = 64;
     while (statuses_->size() > kMaxQueued) settle_one_locked(/*wait=*/true);
