@@ -67,9 +67,9 @@ class Workload:
         return (f"{self.args.model} " + " ".join(f"{k}={v}" for k, v in self.kw.items())
                 + (" fused optimizer" if self.args.fused else ""))
 
-    def optimizer_kw(self, graph=False):
-        if graph:  # a captured step: the skip stays on the device, the step counts too
-            return {"fused": True, "capturable": True}
+    def optimizer_kw(self, graph=False, capturable=True):
+        if graph:  # a captured step: the skip stays on the device (AdamW: the step counts too)
+            return {"fused": True, "capturable": True} if capturable else {"fused": True}
         return {"fused": True} if self.args.fused else {}
 
     def build(self, graph=False):
@@ -79,7 +79,7 @@ class Workload:
             image = kw.pop("image")
             model = ResNet(**kw).to(dev).train()
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4,
-                                  **self.optimizer_kw(graph))
+                                  **self.optimizer_kw(graph, capturable=False))  # SGD has none
             x = torch.randn(batch, 3, image, image, device=dev)
             y = torch.randint(kw["classes"], (batch,), device=dev)
             return model, opt, lambda m: F.cross_entropy(m(x), y)
