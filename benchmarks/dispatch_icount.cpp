@@ -42,6 +42,7 @@
 #include "../examples/cpp/fashion_mnist_net.h"
 #include "optamp/amp.h"
 #include "training/bench_models.h"
+#include "training/train_harness.h"
 
 namespace {
 
@@ -61,11 +62,7 @@ at::Tensor g_a, g_a_bf16, g_b, g_b_bf16, g_images, g_labels, g_tokens;
 Models* g_models = nullptr;
 amp::FusedAdamW* g_optimizer = nullptr;  // gpt_step
 
-// torch.amp.GradScaler's state (init 2^16, growth 2 every 2000 steps, backoff 0.5).
-struct NativeScaler {
-  at::Tensor scale = at::full({}, 65536.0, at::kFloat), growth = at::zeros({}, at::kInt),
-             found_inf = at::zeros({}, at::kFloat);
-} g_native_scaler;
+bench::HandScaler* g_native_scaler = nullptr;  // gpt_step, native modes
 
 void sink(const at::Tensor& t) { asm volatile("" : : "r"(t.unsafeGetTensorImpl()) : "memory"); }
 
@@ -110,22 +107,13 @@ void optamp_step() {
 // torch.autocast around forward + loss, then GradScaler.scale / step / update for a fused
 // optimizer (as torch/amp/grad_scaler.py does for _step_supports_amp_scaling).
 void native_step() {
-  auto& s = g_native_scaler;
   g_optimizer->zero_grad();
-  at::Tensor loss;
   at::autocast::set_autocast_enabled(at::kCPU, true);
-  loss = loss_of_forward();
+  const at::Tensor loss = loss_of_forward();
   at::autocast::set_autocast_enabled(at::kCPU, false);
   at::autocast::clear_cache();  // torch.autocast's exit
-  (loss * s.scale).backward();
-  std::vector<at::Tensor> grads;
-  for (const auto& p : g_optimizer->param_groups()[0].params())
-    if (p.grad().defined()) grads.push_back(p.grad());
-  s.found_inf.zero_();
-  at::_amp_foreach_non_finite_check_and_unscale_(grads, s.found_inf, s.scale.reciprocal());
-  g_optimizer->add_found_inf(s.found_inf.clone());
-  g_optimizer->step();
-  at::_amp_update_scale_(s.scale, s.growth, s.found_inf, 2.0, 0.5, 2000);
+  g_native_scaler->scale(loss).backward();
+  g_native_scaler->unscale_and_step(*g_optimizer);
 }
 
 void plain_step() {  // noamp: fp32, no scaling
@@ -168,6 +156,7 @@ void initialize(const std::string& mode) {
     g_optimizer =
         new amp::FusedAdamW(g_models->gpt->parameters(), torch::optim::AdamWOptions(1e-4));
     if (native_mode()) {  // enabled around each forward (native_step)
+      g_native_scaler = new bench::HandScaler(torch::kCPU);
       at::autocast::set_autocast_dtype(at::kCPU, mode == "native" ? at::kBFloat16 : at::kHalf);
       return;
     }

@@ -207,8 +207,7 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
     op.redispatchBoxed(below, stack);
     return;
   }
-  rewrite_tensors(slots_, *stack, base,
-                  [&](const at::Tensor& t) { return cast_argument(t, p); });
+  rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) { return cast_argument(t, p); });
   op.redispatchBoxed(below, stack);
 }
 

@@ -3,6 +3,7 @@
 // again below costs more than the substitution itself; these ops skip both. Each kernel makes
 // the same decisions as the fallback (SubstitutionCall) and redispatches below the key.
 #include "dispatch/substitution_call.h"  // first: the at::_ops headers below need Tensor's
+#include "dispatch/tensor_args.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add_ops.h>
@@ -36,23 +37,6 @@
 namespace amp::detail {
 namespace {
 
-// An argument as the op below should see it: tensors through the call's working copies,
-// everything else as it came.
-at::Tensor pass(const SubstitutionCall& call, const at::Tensor& t) {
-  auto working = call.working_copy(t);
-  return working ? *std::move(working) : t;
-}
-
-std::optional<at::Tensor> pass(const SubstitutionCall& call, const std::optional<at::Tensor>& t) {
-  if (!t) return t;
-  return pass(call, *t);
-}
-
-template <class T>
-const T& pass(const SubstitutionCall& /*call*/, const T& value) {
-  return value;
-}
-
 // The kernel of op `Op` (one of ATen's at::_ops structs), from its signature.
 template <class Op, class Signature = typename Op::schema>
 struct Substituted;
@@ -62,7 +46,9 @@ struct Substituted<Op, Ret(Args...)> {
   static Ret call(c10::DispatchKeySet keys, Args... args) {
     const SubstitutionCall call;
     if (!call.active()) return Op::redispatch(below_substitution(keys), args...);
-    return Op::redispatch(below_substitution(keys), pass(call, args)...);
+    // Tensors as the op below should see them: through the call's working copies.
+    auto working = [&call](const at::Tensor& t) { return call.working_copy(t); };
+    return Op::redispatch(below_substitution(keys), rewrite_tensor_arg(args, working)...);
   }
 };
 

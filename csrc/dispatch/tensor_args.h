@@ -1,7 +1,8 @@
 #pragma once
-// The one walker over the tensors of an op's argument on a boxed stack, shared by the casting
-// kernel and the O2/O5 substitution fallback: Tensor and Tensor? (an IValue holding a tensor or
-// None), Tensor[] and Tensor?[] (what `index` and `index_put` take).
+// The one walker over the tensors of an op's argument, shared by the casting kernels and the
+// O2/O5 substitution kernels. On a boxed stack: Tensor and Tensor? (an IValue holding a tensor or
+// None), Tensor[] and Tensor?[] (what `index` and `index_put` take). Unboxed (arguments as an
+// at::_ops signature takes them): Tensor and Tensor?; any other argument passes through.
 #include <ATen/core/List.h>
 #include <ATen/core/ivalue.h>
 
@@ -32,5 +33,34 @@ void rewrite_tensors_in(c10::IValue& value, Fn&& fn) {
     }
   }
 }
+
+// The unboxed form: the argument as `fn(const at::Tensor&) -> std::optional<at::Tensor>`
+// rewrites it (nullopt: kept as it came).
+template <typename Fn>
+at::Tensor rewrite_tensor_arg(const at::Tensor& t, Fn&& fn) {
+  auto replaced = fn(t);
+  return replaced ? std::move(*replaced) : t;
+}
+template <typename Fn>
+std::optional<at::Tensor> rewrite_tensor_arg(const std::optional<at::Tensor>& t, Fn&& fn) {
+  if (!t) return t;
+  return rewrite_tensor_arg(*t, std::forward<Fn>(fn));
+}
+template <typename T, typename Fn>
+const T& rewrite_tensor_arg(const T& value, Fn&& /*fn*/) {
+  return value;
+}
+
+// Unboxed, read only: `fn(const at::Tensor&)` on a Tensor or a present Tensor? argument.
+template <typename Fn>
+void visit_tensor_arg(const at::Tensor& t, Fn&& fn) {
+  fn(t);
+}
+template <typename Fn>
+void visit_tensor_arg(const std::optional<at::Tensor>& t, Fn&& fn) {
+  if (t) fn(*t);
+}
+template <typename T, typename Fn>
+void visit_tensor_arg(const T& /*not a tensor*/, Fn&& /*fn*/) {}
 
 }  // namespace amp::detail

@@ -10,35 +10,10 @@
 #include <utility>
 
 #include "dispatch/cast_state.h"
+#include "dispatch/tensor_args.h"
 
 namespace amp::detail {
 namespace {
-
-// Tensor arguments are visited and cast; every other argument passes through as it is.
-template <typename F>
-void visit(const at::Tensor& t, F&& f) {
-  f(t);
-}
-template <typename F>
-void visit(const std::optional<at::Tensor>& t, F&& f) {
-  if (t) f(*t);
-}
-template <typename T, typename F>
-void visit(const T& /*not a tensor*/, F&& /*f*/) {}
-
-at::Tensor converted(const at::Tensor& t, const CastKernel& k, const CallPlan& p) {
-  auto cast = k.cast_argument(t, p);
-  return cast ? std::move(*cast) : t;
-}
-std::optional<at::Tensor> converted(const std::optional<at::Tensor>& t, const CastKernel& k,
-                                    const CallPlan& p) {
-  if (!t) return t;
-  return converted(*t, k, p);
-}
-template <typename T>
-const T& converted(const T& a, const CastKernel& /*k*/, const CallPlan& /*p*/) {
-  return a;
-}
 
 template <typename Op, typename Signature = typename Op::schema>
 struct Unboxed;
@@ -48,11 +23,10 @@ struct Unboxed<Op, Ret(Args...)> {
   static Ret call(const CastKernel& k, c10::DispatchKeySet keys, Args... args) {
     const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kCastKey);
     std::optional<c10::DeviceType> device;
-    (visit(args,
-           [&](const at::Tensor& t) {
-             if (!device && t.defined()) device = t.device().type();
-           }),
-     ...);
+    auto first_device = [&device](const at::Tensor& t) {
+      if (!device && t.defined()) device = t.device().type();
+    };
+    (visit_tensor_arg(args, first_device), ...);
     CallPlan p = k.plan(device);
     if (!p.cast) {
       std::optional<c10::impl::ExcludeDispatchKeyGuard> stay_out;
@@ -62,10 +36,11 @@ struct Unboxed<Op, Ret(Args...)> {
     c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);
     if (p.policy == CastPolicy::kPromote) {
       PromoteWidth width;
-      (visit(args, [&](const at::Tensor& t) { width.add(t); }), ...);
+      (visit_tensor_arg(args, [&](const at::Tensor& t) { width.add(t); }), ...);
       if (!k.plan_promotion(width, p)) return Op::redispatch(below, args...);
     }
-    return Op::redispatch(below, converted(args, k, p)...);
+    auto cast = [&k, &p](const at::Tensor& t) { return k.cast_argument(t, p); };
+    return Op::redispatch(below, rewrite_tensor_arg(args, cast)...);
   }
 
   static void register_on(torch::Library& library, const char* qualified,

@@ -122,9 +122,11 @@ void settle_steps(const StateMap& state, const detail::DeviceSteps& steps) {
     if (it != state.end()) live.emplace_back(static_cast<State*>(it->second.get()), t);
   }
   if (live.empty()) return;
+  // Gathered on one device first, so that the host waits once, not once per parameter.
+  const c10::Device device = live.front().second.device();
   std::vector<at::Tensor> counts;
-  for (const auto& [s, t] : live) counts.push_back(t.to(at::kCPU).reshape({1}));
-  const at::Tensor host = at::cat(counts);
+  for (const auto& [s, t] : live) counts.push_back(t.to(device).reshape({1}));
+  const at::Tensor host = at::cat(counts).to(at::kCPU);
   const float* values = host.const_data_ptr<float>();
   for (size_t i = 0; i < live.size(); ++i) live[i].first->step(static_cast<int64_t>(values[i]));
 }

@@ -9,6 +9,7 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "core/format.h"
@@ -263,8 +264,8 @@ LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list, bool on_d
     } catch (...) {
       // The guard skips the step (see scale_loss.cpp); the scale stays as it was.
       std::lock_guard<std::mutex> lock(mutex_);
-      settle_locked(
-          /*wait=*/true);  // earlier steps' results first (an error path: waiting is fine)
+      // Earlier steps' results first (an error path: waiting is fine).
+      settle_locked(/*wait=*/true);
       last_step_skipped_ = true;
       ++skipped_steps_;
       throw;
@@ -285,36 +286,32 @@ LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list, bool on_d
     if (ops::stream_is_capturing(scale_.device())) {
       // Captured into a CUDA graph: the host sees this step once, at capture, and never its
       // replays, so it keeps no result (querying events or allocating pinned memory would also
-      // break the capture). The scale tensors stay right on the device; the host counters cover
+      // break the capture), and a floor error waits for an eager step (naming the culprits
+      // reads gradients). The scale tensors stay right on the device; the host counters cover
       // eager steps only.
       TORCH_CHECK(on_device,
                   "amp: a scale_loss step captured into a CUDA graph needs optimizers that skip "
                   "on the device (amp::FusedAdam/FusedAdamW, or torch's fused=True Adam/AdamW/SGD "
                   "in Python): skipping on the host would read the overflow flag during capture");
-      result.found_inf = found.reshape({});
-      result.loss_scale = loss_scale_;
-      result.floor_skips = floor_skips_;
-      return result;
-    }
-    // Earlier results first (in step order), then this step's: overflow flag and new scale
-    // together, waited for only when the host skips the step itself.
-    settle_locked(/*wait=*/false);
-    // Skipping on the host: the step's one sync, a blocking copy (earlier steps' results, queued
-    // before it on the stream, have arrived by then).
-    statuses_->push(at::cat({found.reshape({1}), scale_.reshape({1})}), /*wait_now=*/!on_device);
-    // Bounded: a host running far ahead of its device waits for its oldest results.
-    constexpr size_t kMaxQueued = 64;
-    while (statuses_->size() > kMaxQueued) settle_one_locked(/*wait=*/true);
-    if (!on_device) {
-      settle_locked(/*wait=*/true);
-      result.skipped = last_step_skipped_;
     } else {
+      // Earlier results first (in step order), then this step's: overflow flag and new scale
+      // together. Skipping on the host: the step's one sync, a blocking copy (earlier steps'
+      // results, queued before it on the stream, have arrived by then).
+      settle_locked(/*wait=*/false);
+      statuses_->push(at::cat({found.reshape({1}), scale_.reshape({1})}), /*wait_now=*/!on_device);
+      // Bounded: a host running far ahead of its device waits for its oldest results.
+      constexpr size_t kMaxQueued = 64;
+      while (statuses_->size() > kMaxQueued) settle_one_locked(/*wait=*/true);
+      if (!on_device) settle_locked(/*wait=*/true);
+      result.floor_limit = std::exchange(floor_limit_, false);
+    }
+    if (on_device) {
       result.found_inf = found.reshape({});  // 0-dim, as torch.amp.GradScaler hands it over
+    } else {
+      result.skipped = last_step_skipped_;
     }
     result.loss_scale = loss_scale_;
     result.floor_skips = floor_skips_;
-    result.floor_limit = floor_limit_;
-    floor_limit_ = false;
   }
   return result;
 }
