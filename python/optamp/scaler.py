@@ -187,35 +187,42 @@ def _hand_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -
     holder._optamp_found_inf = combined
     holder.found_inf = combined
     holder.grad_scale = None  # the guard has unscaled the grads already
-    if getattr(holder, "_optamp_found_inf_hook", None) is not None:
-        return
 
-    def drop(opt: Any, args: Any, kwargs: Any) -> None:
+    def drop(opt: Any) -> None:
         for name in ("found_inf", "grad_scale"):
             if hasattr(opt, name):
                 delattr(opt, name)
         opt._optamp_found_inf = None
-        opt._optamp_found_inf_hook.remove()
-        opt._optamp_found_inf_hook = None
 
-    holder._optamp_found_inf_hook = optimizer.register_step_post_hook(drop)
+    _at_next_step(optimizer, "_optamp_found_inf_hook", optimizer.register_step_post_hook, drop)
 
 
 def _skip_next_step(optimizer: torch.optim.Optimizer) -> None:
     """Make the next ``optimizer.step()`` change nothing: a later guard's backward refills the
     grads this guard reset, so resetting them alone would not skip the step."""
-    if getattr(optimizer, "_optamp_skip_hook", None) is not None:
-        return
 
-    def skip(opt: Any, args: Any, kwargs: Any) -> None:  # Any: carries _optamp_skip_hook
+    def skip(opt: Any) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
                 p.grad = None
-        opt._optamp_skip_hook.remove()
-        opt._optamp_skip_hook = None
 
-    holder: Any = optimizer
-    holder._optamp_skip_hook = optimizer.register_step_pre_hook(skip)
+    _at_next_step(optimizer, "_optamp_skip_hook", optimizer.register_step_pre_hook, skip)
+
+
+def _at_next_step(optimizer: torch.optim.Optimizer, handle_name: str,
+                  register: Callable[[Any], Any], action: Callable[[Any], None]) -> None:
+    """Run ``action(optimizer)`` once, in the step hook ``register`` installs (a step pre- or
+    post-hook), unless the hook named ``handle_name`` is already waiting for that step."""
+    holder: Any = optimizer  # carries the hook's handle
+    if getattr(holder, handle_name, None) is not None:
+        return
+
+    def once(opt: Any, args: Any, kwargs: Any) -> None:
+        action(opt)
+        getattr(opt, handle_name).remove()
+        setattr(opt, handle_name, None)
+
+    setattr(holder, handle_name, register(once))
 
 
 def loss_scaler(loss_id: int = 0) -> _C.LossScaler:
