@@ -75,7 +75,7 @@ mkdir -p "$out"
 rm -f "$out"/O?-s*.jsonl "$out"/O?-s*.log "$out"/O?-s*.err "$out"/O?-s*.status \
       "$out"/O?.jsonl "$out"/O?.log "$out"/O?.err "$out"/O?.status \
       "$out"/summary.* "$out"/ab.png "$out"/plan.json "$out"/runs.tsv
-"$PY" "$OPTAMP_ROOT/scripts/ab_plan.py" --out "$out" --device "$device" --batch-size "$batch" \
+PYTHONPATH="$OPTAMP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m optamp.ab.plan --out "$out" --device "$device" --batch-size "$batch" \
   --subset "$subset" "${plan_args[@]}" || exit 2
 
 if [[ $build -eq 1 && -z "$bin" ]]; then
@@ -137,7 +137,8 @@ while IFS=$'\t' read -r level seed flag budget eval_at schedule name; do
   run_one "$level" "$seed" "$flag" "$budget" "$eval_at" "$schedule" "$name"
 done <"$out/runs.tsv"
 
-"$PY" "$OPTAMP_ROOT/scripts/ab_report.py" --out "$out" || status=1
+PYTHONPATH="$OPTAMP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m optamp.ab.summary --out "$out" ||
+  status=1
 echo "ab_test.sh: took $((SECONDS / 60)) min $((SECONDS % 60)) s in all ($((SECONDS - start)) s of" \
      "training runs); report: $out/summary.md, $out/summary.json, $out/ab.png"
 exit $status

@@ -6,6 +6,7 @@
 //
 // This umbrella header pulls in the whole public API.
 
+#include "optamp/ab.h"
 #include "optamp/autocast.h"
 #include "optamp/cast_cache.h"
 #include "optamp/fused_optimizers.h"

@@ -50,7 +50,7 @@ from .functions import (
     register_promote_op,
 )
 from .scaler import load_state_dict, loss_scaler, scale_loss, state_dict
-from . import _autocast_flag, _checkpoint
+from . import _autocast_flag, _checkpoint, ab
 
 _checkpoint.install()  # forward and recompute of torch.utils.checkpoint under the same rules
 _autocast_flag.install()  # torch._C._is_any_autocast_enabled(): True only where ops are cast
@@ -68,6 +68,7 @@ def resolve(opt_level: Union[str, OptLevel] = "O1", **overrides: Any) -> Propert
 
 __all__ = [
     "CastPolicy",
+    "ab",
     "LossScaler",
     "OptLevel",
     "Properties",

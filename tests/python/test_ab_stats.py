@@ -1,6 +1,6 @@
 """The A/B report's statistics and planning on synthetic data (no training, no data set):
-scripts/ab_stats.py (paired verdicts against the baseline's noise floor, loss-curve
-divergence), scripts/ab_plan.py (CPU features, budgets per level) and scripts/ab_report.py on
+optamp.ab.stats (paired verdicts against the baseline's noise floor, loss-curve
+divergence), optamp.ab.plan (CPU features, budgets per level) and optamp.ab.summary on
 hand-written JSON-lines files with known differences."""
 import json
 import math
@@ -10,11 +10,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import ab_plan  # noqa: E402
-import ab_report  # noqa: E402
-import ab_stats  # noqa: E402
+from optamp.ab import plan as ab_plan
+from optamp.ab import summary as ab_report
+from optamp.ab import stats as ab_stats
 
 SEEDS = [0, 1, 2, 3, 4]
 
@@ -172,11 +170,11 @@ def test_default_cpu_budget_without_bf16(tmp_path, capsys):
     for level in ("O1", "O2", "O4", "O5"):
         assert lv[level]["slow"] and lv[level]["steps"] == 100 and lv[level]["seeds"] == [0, 1, 2]
     # Seed by seed: each level's run next to the baseline's of the same seed and budget.
-    assert [r[-1] for r in runs[:7]] == ["O0-s0", "O0-s0-n100", "O1-s0", "O2-s0", "O4-s0",
+    assert [r[2] for r in runs[:7]] == ["O0-s0", "O0-s0-n100", "O1-s0", "O2-s0", "O4-s0",
                                          "O5-s0", "O0-s1"]
-    assert runs[0] == ["O0", "0", "--steps", "400", "-", "cosine", "O0-s0"]
-    assert runs[1] == ["O0", "0", "--steps", "100", "-", "cosine", "O0-s0-n100"]
-    assert runs[2] == ["O1", "0", "--steps", "100", "-", "cosine", "O1-s0"]
+    assert runs[0] == ["O0", "0", "O0-s0", "--steps", "400", "--lr-schedule", "cosine"]
+    assert runs[1] == ["O0", "0", "O0-s0-n100", "--steps", "100", "--lr-schedule", "cosine"]
+    assert runs[2] == ["O1", "0", "O1-s0", "--steps", "100", "--lr-schedule", "cosine"]
     assert len(runs) == 5 + 3 + 4 * 3
     out = capsys.readouterr().out
     assert "bf16: avx512_bf16 no, amx_bf16 no" in out and "O1 (slow: fp16 on a CPU)" in out
@@ -196,7 +194,7 @@ def test_budget_options(tmp_path):
                           "--slow-levels", "none", "--steps", "50")
     assert lv["O4"]["baseline"] and not lv["O1"]["slow"]  # no O0: the first level
     assert lv["O1"]["steps"] == 50 and lv["O1"]["seeds"] == [7, 3]
-    assert [r[-1] for r in runs] == ["O4-s7", "O1-s7", "O4-s3", "O1-s3"]
+    assert [r[2] for r in runs] == ["O4-s7", "O1-s7", "O4-s3", "O1-s3"]
     _, lv, _ = plan_of(tmp_path, ["avx2"], "--steps", "60")  # slow steps capped by --steps
     assert lv["O1"]["steps"] == 60 and lv["O0"]["extra"] == []
 
@@ -208,9 +206,10 @@ def test_epochs_mode(tmp_path):
     for r in lv.values():  # no slow budget, the test set after every epoch
         assert not r["slow"] and r["epochs"] == 3 and r["steps"] == 30
         assert r["eval_at"] == [10, 20, 30]
-    assert runs[0] == ["O0", "0", "--epochs", "3", "10,20,30", "cosine", "O0-s0"]
+    assert runs[0] == ["O0", "0", "O0-s0", "--epochs", "3", "--eval-at", "10,20,30",
+                       "--lr-schedule", "cosine"]
     plan, _, runs = plan_of(tmp_path, ["avx2"], "--epochs", "1", "--lr-schedule", "constant")
-    assert plan["lr_schedule"] == "constant" and runs[0][-2] == "constant"
+    assert plan["lr_schedule"] == "constant" and runs[0][-1] == "constant"
 
 
 @pytest.mark.parametrize("text,expected", [("3", [0, 1, 2]), ("4,9", [4, 9]), ("5,", [5])])
@@ -293,7 +292,7 @@ def test_report_classifies_known_differences(synthetic):
     rows = {r["level"]: r for r in summary["levels"]}
     verdict = {lv: {k: c["verdict"] for k, c in r["vs_baseline"].items()}
                for lv, r in rows.items()}
-    assert verdict["O0"] == {"test_accuracy": "indistinguishable",
+    assert verdict["O0"] == {"test_accuracy": "indistinguishable", "test_loss": "indistinguishable",
                              "final_train_loss": "indistinguishable",
                              "step_time": "indistinguishable"}
     assert verdict["O2"] == verdict["O0"]  # identical runs
@@ -313,14 +312,14 @@ def test_report_classifies_known_differences(synthetic):
     # O5 is the fastest; O4 is excluded as worse.
     assert summary["fastest_not_worse"] == "O5"
     assert summary["verdict"].startswith("Verdict: O5 is the fastest")
-    assert "O4 (accuracy worse" in summary["verdict"]
+    assert "O4 (test accuracy worse" in summary["verdict"]
 
 
 def test_report_files(synthetic):
     out, _ = synthetic
     assert ab_report.main(["--out", str(out)]) == 0
     md = (out / "summary.md").read_text()
-    for text in ("## Accuracy and final train loss", "## Per seed", "Verdict rule: paired by seed",
+    for text in ("## Metrics", "## Per seed", "Verdict rule: paired by seed",
                  "| O1 (slow) | 100 x 3 |", "| O4 | 200 x 5 |", "worse", "better",
                  "O0's seed-to-seed distance"):
         assert text in md, text

@@ -1,15 +1,14 @@
-#!/usr/bin/env python3
-"""Plans the runs of scripts/ab_test.sh: the budget (steps or epochs) and seeds of each level,
+"""Plans the runs of scripts/ab_test.sh (the Fashion-MNIST job): the budget (steps or epochs) and seeds of each level,
 and what this CPU offers for reduced precision.
 
-    python scripts/ab_plan.py --out OUT --levels O0,O1,O2,O4,O5 --device cpu [--steps N]
+    python -m optamp.ab.plan --out OUT --levels O0,O1,O2,O4,O5 --device cpu [--steps N]
         [--seeds N|S1,S2,..] [--slow-steps N] [--slow-seeds N] [--slow-levels auto|none|L,..]
         [--epochs E] [--lr-schedule constant|cosine] [--batch-size B] [--subset N]
 
-Writes OUT/plan.json and OUT/runs.tsv (one run a line, seed by seed so that a level's run and
-the baseline's run of the same seed are close in time: level, seed, budget flag, budget,
---eval-at list or "-", learning-rate schedule, run name) and prints the plan, CPU features
-first. A run's files are OUT/<run name>.*: <level>-s<seed>, or <level>-s<seed>-n<steps> for
+Writes OUT/plan.json and OUT/runs.tsv (the runner's --plan: one run a line, seed by seed so
+that a level's run and the baseline's run of the same seed are close in time: level, seed, run
+name, then the arguments the run adds to the trainer's command, tab-separated) and prints the
+plan, CPU features first. A run's files are OUT/<run name>.*: <level>-s<seed>, or <level>-s<seed>-n<steps> for
 the baseline's runs at a shorter budget.
 
 Budgets (docs/ab_test.md). Levels without fast kernels on this device ("slow": on a CPU the
@@ -181,19 +180,20 @@ def run_name(level, seed, steps=None):
 
 
 def runs(plan):
-    """(level, seed, flag, budget, eval_at, lr schedule, run name) in run order: seed by seed,
-    levels in order, the baseline's shorter budgets after its main run."""
+    """(level, seed, run name, [extra trainer arguments]) in run order: seed by seed, levels in
+    order, the baseline's shorter budgets after its main run."""
+    schedule = ["--lr-schedule", plan["lr_schedule"]]
     for seed in plan["seeds"]:
         for r in plan["levels"]:
             if seed in r["seeds"]:
-                flag, budget = ("--epochs", r["epochs"]) if r.get("epochs") else (
-                    "--steps", r["steps"])
-                yield (r["level"], seed, flag, budget, ",".join(map(str, r["eval_at"])) or "-",
-                       plan["lr_schedule"], run_name(r["level"], seed))
+                budget = ["--epochs", str(r["epochs"])] if r.get("epochs") else [
+                    "--steps", str(r["steps"])]
+                evals = ["--eval-at", ",".join(map(str, r["eval_at"]))] if r["eval_at"] else []
+                yield r["level"], seed, run_name(r["level"], seed), budget + evals + schedule
             for extra in r.get("extra", []):
                 if seed in extra["seeds"]:
-                    yield (r["level"], seed, "--steps", extra["steps"], "-",
-                           plan["lr_schedule"], run_name(r["level"], seed, extra["steps"]))
+                    yield (r["level"], seed, run_name(r["level"], seed, extra["steps"]),
+                           ["--steps", str(extra["steps"])] + schedule)
 
 
 def seed_text(seeds):
@@ -254,8 +254,8 @@ def main(argv=None):
         json.dump(plan, f, indent=2)
         f.write("\n")
     with open(os.path.join(a.out, "runs.tsv"), "w") as f:
-        for run in runs(plan):
-            f.write("\t".join(map(str, run)) + "\n")
+        for level, seed, name, args in runs(plan):
+            f.write("\t".join([level, str(seed), name] + args) + "\n")
     print(describe_plan(plan))
     return 0
 

@@ -1,20 +1,21 @@
-#!/usr/bin/env python3
-"""Builds the A/B report of scripts/ab_test.sh from the trainers' JSON-lines metrics.
+"""The A/B report: statistics, verdicts, summary.md/json and ab.png from the runs' metrics.
 
-    python scripts/ab_report.py --out results/ab [--levels O0,O1,O2]
+    python -m optamp.ab.summary --out results/ab [--levels O0,O1,O2]
 
-Reads OUT/plan.json (written by scripts/ab_plan.py: levels, budgets, seeds, CPU features),
-OUT/<run>.jsonl (config, step, eval and summary objects written by train_fashion_mnist) and
-OUT/<run>.status (JSON: status ok|unsupported|failed, message, exit_code; written by
-ab_test.sh) for every run <level>-s<seed> and the baseline's shorter budgets
-<level>-s<seed>-n<steps>, and writes OUT/summary.md, OUT/summary.json and OUT/ab.png
-(matplotlib, Agg). Without plan.json the levels come from --levels and the runs from the files
-found.
+Reads OUT/plan.json (written by the runner, ``python -m optamp.ab``, or by optamp.ab.plan for
+the Fashion-MNIST job: levels, budgets, seeds, CPU features), OUT/<run>.jsonl (what the program
+reported through optamp.ab.report / amp::ab::report, or the typed config/step/eval/summary lines
+of the Fashion-MNIST trainers) and OUT/<run>.status (JSON: status ok|unsupported|failed|
+diverged|timeout, message, exit_code, peak_rss_mb; written by the runner) for every run
+<level>-s<seed> and the baseline's shorter budgets <level>-s<seed>-n<steps>, and writes
+OUT/summary.md, OUT/summary.json and OUT/ab.png (matplotlib, Agg). Without plan.json the levels
+come from --levels and the runs from the files found.
 
 The baseline is O0 when it ran, else the first level that ran. Every level is compared with
 the baseline seed by seed after the same number of steps (the baseline's run of that budget;
 with a constant learning rate also its test pass at that step of a longer run), by the rule in
-scripts/ab_stats.py (RULE, printed in the report).
+optamp.ab.stats (RULE, printed in the report), for each final metric the program reported and
+the final train loss, and for the step time.
 """
 import argparse
 import glob
@@ -25,36 +26,112 @@ import re
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ab_stats  # noqa: E402
+from . import stats as ab_stats
+from .plan import run_name
 
 STEADY_SKIP = 5  # step times: the first 5 steps (warm-up) are left out when there are > 10
 TAIL = 20  # final train loss: mean of the last 20 finite step losses
 
 
 # ---- reading ----------------------------------------------------------------------------------
+# Keys of a run's summary that describe the run rather than measure the model: never compared.
+BOOKKEEPING = {"type", "step", "steps", "t", "seed", "opt_level", "epochs", "batch_size", "lr",
+               "threads", "train_images", "test_images", "peak_memory_mb", "cuda_peak_mb",
+               "median_step_ms", "samples_per_s", "final_train_loss", "skipped_steps",
+               "final_loss_scale", "train_time_s", "loss_scale", "skipped", "step_ms", "loss",
+               "params", "exit_code"}
+# A metric is higher-is-better when its name says so (accuracy, throughput, ...), else lower
+# (losses, bits per character, perplexity, error rates); --higher / --lower override.
+HIGHER_WORDS = ("acc", "auc", "f1", "score", "precision", "recall", "bleu", "per_s", "throughput",
+                "iou", "map")
+
+
+def higher_is_better(name, directions=None):
+    if directions and name in directions:
+        return bool(directions[name])
+    return any(w in name.lower() for w in HIGHER_WORDS)
+
+
+def finite_or_none(v):
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+        else None
+
+
 def read_jsonl(path):
-    """{config, steps: [step objects], evals: {step: eval object}, summary}."""
+    """{config, steps: [step objects], evals: {step: eval object}, summary} of a metrics file.
+
+    Lines with "type" (config, step, eval, summary) are taken as they are. Lines written by
+    optamp.ab.report carry no type: with "step" and "loss" they are a step, with "step" only an
+    evaluation at that step, without "step" final values (summary and config both). A line that
+    does not parse (a run killed while writing) ends the file."""
     run = {"config": {}, "steps": [], "evals": {}, "summary": None}
     with open(path) as f:
         for line in f:
             if not line.strip():
                 continue
-            obj = json.loads(line)
-            kind = obj.get("type")
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                break
+            kind = obj.get("type") or ("step" if "step" in obj and "loss" in obj else
+                                       "eval" if "step" in obj else "final")
             if kind == "config":
-                run["config"] = obj
+                run["config"].update(obj)
             elif kind == "step":
+                obj["loss"] = finite_or_none(obj.get("loss"))
                 run["steps"].append(obj)
             elif kind == "eval":
-                run["evals"][obj["step"]] = obj
+                run["evals"].setdefault(obj["step"], {}).update(obj)
             elif kind == "summary":
-                run["summary"] = obj
+                run["summary"] = dict(run["summary"] or {}, **obj)
+            elif kind == "precision":
+                run["precision"] = obj
+            else:
+                run["config"].update(obj)
+                run["summary"] = dict(run["summary"] or {}, **obj)
     return run
 
 
+def derive_summary(run, status):
+    """Fills what a program did not report itself: step times from the reporter's time stamps,
+    the step count, median step, final train loss, skipped steps, last loss scale, peak memory
+    (the program's CUDA peak, else the peak RSS the runner measured), training time."""
+    steps, summary = run["steps"], dict(run["summary"] or {})
+    prev_t = None
+    for s in steps:
+        if s.get("step_ms") is None and s.get("t") is not None and prev_t is not None:
+            s["step_ms"] = 1000.0 * (s["t"] - prev_t)
+        prev_t = s.get("t", prev_t)
+    summary.setdefault("steps", len(steps))
+    summary.setdefault("median_step_ms", median_step_ms(run, len(steps)))
+    summary.setdefault("final_train_loss", final_train_loss(run, len(steps)))
+    if any("skipped" in s for s in steps):
+        summary.setdefault("skipped_steps", sum(bool(s.get("skipped")) for s in steps))
+    scales = [s["loss_scale"] for s in steps if s.get("loss_scale") is not None]
+    if scales:
+        summary.setdefault("final_loss_scale", scales[-1])
+    cuda = [v for o in steps + list(run["evals"].values()) + [summary]
+            for v in [o.get("cuda_peak_mb")] if v is not None]
+    if "peak_memory_mb" not in summary:
+        if cuda:
+            summary.update(peak_memory_mb=max(cuda), peak_memory_kind="cuda_peak_allocated")
+        elif status.get("peak_rss_mb") is not None:
+            summary.update(peak_memory_mb=status["peak_rss_mb"], peak_memory_kind="cpu_peak_rss")
+    times = [s["t"] for s in steps if s.get("t") is not None]
+    if len(times) > 1:
+        summary.setdefault("train_time_s", times[-1] - times[0])
+    run["summary"] = summary
+
+
+def diverged(run):
+    """A run whose last reported losses are all non-finite (NaN, inf) has diverged."""
+    tail = run["steps"][-max(1, len(run["steps"]) // 20):]
+    return bool(tail) and all(s.get("loss") is None for s in tail) and \
+        any("loss" in s for s in tail)
+
+
 def read_run(out, name):
-    """One trainer run: status (ok|unsupported|failed|missing), message, and the metrics."""
+    """One run: status (ok|unsupported|failed|diverged|timeout|missing), message, metrics."""
     status_path, metrics = (os.path.join(out, name + ext) for ext in (".status", ".jsonl"))
     status = {"status": "ok"}
     if os.path.isfile(status_path):
@@ -68,8 +145,11 @@ def read_run(out, name):
     if not os.path.isfile(metrics):
         return {"status": "failed", "message": f"no metrics file {metrics}"}
     run.update(read_jsonl(metrics))
-    if run["summary"] is None:
-        return {"status": "failed", "message": f"{metrics} has no summary line"}
+    if not run["steps"] and run["summary"] is None:
+        return {"status": "failed", "message": f"{metrics} reports nothing"}
+    derive_summary(run, status)
+    if diverged(run):
+        return {"status": "diverged", "message": "the loss is not finite at the end of the run"}
     run["message"] = ""  # for an ok run the last stderr line is noise (warnings, progress)
     return run
 
@@ -114,7 +194,7 @@ def final_train_loss(run, upto):
 
 
 def median_step_ms(run, upto):
-    times = [s["step_ms"] for s in run["steps"][:upto]]
+    times = [s["step_ms"] for s in run["steps"][:upto] if s.get("step_ms") is not None]
     steady = times[STEADY_SKIP:] if len(times) > 2 * STEADY_SKIP else times
     return statistics.median(steady) if steady else None
 
@@ -129,17 +209,19 @@ def valid_at(run, steps):
 
 
 def metrics_at(run, steps):
-    """Test accuracy/loss, final train loss and median step time of a run after `steps` steps:
-    the summary for its last step, an eval line and the curves' prefix for an earlier one."""
+    """The final metrics (test accuracy, bits per character, ...), final train loss and median
+    step time of a run after `steps` steps: the summary for its last step, an eval line and the
+    curves' prefix for an earlier one."""
     if not valid_at(run, steps):
         return None
     if run["summary"].get("steps") == steps:
         test = run["summary"]
     else:
         test = run["evals"].get(steps, {})
-    return {"test_accuracy": test.get("test_accuracy"), "test_loss": test.get("test_loss"),
-            "final_train_loss": final_train_loss(run, steps),
-            "median_step_ms": median_step_ms(run, steps)}
+    out = {k: finite_or_none(v) for k, v in test.items() if k not in BOOKKEEPING}
+    out.update(final_train_loss=final_train_loss(run, steps),
+               median_step_ms=median_step_ms(run, steps))
+    return out
 
 
 # ---- one level against the baseline ----------------------------------------------------------
@@ -154,10 +236,11 @@ def column(at, key):
     return {s: m[key] for s, m in at.items() if m is not None and m.get(key) is not None}
 
 
-def compare(level_at, base_at):
-    """The three paired comparisons of RULE, given {seed: metrics_at(...)} of both."""
+def compare(level_at, base_at, specs):
+    """The paired comparisons of RULE for each metric of specs ((name, higher is better)) and the
+    step time, given {seed: metrics_at(...)} of both."""
     out = {}
-    for key, higher in (("test_accuracy", True), ("final_train_loss", False)):
+    for key, higher in specs:
         base = column(base_at, key)
         out[key] = ab_stats.paired(column(level_at, key), base, ab_stats.noise_floor(base),
                                    higher_is_better=higher)
@@ -169,7 +252,7 @@ def compare(level_at, base_at):
     return out
 
 
-def per_seed_rows(runs, level_at, base_at, div):
+def per_seed_rows(runs, level_at, base_at, div, specs):
     rows = []
     for seed, run in sorted(runs.items()):
         row = {"seed": seed, "status": run["status"]}
@@ -183,12 +266,11 @@ def per_seed_rows(runs, level_at, base_at, div):
                     "final_loss_scale": s.get("final_loss_scale"),
                     "peak_memory_mb": s.get("peak_memory_mb"),
                     "train_time_s": s.get("train_time_s"),
-                    "baseline_test_accuracy": b.get("test_accuracy"),
-                    "baseline_final_train_loss": b.get("final_train_loss"),
                     "baseline_median_step_ms": b.get("median_step_ms"),
                     "divergence": div["per_seed"].get(seed),
-                    "accuracy_by_step": {k: e["test_accuracy"]
-                                         for k, e in sorted(run["evals"].items())}})
+                    "metric_by_step": {k: e.get(specs[0][0])
+                                       for k, e in sorted(run["evals"].items())}})
+        row.update({f"baseline_{key}": b.get(key) for key, _ in specs})
         rows.append(row)
     return rows
 
@@ -199,14 +281,15 @@ def level_status(runs):
         return "ok"
     if "ok" not in states and states <= {"unsupported"}:
         return "unsupported"
+    if "ok" not in states and states <= {"diverged"}:
+        return "diverged"
     return "failed" if "ok" not in states else "partly failed"
 
 
-def aggregate(level_at, ok, batch):
-    """A level's numbers over its seeds: mean and sd of accuracy and losses, median (min, max)
-    step time, median peak memory, samples/s."""
-    out = {key: summarize(column(level_at, key))
-           for key in ("test_accuracy", "test_loss", "final_train_loss")}
+def aggregate(level_at, ok, batch, specs):
+    """A level's numbers over its seeds: mean and sd of each metric, median (min, max) step time,
+    median peak memory, samples/s."""
+    out = {key: summarize(column(level_at, key)) for key, _ in specs}
     times = column(level_at, "median_step_ms").values()
     med = statistics.median(times) if times else None
     out["median_step_ms"] = {"median": med, "min": min(times, default=None),
@@ -215,11 +298,11 @@ def aggregate(level_at, ok, batch):
             if r["summary"].get("peak_memory_mb") is not None]
     out["peak_memory_mb"] = statistics.median(mems) if mems else None
     out["peak_memory_kind"] = next(iter(ok.values()))["summary"].get("peak_memory_kind")
-    out["samples_per_s"] = batch / (med / 1000.0) if med else None
+    out["samples_per_s"] = batch / (med / 1000.0) if med and batch else None
     return out
 
 
-def level_row(plan_row, runs, base_runs, batch):
+def level_row(plan_row, runs, base_runs, batch, specs):
     """Everything the report says about one level. base_runs: {steps: {seed: run}}, the
     baseline's runs by budget."""
     ok = {s: r for s, r in runs.items() if r["status"] == "ok"}
@@ -240,13 +323,16 @@ def level_row(plan_row, runs, base_runs, batch):
     level_at = {s: metrics_at(r, steps) for s, r in ok.items()}
     base = baseline_for(base_runs, steps)
     base_at = {s: metrics_at(r, steps) for s, r in base.items()}
-    row.update(aggregate(level_at, ok, batch))
-    row["vs_baseline"] = compare(level_at, base_at)
+    row.update(aggregate(level_at, ok, batch, specs))
+    row["vs_baseline"] = compare(level_at, base_at, specs)
     div = ab_stats.divergence({s: losses(r, steps) for s, r in ok.items()},
                               {s: losses(r, steps) for s, r in base.items()}, steps)
     row["divergence"] = {k: v for k, v in div.items() if k != "per_seed"}
     row["divergence"]["window"] = ab_stats.smoothing_window(steps)
-    row["per_seed"] = per_seed_rows(runs, level_at, base_at, div)
+    row["per_seed"] = per_seed_rows(runs, level_at, base_at, div, specs)
+    precision = next((r["precision"] for _, r in sorted(ok.items()) if r.get("precision")), None)
+    if precision:
+        row["precision"] = precision
     return row
 
 
@@ -264,13 +350,34 @@ def ok_runs(runs):
     return {s: r for s, r in runs.items() if r["status"] == "ok"}
 
 
+TITLES = {"train_fashion_mnist": "Fashion-MNIST CNN", "train_char_gpt": "character-level GPT"}
+
+
+def metric_specs(base_runs, directions=None):
+    """[(metric, higher is better)]: the numbers the baseline's runs report as final values
+    (test accuracy, bits per character, ...), in the order first reported, then the final train
+    loss when the runs report step losses."""
+    names = []
+    for run in base_runs.values():
+        for k, v in run["summary"].items():
+            if k not in BOOKKEEPING and k not in names and finite_or_none(v) is not None:
+                names.append(k)
+    specs = [(k, higher_is_better(k, directions)) for k in names]
+    if any(s.get("loss") is not None for r in base_runs.values() for s in r["steps"]):
+        specs.append(("final_train_loss", False))
+    return specs
+
+
 def build(out, levels=None):
     """(summary dict, curve sets) for OUT; a curve set is (label, level, {seed: run}) for every
     level and for each of the baseline's shorter budgets."""
-    from ab_plan import run_name
     plan = load_plan(out, levels)
     runs = {r["level"]: {s: read_run(out, run_name(r["level"], s)) for s in r["seeds"]}
             for r in plan["levels"]}
+    for level_runs in runs.values():
+        for seed, run in level_runs.items():
+            if run["status"] == "ok":
+                run["config"].setdefault("seed", seed)
     ok_levels = [r["level"] for r in plan["levels"] if ok_runs(runs[r["level"]])]
     base = "O0" if "O0" in ok_levels else (ok_levels[0] if ok_levels else None)
     base_plan = next((r for r in plan["levels"] if r["level"] == base), {})
@@ -280,13 +387,16 @@ def build(out, levels=None):
     extra_rows = []
     for extra in base_plan.get("extra", []):
         extra_runs = {s: read_run(out, run_name(base, s, extra["steps"])) for s in extra["seeds"]}
+        for seed, run in ok_runs(extra_runs).items():
+            run["config"].setdefault("seed", seed)
         base_runs.setdefault(extra["steps"], {}).update(ok_runs(extra_runs))
         extra_rows.append((dict(base_plan, steps=extra["steps"], seeds=extra["seeds"],
                                 epochs=None, extra=[]), extra_runs))
     config = next((r["config"] for r in ok_runs(runs.get(base, {})).values()), {})
-    batch = config.get("batch_size") or plan.get("batch_size") or 64
-    rows = [level_row(p, runs[p["level"]], base_runs, batch) for p in plan["levels"]]
-    budgets = [level_row(p, r, base_runs, batch) for p, r in extra_rows]
+    batch = config.get("batch_size") or plan.get("batch_size")
+    specs = metric_specs(ok_runs(runs.get(base, {})), plan.get("higher_is_better"))
+    rows = [level_row(p, runs[p["level"]], base_runs, batch, specs) for p in plan["levels"]]
+    budgets = [level_row(p, r, base_runs, batch, specs) for p, r in extra_rows]
     base_row = next((r for r in rows if r["level"] == base), None)
     for r in [base_row] + budgets if base_row is not None else []:
         r["baseline"] = True
@@ -294,8 +404,12 @@ def build(out, levels=None):
     for r in rows + budgets:
         if r.get("peak_memory_mb") is not None and base_mem:
             r["peak_memory_ratio"] = r["peak_memory_mb"] / base_mem
-    fastest, verdict = overall_verdict(rows, base)
+    fastest, verdict = overall_verdict(rows, base, specs)
     summary = {"baseline": base, "rule": ab_stats.RULE, "verdict": verdict,
+               "metrics": [{"name": k, "higher_is_better": h} for k, h in specs],
+               "title": plan.get("title") or TITLES.get(config.get("program"), config.get(
+                   "program", "")),
+               "command": plan.get("command"),
                "fastest_not_worse": fastest, "config": config, "cpu": plan.get("cpu"),
                "mode": plan.get("mode"), "lr_schedule": config.get("lr_schedule"),
                "device": plan.get("device") or config.get("device"), "levels": rows,
@@ -309,25 +423,35 @@ def build(out, levels=None):
     return summary, curve_sets
 
 
-def overall_verdict(rows, base):
-    """The fastest level (median step time) whose accuracy and final train loss are not
-    'worse' than the baseline's, and how the others' step times compare."""
+def overall_verdict(rows, base, specs):
+    """The fastest level (median step time) none of whose metrics is 'worse' than the
+    baseline's, and how the others' step times compare."""
     if base is None:
         return None, "Verdict: no level ran; see the logs next to this report."
+    names = [k for k, _ in specs]
+    labels = [metric_label(k) for k in names]
+    what = (", ".join(labels[:-1]) + " and " + labels[-1]) if len(labels) > 1 else (
+        labels[0] if labels else "metrics")
     ok = [r for r in rows if r.get("vs_baseline") and r["median_step_ms"]["median"]]
-    worse = [r for r in ok if "worse" in (r["vs_baseline"]["test_accuracy"]["verdict"],
-                                          r["vs_baseline"]["final_train_loss"]["verdict"])]
+    if not ok:
+        return None, "Verdict: no level reported step times; see the logs next to this report."
+    worse = [r for r in ok if any(r["vs_baseline"][k]["verdict"] == "worse" for k in names)]
     candidates = [r for r in ok if r not in worse]
-    fastest = min(candidates, key=lambda r: r["median_step_ms"]["median"])
-    acc = fastest["vs_baseline"]["test_accuracy"]
-    if fastest["level"] == base:
-        text = (f"Verdict: {base} (baseline) is the fastest level whose test accuracy and final "
-                "train loss are not worse than the baseline's.")
+    fastest = min(candidates, key=lambda r: r["median_step_ms"]["median"]) if candidates else None
+    if fastest is None:
+        text = f"Verdict: every level's {what} is worse than {base}'s."
+    elif fastest["level"] == base:
+        text = (f"Verdict: {base} (baseline) is the fastest level whose {what} are not worse "
+                "than the baseline's.")
     else:
-        text = (f"Verdict: {fastest['level']} is the fastest level whose test accuracy and final "
-                f"train loss are not worse than {base}'s (accuracy {acc['verdict']}: "
-                f"{fmt_signed(acc['mean_diff'], '.2f')} pts over {acc['n']} seeds at "
-                f"{fastest['steps']} steps).")
+        text = f"Verdict: {fastest['level']} is the fastest level whose {what} are not worse " \
+               f"than {base}'s"
+        if names:
+            first = fastest["vs_baseline"][names[0]]
+            text += (f" ({metric_label(names[0])} {first['verdict']}: "
+                     f"{fmt_signed(first['mean_diff'], '.4g')} over {first['n']} seeds at "
+                     f"{fastest['steps']} steps)")
+        text += "."
     others = [r for r in ok if r["level"] != base]
     if others:
         text += f" Step time vs {base}: " + "; ".join(
@@ -335,17 +459,38 @@ def overall_verdict(rows, base):
             f"({r['vs_baseline']['step_time']['verdict']})" for r in others) + "."
     if worse:
         text += " Worse than the baseline (excluded): " + ", ".join(
-            f"{r['level']} (accuracy {r['vs_baseline']['test_accuracy']['verdict']}, loss "
-            f"{r['vs_baseline']['final_train_loss']['verdict']})" for r in worse) + "."
-    unverified = [r["level"] for r in candidates if r["level"] != base
-                  and r["vs_baseline"]["test_accuracy"]["verdict"] == "n/a"]
+            f"{r['level']} (" + ", ".join(f"{metric_label(k)} {r['vs_baseline'][k]['verdict']}"
+                                          for k in names) + ")" for r in worse) + "."
+    unverified = [r["level"] for r in candidates if r["level"] != base and names
+                  and r["vs_baseline"][names[0]]["verdict"] == "n/a"]
     if unverified:
-        text += (f" No accuracy verdict for {', '.join(unverified)} (fewer than 2 seeds: run "
-                 "with --seeds 3 or more).")
-    not_run = [r["level"] for r in rows if r["status"] in ("unsupported", "failed", "missing")]
+        text += (f" No {metric_label(names[0])} verdict for {', '.join(unverified)} (fewer than "
+                 "2 seeds: run with --seeds 3 or more).")
+    partly = [f"{r['level']} ({r.get('message', '')})" for r in rows
+              if r["status"] == "partly failed"]
+    if partly:
+        text += f" Some seeds did not finish: {'; '.join(partly)}."
+    not_run = [f"{r['level']} ({r['status']})" if r["status"] in ("diverged", "timeout")
+               else r["level"] for r in rows
+               if r["status"] in ("unsupported", "failed", "missing", "diverged", "timeout")]
     if not_run:
         text += f" Not run: {', '.join(not_run)}."
-    return fastest["level"], text
+    return fastest["level"] if fastest else None, text
+
+
+LABELS = {"test_accuracy": "test accuracy", "final_train_loss": "final train loss",
+          "test_loss": "test loss", "val_bpc": "validation bits per character"}
+
+
+def metric_label(name):
+    return LABELS.get(name, name.replace("_", " "))
+
+
+def metric_format(name):
+    """(format spec, suffix) for a metric's values."""
+    if "accuracy" in name:
+        return ".2f", "%"
+    return ".4f", ""
 
 
 # ---- formatting -------------------------------------------------------------------------------
@@ -395,44 +540,56 @@ def budget_text(r):
 def describe_cpu(cpu):
     if not cpu:
         return []
-    import ab_plan
-    return ["```", ab_plan.describe_cpu(cpu), "```", ""]
+    from .plan import describe_cpu as describe
+    return ["```", describe(cpu), "```", ""]
 
 
 def markdown_header(summary):
     c = summary["config"]
-    schedule = c.get("lr_schedule", "constant")
-    schedule += " decay to 0 over each run" if schedule == "cosine" else ""
-    lines = ["# optamp A/B test: Fashion-MNIST CNN", "",
-             f"{c.get('program', 'train_fashion_mnist')} ({c.get('language', '?')}), device "
-             f"{c.get('device', '?')}, batch {c.get('batch_size', '?')}, lr {c.get('lr', '?')} "
-             f"({schedule}), "
-             f"{c.get('train_images', '?')} training images, {c.get('test_images', '?')} test "
-             f"images, {c.get('threads', '?')} threads, torch {c.get('torch', '?')}. Baseline: "
-             f"{summary['baseline']}. Budget: steps x seeds per level (slow levels, which have "
-             "no fast kernels on this device, run fewer; each is compared with the baseline at "
-             "its own step count).", ""]
+    lines = [f"# optamp A/B test: {summary.get('title') or 'training program'}", ""]
+    if c.get("train_images") is not None:  # the Fashion-MNIST trainers
+        schedule = c.get("lr_schedule", "constant")
+        schedule += " decay to 0 over each run" if schedule == "cosine" else ""
+        lines += [f"{c.get('program', 'train_fashion_mnist')} ({c.get('language', '?')}), device "
+                  f"{c.get('device', '?')}, batch {c.get('batch_size', '?')}, lr "
+                  f"{c.get('lr', '?')} ({schedule}), {c.get('train_images', '?')} training "
+                  f"images, {c.get('test_images', '?')} test images, {c.get('threads', '?')} "
+                  f"threads, torch {c.get('torch', '?')}."]
+    else:
+        described = ", ".join(f"{k} {v}" for k, v in c.items()
+                              if k not in ("type", "t", "seed") and not isinstance(v, float))
+        lines += [(f"Command: `{' '.join(summary['command'])}`. " if summary.get("command")
+                   else "") + (f"It reported: {described}." if described else "")]
+    lines += [f"Baseline: {summary['baseline']}. Budget: steps x seeds per level (slow levels, "
+              "which have no fast kernels on this device, run fewer; each is compared with the "
+              "baseline at its own step count).", ""]
     if summary.get("device") in (None, "cpu"):
         lines += describe_cpu(summary.get("cpu"))
     return lines
 
 
-def accuracy_table(rows, base):
-    lines = [f"| level | steps x seeds | test accuracy (mean ± sd) | vs {base} [95% interval] | "
-             "floor | accuracy verdict | final train loss (mean ± sd) | vs "
-             f"{base} [95% interval] | floor | loss verdict |",
-             "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
+def metrics_table(rows, base, specs):
+    """One column group per compared metric: mean ± sd over seeds, paired difference to the
+    baseline with its 95% interval, the floor, the verdict."""
+    head, align = "| level | steps x seeds |", "|---|---|"
+    for name, higher in specs:
+        what = metric_label(name)
+        head += (f" {what} (mean ± sd) | vs {base} [95% interval] | floor | {what} verdict "
+                 f"({'higher' if higher else 'lower'} is better) |")
+        align += "---:|---:|---:|---|"
+    lines = [head, align]
     for r in rows:
         if not r.get("vs_baseline"):
-            lines.append(f"| {r['level']} | {r['status']}: {r.get('message', '')} "
-                         "| | | | | | | | |")
+            lines.append(f"| {r['level']} | {r['status']}: {r.get('message', '')} |"
+                         + " |" * (4 * len(specs)))
             continue
-        acc, loss = r["vs_baseline"]["test_accuracy"], r["vs_baseline"]["final_train_loss"]
-        lines.append(
-            f"| {label(r)} | {budget_text(r)} | {fmt_mean_sd(r['test_accuracy'], '.2f', '%')} | "
-            f"{fmt_interval(acc, '.2f')} | {fmt_floor(acc, '.2f')} | {acc['verdict']} | "
-            f"{fmt_mean_sd(r['final_train_loss'], '.4f')} | {fmt_interval(loss, '.4f')} | "
-            f"{fmt_floor(loss, '.4f')} | {loss['verdict']} |")
+        cells = f"| {label(r)} | {budget_text(r)} |"
+        for name, _ in specs:
+            spec, suffix = metric_format(name)
+            c = r["vs_baseline"][name]
+            cells += (f" {fmt_mean_sd(r[name], spec, suffix)} | {fmt_interval(c, spec)} | "
+                      f"{fmt_floor(c, spec)} | {c['verdict']} |")
+        lines.append(cells)
     return lines
 
 
@@ -455,48 +612,49 @@ def speed_table(rows, base, mem_label):
     return lines
 
 
-def seed_table(rows, base):
-    lines = [f"| level | seed | steps | test accuracy | {base}'s (same seed and step) | test "
-             f"loss | final train loss | {base}'s | median step (ms) | {base}'s | divergence | "
-             "skipped steps | final loss scale |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def seed_table(rows, base, specs):
+    head = "| level | seed | steps |" + "".join(
+        f" {metric_label(k)} | {base}'s (same seed and step) |" for k, _ in specs)
+    head += (f" median step (ms) | {base}'s | divergence | skipped steps | final loss scale |")
+    lines = [head, "|---|---:|---:|" + "---:|---:|" * len(specs) + "---:|---:|---:|---:|---:|"]
     for r in rows:
         for s in r.get("per_seed", []):
             if s["status"] != "ok":
                 lines.append(f"| {r['level']} | {s['seed']} | {s['status']}: "
-                             f"{s.get('message', '')} | | | | | | | | | | |")
+                             f"{s.get('message', '')} |" + " |" * (2 * len(specs) + 5))
                 continue
-            lines.append(
-                f"| {r['level']} | {s['seed']} | {s['steps']} | "
-                f"{fmt(s['test_accuracy'], '.2f', '%')} | "
-                f"{fmt(s['baseline_test_accuracy'], '.2f', '%')} | {fmt(s['test_loss'], '.4f')} "
-                f"| {fmt(s['final_train_loss'], '.4f')} | "
-                f"{fmt(s['baseline_final_train_loss'], '.4f')} | "
-                f"{fmt(s['median_step_ms'], '.2f')} | {fmt(s['baseline_median_step_ms'], '.2f')} "
-                f"| {fmt(s['divergence'], '.4f')} | {s['skipped_steps']} | "
-                f"{fmt(s['final_loss_scale'], 'g')} |")
+            cells = f"| {r['level']} | {s['seed']} | {s['steps']} |"
+            for k, _ in specs:
+                spec, suffix = metric_format(k)
+                cells += f" {fmt(s.get(k), spec, suffix)} | {fmt(s.get('baseline_' + k), spec, suffix)} |"
+            cells += (f" {fmt(s['median_step_ms'], '.2f')} | "
+                      f"{fmt(s['baseline_median_step_ms'], '.2f')} | {fmt(s['divergence'], '.4f')} "
+                      f"| {fmt(s['skipped_steps'], 'd')} | {fmt(s['final_loss_scale'], 'g')} |")
+            lines.append(cells)
     return lines
 
 
-def epoch_table(rows):
-    """Epoch mode: test accuracy after each epoch, mean over seeds."""
+def epoch_table(rows, specs):
+    """Epoch mode: the first metric after each epoch, mean over seeds."""
     ok = [r for r in rows if r.get("per_seed") and r.get("epochs")]
-    if not ok:
+    if not ok or not specs:
         return []
     epochs = max(r["epochs"] for r in ok)
     lines = ["| level | " + " | ".join(f"epoch {e}" for e in range(1, epochs + 1))
              + " | train time per seed (s) |", "|---|" + "---:|" * (epochs + 1)]
     for r in ok:
         seeds = [s for s in r["per_seed"] if s["status"] == "ok"]
-        steps = sorted({k for s in seeds for k in s["accuracy_by_step"]})
+        steps = sorted({k for s in seeds for k in s["metric_by_step"]})
         cells = []
         for k in steps:
-            vals = [s["accuracy_by_step"][k] for s in seeds if k in s["accuracy_by_step"]]
-            cells.append(fmt(statistics.mean(vals), ".2f", "%"))
+            vals = [s["metric_by_step"][k] for s in seeds
+                    if s["metric_by_step"].get(k) is not None]
+            cells.append(fmt(statistics.mean(vals) if vals else None, *metric_format(specs[0][0])))
         times = [s["train_time_s"] for s in seeds if s.get("train_time_s") is not None]
         lines.append(f"| {r['level']} | " + " | ".join(cells) + " | "
                      + fmt(statistics.mean(times) if times else None, ".0f") + " |")
-    return ["Test accuracy after each epoch (mean over seeds):", ""] + lines + [""]
+    what = metric_label(specs[0][0])
+    return [f"{what[:1].upper() + what[1:]} after each epoch (mean over seeds):", ""] + lines + [""]
 
 
 def label(r):
@@ -514,24 +672,49 @@ def table_rows(summary):
     return out
 
 
+def precision_section(summary):
+    """Each level's per-op precision table, where the runs recorded one (--precision-steps)."""
+    tables = [(r["level"], r["precision"]) for r in summary["levels"] if r.get("precision")]
+    if not tables:
+        return []
+    lines = ["## Where precision is lost (per-op report of the first seed's first steps)", ""]
+    for level, p in tables:
+        lines += [f"### {level}", "", p.get("table", "").rstrip(), ""]
+        first = p.get("first_nonfinite")
+        lines += [f"First inf/NaN: {describe_nonfinite(first)}." if first else
+                  "No op produced an inf or NaN.", ""]
+    return lines
+
+
+def describe_nonfinite(first):
+    where = f" in {first['scope']}" if first.get("scope") else ""
+    node = f" ({first['node']})" if first.get("node") else ""
+    return f"{first.get('op', '?')}{node}{where}, {first.get('phase', '?')}"
+
+
 def write_markdown(path, summary, plot=True):
     rows, base = table_rows(summary), summary["baseline"] or "baseline"
     kind = next((r.get("peak_memory_kind") for r in rows if r.get("peak_memory_kind")), "")
     mem_label = {"cpu_peak_rss": "peak RSS", "cuda_peak_allocated": "CUDA peak allocated"}.get(
         kind, "peak memory")
     lines = markdown_header(summary)
-    lines += [f"**{summary['verdict']}**", "", "## Accuracy and final train loss", ""]
-    lines += accuracy_table(rows, base) + ["", "## Step time, memory, loss trajectory", ""]
+    lines += [f"**{summary['verdict']}**", ""]
+    specs = [(m["name"], m["higher_is_better"]) for m in summary.get("metrics", [])]
+    lines += ["## Metrics", ""] if specs else []
+    lines += (metrics_table(rows, base, specs) if specs else []) + [
+        "", "## Step time, memory, loss trajectory", ""]
     lines += speed_table(rows, base, mem_label) + [""]
-    lines += epoch_table(rows)
-    lines += ["## Per seed", ""] + seed_table(rows, base) + [""]
+    lines += epoch_table(rows, specs)
+    lines += precision_section(summary)
+    lines += ["## Per seed", ""] + seed_table(rows, base, specs) + [""]
     lines += [
         "## How to read it", "",
         f"Verdict rule: {summary['rule']}.", "",
-        "Test accuracy: 10,000 test images (or --test-subset), eval mode, no grad. Final train "
+        "Metrics: the final values the program reported (the Fashion-MNIST trainers: test "
+        "accuracy and loss on the test images, eval mode, no grad). Final train "
         f"loss: mean of the last {TAIL} finite step losses. Step time: median over the steps "
-        f"after the first {STEADY_SKIP} (forward, backward, optimizer step; synchronized on "
-        "CUDA); its floor is shown as the baseline's relative seed-to-seed spread. Loss "
+        f"after the first {STEADY_SKIP} (the program's own step_ms, else the time between two "
+        "step reports); its floor is shown as the baseline's relative seed-to-seed spread. Loss "
         "divergence: mean absolute difference between the level's and the baseline's training-"
         "loss curves of the same seed, each smoothed by a trailing moving average of 1/20 of "
         "the run (at least 5 steps), averaged over seeds; the seed-to-seed distance is the same "
@@ -550,7 +733,7 @@ COLORS = {"O0": "#222222", "O1": "#1f77b4", "O2": "#d62728", "O3": "#ff7f0e", "O
 STYLES = {"O0": "-", "O1": "--", "O2": "-", "O3": "-.", "O4": "--", "O5": ":"}
 
 
-def plot_curves(ax_loss, ax_scale, curve_sets):
+def plot_curves(ax_loss, ax_scale, curve_sets, primary):
     for i, (label, level, ok) in enumerate(curve_sets):
         if not ok:
             continue
@@ -563,11 +746,12 @@ def plot_curves(ax_loss, ax_scale, curve_sets):
         xs = list(range(1, n + 1))
         pts = [[v for v in col if v is not None] for col in zip(*curves)]
         keep = [j for j, p in enumerate(pts) if p]
-        accs = [r["summary"]["test_accuracy"] for r in ok.values()
-                if r["summary"].get("test_accuracy") is not None]
+        accs = [r["summary"][primary] for r in ok.values()
+                if primary and finite_or_none(r["summary"].get(primary)) is not None]
         ax_loss.plot([xs[j] for j in keep], [statistics.mean(pts[j]) for j in keep], color=c,
                      linestyle=ls, linewidth=lw, label=f"{label}" + (
-                         f" ({statistics.mean(accs):.1f}% at {n})" if accs else ""))
+                         f" ({fmt(statistics.mean(accs), *metric_format(primary))} at {n})"
+                         if accs else ""))
         if len(curves) > 1:
             ax_loss.fill_between([xs[j] for j in keep], [min(pts[j]) for j in keep],
                                  [max(pts[j]) for j in keep], color=c, alpha=0.12)
@@ -588,13 +772,15 @@ def plot_curves(ax_loss, ax_scale, curve_sets):
     ax_loss.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
     ax_loss.set_ylabel("training loss (moving average;\nline: mean over seeds, band: min-max)")
     ax_loss.grid(True, which="both", alpha=0.3)
-    ax_loss.legend(loc="upper right", fontsize=9, title="level (test accuracy at its budget)",
+    ax_loss.legend(loc="upper right", fontsize=9,
+                   title=f"level ({metric_label(primary or 'loss')} at its budget)",
                    title_fontsize=8)
     ax_scale.set_yscale("log", base=2)
     ax_scale.set_ylabel("loss scale, first seed\n(x: skipped step)")
     ax_scale.set_xlabel("step")
     ax_scale.grid(True, which="both", alpha=0.3)
-    ax_scale.legend(loc="best", fontsize=8, ncol=3)
+    if ax_scale.get_legend_handles_labels()[0]:
+        ax_scale.legend(loc="best", fontsize=8, ncol=3)
 
 
 def plot_interval(ax, comparison, color, ratio=False):
@@ -626,19 +812,20 @@ def plot_interval(ax, comparison, color, ratio=False):
     ax.grid(True, which="both", axis="x", alpha=0.3)
 
 
-def plot_level(ax_acc, ax_time, row, base):
-    """One level's panel: its test accuracy and step time against the baseline's, paired by
+def plot_level(ax_acc, ax_time, row, base, primary):
+    """One level's panel: its first metric and step time against the baseline's, paired by
     seed (point: mean difference / ratio, bar: 95% interval, ticks: single seeds, grey: the
     baseline's seed-to-seed noise floor)."""
     c = COLORS.get(row["level"], "C0")
-    acc, st = row["vs_baseline"]["test_accuracy"], row["vs_baseline"]["step_time"]
-    base_acc = [s["baseline_test_accuracy"] for s in row["per_seed"]
-                if s.get("baseline_test_accuracy") is not None]
+    acc, st = row["vs_baseline"][primary], row["vs_baseline"]["step_time"]
+    base_acc = [s["baseline_" + primary] for s in row["per_seed"]
+                if s.get("baseline_" + primary) is not None]
+    spec, suffix = metric_format(primary)
     plot_interval(ax_acc, acc, c)
-    ax_acc.set_xlabel(f"test accuracy - {base}'s (pts)", fontsize=8)
+    ax_acc.set_xlabel(f"{metric_label(primary)} - {base}'s", fontsize=8)
     ax_acc.set_title(f"{row['level']}, {row['steps']} steps x {acc['n']} seeds\n"
-                     f"{fmt(row['test_accuracy']['mean'], '.2f', '%')} vs {base} "
-                     f"{fmt(statistics.mean(base_acc) if base_acc else None, '.2f', '%')}: "
+                     f"{fmt(row[primary]['mean'], spec, suffix)} vs {base} "
+                     f"{fmt(statistics.mean(base_acc) if base_acc else None, spec, suffix)}: "
                      f"{acc['verdict']}", fontsize=8)
     plot_interval(ax_time, st, c, ratio=True)
     ax_time.set_xlabel(f"step time / {base}'s", fontsize=8)
@@ -653,20 +840,47 @@ def write_plot(path, summary, curve_sets):
     import matplotlib.pyplot as plt
 
     base = summary["baseline"]
+    primary = summary["metrics"][0]["name"] if summary.get("metrics") else None
     others = [r for r in summary["levels"] if r.get("vs_baseline") and r["level"] != base]
     n = max(2, len(others))
     fig = plt.figure(figsize=(15, max(7.5, 2.0 * n)))
     grid = fig.add_gridspec(n, 3, width_ratios=[3.0, 1.3, 1.3], wspace=0.15, hspace=0.9)
     ax_loss = fig.add_subplot(grid[:max(1, n * 3 // 5), 0])
     ax_scale = fig.add_subplot(grid[max(1, n * 3 // 5):, 0], sharex=ax_loss)
-    plot_curves(ax_loss, ax_scale, curve_sets)
+    plot_curves(ax_loss, ax_scale, curve_sets, primary)
     c = summary["config"]
-    ax_loss.set_title(f"optamp A/B: Fashion-MNIST CNN, {c.get('device', '?')}, batch "
-                      f"{c.get('batch_size', '?')}, baseline {base}", fontsize=11)
+    ax_loss.set_title(f"optamp A/B: {summary.get('title') or 'training program'}, "
+                      f"{c.get('device', '?')}, batch {c.get('batch_size', '?')}, baseline {base}",
+                      fontsize=11)
     for i, row in enumerate(others):
-        plot_level(fig.add_subplot(grid[i, 1]), fig.add_subplot(grid[i, 2]), row, base)
+        if primary:
+            plot_level(fig.add_subplot(grid[i, 1]), fig.add_subplot(grid[i, 2]), row, base,
+                       primary)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
+
+
+def write_report(out, levels=None):
+    """Builds the report of OUT and writes summary.json, summary.md and ab.png; returns the
+    summary."""
+    summary, curve_sets = build(out, levels)
+    try:
+        write_plot(os.path.join(out, "ab.png"), summary, curve_sets)
+        plot = True
+    except ImportError as e:  # e.g. the GPU machine's bare python3; the numbers are all here
+        print(f"optamp.ab: no plot ({e}); install matplotlib (e.g. apt-get install "
+              "python3-matplotlib) for ab.png", file=sys.stderr)
+        plot = False
+    summary["plot"] = "ab.png" if plot else None
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+        f.write("\n")
+    write_markdown(os.path.join(out, "summary.md"), summary, plot)
+    return summary
+
+
+def any_level_ran(summary):
+    return any(r["status"] != "missing" and r.get("seeds_ok") for r in summary["levels"])
 
 
 def main(argv=None):
@@ -675,22 +889,9 @@ def main(argv=None):
     p.add_argument("--levels", default="", help="only these levels (default: the plan's)")
     args = p.parse_args(argv)
     levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()] or None
-    summary, curve_sets = build(args.out, levels)
-    try:
-        write_plot(os.path.join(args.out, "ab.png"), summary, curve_sets)
-        plot = True
-    except ImportError as e:  # e.g. the GPU machine's bare python3; the numbers are all here
-        print(f"ab_report: no plot ({e}); install matplotlib (e.g. apt-get install "
-              "python3-matplotlib) for ab.png", file=sys.stderr)
-        plot = False
-    summary["plot"] = "ab.png" if plot else None
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2, default=str)
-        f.write("\n")
-    write_markdown(os.path.join(args.out, "summary.md"), summary, plot)
+    summary = write_report(args.out, levels)
     print(summary["verdict"])
-    return 0 if any(r["status"] != "missing" and r.get("seeds_ok") for r in summary["levels"]) \
-        else 1
+    return 0 if any_level_ran(summary) else 1
 
 
 if __name__ == "__main__":

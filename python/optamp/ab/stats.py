@@ -1,4 +1,4 @@
-"""Statistics of the A/B report (scripts/ab_report.py): paired comparisons against a measured
+"""Statistics of the A/B report (optamp.ab.summary): paired comparisons against a measured
 noise floor, and loss-trajectory divergence. Pure functions on plain lists; no numpy needed.
 
 The rule (RULE below, also printed in every report):

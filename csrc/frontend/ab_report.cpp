@@ -1,0 +1,133 @@
+// The program side of the A/B protocol (optamp/ab.h): the level and seed from the environment,
+// metrics as JSON lines for the runner (python -m optamp.ab).
+#include "optamp/ab.h"
+
+#include <c10/util/Exception.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "optamp/opt_level.h"
+
+namespace amp {
+namespace ab {
+namespace {
+
+const char* env_or_null(const char* name) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? v : nullptr;
+}
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", c);
+          out += buf;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+std::string json_number(double v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "Infinity" : "-Infinity";
+  std::ostringstream os;
+  os.precision(std::numeric_limits<double>::max_digits10);
+  os << v;
+  return os.str();
+}
+
+}  // namespace
+
+std::string opt_level(const std::string& default_level) {
+  const char* v = env_or_null(kOptLevelEnv);
+  std::string level = v != nullptr ? v : default_level;
+  // Validated here, so a bad value names the variable rather than failing later in initialize.
+  try {
+    (void)parse_opt_level(level);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK_VALUE(v == nullptr, kOptLevelEnv, " must be an opt level O0..O5, got \"", level,
+                      "\"");
+    throw;
+  }
+  return level;
+}
+
+std::int64_t seed(std::int64_t default_seed) {
+  const char* v = env_or_null(kSeedEnv);
+  if (v == nullptr) return default_seed;
+  char* end = nullptr;
+  errno = 0;
+  long long parsed = std::strtoll(v, &end, 10);
+  TORCH_CHECK_VALUE(errno == 0 && end != v && *end == '\0' && parsed >= 0, kSeedEnv,
+                    " must be an integer >= 0, got \"", v, "\"");
+  return parsed;
+}
+
+std::string Value::json() const {
+  if (const auto* d = std::get_if<double>(&value_)) return json_number(*d);
+  if (const auto* i = std::get_if<std::int64_t>(&value_)) return std::to_string(*i);
+  if (const auto* b = std::get_if<bool>(&value_)) return *b ? "true" : "false";
+  return json_string(std::get<std::string>(value_));
+}
+
+struct Reporter::File {
+  std::ofstream out;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+};
+
+Reporter::Reporter(const std::string& path) {
+  if (path.empty()) return;
+  file_ = std::make_unique<File>();
+  file_->out.open(path, std::ios::app);
+  TORCH_CHECK(file_->out.good(), "amp::ab: cannot write the metrics file \"", path, "\"");
+}
+
+Reporter::~Reporter() = default;
+
+bool Reporter::active() const { return file_ != nullptr; }
+
+void Reporter::report(const Metrics& metrics) {
+  if (!file_) return;
+  std::string line = "{";
+  for (const auto& [key, value] : metrics) {
+    TORCH_CHECK_VALUE(key != "t", "amp::ab::report: \"t\" is the reporter's own time stamp; ",
+                      "name the metric differently");
+    line += json_string(key) + ": " + value.json() + ", ";
+  }
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - file_->start)
+                       .count();
+  line += "\"t\": " + json_number(t) + "}\n";
+  std::lock_guard<std::mutex> lock(mutex_);
+  file_->out << line << std::flush;
+}
+
+Reporter& reporter() {
+  static Reporter the_reporter([] {
+    const char* path = env_or_null(kMetricsEnv);
+    return std::string(path != nullptr ? path : "");
+  }());
+  return the_reporter;
+}
+
+}  // namespace ab
+}  // namespace amp

@@ -1,0 +1,138 @@
+"""The A/B protocol between a training program and ``python -m optamp.ab`` (docs/ab_test.md).
+
+The runner starts the program once per opt level and seed and tells it which through the
+environment; the program asks for them (nothing reads the environment unless it does) and reports
+what it measured, one JSON line per call::
+
+    import optamp as amp
+    model, optimizer = amp.initialize(model, optimizer, opt_level=amp.ab.opt_level("O1"))
+    torch.manual_seed(amp.ab.seed(0))
+    ...
+    amp.ab.report(step=step, loss=loss.item())
+    amp.ab.report(test_accuracy=accuracy)          # a final metric
+
+Outside the runner (no ``OPTAMP_AB_METRICS``) :func:`report` does nothing, so the calls can stay.
+The C++ twin is ``optamp/ab.h`` (``amp::ab::opt_level``, ``amp::ab::seed``, ``amp::ab::report``).
+"""
+import json
+import math
+import os
+import threading
+import time
+from typing import IO, Any, Dict, Optional, Union
+
+OPT_LEVEL_ENV = "OPTAMP_OPT_LEVEL"
+SEED_ENV = "OPTAMP_SEED"
+METRICS_ENV = "OPTAMP_AB_METRICS"
+LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
+
+
+def opt_level(default: str = "O1") -> str:
+    """``OPTAMP_OPT_LEVEL`` when it is set (one of O0..O5), else ``default``."""
+    value = os.environ.get(OPT_LEVEL_ENV) or None
+    if value is not None and value not in LEVELS:
+        raise ValueError(f"{OPT_LEVEL_ENV} must be an opt level O0..O5, got {value!r}")
+    return value if value is not None else default
+
+
+def seed(default: int = 0) -> int:
+    """``OPTAMP_SEED`` when it is set (an integer >= 0), else ``default``."""
+    value = os.environ.get(SEED_ENV) or None
+    if value is None:
+        return default
+    try:
+        parsed = int(value)
+    except ValueError:
+        parsed = -1
+    if parsed < 0:
+        raise ValueError(f"{SEED_ENV} must be an integer >= 0, got {value!r}")
+    return parsed
+
+
+def _plain(value: Any) -> Union[int, float, bool, str, None]:
+    """A JSON scalar from a number, flag, text or one-element tensor."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    item = getattr(value, "item", None)  # torch.Tensor, numpy scalars
+    if callable(item):
+        return _plain(item())
+    raise TypeError(f"optamp.ab.report: a metric must be a number, bool, str or one-element "
+                    f"tensor, got {type(value).__name__}")
+
+
+class Reporter:
+    """Writes one JSON object a line with ``"t"``: seconds since the reporter was made (so the
+    runner can time steps the program does not time itself). Thread-safe; each line is flushed.
+    ``path=None`` makes a reporter that writes nothing."""
+
+    def __init__(self, path: Optional[str]) -> None:
+        self._file: Optional[IO[str]] = open(path, "a") if path else None
+        self._start = time.perf_counter()
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        return self._file is not None
+
+    def report(self, step: Optional[int] = None, loss: Any = None, **metrics: Any) -> None:
+        if self._file is None:
+            return
+        if "t" in metrics:
+            raise ValueError('optamp.ab.report: "t" is the reporter\'s own time stamp; name the '
+                             "metric differently")
+        line: Dict[str, Any] = {}
+        if step is not None:
+            line["step"] = int(step)
+        if loss is not None:
+            line["loss"] = _plain(loss)
+        line.update((k, _plain(v)) for k, v in metrics.items())
+        cuda_peak = _cuda_peak_mb()
+        if cuda_peak is not None and "peak_memory_mb" not in line:
+            line["cuda_peak_mb"] = cuda_peak
+        line["t"] = time.perf_counter() - self._start
+        text = json.dumps(line, allow_nan=True) + "\n"
+        with self._lock:
+            self._file.write(text)
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _cuda_peak_mb() -> Optional[float]:
+    """The caching allocator's peak, once the program has used CUDA (no sync, no init)."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return float(torch.cuda.max_memory_allocated()) / 2**20
+
+
+_reporter: Optional[Reporter] = None
+_reporter_lock = threading.Lock()
+
+
+def reporter() -> Reporter:
+    """The process's reporter: ``OPTAMP_AB_METRICS``'s file, opened at the first call."""
+    global _reporter
+    with _reporter_lock:
+        if _reporter is None:
+            _reporter = Reporter(os.environ.get(METRICS_ENV) or None)
+        return _reporter
+
+
+def report(step: Optional[int] = None, loss: Any = None, **metrics: Any) -> None:
+    """Report a step (``step``, ``loss``, optionally ``step_ms``, ``loss_scale``, ``skipped``) or
+    metrics (``test_accuracy=..``; with ``step=`` they belong to that step, without it they are
+    final). Numbers may be one-element tensors. Does nothing outside the runner."""
+    reporter().report(step=step, loss=loss, **metrics)
+
+
+def is_finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+__all__ = ["opt_level", "seed", "report", "reporter", "Reporter", "OPT_LEVEL_ENV", "SEED_ENV",
+           "METRICS_ENV"]
