@@ -101,44 +101,13 @@ args=(--device "$device" --batch-size "$batch" --subset "$subset" --test-subset 
 [[ -n "$lr" ]] && args+=(--lr "$lr")
 [[ -n "$data" ]] && args+=(--data "$data")
 
-# One run: trainer stdout (properties report, summary line) -> NAME.log; stderr -> NAME.err and
-# the terminal, with the trainer's progress line when the terminal is a TTY; NAME.status.
-run_one() {
-  local level="$1" seed="$2" flag="$3" budget="$4" eval_at="$5" schedule="$6" name="$7"
-  local t0=$SECONDS rc st msg extra=(--seed "$seed" "$flag" "$budget" --lr-schedule "$schedule")
-  [[ "$eval_at" != - ]] && extra+=(--eval-at "$eval_at")
-  echo "== $name: ${trainer[*]##*/} --opt-level $level ${extra[*]} ${args[*]}"
-  OPTAMP_PROGRESS=$([[ -t 2 ]] && echo 1 || echo 0) \
-    "${trainer[@]}" --opt-level "$level" "${extra[@]}" "${args[@]}" --metrics "$out/$name.jsonl" \
-    </dev/null >"$out/$name.log" 2> >(tee "$out/$name.err" >&2)
-  rc=$?
-  wait  # for tee
-  msg="$(tr '\r' '\n' <"$out/$name.err" | grep -v '^\s*$' | tail -1 | sed 's/\\/\\\\/g; s/"/\\"/g')"
-  case $rc in
-    0) st=ok; grep '^summary:' "$out/$name.log" ;;
-    3) st=unsupported; msg="${msg##*unsupported: }"; echo "   $level unsupported: $msg" ;;
-    *) st=failed; status=1; echo "   $name FAILED (exit $rc); log: $out/$name.log" >&2 ;;
-  esac
-  printf '{"status": "%s", "exit_code": %d, "message": "%s", "seconds": %d}\n' \
-    "$st" "$rc" "$msg" "$((SECONDS - t0))" >"$out/$name.status"
-  [[ $st == unsupported ]] && unsupported[$level]="$msg"
-  return 0
-}
-
-status=0
-declare -A unsupported=()
+# The runs, through the same runner as any program's A/B (python -m optamp.ab): seed by seed,
+# OPTAMP_OPT_LEVEL / OPTAMP_SEED / OPTAMP_AB_METRICS in the environment, each run's budget from
+# runs.tsv; its progress line on stderr, then the report (summary.md/json, ab.png).
 start=$SECONDS
-while IFS=$'\t' read -r level seed flag budget eval_at schedule name; do
-  if [[ -n "${unsupported[$level]+set}" ]]; then  # the same answer on every seed: not rerun
-    printf '{"status": "unsupported", "exit_code": 3, "message": "%s", "seconds": 0}\n' \
-      "${unsupported[$level]}" >"$out/$name.status"
-    continue
-  fi
-  run_one "$level" "$seed" "$flag" "$budget" "$eval_at" "$schedule" "$name"
-done <"$out/runs.tsv"
-
-PYTHONPATH="$OPTAMP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m optamp.ab.summary --out "$out" ||
-  status=1
+PYTHONPATH="$OPTAMP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m optamp.ab --plan "$out/runs.tsv" \
+  --out "$out" -- "${trainer[@]}" "${args[@]}"
+status=$?
 echo "ab_test.sh: took $((SECONDS / 60)) min $((SECONDS % 60)) s in all ($((SECONDS - start)) s of" \
      "training runs); report: $out/summary.md, $out/summary.json, $out/ab.png"
 exit $status

@@ -3,7 +3,10 @@
 
     python examples/python/train_fashion_mnist.py --opt-level O2 --steps 200 --metrics o2.jsonl
 
-Metrics file (JSON lines): a "config" object, one "step" object per step (step, loss,
+A program of python -m optamp.ab's protocol (docs/ab_test.md): without --opt-level / --seed it
+takes OPTAMP_OPT_LEVEL / OPTAMP_SEED (else O0 / 0), and reports through optamp.ab to --metrics
+FILE, or else to the runner's OPTAMP_AB_METRICS file.
+Metrics file (JSON lines, each with "t": seconds since the first): a "config" object, one "step" object per step (step, loss,
 loss_scale, skipped, step_ms), an "eval" object (step, test_accuracy, test_loss) for each
 --eval-at step and a final "summary" object (test_accuracy, test_loss, peak_memory_mb,
 median_step_ms, samples_per_s, final_train_loss, skipped_steps, final_loss_scale, ...).
@@ -17,7 +20,6 @@ Needs the optamp package (``pip install .``, or PYTHONPATH=python after an in-tr
 """
 import argparse
 import gzip
-import json
 import math
 import os
 import statistics
@@ -140,10 +142,6 @@ def peak_memory_mb(device):
     return float("nan")
 
 
-def finite_or_none(v):
-    return v if isinstance(v, (int, bool)) or math.isfinite(v) else None
-
-
 def fmt_duration(s):
     t = max(0, round(s))
     return f"{t // 60}:{t % 60:02d}"
@@ -163,14 +161,16 @@ def step_list(text):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--opt-level", default="O0", choices=LEVELS)
+    p.add_argument("--opt-level", default=None, choices=LEVELS,
+                   help="default: OPTAMP_OPT_LEVEL (python -m optamp.ab), else O0")
     p.add_argument("--steps", type=int, default=0, help="0: use --epochs")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
                    help="cosine: lr * (1 + cos(pi * step / steps)) / 2")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="default: OPTAMP_SEED (python -m optamp.ab), else 0")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--data", default=DEFAULT_DATA)
     p.add_argument("--subset", type=int, default=0, help="first N training images (0: all)")
@@ -184,6 +184,9 @@ def parse_args(argv=None):
     if a.steps < 0 or a.epochs < 1 or a.batch_size < 1 or a.subset < 0 or a.test_subset < 0 \
             or not a.lr > 0:
         p.error("--steps >= 0, --epochs >= 1, --batch-size >= 1, --lr > 0")
+    # Under python -m optamp.ab the level and seed come from the environment, unless given here.
+    a.opt_level = a.opt_level or amp.ab.opt_level("O0")
+    a.seed = amp.ab.seed(0) if a.seed is None else a.seed
     return a
 
 
@@ -242,11 +245,13 @@ def run(args):
         return 3
     model, optimizer = session.model, session.optimizer
 
-    metrics = open(args.metrics, "w") if args.metrics else None
+    # --metrics FILE, else the runner's file (OPTAMP_AB_METRICS; none: nothing is written).
+    if args.metrics:
+        open(args.metrics, "w").close()
+    reporter = amp.ab.Reporter(args.metrics) if args.metrics else amp.ab.reporter()
 
     def emit(obj):
-        if metrics:
-            metrics.write(json.dumps(obj) + "\n")
+        reporter.report(**obj)
 
     emit({"type": "config", "program": "train_fashion_mnist.py", "language": "python",
           "opt_level": args.opt_level, "device": args.device, "steps": total,
@@ -293,8 +298,8 @@ def run(args):
         skipped_steps += skipped
         step_ms.append(ms)
         losses.append(loss_value)
-        emit({"type": "step", "step": step + 1, "loss": finite_or_none(loss_value),
-              "loss_scale": finite_or_none(scale), "skipped": skipped, "step_ms": ms})
+        emit({"type": "step", "step": step + 1, "loss": loss_value, "loss_scale": scale,
+              "skipped": skipped, "step_ms": ms})
         now = time.perf_counter()
         if tty and (now - last_progress > 0.2 or step + 1 == total):
             last_progress = now
@@ -336,9 +341,9 @@ def run(args):
                "median_step_ms": median_ms, "samples_per_s": samples_per_s,
                "final_train_loss": final_loss, "skipped_steps": skipped_steps,
                "final_loss_scale": final_scale, "train_time_s": train_s}
-    emit({k: finite_or_none(v) if isinstance(v, float) else v for k, v in summary.items()})
-    if metrics:
-        metrics.close()
+    emit(summary)
+    if args.metrics:
+        reporter.close()
     print(f"summary: {args.opt_level} {args.device} | test accuracy {accuracy:.2f}% "
           f"(loss {test_loss:.4f}) | "
           f"median step {median_ms:.2f} ms | {samples_per_s:.0f} samples/s | peak memory "
