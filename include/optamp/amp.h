@@ -14,6 +14,7 @@
 #include "optamp/loss_scaler.h"
 #include "optamp/opt_level.h"
 #include "optamp/policy.h"
+#include "optamp/precision_probe.h"
 #include "optamp/scale_loss.h"
 #include "optamp/state_dict.h"
 #include "optamp/version.h"

@@ -1,0 +1,535 @@
+// amp::PrecisionProbe (optamp/precision_probe.h, docs/precision.md): two global
+// at::RecordFunction callbacks, one on ATen ops (inputs and outputs) and one on autograd nodes
+// (the backward phase), installed while a probe records and removed with it.
+#include "optamp/precision_probe.h"
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+
+#include "diagnostics/precision_format.h"
+#include "dispatch/cast_state.h"
+#include "dispatch/substitution.h"
+#include "ops/stream_capture.h"
+
+namespace amp {
+
+using Phase = PrecisionProbe::Phase;
+
+namespace {
+
+// An autograd node running on this thread: its name and the scope its forward op ran in.
+struct NodeFrame {
+  std::string name;
+  std::string scope;
+};
+
+// Per thread: the Scope names pushed, the backward nodes running, and whether the probe is
+// measuring (its own ATen calls must not be observed).
+struct ThreadFrames {
+  std::vector<std::string> scopes;
+  std::vector<NodeFrame> nodes;
+  bool measuring = false;
+};
+thread_local ThreadFrames t_frames;
+
+// What one call's floating outputs held.
+struct Measurement {
+  std::vector<c10::ScalarType> dtypes;  // distinct floating output dtypes
+  std::int64_t elements = 0;
+  std::int64_t nonfinite = 0;
+  double max_abs = 0.0;
+  std::int64_t fp16_overflow = 0, fp16_flush = 0, bf16_overflow = 0, bf16_flush = 0;
+  c10::ScalarType nonfinite_dtype = c10::ScalarType::Undefined;
+};
+
+void add_dtype(std::vector<c10::ScalarType>& dtypes, c10::ScalarType dtype) {
+  if (std::find(dtypes.begin(), dtypes.end(), dtype) == dtypes.end()) dtypes.push_back(dtype);
+}
+
+}  // namespace
+
+// The recorded tables of one probe. Callbacks update them from any thread (the autograd
+// engine's device threads run CUDA backward), so every access holds `mutex`.
+struct PrecisionProbe::State {
+  using RowKey = std::tuple<std::string, std::string, int, std::string>;  // op, scope, phase, node
+  struct SeqHash {
+    std::size_t operator()(const std::pair<std::uint64_t, std::int64_t>& k) const {
+      return std::hash<std::uint64_t>()(k.first * 0x9E3779B97F4A7C15ULL ^
+                                        static_cast<std::uint64_t>(k.second));
+    }
+  };
+
+  std::string label;
+  std::atomic<bool> recording{true};
+  std::atomic<std::int64_t> next_call{0};
+
+  mutable std::mutex mutex;
+  std::vector<Row> rows;
+  std::map<RowKey, std::size_t> row_index;
+  std::optional<NonFinite> first_nonfinite;
+  std::int64_t unmeasured = 0;
+  // (forward thread, sequence number) -> the scope of the forward op that created the node.
+  std::unordered_map<std::pair<std::uint64_t, std::int64_t>, std::string, SeqHash> seq_scopes;
+
+  void remember_scope(std::uint64_t thread, std::int64_t seq, const std::string& scope);
+  std::string scope_of(std::uint64_t thread, std::int64_t seq) const;
+  Row& row_for(const std::string& op, const std::string& scope, Phase phase,
+               const std::string& node, std::int64_t call);
+};
+
+void PrecisionProbe::State::remember_scope(std::uint64_t thread, std::int64_t seq,
+                                           const std::string& scope) {
+  std::lock_guard<std::mutex> lock(mutex);
+  seq_scopes[{thread, seq}] = scope;
+}
+
+std::string PrecisionProbe::State::scope_of(std::uint64_t thread, std::int64_t seq) const {
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = seq_scopes.find({thread, seq});
+  return it == seq_scopes.end() ? std::string() : it->second;
+}
+
+PrecisionProbe::Row& PrecisionProbe::State::row_for(const std::string& op, const std::string& scope,
+                                                    Phase phase, const std::string& node,
+                                                    std::int64_t call) {
+  RowKey key{op, scope, static_cast<int>(phase), node};
+  auto it = row_index.find(key);
+  if (it == row_index.end()) {
+    Row row;
+    row.op = op;
+    row.scope = scope;
+    row.phase = phase;
+    row.node = node;
+    row.first_call = call;
+    it = row_index.emplace(std::move(key), rows.size()).first;
+    rows.push_back(std::move(row));
+  }
+  return rows[it->second];
+}
+
+namespace {
+
+using State = PrecisionProbe::State;
+
+// The probe that records now, and the callbacks installed for it. Process-wide: one at a time.
+struct Registry {
+  std::mutex mutex;
+  std::shared_ptr<State> active;
+  at::CallbackHandle op_callback = at::INVALID_CALLBACK_HANDLE;
+  at::CallbackHandle node_callback = at::INVALID_CALLBACK_HANDLE;
+};
+Registry& registry() {
+  static auto* r = new Registry();  // never destroyed: callbacks may run during exit
+  return *r;
+}
+
+std::shared_ptr<State> active_state() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.active;
+}
+
+// How an op treats its outputs' values, from its name (ATen's naming conventions).
+enum class OutputKind {
+  kComputed,       // new values (or a view: see OpContext::input_storages)
+  kWritesInputs,   // in-place (`add_`) or out= (`add.out`): an output aliasing an input is new
+  kUninitialized,  // empty, empty_strided, new_empty, resize_: whatever memory held
+};
+
+OutputKind output_kind(const std::string& name, const std::string& overload) {
+  const auto colons = name.find("::");
+  const std::string base = colons == std::string::npos ? name : name.substr(colons + 2);
+  if (base.empty()) return OutputKind::kComputed;
+  for (const char* prefix : {"empty", "_empty", "new_empty", "resize", "_resize"}) {
+    if (base.rfind(prefix, 0) == 0) return OutputKind::kUninitialized;
+  }
+  if (base.back() == '_' || overload == "out" || overload.rfind("out_", 0) == 0 ||
+      (overload.size() > 4 && overload.compare(overload.size() - 4, 4, "_out") == 0)) {
+    return OutputKind::kWritesInputs;
+  }
+  return OutputKind::kComputed;
+}
+
+// The input a cast op converts (aten::to.*, aten::_to_copy, aten::copy_'s src), else -1. A
+// narrowing cast's losses are measured against it: its output alone cannot show them.
+int cast_source_index(const std::string& name) {
+  if (name == "aten::to" || name == "aten::_to_copy") return 0;
+  if (name == "aten::copy_") return 1;
+  return -1;
+}
+
+// One observed op call, from its start callback to its end callback.
+struct OpContext : at::ObserverContext {
+  std::shared_ptr<State> state;
+  std::string op;  // "aten::add.Tensor"
+  std::int64_t call = 0;
+  std::string scope;
+  Phase phase = Phase::kForward;
+  std::string node;
+  OutputKind kind = OutputKind::kComputed;
+  std::vector<c10::ScalarType> input_dtypes;  // the call's dtype when no output is floating
+  // An output on one of these storages is a view of an input (no new values) unless the op
+  // writes its inputs.
+  std::vector<const c10::StorageImpl*> input_storages;
+  at::Tensor cast_source;
+};
+
+// Marks a backward node's frame on this thread; its end pops it.
+struct NodeContext : at::ObserverContext {};
+
+void add_input(const c10::IValue& v, OpContext& ctx) {
+  if (v.isTensor()) {
+    const auto& t = v.toTensor();
+    if (!t.defined()) return;
+    if (t.is_floating_point()) add_dtype(ctx.input_dtypes, t.scalar_type());
+    if (t.has_storage()) ctx.input_storages.push_back(t.storage().unsafeGetStorageImpl());
+  } else if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) add_input(e, ctx);
+  }
+}
+
+// Backward: an autograd node runs on this thread, or the engine works between nodes (it adds
+// gradients from several edges outside any node).
+bool in_backward() {
+  return !t_frames.nodes.empty() || torch::autograd::get_current_graph_task_id() != -1;
+}
+
+void locate(OpContext& ctx) {
+  if (in_backward()) {
+    ctx.phase = Phase::kBackward;
+    if (!t_frames.nodes.empty()) {
+      ctx.node = t_frames.nodes.back().name;
+      ctx.scope = t_frames.nodes.back().scope;
+    }
+  } else if (!t_frames.scopes.empty()) {
+    ctx.scope = t_frames.scopes.back();
+  }
+}
+
+void read_inputs(const at::RecordFunction& fn, const c10::OperatorName& name, OpContext& ctx) {
+  ctx.op = name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+  ctx.kind = output_kind(name.name, name.overload_name);
+  const auto inputs = fn.inputs();
+  for (const c10::IValue& v : inputs) add_input(v, ctx);
+  const int source = cast_source_index(name.name);
+  if (source >= 0 && static_cast<std::size_t>(source) < inputs.size() &&
+      inputs[source].isTensor()) {
+    ctx.cast_source = inputs[source].toTensor();
+  }
+}
+
+std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
+  if (t_frames.measuring) return nullptr;
+  const auto name = fn.operator_name();
+  if (!name) return nullptr;  // a named range (the engine's evaluate_function), not an op
+  auto state = active_state();
+  if (!state) return nullptr;
+  auto ctx = std::make_unique<OpContext>();
+  ctx->call = state->next_call.fetch_add(1);
+  locate(*ctx);
+  // The outermost call of a differentiable forward op carries the sequence number its backward
+  // node will have (the dispatcher passes sequence_number::peek() when autograd is in the key
+  // set and grad mode is on; ops below autograd get -1).
+  if (ctx->phase == Phase::kForward && fn.seqNr() >= 0 && !ctx->scope.empty()) {
+    state->remember_scope(fn.threadId(), fn.seqNr(), ctx->scope);
+  }
+  read_inputs(fn, *name, *ctx);
+  ctx->state = std::move(state);
+  return ctx;
+}
+
+// The keys whose kernels would change what a measuring op computes or where it goes: optamp's
+// casting and O2/O5 substitution keys, native autocast, and Python modes/subclasses.
+c10::DispatchKeySet measuring_excluded_keys() {
+  return c10::autocast_dispatch_keyset |
+         c10::DispatchKeySet({detail::kCastKey, detail::kSubstituteKey, c10::DispatchKey::Python,
+                              c10::DispatchKey::PythonTLSSnapshot});
+}
+
+// Tensors the probe can read values of: dense, with storage, not a wrapper whose ops go
+// elsewhere (functorch, functionalization, Python subclasses, fake tensors).
+bool measurable(const at::Tensor& t) {
+  if (t.layout() != at::kStrided || t.is_nested() || t.is_meta() || !t.has_storage()) {
+    return false;
+  }
+  const auto wrappers = c10::DispatchKeySet(
+      {c10::DispatchKey::Python, c10::DispatchKey::FuncTorchBatched,
+       c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::Functionalize});
+  if (!(t.key_set() & wrappers).empty()) return false;
+  // A device->host read is refused while a CUDA graph captures.
+  return !t.is_cuda() || !ops::stream_is_capturing(t.device());
+}
+
+struct CastLosses {
+  at::Tensor overflow, flush;
+};
+
+// Finite values of `t` whose cast to `low` gives inf (overflow) and nonzero values whose cast
+// gives 0 (flush), by the cast itself: its rounding defines the thresholds (docs/precision.md).
+// For a cast op, `source` is what it converted: the losses it actually made.
+CastLosses cast_losses(const at::Tensor& t, const at::Tensor& source, c10::ScalarType low) {
+  if (t.scalar_type() == low) {
+    if (source.defined()) {
+      return {at::logical_and(source.isfinite(), t.isinf()).sum(),
+              at::logical_and(source.ne(0), t.eq(0)).sum()};
+    }
+    auto zero = at::zeros({}, t.options().dtype(at::kLong));
+    return {zero, zero};
+  }
+  const at::Tensor cast = t.to(low);
+  return {at::logical_and(t.isfinite(), cast.isinf()).sum(),
+          at::logical_and(t.ne(0), cast.eq(0)).sum()};
+}
+
+// The source a cast op's output `t` was converted from, if `t` is that output.
+at::Tensor source_of(const at::Tensor& t, const OpContext& ctx) {
+  const at::Tensor& s = ctx.cast_source;
+  if (!s.defined() || !s.is_floating_point() || s.scalar_type() == t.scalar_type() ||
+      s.numel() != t.numel() || !measurable(s)) {
+    return at::Tensor();
+  }
+  return s.device() == t.device() ? s.reshape(t.sizes()) : s.to(t.device()).reshape(t.sizes());
+}
+
+// A view returns an input's values: nothing new to measure.
+bool is_view_of_input(const at::Tensor& t, const OpContext& ctx) {
+  if (ctx.kind == OutputKind::kWritesInputs || !t.has_storage()) return false;
+  const auto* storage = t.storage().unsafeGetStorageImpl();
+  return std::find(ctx.input_storages.begin(), ctx.input_storages.end(), storage) !=
+         ctx.input_storages.end();
+}
+
+void measure_tensor(const at::Tensor& t, const OpContext& ctx, Measurement& m) {
+  if (!t.defined() || !t.is_floating_point()) return;
+  add_dtype(m.dtypes, t.scalar_type());
+  if (t.numel() == 0 || ctx.kind == OutputKind::kUninitialized || !measurable(t) ||
+      is_view_of_input(t, ctx)) {
+    return;
+  }
+  const at::Tensor finite = t.isfinite();
+  const auto wide = t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor max_abs = at::where(finite, t.to(wide).abs(), 0).amax().to(at::kDouble);
+  const at::Tensor source = source_of(t, ctx);
+  const auto fp16 = cast_losses(t, source, at::kHalf);
+  const auto bf16 = cast_losses(t, source, at::kBFloat16);
+  const at::Tensor counts = at::stack({at::logical_not(finite).sum(), fp16.overflow, fp16.flush,
+                                       bf16.overflow, bf16.flush, max_abs.view(at::kLong)})
+                                .cpu();  // the one device->host read per tensor
+  const auto* c = counts.data_ptr<std::int64_t>();
+  m.elements += t.numel();
+  m.nonfinite += c[0];
+  m.fp16_overflow += c[1];
+  m.fp16_flush += c[2];
+  m.bf16_overflow += c[3];
+  m.bf16_flush += c[4];
+  double max_value = 0.0;
+  std::memcpy(&max_value, &c[5], sizeof max_value);  // the double's bits, carried as int64
+  m.max_abs = std::max(m.max_abs, max_value);
+  if (c[0] > 0 && m.nonfinite_dtype == c10::ScalarType::Undefined) {
+    m.nonfinite_dtype = t.scalar_type();
+  }
+}
+
+void measure_value(const c10::IValue& v, const OpContext& ctx, Measurement& m) {
+  if (v.isTensor()) {
+    measure_tensor(v.toTensor(), ctx, m);
+  } else if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) measure_value(e, ctx, m);
+  } else if (v.isTuple()) {
+    for (const c10::IValue& e : v.toTupleRef().elements()) measure_value(e, ctx, m);
+  }
+}
+
+// Measures the outputs without being observed, without autograd, and outside every key that
+// could make the measurement compute something else than the values as they are.
+Measurement measure_outputs(const std::vector<c10::IValue>& outputs, const OpContext& ctx) {
+  struct Measuring {
+    Measuring() { t_frames.measuring = true; }
+    ~Measuring() { t_frames.measuring = false; }
+  } measuring;
+  at::RecordFunctionGuard no_callbacks(false);
+  c10::NoGradGuard no_grad;
+  c10::impl::ExcludeDispatchKeyGuard no_casts(measuring_excluded_keys());
+  Measurement m;
+  for (const c10::IValue& v : outputs) measure_value(v, ctx, m);
+  return m;
+}
+
+void add_counts(PrecisionProbe::Row& row, const OpContext& ctx, const Measurement& m) {
+  row.calls += 1;
+  row.first_call = std::min(row.first_call, ctx.call);
+  const auto& dtypes = m.dtypes.empty() ? ctx.input_dtypes : m.dtypes;
+  for (c10::ScalarType dtype : dtypes) {
+    auto it = std::find_if(row.dtypes.begin(), row.dtypes.end(),
+                           [&](const auto& d) { return d.dtype == dtype; });
+    if (it == row.dtypes.end()) it = row.dtypes.insert(row.dtypes.end(), {dtype, 0});
+    it->calls += 1;
+  }
+  row.elements += m.elements;
+  row.nonfinite += m.nonfinite;
+  row.max_abs = std::max(row.max_abs, m.max_abs);
+  row.fp16_overflow += m.fp16_overflow;
+  row.fp16_flush += m.fp16_flush;
+  row.bf16_overflow += m.bf16_overflow;
+  row.bf16_flush += m.bf16_flush;
+}
+
+void record(const OpContext& ctx, const Measurement& m) {
+  State& state = *ctx.state;
+  std::lock_guard<std::mutex> lock(state.mutex);
+  if (!state.recording.load()) return;  // ended while this call ran
+  auto& row = state.row_for(ctx.op, ctx.scope, ctx.phase, ctx.node, ctx.call);
+  add_counts(row, ctx, m);
+  if (m.nonfinite > 0 && !state.first_nonfinite) {
+    PrecisionProbe::NonFinite first;
+    first.op = ctx.op;
+    first.phase = ctx.phase;
+    first.scope = ctx.scope;
+    first.node = ctx.node;
+    first.call = ctx.call;
+    first.op_call = row.calls;
+    first.dtype = m.nonfinite_dtype;
+    first.count = m.nonfinite;
+    first.elements = m.elements;
+    state.first_nonfinite = std::move(first);
+  }
+}
+
+void on_op_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
+  auto* ctx = static_cast<OpContext*>(raw);
+  if (ctx == nullptr) return;
+  // An end callback runs in RecordFunction's destructor: nothing may escape from it.
+  try {
+    record(*ctx, measure_outputs(fn.outputs(), *ctx));
+  } catch (const std::exception&) {
+    std::lock_guard<std::mutex> lock(ctx->state->mutex);
+    ctx->state->unmeasured += 1;
+  }
+}
+
+// A backward node's RecordFunction carries the node's sequence number and the thread its
+// forward ran on (Node::operator() in torch/csrc/autograd/function.h): the key to the scope.
+std::unique_ptr<at::ObserverContext> on_node_start(const at::RecordFunction& fn) {
+  if (t_frames.measuring) return nullptr;
+  auto state = active_state();
+  if (!state) return nullptr;
+  t_frames.nodes.push_back({fn.name(), state->scope_of(fn.forwardThreadId(), fn.seqNr())});
+  return std::make_unique<NodeContext>();
+}
+
+void on_node_end(const at::RecordFunction& /*fn*/, at::ObserverContext* ctx) {
+  if (ctx != nullptr && !t_frames.nodes.empty()) t_frames.nodes.pop_back();
+}
+
+void install(const std::shared_ptr<State>& state) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  TORCH_CHECK(!r.active, "amp::PrecisionProbe: only one probe records at a time; ",
+              r.active ? r.active->label : std::string(),
+              " is still recording (call its stop() or let it go out of scope first), got a "
+              "second one: ",
+              state->label);
+  r.op_callback = at::addGlobalCallback(at::RecordFunctionCallback(&on_op_start, &on_op_end)
+                                            .needsInputs(true)
+                                            .needsOutputs(true)
+                                            .scopes({at::RecordScope::FUNCTION}));
+  r.node_callback = at::addGlobalCallback(at::RecordFunctionCallback(&on_node_start, &on_node_end)
+                                              .scopes({at::RecordScope::BACKWARD_FUNCTION}));
+  r.active = state;
+}
+
+void uninstall(const std::shared_ptr<State>& state) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (r.active != state) return;
+  at::removeCallback(r.op_callback);
+  at::removeCallback(r.node_callback);
+  r.op_callback = r.node_callback = at::INVALID_CALLBACK_HANDLE;
+  r.active.reset();
+}
+
+std::string default_label() {
+  static std::atomic<int> count{0};
+  std::ostringstream out;
+  out << "PrecisionProbe #" << ++count << " (started on thread " << std::this_thread::get_id()
+      << ")";
+  return out.str();
+}
+
+}  // namespace
+
+double PrecisionProbe::Row::fraction(std::int64_t count) const {
+  const auto n = finite();
+  return n > 0 ? static_cast<double>(count) / static_cast<double>(n) : 0.0;
+}
+
+PrecisionProbe::Scope::Scope(std::string name) : depth_(t_frames.scopes.size()) {
+  t_frames.scopes.push_back(std::move(name));
+}
+
+PrecisionProbe::Scope::~Scope() {
+  // Out-of-order ends (an exception between a pre- and a post-hook) drop the newer names too.
+  if (t_frames.scopes.size() > depth_) t_frames.scopes.resize(depth_);
+}
+
+PrecisionProbe::PrecisionProbe(std::string label) : state_(std::make_shared<State>()) {
+  state_->label = label.empty() ? default_label() : "\"" + label + "\"";
+  install(state_);
+}
+
+PrecisionProbe::~PrecisionProbe() { stop(); }
+
+void PrecisionProbe::stop() {
+  uninstall(state_);
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->recording = false;
+}
+
+bool PrecisionProbe::recording() const { return state_->recording.load(); }
+
+PrecisionProbe::Report PrecisionProbe::report() const {
+  Report report;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    report.rows = state_->rows;
+    report.first_nonfinite = state_->first_nonfinite;
+    report.calls = state_->next_call.load();
+    report.unmeasured = state_->unmeasured;
+  }
+  std::stable_sort(report.rows.begin(), report.rows.end(),
+                   [](const Row& a, const Row& b) { return a.first_call < b.first_call; });
+  return report;
+}
+
+std::optional<PrecisionProbe::NonFinite> PrecisionProbe::first_nonfinite() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->first_nonfinite;
+}
+
+std::string PrecisionProbe::table(int max_rows) const {
+  TORCH_CHECK_VALUE(max_rows >= 1, "PrecisionProbe::table: max_rows must be >= 1, got ", max_rows);
+  return detail::precision_table(report(), max_rows);
+}
+
+std::string PrecisionProbe::json() const { return detail::precision_json(report()); }
+
+const char* PrecisionProbe::phase_name(Phase phase) {
+  return phase == Phase::kBackward ? "backward" : "forward";
+}
+
+}  // namespace amp

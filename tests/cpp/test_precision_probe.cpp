@@ -1,0 +1,340 @@
+// amp::PrecisionProbe: dtypes per level, counts, nested ops, overflow and flush statistics, the
+// first inf/NaN forward and backward (with the forward's scope), the callback gone when no probe
+// records, bit-identical training with a probe, threads, the text forms and the errors.
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/optim/sgd.h>
+
+#include <optional>
+#include <thread>
+
+#include "optamp/amp.h"
+#include "optamp/core.h"
+#include "test_util.h"
+
+namespace amp {
+namespace {
+
+using Phase = PrecisionProbe::Phase;
+using Row = PrecisionProbe::Row;
+
+// One linear layer on raw tensors (no nn headers: they compile slowly).
+struct Layer {
+  at::Tensor w, b;
+  Layer(int in, int out, double scale = 0.3, int seed = 0) {
+    at::manual_seed(seed);
+    w = (at::randn({out, in}) * scale).requires_grad_();
+    b = at::zeros({out}).requires_grad_();
+  }
+  at::Tensor operator()(const at::Tensor& x) const { return at::linear(x, w, b); }
+  std::vector<at::Tensor> params() const { return {w, b}; }
+};
+
+class PrecisionProbeTest : public ::testing::Test {
+ protected:
+  void init(OptLevel level, const std::vector<at::Tensor>& params) {
+    core::ModelTensors model;
+    model.reduced = params;
+    model.parameters = params;
+    core::initialize(model, {}, level, testing::quiet());
+  }
+  void TearDown() override { core::reset(); }
+};
+
+// The row of `op` in `scope` and `phase` (any node), or nullptr.
+const Row* find_row(const PrecisionProbe::Report& report, const std::string& op,
+                    const std::string& scope = "", Phase phase = Phase::kForward) {
+  for (const auto& row : report.rows) {
+    if (row.op == op && row.scope == scope && row.phase == phase) return &row;
+  }
+  return nullptr;
+}
+
+std::vector<c10::ScalarType> dtypes_of(const Row& row) {
+  std::vector<c10::ScalarType> out;
+  for (const auto& d : row.dtypes) out.push_back(d.dtype);
+  return out;
+}
+
+TEST_F(PrecisionProbeTest, O1RunsLinearInFloat16AndSoftmaxInFloat32) {
+  Layer layer(8, 4);
+  init(OptLevel::O1, layer.params());
+  PrecisionProbe probe;
+  at::softmax(layer(at::randn({3, 8})), 1);
+  probe.stop();
+  const auto report = probe.report();
+  const Row* linear = find_row(report, "aten::linear");
+  const Row* softmax = find_row(report, "aten::softmax.int");
+  ASSERT_NE(linear, nullptr) << probe.table();
+  ASSERT_NE(softmax, nullptr) << probe.table();
+  EXPECT_EQ(dtypes_of(*linear), std::vector<c10::ScalarType>{at::kHalf});
+  EXPECT_EQ(dtypes_of(*softmax), std::vector<c10::ScalarType>{at::kFloat});
+  EXPECT_EQ(linear->calls, 1);
+  EXPECT_EQ(linear->elements, 12);
+  EXPECT_LT(linear->first_call, softmax->first_call);
+}
+
+TEST_F(PrecisionProbeTest, O4RunsLinearInBfloat16AndO0InFloat32) {
+  Layer layer(8, 4);
+  init(OptLevel::O4, layer.params());
+  {
+    PrecisionProbe probe;
+    layer(at::randn({3, 8}));
+    const auto report = probe.report();
+    const Row* linear = find_row(report, "aten::linear");
+    ASSERT_NE(linear, nullptr);
+    EXPECT_EQ(dtypes_of(*linear), std::vector<c10::ScalarType>{at::kBFloat16});
+  }
+  core::reset();
+  init(OptLevel::O0, layer.params());
+  PrecisionProbe probe;
+  layer(at::randn({3, 8}));
+  const auto report = probe.report();
+  const Row* linear = find_row(report, "aten::linear");
+  ASSERT_NE(linear, nullptr);
+  EXPECT_EQ(dtypes_of(*linear), std::vector<c10::ScalarType>{at::kFloat});
+}
+
+TEST_F(PrecisionProbeTest, CountsCallsAndRecordsNestedOpsInTheirScope) {
+  Layer layer(8, 4);
+  init(OptLevel::O1, layer.params());
+  PrecisionProbe probe;
+  {
+    PrecisionProbe::Scope scope("encoder.fc");
+    for (int i = 0; i < 3; ++i) layer(at::randn({2, 8}));
+  }
+  at::randn({2}).exp();
+  probe.stop();
+  const auto report = probe.report();
+  const Row* linear = find_row(report, "aten::linear", "encoder.fc");
+  const Row* addmm = find_row(report, "aten::addmm", "encoder.fc");  // linear's inner call
+  ASSERT_NE(linear, nullptr) << probe.table();
+  ASSERT_NE(addmm, nullptr) << probe.table();
+  EXPECT_EQ(linear->calls, 3);
+  EXPECT_EQ(addmm->calls, 3);
+  EXPECT_LT(linear->first_call, addmm->first_call) << "the outer call starts first";
+  EXPECT_NE(find_row(report, "aten::exp"), nullptr) << "outside the scope: no scope";
+  EXPECT_EQ(find_row(report, "aten::exp", "encoder.fc"), nullptr);
+  for (std::size_t i = 1; i < report.rows.size(); ++i) {
+    EXPECT_LT(report.rows[i - 1].first_call, report.rows[i].first_call) << "sorted by first call";
+  }
+}
+
+TEST_F(PrecisionProbeTest, Float16OverflowInForwardNamesTheInnermostOpAndItsScope) {
+  Layer big(16, 4, 1.0);
+  {
+    at::NoGradGuard no_grad;
+    big.w.fill_(1000.0);
+  }
+  init(OptLevel::O1, big.params());
+  PrecisionProbe probe;
+  {
+    PrecisionProbe::Scope scope("big");
+    big(at::full({2, 16}, 100.0));  // 16 * 100 * 1000 = 1.6e6 > 65504
+  }
+  probe.stop();
+  const auto first = probe.first_nonfinite();
+  ASSERT_TRUE(first.has_value()) << probe.table();
+  EXPECT_EQ(first->op, "aten::addmm") << "the innermost op ends first";
+  EXPECT_EQ(first->phase, Phase::kForward);
+  EXPECT_EQ(first->scope, "big");
+  EXPECT_EQ(first->dtype, at::kHalf);
+  EXPECT_EQ(first->count, 8);
+  const auto report = probe.report();
+  const Row* linear = find_row(report, "aten::linear", "big");
+  ASSERT_NE(linear, nullptr);
+  EXPECT_EQ(linear->nonfinite, 8);
+  EXPECT_EQ(linear->fp16_overflow, 0) << "already float16: the overflow shows as non-finite";
+}
+
+TEST_F(PrecisionProbeTest, Float32OutputsReportWhatFloat16AndBfloat16WouldLose) {
+  Layer layer(16, 4, 1.0);
+  init(OptLevel::O0, layer.params());
+  {
+    at::NoGradGuard no_grad;
+    layer.w.fill_(1000.0);
+  }
+  PrecisionProbe probe;
+  {
+    PrecisionProbe::Scope scope("over");
+    layer(at::full({2, 16}, 100.0));  // 1.6e6: finite in float32 and bfloat16, inf in float16
+  }
+  {
+    PrecisionProbe::Scope scope("flush");
+    layer(at::full({2, 16}, 1e-12));  // 1.6e-8: below float16's smallest subnormal / 2
+  }
+  probe.stop();
+  const auto report = probe.report();
+  const Row* over = find_row(report, "aten::linear", "over");
+  const Row* flush = find_row(report, "aten::linear", "flush");
+  ASSERT_NE(over, nullptr);
+  ASSERT_NE(flush, nullptr);
+  EXPECT_EQ(over->fp16_overflow, 8);
+  EXPECT_DOUBLE_EQ(over->fraction(over->fp16_overflow), 1.0);
+  EXPECT_EQ(over->bf16_overflow, 0);
+  EXPECT_EQ(over->fp16_flush, 0);
+  EXPECT_FLOAT_EQ(static_cast<float>(over->max_abs), 1.6e6f);
+  EXPECT_EQ(flush->fp16_flush, 8);
+  EXPECT_EQ(flush->bf16_flush, 0);
+  EXPECT_EQ(flush->nonfinite, 0);
+  EXPECT_FALSE(probe.first_nonfinite().has_value()) << "nothing overflowed in float32";
+}
+
+TEST_F(PrecisionProbeTest, O1ReportsTheFlushWhereTheInputIsCastToFloat16) {
+  Layer layer(16, 4, 1.0);
+  init(OptLevel::O1, layer.params());
+  PrecisionProbe probe;
+  {
+    PrecisionProbe::Scope scope("tiny");
+    layer(at::full({2, 16}, 1e-9));  // the cast of x to float16 flushes every value
+  }
+  {
+    PrecisionProbe::Scope scope("normal");
+    layer(at::full({2, 16}, 0.5));
+  }
+  probe.stop();
+  const auto report = probe.report();
+  const Row* cast = find_row(report, "aten::_to_copy", "tiny");
+  ASSERT_NE(cast, nullptr) << probe.table();
+  EXPECT_GE(cast->fp16_flush, 32) << probe.table();
+  const Row* normal = find_row(report, "aten::_to_copy", "normal");
+  ASSERT_NE(normal, nullptr);
+  EXPECT_EQ(normal->fp16_flush, 0);
+}
+
+TEST_F(PrecisionProbeTest, BackwardOverflowNamesTheNodeAndTheForwardScope) {
+  Layer layer(16, 16, 1.0);
+  {
+    at::NoGradGuard no_grad;
+    layer.w.fill_(300.0);
+  }
+  init(OptLevel::O1, layer.params());
+  const auto x = at::full({2, 16}, 1e-3).requires_grad_();
+  PrecisionProbe probe;
+  at::Tensor out;
+  {
+    PrecisionProbe::Scope scope("amplifier");
+    out = layer(x);  // 4.8: finite
+  }
+  // A large loss scale: the float16 gradient of x, 1e4 * 300 * 16, overflows.
+  (out.to(at::kFloat).sum() * 1e4).backward();
+  probe.stop();
+  const auto first = probe.first_nonfinite();
+  ASSERT_TRUE(first.has_value()) << probe.table();
+  EXPECT_EQ(first->phase, Phase::kBackward) << probe.table();
+  EXPECT_EQ(first->scope, "amplifier") << probe.table();
+  EXPECT_EQ(first->node, "AddmmBackward0") << probe.table();
+  EXPECT_EQ(first->op, "aten::mm") << probe.table();
+  EXPECT_EQ(first->dtype, at::kHalf);
+  const auto report = probe.report();
+  const Row* forward = find_row(report, "aten::linear", "amplifier");
+  ASSERT_NE(forward, nullptr);
+  EXPECT_EQ(forward->nonfinite, 0) << "forward was finite";
+}
+
+TEST_F(PrecisionProbeTest, StoppedProbeRemovesItsCallbackAndRecordsNothingMore) {
+  ASSERT_FALSE(at::hasGlobalCallbacks());
+  PrecisionProbe probe;
+  EXPECT_TRUE(at::hasGlobalCallbacks());
+  EXPECT_TRUE(probe.recording());
+  at::randn({4}).exp();
+  probe.stop();
+  EXPECT_FALSE(at::hasGlobalCallbacks());
+  EXPECT_FALSE(probe.recording());
+  const auto calls = probe.report().calls;
+  at::randn({4}).exp();
+  EXPECT_EQ(probe.report().calls, calls);
+  probe.stop();  // idempotent
+  {
+    PrecisionProbe scoped;
+    EXPECT_TRUE(at::hasGlobalCallbacks());
+  }
+  EXPECT_FALSE(at::hasGlobalCallbacks()) << "the destructor stops it";
+}
+
+// Three SGD steps at `level` (with a probe or not): the parameters after them.
+std::vector<at::Tensor> train(OptLevel level, bool probe) {
+  Layer l1(8, 16, 0.3, 1), l2(16, 4, 0.3, 2);
+  std::vector<at::Tensor> params{l1.w, l1.b, l2.w, l2.b};
+  core::ModelTensors model;
+  model.reduced = model.parameters = params;
+  core::initialize(model, {}, level, testing::quiet());
+  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::optional<PrecisionProbe> recorder;
+  if (probe) recorder.emplace("train");
+  for (int step = 0; step < 3; ++step) {
+    at::manual_seed(100 + step);
+    const auto x = at::randn({5, 8});
+    opt.zero_grad();
+    auto loss = at::softmax(l2(at::gelu(l1(x))), 1).pow(2).mean();
+    loss.backward();
+    opt.step();
+  }
+  if (recorder) EXPECT_GT(recorder->report().rows.size(), 10u);
+  core::reset();
+  for (auto& p : params) p = p.detach().clone();
+  return params;
+}
+
+TEST_F(PrecisionProbeTest, TrainingIsBitIdenticalWithAndWithoutAProbe) {
+  for (OptLevel level : {OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O4}) {
+    const auto plain = train(level, false);
+    const auto probed = train(level, true);
+    for (std::size_t i = 0; i < plain.size(); ++i) {
+      EXPECT_TRUE(at::equal(plain[i], probed[i])) << "level " << static_cast<int>(level);
+    }
+  }
+}
+
+TEST_F(PrecisionProbeTest, OpsFromSeveralThreadsAreAllCounted) {
+  PrecisionProbe probe;
+  auto work = [] {
+    const auto x = at::randn({8});
+    for (int i = 0; i < 50; ++i) x.mul(1.5);
+  };
+  std::thread a(work), b(work);
+  a.join();
+  b.join();
+  probe.stop();
+  const auto report = probe.report();
+  const Row* mul = find_row(report, "aten::mul.Scalar");
+  ASSERT_NE(mul, nullptr);
+  EXPECT_EQ(mul->calls, 100);
+}
+
+TEST_F(PrecisionProbeTest, SecondProbeIsAnErrorNamingTheFirst) {
+  PrecisionProbe first("warmup steps");
+  OPTAMP_EXPECT_THROW_WITH(PrecisionProbe second("second"), c10::Error, "one probe records",
+                           "\"warmup steps\"", "\"second\"");
+  EXPECT_TRUE(first.recording()) << "the failed one left the first alone";
+  first.stop();
+  PrecisionProbe third;  // fine once the first stopped
+  EXPECT_TRUE(third.recording());
+}
+
+TEST_F(PrecisionProbeTest, TableAndJsonNameEveryColumn) {
+  PrecisionProbe probe;
+  {
+    PrecisionProbe::Scope scope("a|b");
+    (at::ones({4}) * 1e6).exp();  // inf
+  }
+  probe.stop();
+  const std::string table = probe.table();
+  for (const char* column : {"| op | scope | phase | dtypes | calls | max\\|x\\| |",
+                             "fp16 overflow %", "fp16 flush %", "bf16 overflow %", "bf16 flush %",
+                             "non-finite |", "a\\|b", "First inf/NaN: aten::exp, forward"}) {
+    EXPECT_NE(table.find(column), std::string::npos) << column << " in\n" << table;
+  }
+  const std::string json = probe.json();
+  for (const char* key : {"\"rows\": [", "\"op\": \"aten::exp\"", "\"scope\": \"a|b\"",
+                          "\"fp16_overflow_fraction\"", "\"first_nonfinite\": {"}) {
+    EXPECT_NE(json.find(key), std::string::npos) << key << " in " << json;
+  }
+  const std::string short_table = probe.table(1);
+  EXPECT_NE(short_table.find("aten::exp"), std::string::npos) << "the troubled row is kept";
+  EXPECT_NE(short_table.find("more rows"), std::string::npos);
+  OPTAMP_EXPECT_THROW_WITH(probe.table(0), c10::ValueError, "max_rows", ">= 1", "got 0");
+}
+
+}  // namespace
+}  // namespace amp
