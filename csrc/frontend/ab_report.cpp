@@ -11,8 +11,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <limits>
-#include <sstream>
 
 #include "optamp/opt_level.h"
 
@@ -29,11 +27,21 @@ std::string json_string(const std::string& s) {
   std::string out = "\"";
   for (char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           char buf[8];
@@ -50,10 +58,11 @@ std::string json_string(const std::string& s) {
 std::string json_number(double v) {
   if (std::isnan(v)) return "NaN";
   if (std::isinf(v)) return v > 0 ? "Infinity" : "-Infinity";
-  std::ostringstream os;
-  os.precision(std::numeric_limits<double>::max_digits10);
-  os << v;
-  return os.str();
+  // The shortest of 15 or 17 significant digits that reads back as the same double.
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.15g", v);
+  if (std::strtod(buf, nullptr) != v) std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
 }
 
 }  // namespace
@@ -114,8 +123,8 @@ void Reporter::report(const Metrics& metrics) {
                       "name the metric differently");
     line += json_string(key) + ": " + value.json() + ", ";
   }
-  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - file_->start)
-                       .count();
+  const double t =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - file_->start).count();
   line += "\"t\": " + json_number(t) + "}\n";
   std::lock_guard<std::mutex> lock(mutex_);
   file_->out << line << std::flush;

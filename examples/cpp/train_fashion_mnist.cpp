@@ -3,7 +3,10 @@
 //
 //   train_fashion_mnist --opt-level O2 --steps 200 --metrics o2.jsonl [--device cuda]
 //
-// Metrics file (one JSON object a line):
+// It is a program of python -m optamp.ab's protocol (optamp/ab.h, docs/ab_test.md): without
+// --opt-level / --seed it takes OPTAMP_OPT_LEVEL / OPTAMP_SEED (else O0 / 0), and it reports
+// through amp::ab::report, to --metrics FILE or else to the runner's OPTAMP_AB_METRICS file.
+// Metrics file (one JSON object a line, each with "t": seconds since the first line):
 //   {"type":"config", ...}                      the run's settings
 //   {"type":"step","step":1,"loss":..,"loss_scale":..,"skipped":false,"step_ms":..}
 //   {"type":"eval","step":150,"test_accuracy":..,"test_loss":..}   for each --eval-at step
@@ -76,13 +79,14 @@ struct AmpSession {
 using fashion_mnist::Net;
 
 struct Args {
-  std::string opt_level = "O0";
+  std::string opt_level;   // empty: OPTAMP_OPT_LEVEL (python -m optamp.ab), else O0
   std::int64_t steps = 0;  // 0: use epochs
   std::int64_t epochs = 1;
   std::int64_t batch_size = 64;
   double lr = 0.02;
   std::string lr_schedule = "constant";  // or "cosine": lr * (1 + cos(pi * step / steps)) / 2
   std::uint64_t seed = 0;
+  bool seed_given = false;  // else OPTAMP_SEED (python -m optamp.ab), else 0
   std::string device = "cpu";
   std::string data = fashion_mnist::kDefaultDir;
   std::int64_t subset = 0;       // first N training images (0: all)
@@ -147,7 +151,7 @@ Args parse_args(int argc, char** argv) {
     else if (flag == "--lr-schedule")
       a.lr_schedule = v;
     else if (flag == "--seed")
-      a.seed = std::stoull(v);
+      a.seed = std::stoull(v), a.seed_given = true;
     else if (flag == "--device")
       a.device = v;
     else if (flag == "--data")
@@ -167,6 +171,9 @@ Args parse_args(int argc, char** argv) {
     else
       throw std::invalid_argument("unknown flag " + flag);
   }
+  // Under python -m optamp.ab the level and seed come from the environment, unless given here.
+  if (a.opt_level.empty()) a.opt_level = amp::ab::opt_level("O0");
+  if (!a.seed_given) a.seed = static_cast<std::uint64_t>(amp::ab::seed(0));
   amp::parse_opt_level(a.opt_level);  // throws, listing the valid levels
   if (a.lr_schedule != "constant" && a.lr_schedule != "cosine")
     throw std::invalid_argument("--lr-schedule must be constant or cosine, got \"" + a.lr_schedule +
@@ -179,39 +186,21 @@ Args parse_args(int argc, char** argv) {
   return a;
 }
 
-// ---- small JSON writer (numbers, strings, bools; non-finite numbers become null) ------------
-class Json {
+// ---- one metrics line for amp::ab::report (numbers, strings, bools) -------------------------
+class Line {
  public:
-  Json& num(const std::string& k, double v) {
-    char buf[40];
-    if (std::isfinite(v)) std::snprintf(buf, sizeof(buf), "%.9g", v);
-    return raw(k, std::isfinite(v) ? buf : "null");
-  }
-  Json& integer(const std::string& k, std::int64_t v) { return raw(k, std::to_string(v)); }
-  Json& boolean(const std::string& k, bool v) { return raw(k, v ? "true" : "false"); }
-  Json& str(const std::string& k, const std::string& v) { return raw(k, quote(v)); }
-  std::string done() const { return "{" + body_ + "}"; }
+  Line& num(const std::string& k, double v) { return add(k, v); }
+  Line& integer(const std::string& k, std::int64_t v) { return add(k, v); }
+  Line& boolean(const std::string& k, bool v) { return add(k, v); }
+  Line& str(const std::string& k, const std::string& v) { return add(k, v); }
+  const amp::ab::Metrics& done() const { return metrics_; }
 
  private:
-  static std::string quote(const std::string& s) {
-    std::string out = "\"";
-    for (char c : s) {
-      if (c == '"' || c == '\\')
-        out += '\\', out += c;
-      else if (c == '\n')
-        out += "\\n";
-      else if (static_cast<unsigned char>(c) < 0x20)
-        out += ' ';
-      else
-        out += c;
-    }
-    return out + "\"";
-  }
-  Json& raw(const std::string& k, const std::string& v) {
-    body_ += (body_.empty() ? "" : ",") + quote(k) + ":" + v;
+  Line& add(const std::string& k, amp::ab::Value v) {
+    metrics_.emplace_back(k, std::move(v));
     return *this;
   }
-  std::string body_;
+  amp::ab::Metrics metrics_;
 };
 
 // Peak memory during training: CPU RSS high-water mark (reset before training through
@@ -345,27 +334,31 @@ int run(const Args& args) {
     return 3;
   }
 
-  std::ofstream metrics;
+  // --metrics FILE, else the runner's file (OPTAMP_AB_METRICS; none: nothing is written).
+  std::unique_ptr<amp::ab::Reporter> own_reporter;
   if (!args.metrics.empty()) {
-    metrics.open(args.metrics);
-    if (!metrics) throw std::runtime_error("cannot write --metrics " + args.metrics);
-    metrics << Json()
-                   .str("type", "config")
-                   .str("program", "train_fashion_mnist")
-                   .str("language", "c++")
-                   .str("opt_level", args.opt_level)
-                   .str("device", args.device)
-                   .integer("steps", total)
-                   .integer("batch_size", batch)
-                   .num("lr", args.lr)
-                   .str("lr_schedule", args.lr_schedule)
-                   .integer("seed", static_cast<std::int64_t>(args.seed))
-                   .integer("train_images", n_train)
-                   .integer("test_images", test.images.size(0))
-                   .integer("threads", torch::get_num_threads())
-                   .str("torch", TORCH_VERSION)
-                   .done()
-            << "\n";
+    if (!std::ofstream(args.metrics))
+      throw std::runtime_error("cannot write --metrics " + args.metrics);
+    own_reporter = std::make_unique<amp::ab::Reporter>(args.metrics);
+  }
+  amp::ab::Reporter& metrics = own_reporter ? *own_reporter : amp::ab::reporter();
+  if (metrics.active()) {
+    metrics.report(Line()
+                       .str("type", "config")
+                       .str("program", "train_fashion_mnist")
+                       .str("language", "c++")
+                       .str("opt_level", args.opt_level)
+                       .str("device", args.device)
+                       .integer("steps", total)
+                       .integer("batch_size", batch)
+                       .num("lr", args.lr)
+                       .str("lr_schedule", args.lr_schedule)
+                       .integer("seed", static_cast<std::int64_t>(args.seed))
+                       .integer("train_images", n_train)
+                       .integer("test_images", test.images.size(0))
+                       .integer("threads", torch::get_num_threads())
+                       .str("torch", TORCH_VERSION)
+                       .done());
   }
 
   // Fixed shuffling: a CPU generator seeded with --seed draws one permutation per epoch
@@ -407,16 +400,15 @@ int run(const Args& args) {
     skipped_steps += skipped;
     step_ms.push_back(ms);
     losses.push_back(loss_value);
-    if (metrics.is_open())
-      metrics << Json()
-                     .str("type", "step")
-                     .integer("step", step + 1)
-                     .num("loss", loss_value)
-                     .num("loss_scale", scale)
-                     .boolean("skipped", skipped)
-                     .num("step_ms", ms)
-                     .done()
-              << "\n";
+    if (metrics.active())
+      metrics.report(Line()
+                         .str("type", "step")
+                         .integer("step", step + 1)
+                         .num("loss", loss_value)
+                         .num("loss_scale", scale)
+                         .boolean("skipped", skipped)
+                         .num("step_ms", ms)
+                         .done());
     const auto now = Clock::now();
     if (tty && (now - last_progress > std::chrono::milliseconds(200) || step + 1 == total)) {
       last_progress = now;
@@ -432,14 +424,13 @@ int run(const Args& args) {
       const auto e0 = Clock::now();
       peak_mb = std::max(peak_mb, peak_memory_mb(device));
       const EvalResult r = evaluate(model, test, device);
-      if (metrics.is_open())
-        metrics << Json()
-                       .str("type", "eval")
-                       .integer("step", step + 1)
-                       .num("test_accuracy", r.accuracy)
-                       .num("test_loss", r.loss)
-                       .done()
-                << "\n";
+      if (metrics.active())
+        metrics.report(Line()
+                           .str("type", "eval")
+                           .integer("step", step + 1)
+                           .num("test_accuracy", r.accuracy)
+                           .num("test_loss", r.loss)
+                           .done());
       reset_peak_memory(device);
       eval_s += std::chrono::duration<double>(Clock::now() - e0).count();
       ++next_eval;
@@ -450,14 +441,13 @@ int run(const Args& args) {
   const double final_scale = AmpSession::loss_scale();
 
   const EvalResult final_eval = evaluate(model, test, device);
-  if (metrics.is_open() && next_eval != args.eval_at.end())  // --eval-at named the last step
-    metrics << Json()
-                   .str("type", "eval")
-                   .integer("step", total)
-                   .num("test_accuracy", final_eval.accuracy)
-                   .num("test_loss", final_eval.loss)
-                   .done()
-            << "\n";
+  if (metrics.active() && next_eval != args.eval_at.end())  // --eval-at named the last step
+    metrics.report(Line()
+                       .str("type", "eval")
+                       .integer("step", total)
+                       .num("test_accuracy", final_eval.accuracy)
+                       .num("test_loss", final_eval.loss)
+                       .done());
   const double accuracy = final_eval.accuracy;
   if (!args.save_weights.empty()) save_weights(model, args.save_weights);
   AmpSession::reset();
@@ -474,24 +464,24 @@ int run(const Args& args) {
   const double samples_per_s = batch / (median_ms / 1000.0);
   const std::string mem_kind = device.is_cuda() ? "cuda_peak_allocated" : "cpu_peak_rss";
 
-  const std::string summary = Json()
-                                  .str("type", "summary")
-                                  .str("opt_level", args.opt_level)
-                                  .str("device", args.device)
-                                  .integer("steps", total)
-                                  .integer("batch_size", batch)
-                                  .num("test_accuracy", accuracy)
-                                  .num("test_loss", final_eval.loss)
-                                  .num("peak_memory_mb", peak_mb)
-                                  .str("peak_memory_kind", mem_kind)
-                                  .num("median_step_ms", median_ms)
-                                  .num("samples_per_s", samples_per_s)
-                                  .num("final_train_loss", final_loss)
-                                  .integer("skipped_steps", skipped_steps)
-                                  .num("final_loss_scale", final_scale)
-                                  .num("train_time_s", train_s)
-                                  .done();
-  if (metrics.is_open()) metrics << summary << "\n";
+  const amp::ab::Metrics summary = Line()
+                                       .str("type", "summary")
+                                       .str("opt_level", args.opt_level)
+                                       .str("device", args.device)
+                                       .integer("steps", total)
+                                       .integer("batch_size", batch)
+                                       .num("test_accuracy", accuracy)
+                                       .num("test_loss", final_eval.loss)
+                                       .num("peak_memory_mb", peak_mb)
+                                       .str("peak_memory_kind", mem_kind)
+                                       .num("median_step_ms", median_ms)
+                                       .num("samples_per_s", samples_per_s)
+                                       .num("final_train_loss", final_loss)
+                                       .integer("skipped_steps", skipped_steps)
+                                       .num("final_loss_scale", final_scale)
+                                       .num("train_time_s", train_s)
+                                       .done();
+  metrics.report(summary);
   std::printf(
       "summary: %s %s | test accuracy %.2f%% (loss %.4f) | median step %.2f ms | %.0f samples/s | "
       "peak "

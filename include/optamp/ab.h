@@ -47,9 +47,9 @@ class OPTAMP_API Value {
   Value(long v) : value_(static_cast<std::int64_t>(v)) {}  // NOLINT(google-explicit-constructor)
   Value(long long v)                                       // NOLINT(google-explicit-constructor)
       : value_(static_cast<std::int64_t>(v)) {}
-  Value(bool v) : value_(v) {}                             // NOLINT(google-explicit-constructor)
-  Value(const char* v) : value_(std::string(v)) {}         // NOLINT(google-explicit-constructor)
-  Value(std::string v) : value_(std::move(v)) {}           // NOLINT(google-explicit-constructor)
+  Value(bool v) : value_(v) {}                      // NOLINT(google-explicit-constructor)
+  Value(const char* v) : value_(std::string(v)) {}  // NOLINT(google-explicit-constructor)
+  Value(std::string v) : value_(std::move(v)) {}    // NOLINT(google-explicit-constructor)
   // The value as JSON (non-finite numbers as NaN / Infinity / -Infinity, as Python's json does).
   std::string json() const;
 
