@@ -35,6 +35,7 @@ std::string json_string(const std::string& s) {
 // A percentage for the table: "0" only when nothing was counted, so one value in a million
 // still shows ("0.0001").
 std::string percent(const Row& row, std::int64_t count) {
+  if (row.elements == 0) return "-";  // nothing measured (no floating output, views, empty)
   if (count == 0) return "0";
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.3g", 100.0 * row.fraction(count));
@@ -73,17 +74,20 @@ std::string table_row(const Row& r) {
   std::ostringstream out;
   out << "| " << cell(op_label(r.op, r.node)) << " | " << cell(r.scope) << " | "
       << PrecisionProbe::phase_name(r.phase) << " | " << dtype_list(r) << " | " << r.calls << " | "
-      << magnitude(r.max_abs) << " | " << percent(r, r.fp16_overflow) << " | "
-      << percent(r, r.fp16_flush) << " | " << percent(r, r.bf16_overflow) << " | "
-      << percent(r, r.bf16_flush) << " | " << r.nonfinite << " |\n";
+      << (r.elements > 0 ? magnitude(r.max_abs) : std::string("-")) << " | "
+      << percent(r, r.fp16_overflow) << " | " << percent(r, r.fp16_flush) << " | "
+      << percent(r, r.bf16_overflow) << " | " << percent(r, r.bf16_flush) << " | " << r.nonfinite
+      << " |\n";
   return out.str();
 }
 
-// How much a row says about lost precision: non-finite values first, then overflow, then flush.
+// How much a row says about lost precision: non-finite values first, then overflow, then flush,
+// then any measured values (views and uninitialized buffers, measured as nothing, come last).
 double trouble(const Row& r) {
   return 1e6 * static_cast<double>(r.nonfinite > 0) +
          1e3 * (r.fraction(r.fp16_overflow) + r.fraction(r.bf16_overflow)) +
-         r.fraction(r.fp16_flush) + r.fraction(r.bf16_flush);
+         r.fraction(r.fp16_flush) + r.fraction(r.bf16_flush) +
+         1e-6 * static_cast<double>(r.elements > 0);
 }
 
 // Which rows a table of `max_rows` shows: the troubled ones first, then by first call; shown

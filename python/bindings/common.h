@@ -23,5 +23,6 @@ OptLevel level_from_py(const py::handle& level);
 void bind_opt_level(py::module_& m);
 void bind_scaler(py::module_& m);
 void bind_frontend(py::module_& m);
+void bind_precision(py::module_& m);
 
 }  // namespace amp::python

@@ -48,4 +48,5 @@ PYBIND11_MODULE(_C, m) {
   amp::python::bind_opt_level(m);
   amp::python::bind_scaler(m);
   amp::python::bind_frontend(m);
+  amp::python::bind_precision(m);
 }

@@ -50,6 +50,7 @@ from .functions import (
     register_promote_op,
 )
 from .scaler import load_state_dict, loss_scaler, scale_loss, state_dict
+from .precision import compare_with_fp32, precision_report
 from . import _autocast_flag, _checkpoint, ab
 
 _checkpoint.install()  # forward and recompute of torch.utils.checkpoint under the same rules
@@ -89,6 +90,7 @@ __all__ = [
     "master_params",
     "parse_opt_level",
     "policy_report",
+    "precision_report", "compare_with_fp32",
     "promote_function",
     "properties",
     "register_float_function",
