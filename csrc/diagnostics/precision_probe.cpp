@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -22,12 +21,15 @@
 #include <utility>
 
 #include "diagnostics/precision_format.h"
+#include "diagnostics/value_stats.h"
 #include "dispatch/cast_state.h"
 #include "dispatch/substitution.h"
 #include "ops/stream_capture.h"
 
 namespace amp {
 
+using detail::value_stats;
+using detail::ValueStats;
 using Phase = PrecisionProbe::Phase;
 
 namespace {
@@ -275,27 +277,6 @@ bool measurable(const at::Tensor& t) {
   return !t.is_cuda() || !ops::stream_is_capturing(t.device());
 }
 
-struct CastLosses {
-  at::Tensor overflow, flush;
-};
-
-// Finite values of `t` whose cast to `low` gives inf (overflow) and nonzero values whose cast
-// gives 0 (flush), by the cast itself: its rounding defines the thresholds (docs/precision.md).
-// For a cast op, `source` is what it converted: the losses it actually made.
-CastLosses cast_losses(const at::Tensor& t, const at::Tensor& source, c10::ScalarType low) {
-  if (t.scalar_type() == low) {
-    if (source.defined()) {
-      return {at::logical_and(source.isfinite(), t.isinf()).sum(),
-              at::logical_and(source.ne(0), t.eq(0)).sum()};
-    }
-    auto zero = at::zeros({}, t.options().dtype(at::kLong));
-    return {zero, zero};
-  }
-  const at::Tensor cast = t.to(low);
-  return {at::logical_and(t.isfinite(), cast.isinf()).sum(),
-          at::logical_and(t.ne(0), cast.eq(0)).sum()};
-}
-
 // The source a cast op's output `t` was converted from, if `t` is that output.
 at::Tensor source_of(const at::Tensor& t, const OpContext& ctx) {
   const at::Tensor& s = ctx.cast_source;
@@ -303,7 +284,7 @@ at::Tensor source_of(const at::Tensor& t, const OpContext& ctx) {
       s.numel() != t.numel() || !measurable(s)) {
     return at::Tensor();
   }
-  return s.device() == t.device() ? s.reshape(t.sizes()) : s.to(t.device()).reshape(t.sizes());
+  return s;
 }
 
 // A view returns an input's values: nothing new to measure.
@@ -314,6 +295,19 @@ bool is_view_of_input(const at::Tensor& t, const OpContext& ctx) {
          ctx.input_storages.end();
 }
 
+void add_stats(Measurement& m, const ValueStats& v, c10::ScalarType dtype) {
+  m.elements += v.elements;
+  m.nonfinite += v.nonfinite;
+  m.max_abs = std::max(m.max_abs, v.max_abs);
+  m.fp16_overflow += v.fp16_overflow;
+  m.fp16_flush += v.fp16_flush;
+  m.bf16_overflow += v.bf16_overflow;
+  m.bf16_flush += v.bf16_flush;
+  if (v.nonfinite > 0 && m.nonfinite_dtype == c10::ScalarType::Undefined) {
+    m.nonfinite_dtype = dtype;
+  }
+}
+
 void measure_tensor(const at::Tensor& t, const OpContext& ctx, Measurement& m) {
   if (!t.defined() || !t.is_floating_point()) return;
   add_dtype(m.dtypes, t.scalar_type());
@@ -321,30 +315,22 @@ void measure_tensor(const at::Tensor& t, const OpContext& ctx, Measurement& m) {
       is_view_of_input(t, ctx)) {
     return;
   }
-  const at::Tensor finite = t.isfinite();
-  const auto wide = t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor max_abs = at::where(finite, t.to(wide).abs(), 0).amax().to(at::kDouble);
+  ValueStats v = value_stats(t);
+  // A narrowing cast's output cannot show what it lost (an overflow is already inf, a flush
+  // already 0): its column for the output dtype counts the source values instead.
   const at::Tensor source = source_of(t, ctx);
-  const auto fp16 = cast_losses(t, source, at::kHalf);
-  const auto bf16 = cast_losses(t, source, at::kBFloat16);
-  const at::Tensor counts = at::stack({at::logical_not(finite).sum(), fp16.overflow, fp16.flush,
-                                       bf16.overflow, bf16.flush, max_abs.view(at::kLong)})
-                                .cpu();  // the one device->host read per tensor
-  const auto* c = counts.data_ptr<std::int64_t>();
-  m.elements += t.numel();
-  m.nonfinite += c[0];
-  m.fp16_overflow += c[1];
-  m.fp16_flush += c[2];
-  m.bf16_overflow += c[3];
-  m.bf16_flush += c[4];
-  double max_value = 0.0;
-  std::memcpy(&max_value, &c[5], sizeof max_value);  // the double's bits, carried as int64
-  m.max_abs = std::max(m.max_abs, max_value);
-  if (c[0] > 0 && m.nonfinite_dtype == c10::ScalarType::Undefined) {
-    m.nonfinite_dtype = t.scalar_type();
+  if (source.defined()) {
+    const ValueStats from = value_stats(source);
+    if (t.scalar_type() == at::kHalf) {
+      v.fp16_overflow = from.fp16_overflow;
+      v.fp16_flush = from.fp16_flush;
+    } else if (t.scalar_type() == at::kBFloat16) {
+      v.bf16_overflow = from.bf16_overflow;
+      v.bf16_flush = from.bf16_flush;
+    }
   }
+  add_stats(m, v, t.scalar_type());
 }
-
 void measure_value(const c10::IValue& v, const OpContext& ctx, Measurement& m) {
   if (v.isTensor()) {
     measure_tensor(v.toTensor(), ctx, m);
@@ -474,8 +460,7 @@ std::string default_label() {
 }  // namespace
 
 double PrecisionProbe::Row::fraction(std::int64_t count) const {
-  const auto n = finite();
-  return n > 0 ? static_cast<double>(count) / static_cast<double>(n) : 0.0;
+  return elements > 0 ? static_cast<double>(count) / static_cast<double>(elements) : 0.0;
 }
 
 PrecisionProbe::Scope::Scope(std::string name) : depth_(t_frames.scopes.size()) {

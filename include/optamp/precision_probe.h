@@ -56,13 +56,14 @@ class OPTAMP_API PrecisionProbe {
     std::int64_t nonfinite = 0;  // of them inf or NaN
     double max_abs = 0.0;        // the largest finite |value|
     // Finite values whose cast to float16 / bfloat16 gives inf (overflow), and nonzero values
-    // whose cast gives 0 (flush). Values already in that dtype count as neither.
+    // whose cast gives 0 (flush); values already in that dtype are neither. A cast op's column
+    // for its output dtype counts what it converted: the values it actually lost.
     std::int64_t fp16_overflow = 0;
     std::int64_t fp16_flush = 0;
     std::int64_t bf16_overflow = 0;
     std::int64_t bf16_flush = 0;
     std::int64_t finite() const { return elements - nonfinite; }
-    // count / finite(), 0 when nothing finite was seen.
+    // count / elements, 0 when nothing was measured.
     double fraction(std::int64_t count) const;
   };
 
