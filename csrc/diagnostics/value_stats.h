@@ -25,5 +25,8 @@ struct ValueStats {
 // reductions and one device->host read elsewhere. Runs ATen ops: call it where they are not
 // observed and not cast (PrecisionProbe's measuring guards).
 ValueStats value_stats(const at::Tensor& t);
+// The path for other devices (CUDA): ATen reductions, on any device (the tests check it against
+// the CPU pass on the CPU).
+ValueStats value_stats_by_reductions(const at::Tensor& t);
 
 }  // namespace amp::detail

@@ -5,9 +5,12 @@
 #include <ATen/record_function.h>
 #include <torch/optim/sgd.h>
 
+#include <cmath>
+#include <limits>
 #include <optional>
 #include <thread>
 
+#include "diagnostics/value_stats.h"
 #include "optamp/amp.h"
 #include "optamp/core.h"
 #include "test_util.h"
@@ -178,6 +181,45 @@ TEST_F(PrecisionProbeTest, Float32OutputsReportWhatFloat16AndBfloat16WouldLose) 
   EXPECT_EQ(flush->bf16_flush, 0);
   EXPECT_EQ(flush->nonfinite, 0);
   EXPECT_FALSE(probe.first_nonfinite().has_value()) << "nothing overflowed in float32";
+}
+
+// Values at and next to each threshold, both signs, zeros, subnormals, inf and NaN.
+at::Tensor boundary_values(c10::ScalarType dtype) {
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<double> v{0.0,      1.0,      65504.0,       65519.0,      65520.0,    65536.0,
+                        1e5,      0x1p-24,  0x1p-25,       0x1.0001p-25, 0x1p-26,    1e-30,
+                        0x1p-133, 0x1p-134, 0x1.0001p-134, 0x1p-140,     0x1.fep127, 0x1.ffp127,
+                        3.4e38,   inf,      std::nan("")};
+  const auto n = v.size();
+  for (std::size_t i = 0; i < n; ++i) v.push_back(-v[i]);
+  return at::tensor(v, at::kDouble).to(dtype);
+}
+
+// What torch's own casts do to `t`: finite values that become inf, nonzero values that become 0.
+std::pair<std::int64_t, std::int64_t> cast_losses(const at::Tensor& t, c10::ScalarType low) {
+  const auto cast = t.to(at::kFloat).to(low);  // torch casts float64 through float32 too
+  return {at::logical_and(t.isfinite(), cast.isinf()).sum().item<std::int64_t>(),
+          at::logical_and(t.ne(0), cast.eq(0)).sum().item<std::int64_t>()};
+}
+
+TEST_F(PrecisionProbeTest, ThresholdsCountExactlyWhatTorchsCastsLose) {
+  for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
+    const auto t = boundary_values(dtype);
+    const auto [fp16_over, fp16_flush] = cast_losses(t, at::kHalf);
+    const auto [bf16_over, bf16_flush] = cast_losses(t, at::kBFloat16);
+    for (const auto& s : {detail::value_stats(t), detail::value_stats_by_reductions(t)}) {
+      EXPECT_EQ(s.fp16_overflow, fp16_over) << dtype;
+      EXPECT_EQ(s.fp16_flush, fp16_flush) << dtype;
+      EXPECT_EQ(s.bf16_overflow, bf16_over) << dtype;
+      EXPECT_EQ(s.bf16_flush, bf16_flush) << dtype;
+      EXPECT_EQ(s.nonfinite, t.isfinite().logical_not().sum().item<std::int64_t>()) << dtype;
+      const auto finite_abs = at::where(t.isfinite(), t.abs(), 0).to(at::kDouble);
+      EXPECT_EQ(s.max_abs, finite_abs.max().item<double>()) << dtype;
+      EXPECT_EQ(s.elements, t.numel());
+    }
+  }
+  EXPECT_GT(cast_losses(boundary_values(at::kFloat), at::kHalf).first, 0) << "the data reach it";
+  EXPECT_GT(cast_losses(boundary_values(at::kFloat), at::kBFloat16).second, 0);
 }
 
 TEST_F(PrecisionProbeTest, O1ReportsTheFlushWhereTheInputIsCastToFloat16) {
