@@ -4,6 +4,7 @@
 #include "optamp/precision_probe.h"
 
 #include <ATen/ATen.h>
+#include <ATen/SequenceNumber.h>
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -38,6 +39,7 @@ namespace {
 struct NodeFrame {
   std::string name;
   std::string scope;
+  int graph_task = -1;  // the backward pass it ran in
 };
 
 // Per thread: the Scope names pushed, the backward nodes running, and whether the probe is
@@ -45,6 +47,9 @@ struct NodeFrame {
 struct ThreadFrames {
   std::vector<std::string> scopes;
   std::vector<NodeFrame> nodes;
+  // The node that ended last: the engine's work right after it (reducing a gradient to its
+  // input's shape in validate_outputs, adding it into the next node's inputs) is its.
+  NodeFrame last_node;
   bool measuring = false;
 };
 thread_local ThreadFrames t_frames;
@@ -88,16 +93,17 @@ struct PrecisionProbe::State {
   // (forward thread, sequence number) -> the scope of the forward op that created the node.
   std::unordered_map<std::pair<std::uint64_t, std::int64_t>, std::string, SeqHash> seq_scopes;
 
-  void remember_scope(std::uint64_t thread, std::int64_t seq, const std::string& scope);
+  void remember_scope(std::uint64_t thread, std::int64_t first, std::int64_t end,
+                      const std::string& scope);
   std::string scope_of(std::uint64_t thread, std::int64_t seq) const;
   Row& row_for(const std::string& op, const std::string& scope, Phase phase,
                const std::string& node, std::int64_t call);
 };
 
-void PrecisionProbe::State::remember_scope(std::uint64_t thread, std::int64_t seq,
-                                           const std::string& scope) {
+void PrecisionProbe::State::remember_scope(std::uint64_t thread, std::int64_t first,
+                                           std::int64_t end, const std::string& scope) {
   std::lock_guard<std::mutex> lock(mutex);
-  seq_scopes[{thread, seq}] = scope;
+  for (std::int64_t seq = first; seq < end; ++seq) seq_scopes[{thread, seq}] = scope;
 }
 
 std::string PrecisionProbe::State::scope_of(std::uint64_t thread, std::int64_t seq) const {
@@ -183,6 +189,10 @@ struct OpContext : at::ObserverContext {
   std::string scope;
   Phase phase = Phase::kForward;
   std::string node;
+  // Forward, the outermost call above autograd: the sequence number the next autograd node
+  // will get (the dispatcher passes sequence_number::peek() when autograd is in the key set and
+  // grad mode is on; calls below autograd get -1).
+  std::int64_t seq = -1;
   OutputKind kind = OutputKind::kComputed;
   std::vector<c10::ScalarType> input_dtypes;  // the call's dtype when no output is floating
   // An output on one of these storages is a view of an input (no new values) unless the op
@@ -217,6 +227,10 @@ void locate(OpContext& ctx) {
     if (!t_frames.nodes.empty()) {
       ctx.node = t_frames.nodes.back().name;
       ctx.scope = t_frames.nodes.back().scope;
+    } else if (t_frames.last_node.graph_task == torch::autograd::get_current_graph_task_id() &&
+               !t_frames.last_node.name.empty()) {
+      ctx.node = "after " + t_frames.last_node.name;
+      ctx.scope = t_frames.last_node.scope;
     }
   } else if (!t_frames.scopes.empty()) {
     ctx.scope = t_frames.scopes.back();
@@ -244,12 +258,7 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   auto ctx = std::make_unique<OpContext>();
   ctx->call = state->next_call.fetch_add(1);
   locate(*ctx);
-  // The outermost call of a differentiable forward op carries the sequence number its backward
-  // node will have (the dispatcher passes sequence_number::peek() when autograd is in the key
-  // set and grad mode is on; ops below autograd get -1).
-  if (ctx->phase == Phase::kForward && fn.seqNr() >= 0 && !ctx->scope.empty()) {
-    state->remember_scope(fn.threadId(), fn.seqNr(), ctx->scope);
-  }
+  if (ctx->phase == Phase::kForward) ctx->seq = fn.seqNr();
   read_inputs(fn, *name, *ctx);
   ctx->state = std::move(state);
   return ctx;
@@ -396,11 +405,20 @@ void record(const OpContext& ctx, const Measurement& m) {
   }
 }
 
+// Every autograd node the call created (its own, and those of the casts and inner calls it made:
+// an op whose inputs optamp casts gets its node after theirs) backs up into its scope.
+void remember_nodes(const at::RecordFunction& fn, const OpContext& ctx) {
+  if (ctx.seq < 0 || ctx.scope.empty()) return;
+  const auto end = static_cast<std::int64_t>(at::sequence_number::peek());
+  ctx.state->remember_scope(fn.threadId(), ctx.seq, end, ctx.scope);
+}
+
 void on_op_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
   auto* ctx = static_cast<OpContext*>(raw);
   if (ctx == nullptr) return;
   // An end callback runs in RecordFunction's destructor: nothing may escape from it.
   try {
+    remember_nodes(fn, *ctx);
     record(*ctx, measure_outputs(fn.outputs(), *ctx));
   } catch (const std::exception&) {
     std::lock_guard<std::mutex> lock(ctx->state->mutex);
@@ -414,12 +432,16 @@ std::unique_ptr<at::ObserverContext> on_node_start(const at::RecordFunction& fn)
   if (t_frames.measuring) return nullptr;
   auto state = active_state();
   if (!state) return nullptr;
-  t_frames.nodes.push_back({fn.name(), state->scope_of(fn.forwardThreadId(), fn.seqNr())});
+  t_frames.nodes.push_back({fn.name(), state->scope_of(fn.forwardThreadId(), fn.seqNr()),
+                            torch::autograd::get_current_graph_task_id()});
   return std::make_unique<NodeContext>();
 }
 
 void on_node_end(const at::RecordFunction& /*fn*/, at::ObserverContext* ctx) {
-  if (ctx != nullptr && !t_frames.nodes.empty()) t_frames.nodes.pop_back();
+  if (ctx != nullptr && !t_frames.nodes.empty()) {
+    t_frames.last_node = std::move(t_frames.nodes.back());
+    t_frames.nodes.pop_back();
+  }
 }
 
 void install(const std::shared_ptr<State>& state) {

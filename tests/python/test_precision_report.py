@@ -260,3 +260,24 @@ def test_fp32_comparison_refuses_o3(fresh):
     net = init(Net(), opt_level="O3")
     with pytest.raises(RuntimeError, match="no fp32 reference at O3"):
         amp.compare_with_fp32(net, torch.randn(2, 16).half())
+
+
+def test_backward_ops_of_cast_inputs_and_engine_work_carry_the_module(fresh):
+    """gelu at O1 runs in fp32: optamp casts its input first, so its node is numbered after the
+    cast's; and the engine reduces a linear's bias gradient after AddmmBackward0 ends."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.fc(x))
+
+    block = init(Block(), opt_level="O1")
+    with amp.precision_report(block) as rep:
+        block(torch.randn(4, 16, requires_grad=True)).float().sum().backward()
+    gelu = one_row(rep, "aten::gelu_backward", phase="backward")
+    assert (gelu["scope"], gelu["node"]) == ("Block", "GeluBackward0")
+    after = one_row(rep, "aten::sum.dim_IntList", phase="backward")
+    assert (after["scope"], after["node"]) == ("fc", "after AddmmBackward0"), rep.table(200)
