@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 FP16_LEVELS = ("O1", "O2", "O3")
 BF16_LEVELS = ("O4", "O5")
@@ -36,10 +37,11 @@ WATCHED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "avx5
                  "amx_fp16")
 
 
-def cpu_features(cpuinfo="/proc/cpuinfo"):
+def cpu_features(cpuinfo: str = "/proc/cpuinfo") -> Dict[str, Any]:
     """{model, flags: {flag: bool} for WATCHED_FLAGS, bf16, fp16, bf16_note, fp16_note};
     flags None where the CPU's flags cannot be read (not Linux)."""
-    model, flags = "unknown CPU", None
+    model = "unknown CPU"
+    flags: Optional[Set[str]] = None
     try:
         with open(cpuinfo) as f:
             for line in f:
@@ -51,13 +53,14 @@ def cpu_features(cpuinfo="/proc/cpuinfo"):
                     flags = set(value.split())
     except OSError:
         pass
-    out = {"model": model,
-           "flags": None if flags is None else {f: f in flags for f in WATCHED_FLAGS}}
+    out: Dict[str, Any] = {
+        "model": model,
+        "flags": None if flags is None else {f: f in flags for f in WATCHED_FLAGS}}
     out.update(classify_cpu(out["flags"]))
     return out
 
 
-def classify_cpu(flags):
+def classify_cpu(flags: Optional[Mapping[str, bool]]) -> Dict[str, str]:
     """What the flags mean for the bf16 levels (O4/O5) and the fp16 levels (O1-O3) on a CPU."""
     if flags is None:
         return {"bf16": "unknown", "fp16": "unknown",
@@ -83,20 +86,20 @@ def classify_cpu(flags):
     return {"bf16": bf16[0], "bf16_note": bf16[1], "fp16": fp16, "fp16_note": fp16_note}
 
 
-def describe_cpu(cpu):
+def describe_cpu(cpu: Mapping[str, Any]) -> str:
     """Two lines for the terminal and the report."""
     f = cpu["flags"]
     if f is None:
         return f"CPU: {cpu['model']}; flags unknown.\n  {cpu['bf16_note']}."
 
-    def yes(name):
+    def yes(name: str) -> str:
         return f"{name} {'yes' if f[name] else 'no'}"
     return (f"CPU: {cpu['model']} ({yes('avx2')}, {yes('avx512f')})\n"
             f"  bf16: {yes('avx512_bf16')}, {yes('amx_bf16')} -> {cpu['bf16_note']}.\n"
             f"  fp16: {yes('avx512_fp16')}, {yes('amx_fp16')} -> {cpu['fp16_note']}.")
 
 
-def parse_seeds(text):
+def parse_seeds(text: str) -> List[int]:
     """'5' -> [0, 1, 2, 3, 4]; '3,7' -> [3, 7]; '4,' -> [4]."""
     parts = [p.strip() for p in text.split(",")]
     try:
@@ -115,7 +118,8 @@ def parse_seeds(text):
     return seeds
 
 
-def slow_levels(spec, levels, device, cpu):
+def slow_levels(spec: str, levels: Sequence[str], device: str,
+                cpu: Mapping[str, Any]) -> List[str]:
     """The levels that get the slow budget: --slow-levels auto (by device and CPU), none, or a
     list."""
     if spec == "none":
@@ -130,12 +134,12 @@ def slow_levels(spec, levels, device, cpu):
     return slow
 
 
-def why_slow(level, cpu):
+def why_slow(level: str, cpu: Mapping[str, Any]) -> str:
     return "fp16 on a CPU" if level in FP16_LEVELS else (
         "bf16 emulated on this CPU" if cpu["bf16"] == "emulated" else "named by --slow-levels")
 
 
-def make_plan(a, cpu):
+def make_plan(a: argparse.Namespace, cpu: Dict[str, Any]) -> Dict[str, Any]:
     levels = [lv for lv in a.levels.split(",") if lv]
     baseline = "O0" if "O0" in levels else levels[0]
     defaults = DEFAULTS[a.device]
@@ -147,9 +151,10 @@ def make_plan(a, cpu):
     steps = a.steps or defaults["steps"]
     slow_steps = min(steps, a.slow_steps or defaults["slow_steps"])
     slow_seeds = seeds[:a.slow_seeds or defaults["slow_seeds"]]
-    rows = []
+    rows: List[Dict[str, Any]] = []
     for lv in levels:
-        row = {"level": lv, "baseline": lv == baseline, "slow": lv in slow and lv != baseline}
+        row: Dict[str, Any] = {"level": lv, "baseline": lv == baseline,
+                               "slow": lv in slow and lv != baseline}
         if a.epochs:
             row.update(epochs=a.epochs, steps=a.epochs * per_epoch, seeds=seeds,
                        eval_at=[per_epoch * e for e in range(1, a.epochs + 1)])
@@ -173,13 +178,13 @@ def make_plan(a, cpu):
             "levels": rows, "cpu": cpu}
 
 
-def run_name(level, seed, steps=None):
+def run_name(level: str, seed: int, steps: Optional[int] = None) -> str:
     """A run's file name stem: <level>-s<seed>, or <level>-s<seed>-n<steps> for the baseline's
     runs at a shorter budget."""
     return f"{level}-s{seed}" + (f"-n{steps}" if steps else "")
 
 
-def runs(plan):
+def runs(plan: Mapping[str, Any]) -> Iterator[Tuple[str, int, str, List[str]]]:
     """(level, seed, run name, [extra trainer arguments]) in run order: seed by seed, levels in
     order, the baseline's shorter budgets after its main run."""
     schedule = ["--lr-schedule", plan["lr_schedule"]]
@@ -196,13 +201,13 @@ def runs(plan):
                            ["--steps", str(extra["steps"])] + schedule)
 
 
-def seed_text(seeds):
+def seed_text(seeds: List[int]) -> str:
     if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
         return f"{seeds[0]}-{seeds[-1]}"
     return ",".join(map(str, seeds))
 
 
-def describe_plan(plan):
+def describe_plan(plan: Mapping[str, Any]) -> str:
     lines = [describe_cpu(plan["cpu"]) if plan["device"] == "cpu" else
              f"device {plan['device']}: the CPU's features do not matter for the step time.",
              f"Budget per level (learning rate: {plan['lr_schedule']}):"]
@@ -220,7 +225,7 @@ def describe_plan(plan):
     return "\n".join(lines)
 
 
-def parse_args(argv=None):
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--levels", default="O0,O1,O2,O4,O5")
@@ -246,7 +251,7 @@ def parse_args(argv=None):
     return a
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     a = parse_args(argv)
     plan = make_plan(a, cpu_features(a.cpuinfo))
     os.makedirs(a.out, exist_ok=True)

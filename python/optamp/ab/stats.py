@@ -13,6 +13,7 @@ The rule (RULE below, also printed in every report):
   sd of ln(median step time)), as "faster" / "slower" / "indistinguishable".
 """
 import math
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 RULE = ("paired by seed: d = level - baseline; m = mean(d), 95% interval m +- t(0.975, n-1) "
         "sd(d)/sqrt(n); noise floor f = the baseline's seed-to-seed standard deviation at the "
@@ -26,7 +27,7 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
          2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
-def t975(df):
+def t975(df: int) -> float:
     """t(0.975, df); beyond the table, the Cornish-Fisher expansion around z = 1.96."""
     if df < 1:
         raise ValueError(f"t975: degrees of freedom must be >= 1, got {df}")
@@ -36,19 +37,20 @@ def t975(df):
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
-def mean(values):
+def mean(values: Sequence[float]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
-def sample_sd(values):
+def sample_sd(values: Sequence[float]) -> Optional[float]:
     """Sample standard deviation (n - 1); None below 2 values."""
     if len(values) < 2:
         return None
     m = mean(values)
+    assert m is not None  # len(values) >= 2
     return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
 
 
-def mean_interval(values):
+def mean_interval(values: Sequence[float]) -> Tuple[Optional[float], Optional[float]]:
     """(mean, half-width of its 95% t interval); the half-width is None below 2 values."""
     if not values:
         return None, None
@@ -57,7 +59,9 @@ def mean_interval(values):
     return mean(values), half
 
 
-def classify(mean_diff, half_width, floor, higher_is_better=True, words=("better", "worse")):
+def classify(mean_diff: Optional[float], half_width: Optional[float], floor: Optional[float],
+             higher_is_better: bool = True,
+             words: Tuple[str, str] = ("better", "worse")) -> str:
     """The verdict of RULE for one metric."""
     if mean_diff is None or half_width is None or floor is None:
         return "n/a"
@@ -68,57 +72,66 @@ def classify(mean_diff, half_width, floor, higher_is_better=True, words=("better
     return words[0] if good else words[1]
 
 
-def paired(level, base, floor, higher_is_better=True, log=False, words=("better", "worse")):
+def paired(level: Mapping[int, Optional[float]], base: Mapping[int, Optional[float]],
+           floor: Optional[float], higher_is_better: bool = True, log: bool = False,
+           words: Tuple[str, str] = ("better", "worse")) -> Dict[str, Any]:
     """Compares a level with the baseline over the seeds both have.
 
     level, base: {seed: value}. floor: the baseline's seed-to-seed sd (on ln(value) when
     log=True). Returns a dict: n, seeds, diffs, mean_diff, ci95 [lo, hi], floor, verdict; with
     log=True the diffs are ln(level / base) and ratio / ratio_ci95 give them back as ratios.
     """
-    seeds = sorted(s for s in level if s in base and level[s] is not None
-                   and base[s] is not None)
+    lv = {s: v for s, v in level.items() if v is not None}
+    bv = {s: v for s, v in base.items() if v is not None}
+    seeds = sorted(s for s in lv if s in bv)
     if log:
-        diffs = [math.log(level[s] / base[s]) for s in seeds]
+        diffs = [math.log(lv[s] / bv[s]) for s in seeds]
     else:
-        diffs = [level[s] - base[s] for s in seeds]
+        diffs = [lv[s] - bv[s] for s in seeds]
     m, half = mean_interval(diffs)
-    out = {"n": len(seeds), "seeds": seeds, "diffs": diffs, "mean_diff": m,
-           "ci95": None if half is None else [m - half, m + half], "floor": floor,
-           "verdict": classify(m, half, floor, higher_is_better, words)}
+    out: Dict[str, Any] = {
+        "n": len(seeds), "seeds": seeds, "diffs": diffs, "mean_diff": m,
+        "ci95": None if m is None or half is None else [m - half, m + half], "floor": floor,
+        "verdict": classify(m, half, floor, higher_is_better, words)}
     if log and m is not None:
         out["ratio"] = math.exp(m)
         out["ratio_ci95"] = None if half is None else [math.exp(m - half), math.exp(m + half)]
     return out
 
 
-def noise_floor(base, log=False):
+def noise_floor(base: Mapping[int, Optional[float]], log: bool = False) -> Optional[float]:
     """The baseline's seed-to-seed sd ({seed: value}; on ln(value) when log=True)."""
     values = [v for v in base.values() if v is not None]
     return sample_sd([math.log(v) for v in values] if log else values)
 
 
 # ---- loss trajectories ------------------------------------------------------------------------
-def smoothing_window(steps):
+def smoothing_window(steps: int) -> int:
     """The moving-average window for a curve of `steps` steps: 1/20 of the run, at least 5."""
     return max(5, steps // 20)
 
 
-def smooth(losses, window):
+def smooth(losses: Sequence[Optional[float]], window: int) -> List[Optional[float]]:
     """Trailing moving average over the finite values among the last `window` steps; a step
     with no finite value in its window repeats the previous average (None before the first)."""
     finite = [v if v is not None and math.isfinite(v) else None for v in losses]
-    out, prev, total, count = [], None, 0.0, 0
+    out: List[Optional[float]] = []
+    prev: Optional[float] = None
+    total, count = 0.0, 0
     for i, v in enumerate(finite):
         if v is not None:
             total, count = total + v, count + 1
-        if i >= window and finite[i - window] is not None:
-            total, count = total - finite[i - window], count - 1
+        if i >= window:
+            old = finite[i - window]
+            if old is not None:
+                total, count = total - old, count - 1
         prev = total / count if count else prev
         out.append(prev)
     return out
 
 
-def curve_distance(a, b, steps):
+def curve_distance(a: Sequence[Optional[float]], b: Sequence[Optional[float]],
+                   steps: int) -> Optional[float]:
     """Mean absolute difference of two per-step loss curves (lists, step 1 first) smoothed over
     smoothing_window(steps), over their first `steps` steps."""
     window = smoothing_window(steps)
@@ -127,7 +140,9 @@ def curve_distance(a, b, steps):
     return mean(diffs)
 
 
-def divergence(level_curves, base_curves, steps):
+def divergence(level_curves: Mapping[int, Sequence[Optional[float]]],
+               base_curves: Mapping[int, Sequence[Optional[float]]],
+               steps: int) -> Dict[str, Any]:
     """Loss-trajectory divergence of a level from the baseline, and the baseline's own
     seed-to-seed distance, over the first `steps` steps.
 

@@ -25,9 +25,19 @@ import os
 import re
 import statistics
 import sys
+from typing import (TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Set,
+                    Tuple, cast)
 
 from . import stats as ab_stats
 from .plan import run_name
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+Record = Dict[str, Any]  # a JSON-like record: a run, its status, a plan, a report row
+Runs = Dict[int, Record]  # seed -> run
+Specs = Sequence[Tuple[str, bool]]  # (metric, higher is better)
+CurveSet = Tuple[str, str, Runs]  # label, level, {seed: run}
 
 STEADY_SKIP = 5  # step times: the first 5 steps (warm-up) are left out when there are > 10
 TAIL = 20  # final train loss: mean of the last 20 finite step losses
@@ -46,25 +56,25 @@ HIGHER_WORDS = ("acc", "auc", "f1", "score", "precision", "recall", "bleu", "per
                 "iou", "map")
 
 
-def higher_is_better(name, directions=None):
+def higher_is_better(name: str, directions: Optional[Mapping[str, Any]] = None) -> bool:
     if directions and name in directions:
         return bool(directions[name])
     return any(w in name.lower() for w in HIGHER_WORDS)
 
 
-def finite_or_none(v):
+def finite_or_none(v: Any) -> Optional[float]:
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
         else None
 
 
-def read_jsonl(path):
+def read_jsonl(path: str) -> Record:
     """{config, steps: [step objects], evals: {step: eval object}, summary} of a metrics file.
 
     Lines with "type" (config, step, eval, summary) are taken as they are. Lines written by
     optamp.ab.report carry no type: with "step" and "loss" they are a step, with "step" only an
     evaluation at that step, without "step" final values (summary and config both). A line that
     does not parse (a run killed while writing) ends the file."""
-    run = {"config": {}, "steps": [], "evals": {}, "summary": None}
+    run: Record = {"config": {}, "steps": [], "evals": {}, "summary": None}
     with open(path) as f:
         for line in f:
             if not line.strip():
@@ -92,7 +102,7 @@ def read_jsonl(path):
     return run
 
 
-def derive_summary(run, status):
+def derive_summary(run: Record, status: Mapping[str, Any]) -> None:
     """Fills what a program did not report itself: step times from the reporter's time stamps,
     the step count, median step, final train loss, skipped steps, last loss scale, peak memory
     (the program's CUDA peak, else the peak RSS the runner measured), training time."""
@@ -123,23 +133,23 @@ def derive_summary(run, status):
     run["summary"] = summary
 
 
-def diverged(run):
+def diverged(run: Record) -> bool:
     """A run whose last reported losses are all non-finite (NaN, inf) has diverged."""
     tail = run["steps"][-max(1, len(run["steps"]) // 20):]
     return bool(tail) and all(s.get("loss") is None for s in tail) and \
         any("loss" in s for s in tail)
 
 
-def read_run(out, name):
+def read_run(out: str, name: str) -> Record:
     """One run: status (ok|unsupported|failed|diverged|timeout|missing), message, metrics."""
     status_path, metrics = (os.path.join(out, name + ext) for ext in (".status", ".jsonl"))
-    status = {"status": "ok"}
+    status: Record = {"status": "ok"}
     if os.path.isfile(status_path):
         with open(status_path) as f:
             status = json.load(f)
     elif not os.path.isfile(metrics):
         return {"status": "missing", "message": f"no {name}.jsonl in {out}"}
-    run = {"status": status.get("status", "ok"), "message": status.get("message", "")}
+    run: Record = {"status": status.get("status", "ok"), "message": status.get("message", "")}
     if run["status"] != "ok":
         return run
     if not os.path.isfile(metrics):
@@ -154,11 +164,11 @@ def read_run(out, name):
     return run
 
 
-def plan_from_files(out, levels):
+def plan_from_files(out: str, levels: Sequence[str]) -> Record:
     """A plan for output without plan.json: the runs found per level, steps from the files."""
     rows = []
     for lv in levels:
-        found = {}  # steps (None: the level's main runs) -> seeds
+        found: Dict[Optional[int], Set[int]] = {}  # steps (None: the level's main runs) -> seeds
         for path in glob.glob(os.path.join(out, f"{lv}-s*.*")):
             m = re.fullmatch(re.escape(lv) + r"-s(\d+)(?:-n(\d+))?\.(?:status|jsonl)",
                              os.path.basename(path))
@@ -171,11 +181,11 @@ def plan_from_files(out, levels):
     return {"levels": rows, "cpu": None, "device": None, "mode": "steps", "baseline": None}
 
 
-def load_plan(out, levels=None):
+def load_plan(out: str, levels: Optional[Sequence[str]] = None) -> Record:
     path = os.path.join(out, "plan.json")
     if os.path.isfile(path):
         with open(path) as f:
-            plan = json.load(f)
+            plan: Record = json.load(f)
         if levels:
             plan["levels"] = [r for r in plan["levels"] if r["level"] in levels]
         return plan
@@ -183,23 +193,24 @@ def load_plan(out, levels=None):
 
 
 # ---- metrics of one run at a step ------------------------------------------------------------
-def losses(run, upto=None):
+def losses(run: Record, upto: Optional[int] = None) -> List[Optional[float]]:
     """Per-step losses (None where not finite), steps 1..upto."""
     return [s.get("loss") for s in run["steps"][:upto]]
 
 
-def final_train_loss(run, upto):
+def final_train_loss(run: Record, upto: Optional[int]) -> Optional[float]:
     tail = [v for v in reversed(losses(run, upto)) if v is not None and math.isfinite(v)][:TAIL]
     return sum(tail) / len(tail) if tail else None
 
 
-def median_step_ms(run, upto):
-    times = [s["step_ms"] for s in run["steps"][:upto] if s.get("step_ms") is not None]
+def median_step_ms(run: Record, upto: Optional[int]) -> Optional[float]:
+    times: List[float] = [s["step_ms"] for s in run["steps"][:upto]
+                          if s.get("step_ms") is not None]
     steady = times[STEADY_SKIP:] if len(times) > 2 * STEADY_SKIP else times
     return statistics.median(steady) if steady else None
 
 
-def valid_at(run, steps):
+def valid_at(run: Record, steps: Optional[int]) -> bool:
     """Whether a run stands for `steps` steps of training: its own length, or (constant learning
     rate only: then a shorter run is the prefix of a longer one) a longer run's prefix."""
     if run.get("status") != "ok" or steps is None or len(run["steps"]) < steps:
@@ -208,7 +219,7 @@ def valid_at(run, steps):
         run["config"].get("lr_schedule", "constant") == "constant"
 
 
-def metrics_at(run, steps):
+def metrics_at(run: Record, steps: Optional[int]) -> Optional[Record]:
     """The final metrics (test accuracy, bits per character, ...), final train loss and median
     step time of a run after `steps` steps: the summary for its last step, an eval line and the
     curves' prefix for an earlier one."""
@@ -225,21 +236,22 @@ def metrics_at(run, steps):
 
 
 # ---- one level against the baseline ----------------------------------------------------------
-def summarize(values):
+def summarize(values: Mapping[int, Optional[float]]) -> Record:
     """{mean, sd, half_width95, n} of a {seed: value} map (None values left out)."""
     vals = [v for v in values.values() if v is not None]
     m, half = ab_stats.mean_interval(vals)
     return {"mean": m, "sd": ab_stats.sample_sd(vals), "half_width95": half, "n": len(vals)}
 
 
-def column(at, key):
+def column(at: Mapping[int, Optional[Record]], key: str) -> Dict[int, float]:
     return {s: m[key] for s, m in at.items() if m is not None and m.get(key) is not None}
 
 
-def compare(level_at, base_at, specs):
+def compare(level_at: Mapping[int, Optional[Record]], base_at: Mapping[int, Optional[Record]],
+            specs: Specs) -> Dict[str, Record]:
     """The paired comparisons of RULE for each metric of specs ((name, higher is better)) and the
     step time, given {seed: metrics_at(...)} of both."""
-    out = {}
+    out: Dict[str, Record] = {}
     for key, higher in specs:
         base = column(base_at, key)
         out[key] = ab_stats.paired(column(level_at, key), base, ab_stats.noise_floor(base),
@@ -252,10 +264,12 @@ def compare(level_at, base_at, specs):
     return out
 
 
-def per_seed_rows(runs, level_at, base_at, div, specs):
-    rows = []
+def per_seed_rows(runs: Mapping[int, Record], level_at: Mapping[int, Optional[Record]],
+                  base_at: Mapping[int, Optional[Record]], div: Record,
+                  specs: Specs) -> List[Record]:
+    rows: List[Record] = []
     for seed, run in sorted(runs.items()):
-        row = {"seed": seed, "status": run["status"]}
+        row: Record = {"seed": seed, "status": run["status"]}
         if run["status"] != "ok":
             row["message"] = run.get("message", "")
             rows.append(row)
@@ -275,7 +289,7 @@ def per_seed_rows(runs, level_at, base_at, div, specs):
     return rows
 
 
-def level_status(runs):
+def level_status(runs: Mapping[int, Record]) -> str:
     states = {r["status"] for r in runs.values()}
     if states == {"ok"}:
         return "ok"
@@ -286,10 +300,11 @@ def level_status(runs):
     return "failed" if "ok" not in states else "partly failed"
 
 
-def aggregate(level_at, ok, batch, specs):
+def aggregate(level_at: Mapping[int, Optional[Record]], ok: Mapping[int, Record],
+              batch: Optional[int], specs: Specs) -> Record:
     """A level's numbers over its seeds: mean and sd of each metric, median (min, max) step time,
     median peak memory, samples/s."""
-    out = {key: summarize(column(level_at, key)) for key, _ in specs}
+    out: Record = {key: summarize(column(level_at, key)) for key, _ in specs}
     times = column(level_at, "median_step_ms").values()
     med = statistics.median(times) if times else None
     out["median_step_ms"] = {"median": med, "min": min(times, default=None),
@@ -302,12 +317,15 @@ def aggregate(level_at, ok, batch, specs):
     return out
 
 
-def level_row(plan_row, runs, base_runs, batch, specs):
+def level_row(plan_row: Mapping[str, Any], runs: Mapping[int, Record],
+              base_runs: Mapping[int, Runs], batch: Optional[int], specs: Specs) -> Record:
     """Everything the report says about one level. base_runs: {steps: {seed: run}}, the
     baseline's runs by budget."""
     ok = {s: r for s, r in runs.items() if r["status"] == "ok"}
-    row = {"level": plan_row["level"], "status": level_status(runs) if runs else "missing",
-           "seeds": sorted(runs), "seeds_ok": sorted(ok), "slow": plan_row.get("slow", False)}
+    row: Record = {"level": plan_row["level"],
+                   "status": level_status(runs) if runs else "missing",
+                   "seeds": sorted(runs), "seeds_ok": sorted(ok),
+                   "slow": plan_row.get("slow", False)}
     if plan_row.get("why_slow"):
         row["why_slow"] = plan_row["why_slow"]
     bad = [f"seed {s}: {r['status']} {r.get('message', '')}".strip()
@@ -336,28 +354,30 @@ def level_row(plan_row, runs, base_runs, batch, specs):
     return row
 
 
-def baseline_for(base_runs, steps):
+def baseline_for(base_runs: Mapping[int, Runs], steps: int) -> Runs:
     """{seed: run} of the baseline standing for `steps` steps: its run of that budget, else (a
     constant learning rate) the prefix of its longest runs."""
     if steps in base_runs:
         return {s: r for s, r in base_runs[steps].items() if valid_at(r, steps)}
     longest = max(base_runs, default=None)
-    return {s: r for s, r in base_runs.get(longest, {}).items() if valid_at(r, steps)}
+    longest_runs = base_runs.get(longest, {}) if longest is not None else {}
+    return {s: r for s, r in longest_runs.items() if valid_at(r, steps)}
 
 
 # ---- the whole report -------------------------------------------------------------------------
-def ok_runs(runs):
+def ok_runs(runs: Mapping[int, Record]) -> Runs:
     return {s: r for s, r in runs.items() if r["status"] == "ok"}
 
 
 TITLES = {"train_fashion_mnist": "Fashion-MNIST CNN", "train_char_gpt": "character-level GPT"}
 
 
-def metric_specs(base_runs, directions=None):
+def metric_specs(base_runs: Mapping[int, Record],
+                 directions: Optional[Mapping[str, Any]] = None) -> List[Tuple[str, bool]]:
     """[(metric, higher is better)]: the numbers the baseline's runs report as final values
     (test accuracy, bits per character, ...), in the order first reported, then the final train
     loss when the runs report step losses."""
-    names = []
+    names: List[str] = []
     for run in base_runs.values():
         for k, v in run["summary"].items():
             if k not in BOOKKEEPING and k not in names and finite_or_none(v) is not None:
@@ -368,31 +388,35 @@ def metric_specs(base_runs, directions=None):
     return specs
 
 
-def build(out, levels=None):
+def build(out: str, levels: Optional[Sequence[str]] = None) -> Tuple[Record, List[CurveSet]]:
     """(summary dict, curve sets) for OUT; a curve set is (label, level, {seed: run}) for every
     level and for each of the baseline's shorter budgets."""
     plan = load_plan(out, levels)
-    runs = {r["level"]: {s: read_run(out, run_name(r["level"], s)) for s in r["seeds"]}
-            for r in plan["levels"]}
+    # level -> {seed: run}; keyed Optional[str] since the baseline is None when no level ran
+    runs: Dict[Optional[str], Runs] = {
+        r["level"]: {s: read_run(out, run_name(r["level"], s)) for s in r["seeds"]}
+        for r in plan["levels"]}
     for level_runs in runs.values():
         for seed, run in level_runs.items():
             if run["status"] == "ok":
                 run["config"].setdefault("seed", seed)
     ok_levels = [r["level"] for r in plan["levels"] if ok_runs(runs[r["level"]])]
     base = "O0" if "O0" in ok_levels else (ok_levels[0] if ok_levels else None)
-    base_plan = next((r for r in plan["levels"] if r["level"] == base), {})
-    base_runs = {}  # steps -> {seed: run}: the baseline's runs by budget
+    base_plan: Record = next((r for r in plan["levels"] if r["level"] == base), {})
+    base_runs: Dict[int, Runs] = {}  # steps -> {seed: run}: the baseline's runs by budget
     for r in ok_runs(runs.get(base, {})).values():
         base_runs.setdefault(len(r["steps"]), {})[r["config"].get("seed")] = r
-    extra_rows = []
+    extra_rows: List[Tuple[Record, Runs]] = []
     for extra in base_plan.get("extra", []):
-        extra_runs = {s: read_run(out, run_name(base, s, extra["steps"])) for s in extra["seeds"]}
+        base_level = cast(str, base)  # base_plan is {} (no extra) when base is None
+        extra_runs = {s: read_run(out, run_name(base_level, s, extra["steps"]))
+                      for s in extra["seeds"]}
         for seed, run in ok_runs(extra_runs).items():
             run["config"].setdefault("seed", seed)
         base_runs.setdefault(extra["steps"], {}).update(ok_runs(extra_runs))
         extra_rows.append((dict(base_plan, steps=extra["steps"], seeds=extra["seeds"],
                                 epochs=None, extra=[]), extra_runs))
-    config = next((r["config"] for r in ok_runs(runs.get(base, {})).values()), {})
+    config: Record = next((r["config"] for r in ok_runs(runs.get(base, {})).values()), {})
     batch = config.get("batch_size") or plan.get("batch_size")
     specs = metric_specs(ok_runs(runs.get(base, {})), plan.get("higher_is_better"))
     rows = [level_row(p, runs[p["level"]], base_runs, batch, specs) for p in plan["levels"]]
@@ -405,16 +429,17 @@ def build(out, levels=None):
         if r.get("peak_memory_mb") is not None and base_mem:
             r["peak_memory_ratio"] = r["peak_memory_mb"] / base_mem
     fastest, verdict = overall_verdict(rows, base, specs)
+    summary: Record
     summary = {"baseline": base, "rule": ab_stats.RULE, "verdict": verdict,
                "metrics": [{"name": k, "higher_is_better": h} for k, h in specs],
-               "title": plan.get("title") or TITLES.get(config.get("program"), config.get(
+               "title": plan.get("title") or TITLES.get(config.get("program", ""), config.get(
                    "program", "")),
                "command": plan.get("command"),
                "fastest_not_worse": fastest, "config": config, "cpu": plan.get("cpu"),
                "mode": plan.get("mode"), "lr_schedule": config.get("lr_schedule"),
                "device": plan.get("device") or config.get("device"), "levels": rows,
                "baseline_budgets": budgets}
-    curve_sets = []
+    curve_sets: List[CurveSet] = []
     for r in plan["levels"]:
         curve_sets.append((r["level"], r["level"], ok_runs(runs[r["level"]])))
         if r["level"] == base:
@@ -423,7 +448,8 @@ def build(out, levels=None):
     return summary, curve_sets
 
 
-def overall_verdict(rows, base, specs):
+def overall_verdict(rows: Sequence[Record], base: Optional[str],
+                    specs: Specs) -> Tuple[Optional[str], str]:
     """The fastest level (median step time) none of whose metrics is 'worse' than the
     baseline's, and how the others' step times compare."""
     if base is None:
@@ -482,11 +508,11 @@ LABELS = {"test_accuracy": "test accuracy", "final_train_loss": "final train los
           "test_loss": "test loss", "val_bpc": "validation bits per character"}
 
 
-def metric_label(name):
+def metric_label(name: str) -> str:
     return LABELS.get(name, name.replace("_", " "))
 
 
-def metric_format(name):
+def metric_format(name: str) -> Tuple[str, str]:
     """(format spec, suffix) for a metric's values."""
     if "accuracy" in name:
         return ".2f", "%"
@@ -494,17 +520,17 @@ def metric_format(name):
 
 
 # ---- formatting -------------------------------------------------------------------------------
-def fmt(v, spec, suffix=""):
+def fmt(v: Optional[float], spec: str, suffix: str = "") -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "n/a"
     return format(v, spec) + suffix
 
 
-def fmt_signed(v, spec):
+def fmt_signed(v: Optional[float], spec: str) -> str:
     return fmt(v, "+" + spec)
 
 
-def fmt_interval(c, spec, suffix=""):
+def fmt_interval(c: Optional[Mapping[str, Any]], spec: str, suffix: str = "") -> str:
     """'+0.12 [-0.30, +0.54]' for a paired comparison."""
     if c is None or c["mean_diff"] is None:
         return "n/a"
@@ -516,35 +542,35 @@ def fmt_interval(c, spec, suffix=""):
     return text + (f" [{c['ci95'][0]:+{spec}}, {c['ci95'][1]:+{spec}}]" if c["ci95"] else "")
 
 
-def fmt_floor(c, spec, rel=False):
+def fmt_floor(c: Optional[Mapping[str, Any]], spec: str, rel: bool = False) -> str:
     f = c.get("floor") if c else None
     if f is None:
         return "n/a"
     return f"±{100 * (math.exp(f) - 1):.1f}%" if rel else f"±{f:{spec}}"
 
 
-def fmt_mean_sd(s, spec, suffix=""):
+def fmt_mean_sd(s: Optional[Mapping[str, Any]], spec: str, suffix: str = "") -> str:
     if s is None or s.get("mean") is None:
         return "n/a"
     sd = f" ± {s['sd']:{spec}}" if s.get("sd") is not None else ""
     return f"{s['mean']:{spec}}{suffix}{sd}"
 
 
-def budget_text(r):
+def budget_text(r: Mapping[str, Any]) -> str:
     seeds = r.get("seeds_ok") or r.get("seeds") or []
     if r.get("epochs"):
         return f"{r['epochs']} ep ({r['steps']}) x {len(seeds)}"
     return f"{r.get('steps', '?')} x {len(seeds)}"
 
 
-def describe_cpu(cpu):
+def describe_cpu(cpu: Optional[Mapping[str, Any]]) -> List[str]:
     if not cpu:
         return []
     from .plan import describe_cpu as describe
     return ["```", describe(cpu), "```", ""]
 
 
-def markdown_header(summary):
+def markdown_header(summary: Mapping[str, Any]) -> List[str]:
     c = summary["config"]
     lines = [f"# optamp A/B test: {summary.get('title') or 'training program'}", ""]
     if c.get("train_images") is not None:  # the Fashion-MNIST trainers
@@ -568,7 +594,7 @@ def markdown_header(summary):
     return lines
 
 
-def metrics_table(rows, base, specs):
+def metrics_table(rows: Sequence[Record], base: str, specs: Specs) -> List[str]:
     """One column group per compared metric: mean ± sd over seeds, paired difference to the
     baseline with its 95% interval, the floor, the verdict."""
     head, align = "| level | steps x seeds |", "|---|---|"
@@ -593,7 +619,7 @@ def metrics_table(rows, base, specs):
     return lines
 
 
-def speed_table(rows, base, mem_label):
+def speed_table(rows: Sequence[Record], base: str, mem_label: str) -> List[str]:
     lines = [f"| level | median step (ms) [min-max over seeds] | step time vs {base} [95% "
              f"interval] | floor | speed verdict | samples/s | {mem_label} (MB) | memory vs "
              f"{base} | loss divergence from {base} | {base}'s seed-to-seed distance | ratio |",
@@ -612,7 +638,7 @@ def speed_table(rows, base, mem_label):
     return lines
 
 
-def seed_table(rows, base, specs):
+def seed_table(rows: Sequence[Record], base: str, specs: Specs) -> List[str]:
     head = "| level | seed | steps |" + "".join(
         f" {metric_label(k)} | {base}'s (same seed and step) |" for k, _ in specs)
     head += (f" median step (ms) | {base}'s | divergence | skipped steps | final loss scale |")
@@ -626,7 +652,8 @@ def seed_table(rows, base, specs):
             cells = f"| {r['level']} | {s['seed']} | {s['steps']} |"
             for k, _ in specs:
                 spec, suffix = metric_format(k)
-                cells += f" {fmt(s.get(k), spec, suffix)} | {fmt(s.get('baseline_' + k), spec, suffix)} |"
+                cells += (f" {fmt(s.get(k), spec, suffix)} | "
+                          f"{fmt(s.get('baseline_' + k), spec, suffix)} |")
             cells += (f" {fmt(s['median_step_ms'], '.2f')} | "
                       f"{fmt(s['baseline_median_step_ms'], '.2f')} | {fmt(s['divergence'], '.4f')} "
                       f"| {fmt(s['skipped_steps'], 'd')} | {fmt(s['final_loss_scale'], 'g')} |")
@@ -634,7 +661,7 @@ def seed_table(rows, base, specs):
     return lines
 
 
-def epoch_table(rows, specs):
+def epoch_table(rows: Sequence[Record], specs: Specs) -> List[str]:
     """Epoch mode: the first metric after each epoch, mean over seeds."""
     ok = [r for r in rows if r.get("per_seed") and r.get("epochs")]
     if not ok or not specs:
@@ -645,7 +672,7 @@ def epoch_table(rows, specs):
     for r in ok:
         seeds = [s for s in r["per_seed"] if s["status"] == "ok"]
         steps = sorted({k for s in seeds for k in s["metric_by_step"]})
-        cells = []
+        cells: List[str] = []
         for k in steps:
             vals = [s["metric_by_step"][k] for s in seeds
                     if s["metric_by_step"].get(k) is not None]
@@ -657,14 +684,15 @@ def epoch_table(rows, specs):
     return [f"{what[:1].upper() + what[1:]} after each epoch (mean over seeds):", ""] + lines + [""]
 
 
-def label(r):
-    return r["level"] + (" (baseline)" if r.get("baseline") else "") + (
+def label(r: Mapping[str, Any]) -> str:
+    level: str = r["level"]
+    return level + (" (baseline)" if r.get("baseline") else "") + (
         " (slow)" if r.get("slow") else "")
 
 
-def table_rows(summary):
+def table_rows(summary: Mapping[str, Any]) -> List[Record]:
     """The levels in order, the baseline's shorter budgets right after the baseline."""
-    out = []
+    out: List[Record] = []
     for r in summary["levels"]:
         out.append(r)
         if r.get("baseline"):
@@ -672,7 +700,7 @@ def table_rows(summary):
     return out
 
 
-def precision_section(summary):
+def precision_section(summary: Mapping[str, Any]) -> List[str]:
     """Each level's per-op precision table, where the runs recorded one (--precision-steps)."""
     tables = [(r["level"], r["precision"]) for r in summary["levels"] if r.get("precision")]
     if not tables:
@@ -686,15 +714,15 @@ def precision_section(summary):
     return lines
 
 
-def describe_nonfinite(first):
+def describe_nonfinite(first: Mapping[str, Any]) -> str:
     where = f" in {first['scope']}" if first.get("scope") else ""
     node = f" ({first['node']})" if first.get("node") else ""
     return f"{first.get('op', '?')}{node}{where}, {first.get('phase', '?')}"
 
 
-def write_markdown(path, summary, plot=True):
+def write_markdown(path: str, summary: Mapping[str, Any], plot: bool = True) -> None:
     rows, base = table_rows(summary), summary["baseline"] or "baseline"
-    kind = next((r.get("peak_memory_kind") for r in rows if r.get("peak_memory_kind")), "")
+    kind = next((r["peak_memory_kind"] for r in rows if r.get("peak_memory_kind")), "")
     mem_label = {"cpu_peak_rss": "peak RSS", "cuda_peak_allocated": "CUDA peak allocated"}.get(
         kind, "peak memory")
     lines = markdown_header(summary)
@@ -733,7 +761,8 @@ COLORS = {"O0": "#222222", "O1": "#1f77b4", "O2": "#d62728", "O3": "#ff7f0e", "O
 STYLES = {"O0": "-", "O1": "--", "O2": "-", "O3": "-.", "O4": "--", "O5": ":"}
 
 
-def plot_curves(ax_loss, ax_scale, curve_sets, primary):
+def plot_curves(ax_loss: "Axes", ax_scale: "Axes", curve_sets: Sequence[CurveSet],
+                primary: Optional[str]) -> None:
     for i, (label, level, ok) in enumerate(curve_sets):
         if not ok:
             continue
@@ -751,7 +780,7 @@ def plot_curves(ax_loss, ax_scale, curve_sets, primary):
         ax_loss.plot([xs[j] for j in keep], [statistics.mean(pts[j]) for j in keep], color=c,
                      linestyle=ls, linewidth=lw, label=f"{label}" + (
                          f" ({fmt(statistics.mean(accs), *metric_format(primary))} at {n})"
-                         if accs else ""))
+                         if primary and accs else ""))
         if len(curves) > 1:
             ax_loss.fill_between([xs[j] for j in keep], [min(pts[j]) for j in keep],
                                  [max(pts[j]) for j in keep], color=c, alpha=0.12)
@@ -765,7 +794,8 @@ def plot_curves(ax_loss, ax_scale, curve_sets, primary):
         sk = [(s["step"], s["loss_scale"]) for s in first["steps"]
               if s.get("skipped") and s.get("loss_scale")]
         if sk:
-            ax_scale.scatter(*zip(*sk), marker="x", color=c, s=40, zorder=3)
+            sk_steps, sk_scales = zip(*sk)
+            ax_scale.scatter(sk_steps, sk_scales, marker="x", color=c, s=40, zorder=3)
     import matplotlib.ticker
     ax_loss.set_yscale("log")
     ax_loss.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
@@ -783,7 +813,8 @@ def plot_curves(ax_loss, ax_scale, curve_sets, primary):
         ax_scale.legend(loc="best", fontsize=8, ncol=3)
 
 
-def plot_interval(ax, comparison, color, ratio=False):
+def plot_interval(ax: "Axes", comparison: Mapping[str, Any], color: str,
+                  ratio: bool = False) -> None:
     """A paired comparison as a point with its 95% interval, the floor as a grey band around
     "no difference" (0, or 1x for a ratio)."""
     center = 1.0 if ratio else 0.0
@@ -812,7 +843,8 @@ def plot_interval(ax, comparison, color, ratio=False):
     ax.grid(True, which="both", axis="x", alpha=0.3)
 
 
-def plot_level(ax_acc, ax_time, row, base, primary):
+def plot_level(ax_acc: "Axes", ax_time: "Axes", row: Mapping[str, Any], base: str,
+               primary: str) -> None:
     """One level's panel: its first metric and step time against the baseline's, paired by
     seed (point: mean difference / ratio, bar: 95% interval, ticks: single seeds, grey: the
     baseline's seed-to-seed noise floor)."""
@@ -833,7 +865,7 @@ def plot_level(ax_acc, ax_time, row, base, primary):
                       f"{st['verdict']}", fontsize=8)
 
 
-def write_plot(path, summary, curve_sets):
+def write_plot(path: str, summary: Mapping[str, Any], curve_sets: Sequence[CurveSet]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -860,7 +892,7 @@ def write_plot(path, summary, curve_sets):
     plt.close(fig)
 
 
-def write_report(out, levels=None):
+def write_report(out: str, levels: Optional[Sequence[str]] = None) -> Record:
     """Builds the report of OUT and writes summary.json, summary.md and ab.png; returns the
     summary."""
     summary, curve_sets = build(out, levels)
@@ -879,11 +911,11 @@ def write_report(out, levels=None):
     return summary
 
 
-def any_level_ran(summary):
+def any_level_ran(summary: Mapping[str, Any]) -> bool:
     return any(r["status"] != "missing" and r.get("seeds_ok") for r in summary["levels"])
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="results/ab")
     p.add_argument("--levels", default="", help="only these levels (default: the plan's)")
