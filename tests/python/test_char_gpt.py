@@ -259,3 +259,32 @@ def test_eval_windows_evenly_spaced():
     assert py_gpt.eval_starts(10_000, 100, 0) == py_gpt.eval_starts(10_000, 100, 10**9)
     assert len(py_gpt.eval_starts(10_000, 100, 0)) == 99
     assert py_gpt.eval_starts(500, 100, 50) == [0]
+
+
+@pytest.mark.parametrize("kind", ["cpp", "python"])
+def test_under_the_ab_runner(kind, tmp_path):
+    """The workload as an A/B program: python -m optamp.ab runs it per level and seed and
+    compares held-out bits per character (lower is better), train bpc and throughput; model
+    sizes it reports are descriptions, not metrics."""
+    if kind == "cpp" and not os.access(BIN, os.X_OK):
+        pytest.skip(f"C++ trainer not built: {BIN}")
+    out = tmp_path / "ab"
+    run_env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep
+                   + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "optamp.ab", "--levels", "O0,O4", "--seeds", "2", "--out",
+         str(out), "--no-progress", "--", *command(kind), "--preset", "test", "--steps", "12",
+         "--data", STDLIB, "--threads", "1"],
+        env=run_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = {m["name"]: m["higher_is_better"] for m in summary["metrics"]}
+    assert metrics["val_bpc"] is False and metrics["train_bpc"] is False
+    assert metrics["tokens_per_s"] is True and metrics["final_train_loss"] is False
+    assert not {"params", "d_model", "seq_len", "train_bytes"} & set(metrics)
+    rows = {r["level"]: r for r in summary["levels"]}
+    assert rows["O0"]["status"] == rows["O4"]["status"] == "ok"
+    assert rows["O4"]["vs_baseline"]["val_bpc"]["n"] == 2
+    assert rows["O4"]["vs_baseline"]["val_bpc"]["verdict"] in (
+        "better", "worse", "indistinguishable")
+    assert "character-level GPT" in (out / "summary.md").read_text()

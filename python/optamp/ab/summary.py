@@ -372,16 +372,35 @@ def ok_runs(runs: Mapping[int, Record]) -> Runs:
 TITLES = {"train_fashion_mnist": "Fashion-MNIST CNN", "train_char_gpt": "character-level GPT"}
 
 
-def metric_specs(base_runs: Mapping[int, Record],
+def program_of(command):
+    """The program a command runs: its .py script, else its executable (without the .py)."""
+    if not command:
+        return ""
+    script = next((a for a in command if a.endswith(".py")), command[0])
+    return os.path.basename(script)[:-3] if script.endswith(".py") else os.path.basename(script)
+
+
+def title_of(program):
+    program = (program or "")[:-3] if (program or "").endswith(".py") else (program or "")
+    return TITLES.get(program, program)
+
+
+def metric_specs(base_runs: Mapping[int, Record], all_runs: Sequence[Record],
                  directions: Optional[Mapping[str, Any]] = None) -> List[Tuple[str, bool]]:
     """[(metric, higher is better)]: the numbers the baseline's runs report as final values
     (test accuracy, bits per character, ...), in the order first reported, then the final train
-    loss when the runs report step losses."""
+    loss when the runs report step losses. An integer that is the same in every run (a model
+    size, a batch size) describes the runs rather than measures them: not compared."""
     names: List[str] = []
     for run in base_runs.values():
         for k, v in run["summary"].items():
             if k not in BOOKKEEPING and k not in names and finite_or_none(v) is not None:
                 names.append(k)
+    def constant_int(k: str) -> bool:
+        values = {r["summary"].get(k) for r in all_runs}
+        return len(values) == 1 and all(isinstance(v, int) and not isinstance(v, bool)
+                                        for v in values)
+    names = [k for k in names if not constant_int(k)]
     specs = [(k, higher_is_better(k, directions)) for k in names]
     if any(s.get("loss") is not None for r in base_runs.values() for s in r["steps"]):
         specs.append(("final_train_loss", False))
@@ -418,7 +437,9 @@ def build(out: str, levels: Optional[Sequence[str]] = None) -> Tuple[Record, Lis
                                 epochs=None, extra=[]), extra_runs))
     config: Record = next((r["config"] for r in ok_runs(runs.get(base, {})).values()), {})
     batch = config.get("batch_size") or plan.get("batch_size")
-    specs = metric_specs(ok_runs(runs.get(base, {})), plan.get("higher_is_better"))
+    specs = metric_specs(ok_runs(runs.get(base, {})),
+                         [r for lv in runs.values() for r in ok_runs(lv).values()],
+                         plan.get("higher_is_better"))
     rows = [level_row(p, runs[p["level"]], base_runs, batch, specs) for p in plan["levels"]]
     budgets = [level_row(p, r, base_runs, batch, specs) for p, r in extra_rows]
     base_row = next((r for r in rows if r["level"] == base), None)
@@ -432,8 +453,8 @@ def build(out: str, levels: Optional[Sequence[str]] = None) -> Tuple[Record, Lis
     summary: Record
     summary = {"baseline": base, "rule": ab_stats.RULE, "verdict": verdict,
                "metrics": [{"name": k, "higher_is_better": h} for k, h in specs],
-               "title": plan.get("title") or TITLES.get(config.get("program", ""), config.get(
-                   "program", "")),
+               "title": plan.get("title") or title_of(config.get("program")
+                                                      or program_of(plan.get("command"))),
                "command": plan.get("command"),
                "fastest_not_worse": fastest, "config": config, "cpu": plan.get("cpu"),
                "mode": plan.get("mode"), "lr_schedule": config.get("lr_schedule"),
