@@ -11,11 +11,18 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
+#include <mutex>
 
+#include "frontend/ab_precision.h"
 #include "optamp/opt_level.h"
+#include "optamp/precision_probe.h"
 
 namespace amp {
 namespace ab {
+
+void finish_precision_request(std::int64_t step, Reporter& reporter);
+
 namespace {
 
 const char* env_or_null(const char* name) {
@@ -65,6 +72,34 @@ std::string json_number(double v) {
   return buf;
 }
 
+// The runner's --precision-steps request (kPrecisionStepsEnv): armed by opt_level(), started by
+// amp::initialize, ended by the report of step N.
+struct PrecisionRequest {
+  std::mutex mutex;
+  std::int64_t steps = 0;
+  std::unique_ptr<PrecisionProbe> probe;
+  bool done = false;  // one report per process, even if the program initializes again
+};
+
+PrecisionRequest& precision_request() {
+  static auto* request = new PrecisionRequest();  // never destroyed: used at exit
+  return *request;
+}
+
+void arm_precision_request() {
+  const char* v = env_or_null(kPrecisionStepsEnv);
+  std::int64_t steps = 0;
+  if (v != nullptr) {
+    char* end = nullptr;
+    steps = std::strtoll(v, &end, 10);
+    TORCH_CHECK_VALUE(end != v && *end == '\0' && steps >= 0, kPrecisionStepsEnv,
+                      " must be a step count >= 0, got \"", v, "\"");
+  }
+  auto& request = precision_request();
+  std::lock_guard<std::mutex> lock(request.mutex);
+  request.steps = steps;
+}
+
 }  // namespace
 
 std::string opt_level(const std::string& default_level) {
@@ -78,6 +113,7 @@ std::string opt_level(const std::string& default_level) {
                       "\"");
     throw;
   }
+  arm_precision_request();
   return level;
 }
 
@@ -99,6 +135,12 @@ std::string Value::json() const {
   return json_string(std::get<std::string>(value_));
 }
 
+std::optional<double> Value::number() const {
+  if (const auto* d = std::get_if<double>(&value_)) return *d;
+  if (const auto* i = std::get_if<std::int64_t>(&value_)) return static_cast<double>(*i);
+  return std::nullopt;
+}
+
 struct Reporter::File {
   std::ofstream out;
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
@@ -117,15 +159,22 @@ bool Reporter::active() const { return file_ != nullptr; }
 
 void Reporter::report(const Metrics& metrics) {
   if (!file_) return;
-  std::string line = "{";
+  std::string fields;
+  std::optional<double> step;
   for (const auto& [key, value] : metrics) {
     TORCH_CHECK_VALUE(key != "t", "amp::ab::report: \"t\" is the reporter's own time stamp; ",
                       "name the metric differently");
-    line += json_string(key) + ": " + value.json() + ", ";
+    fields += json_string(key) + ": " + value.json() + ", ";
+    if (key == "step") step = value.number();
   }
+  write_fields(fields);
+  if (step) finish_precision_request(static_cast<std::int64_t>(*step), *this);
+}
+
+void Reporter::write_fields(const std::string& fields) {
   const double t =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - file_->start).count();
-  line += "\"t\": " + json_number(t) + "}\n";
+  const std::string line = "{" + fields + "\"t\": " + json_number(t) + "}\n";
   std::lock_guard<std::mutex> lock(mutex_);
   file_->out << line << std::flush;
 }
@@ -138,5 +187,29 @@ Reporter& reporter() {
   return the_reporter;
 }
 
+// The report of step N ends the runner's probe: its table and the whole report as one line.
+void finish_precision_request(std::int64_t step, Reporter& reporter) {
+  auto& request = precision_request();
+  std::unique_ptr<PrecisionProbe> probe;
+  {
+    std::lock_guard<std::mutex> lock(request.mutex);
+    if (!request.probe || step < request.steps) return;
+    probe = std::move(request.probe);
+    request.done = true;
+  }
+  probe->stop();
+  reporter.write_fields("\"type\": \"precision\", \"steps\": " + std::to_string(request.steps) +
+                        ", \"table\": " + json_string(probe->table()) +
+                        ", \"report\": " + probe->json() + ", ");
+}
+
 }  // namespace ab
+
+void detail::start_ab_precision_probe() {
+  auto& request = ab::precision_request();
+  std::lock_guard<std::mutex> lock(request.mutex);
+  if (request.steps > 0 && !request.probe && !request.done)
+    request.probe = std::make_unique<PrecisionProbe>("python -m optamp.ab --precision-steps");
+}
+
 }  // namespace amp

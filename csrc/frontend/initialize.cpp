@@ -12,6 +12,7 @@
 #include <mutex>
 #include <unordered_set>
 
+#include "frontend/ab_precision.h"
 #include "optamp/core.h"
 
 namespace amp {
@@ -132,7 +133,9 @@ Handle initialize(const std::vector<ModulePtr>& models,
   const Properties preview = resolve(level, options);
   const auto model = collect_models(models, preview.keep_batchnorm_fp32.value_or(false));
   const auto opts = collect_optimizers(optimizers);
-  return Handle(core::initialize(model, opts, level, options));
+  Handle handle(core::initialize(model, opts, level, options));
+  detail::start_ab_precision_probe();  // python -m optamp.ab --precision-steps: from here
+  return handle;
 }
 
 Handle initialize(const std::vector<ModulePtr>& models,

@@ -18,6 +18,7 @@
 #include <initializer_list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <variant>
@@ -32,6 +33,10 @@ namespace ab {
 inline constexpr const char* kOptLevelEnv = "OPTAMP_OPT_LEVEL";
 inline constexpr const char* kSeedEnv = "OPTAMP_SEED";
 inline constexpr const char* kMetricsEnv = "OPTAMP_AB_METRICS";
+// Set by the runner's --precision-steps N: a program that asks for its level with opt_level()
+// records the per-op precision report (optamp/precision_probe.h) from amp::initialize until it
+// reports step N, and reports the report as one line.
+inline constexpr const char* kPrecisionStepsEnv = "OPTAMP_AB_PRECISION_STEPS";
 
 // OPTAMP_OPT_LEVEL when it is set (validated: "O0".."O5"), else `default_level`.
 OPTAMP_API std::string opt_level(const std::string& default_level = "O1");
@@ -52,6 +57,8 @@ class OPTAMP_API Value {
   Value(std::string v) : value_(std::move(v)) {}    // NOLINT(google-explicit-constructor)
   // The value as JSON (non-finite numbers as NaN / Infinity / -Infinity, as Python's json does).
   std::string json() const;
+  // The value as a number, for numbers (a step, a loss); empty for flags and texts.
+  std::optional<double> number() const;
 
  private:
   std::variant<double, std::int64_t, bool, std::string> value_;
@@ -74,6 +81,11 @@ class OPTAMP_API Reporter {
   void report(const Metrics& metrics);
 
  private:
+  // Writes `{<fields>, "t": ...}`: fields is the inside of a JSON object, already formatted.
+  void write_fields(const std::string& fields);
+  // Writes the runner's precision report (--precision-steps) after the step that ends it.
+  friend void finish_precision_request(std::int64_t step, Reporter& reporter);
+
   struct File;
   std::unique_ptr<File> file_;
   std::mutex mutex_;

@@ -15,7 +15,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
-from . import _C, _compile, scaler
+from . import _C, _compile, ab, scaler
 from ._tree import map_tensors
 
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
@@ -237,6 +237,7 @@ def initialize(
     global _properties
     _properties = props
     _compile.on_initialize(props.casts)
+    ab._precision.start(model_list)  # python -m optamp.ab --precision-steps: from here
 
     models_out = model_list if models_was_list else model_list[0]
     if optimizers_was_list:

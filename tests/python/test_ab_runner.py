@@ -186,3 +186,61 @@ def test_reporter_lines(tmp_path):
     inactive = amp.ab.Reporter(None)
     inactive.report(step=1, loss=1.0)  # writes nothing, fails on nothing
     assert not inactive.active
+
+
+PROBED = textwrap.dedent("""
+    import torch
+    import optamp as amp
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.small = torch.nn.Linear(8, 8)
+            self.big = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.big(self.small(x))
+
+    torch.manual_seed(amp.ab.seed(0))
+    model = Net()
+    with torch.no_grad():  # big's outputs exceed fp16's range (65504): inf at O1, fine at O0
+        model.big.weight.fill_(1e6)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=amp.ab.opt_level("O0"),
+                                      verbosity=0)
+    for step in range(1, 9):
+        x = torch.ones(4, 8)
+        loss = model(x).float().pow(2).mean() * 1e-12
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        amp.ab.report(step=step, loss=1.0 / step)
+    amp.ab.report(score=1.0)
+""")
+
+
+def test_precision_steps_put_each_levels_table_in_the_report(tmp_path):
+    """--precision-steps 2: each level's first seed records the per-op report from initialize
+    to its step 2; the report names the op and module that first overflowed at O1."""
+    program = tmp_path / "probed.py"
+    program.write_text(PROBED)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "optamp.ab", "--out", str(out), "--levels",
+                           "O0,O1", "--seeds", "2", "--precision-steps", "2", "--no-progress",
+                           "--", sys.executable, str(program)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = levels_of(json.loads((out / "summary.json").read_text()))
+    o0, o1 = rows["O0"]["precision"], rows["O1"]["precision"]
+    assert o0["first_nonfinite"] is None and o0["steps"] == 2
+    first = o1["first_nonfinite"]
+    assert first["scope"] == "big" and first["phase"] == "forward", first
+    assert "| aten::" in o1["table"] and "big" in o1["table"]
+    # Only the first seed is probed.
+    assert sum('"type": "precision"' in (out / f"O1-s{s}.jsonl").read_text() for s in (0, 1)) == 1
+    md = (out / "summary.md").read_text()
+    assert "## Where precision is lost" in md and "### O1" in md
+    assert "First inf/NaN: " in md and "in big, forward" in md

@@ -265,7 +265,7 @@ def test_eval_windows_evenly_spaced():
 def test_under_the_ab_runner(kind, tmp_path):
     """The workload as an A/B program: python -m optamp.ab runs it per level and seed and
     compares held-out bits per character (lower is better), train bpc and throughput; model
-    sizes it reports are descriptions, not metrics."""
+    sizes it reports are descriptions, not metrics; the per-op precision table per level."""
     if kind == "cpp" and not os.access(BIN, os.X_OK):
         pytest.skip(f"C++ trainer not built: {BIN}")
     out = tmp_path / "ab"
@@ -273,7 +273,7 @@ def test_under_the_ab_runner(kind, tmp_path):
                    + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, "-m", "optamp.ab", "--levels", "O0,O4", "--seeds", "2", "--out",
-         str(out), "--no-progress", "--", *command(kind), "--preset", "test", "--steps", "12",
+         str(out), "--no-progress", "--precision-steps", "2", "--", *command(kind), "--preset", "test", "--steps", "12",
          "--data", STDLIB, "--threads", "1"],
         env=run_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -288,3 +288,7 @@ def test_under_the_ab_runner(kind, tmp_path):
     assert rows["O4"]["vs_baseline"]["val_bpc"]["verdict"] in (
         "better", "worse", "indistinguishable")
     assert "character-level GPT" in (out / "summary.md").read_text()
+    # --precision-steps through amp::ab (C++) and optamp.ab (Python): O4 ran ops in bf16.
+    table = rows["O4"]["precision"]["table"]
+    assert "| aten::" in table and "bfloat16" in table, table
+    assert rows["O0"]["precision"]["first_nonfinite"] is None

@@ -14,16 +14,23 @@ what it measured, one JSON line per call::
 Outside the runner (no ``OPTAMP_AB_METRICS``) :func:`report` does nothing, so the calls can stay.
 The C++ twin is ``optamp/ab.h`` (``amp::ab::opt_level``, ``amp::ab::seed``, ``amp::ab::report``).
 """
+import atexit
 import json
 import math
 import os
 import threading
 import time
-from typing import IO, Any, Dict, Optional, Union
+from typing import IO, TYPE_CHECKING, Any, Dict, List, Optional, Union
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..precision import PrecisionReport
 
 OPT_LEVEL_ENV = "OPTAMP_OPT_LEVEL"
 SEED_ENV = "OPTAMP_SEED"
 METRICS_ENV = "OPTAMP_AB_METRICS"
+PRECISION_ENV = "OPTAMP_AB_PRECISION_STEPS"
 LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
 
 
@@ -32,6 +39,7 @@ def opt_level(default: str = "O1") -> str:
     value = os.environ.get(OPT_LEVEL_ENV) or None
     if value is not None and value not in LEVELS:
         raise ValueError(f"{OPT_LEVEL_ENV} must be an opt level O0..O5, got {value!r}")
+    _precision.arm()
     return value if value is not None else default
 
 
@@ -86,6 +94,8 @@ class Reporter:
         if loss is not None:
             line["loss"] = _plain(loss)
         line.update((k, _plain(v)) for k, v in metrics.items())
+        if step is not None:
+            _precision.after_step(int(step), self)
         cuda_peak = _cuda_peak_mb()
         if cuda_peak is not None and "peak_memory_mb" not in line:
             line["cuda_peak_mb"] = cuda_peak
@@ -93,6 +103,15 @@ class Reporter:
         text = json.dumps(line, allow_nan=True) + "\n"
         with self._lock:
             self._file.write(text)
+            self._file.flush()
+
+    def write_line(self, line: Dict[str, Any]) -> None:
+        """One JSON object as it is (with its time stamp); for the precision report's line."""
+        if self._file is None:
+            return
+        text = json.dumps(dict(line, t=time.perf_counter() - self._start), allow_nan=True)
+        with self._lock:
+            self._file.write(text + "\n")
             self._file.flush()
 
     def close(self) -> None:
@@ -110,12 +129,60 @@ def _cuda_peak_mb() -> Optional[float]:
     return float(torch.cuda.max_memory_allocated()) / 2**20
 
 
+class _PrecisionRequest:
+    """The runner's --precision-steps N (OPTAMP_AB_PRECISION_STEPS): a program that asks for its
+    level with opt_level() records the per-op precision report from initialize (whose models
+    name the ops' modules) until it reports step N, and reports the table as one line."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.report: Optional["PrecisionReport"] = None
+        self.lock = threading.Lock()
+
+    def arm(self) -> None:
+        value = os.environ.get(PRECISION_ENV) or "0"
+        try:
+            self.steps = max(0, int(value))
+        except ValueError:
+            raise ValueError(f"{PRECISION_ENV} must be a step count >= 0, got {value!r}")
+
+    def start(self, models: List["torch.nn.Module"]) -> None:
+        """Called by initialize."""
+        with self.lock:
+            if self.steps <= 0 or self.report is not None:
+                return
+            from ..precision import precision_report
+
+            self.report = precision_report(models, label="python -m optamp.ab --precision-steps")
+            self.report.__enter__()
+            atexit.register(self.finish, None)
+
+    def after_step(self, step: int, reporter: "Reporter") -> None:
+        if self.report is not None and self.report.recording and step >= self.steps:
+            self.finish(reporter)
+
+    def finish(self, reporter: Optional["Reporter"]) -> None:
+        with self.lock:
+            if self.report is None or not self.report.recording:
+                return
+            self.report.stop()
+            data = self.report.to_dict()
+            (reporter or _process_reporter()).write_line(
+                {"type": "precision", "steps": self.steps, "table": self.report.table(),
+                 "calls": data.get("calls"), "first_nonfinite": data.get("first_nonfinite")})
+
+
+_precision = _PrecisionRequest()
 _reporter: Optional[Reporter] = None
 _reporter_lock = threading.Lock()
 
 
 def reporter() -> Reporter:
     """The process's reporter: ``OPTAMP_AB_METRICS``'s file, opened at the first call."""
+    return _process_reporter()
+
+
+def _process_reporter() -> Reporter:
     global _reporter
     with _reporter_lock:
         if _reporter is None:

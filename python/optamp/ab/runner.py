@@ -19,6 +19,7 @@ from typing import IO, Any, Dict, List, Optional, Sequence, Tuple
 
 from . import LEVELS, METRICS_ENV, OPT_LEVEL_ENV, SEED_ENV
 from .plan import parse_seeds, run_name
+from .summary import STEADY_SKIP
 
 PRECISION_ENV = "OPTAMP_AB_PRECISION_STEPS"
 UNSUPPORTED_EXIT = 3  # the project's trainers: the level is not supported on this build/device
@@ -230,8 +231,8 @@ def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
     p.add_argument("--higher", default="", help="metrics where higher is better (names)")
     p.add_argument("--lower", default="", help="metrics where lower is better (names)")
     p.add_argument("--precision-steps", type=int, default=0,
-                   help="record the per-op precision report for the first N steps of each "
-                        "level's first seed (default 0: off)")
+                   help="record the per-op precision report (docs/precision.md) over the first "
+                        "N <= 5 steps of each level's first seed (default 0: off)")
     p.add_argument("--title", default=None, help="the report's title")
     p.add_argument("--no-progress", action="store_true", help="no progress lines")
     a = p.parse_args(options)
@@ -244,8 +245,10 @@ def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
     a.levels = levels
     if a.timeout is not None and a.timeout <= 0:
         p.error(f"--timeout must be > 0 seconds, got {a.timeout:g}")
-    if a.precision_steps < 0:
-        p.error(f"--precision-steps must be >= 0, got {a.precision_steps}")
+    if not 0 <= a.precision_steps <= STEADY_SKIP:
+        # A probe slows the steps it records; the step time leaves out the first 5 anyway.
+        p.error(f"--precision-steps must be 0..{STEADY_SKIP} (probed steps are slow; the median "
+                f"step time leaves out the first {STEADY_SKIP}), got {a.precision_steps}")
     return a, command
 
 

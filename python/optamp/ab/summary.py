@@ -94,7 +94,10 @@ def read_jsonl(path: str) -> Record:
                 run["evals"].setdefault(obj["step"], {}).update(obj)
             elif kind == "summary":
                 run["summary"] = dict(run["summary"] or {}, **obj)
-            elif kind == "precision":
+            elif kind == "precision":  # the C++ side nests the whole report
+                report = obj.pop("report", None) or {}
+                obj.setdefault("first_nonfinite", report.get("first_nonfinite"))
+                obj.setdefault("calls", report.get("calls"))
                 run["precision"] = obj
             else:
                 run["config"].update(obj)
@@ -372,7 +375,7 @@ def ok_runs(runs: Mapping[int, Record]) -> Runs:
 TITLES = {"train_fashion_mnist": "Fashion-MNIST CNN", "train_char_gpt": "character-level GPT"}
 
 
-def program_of(command):
+def program_of(command: Optional[List[str]]) -> str:
     """The program a command runs: its .py script, else its executable (without the .py)."""
     if not command:
         return ""
@@ -380,7 +383,7 @@ def program_of(command):
     return os.path.basename(script)[:-3] if script.endswith(".py") else os.path.basename(script)
 
 
-def title_of(program):
+def title_of(program: Optional[str]) -> str:
     program = (program or "")[:-3] if (program or "").endswith(".py") else (program or "")
     return TITLES.get(program, program)
 
