@@ -2,7 +2,7 @@
 # Verifies a GPU machine in one command, without network: build (for this GPU's architecture
 # only), ctest (the *_CUDA tests run when a GPU is visible), the CMake check, the needs_cuda
 # pytests, a short training-benchmark pass (ResNet-50 and GPT-2 small, C++ and Python, every
-# level against native AMP), the CUDA A/B run, and last the CPU pytests in what is left of a
+# level against native AMP), the CUDA A/B runs (Fashion-MNIST, char-GPT), and last the CPU pytests in what is left of a
 # 9.5-minute budget (GPU_CHECK_MINUTES=9, plus 30 s), so that it ends within the device tool's
 # 10 minutes on an H100.
 #
@@ -19,6 +19,8 @@
 # (default 1: nothing is fetched), GPU_CHECK_BENCH_ARGS (default "--steps 10 --rounds 2
 # --warmup 3"), GPU_CHECK_AB_ARGS (default "--levels O0,O1,O2,O3,O4,O5 --steps 300"),
 # GPU_CHECK_DEVICE (the A/B's device, default cuda; cpu for a dry run of this script),
+# GPU_CHECK_CHAR_GPT_AB_ARGS (default "--levels O0,O1,O2,O4,O5 --seeds 1 --precision-steps 2")
+# and GPU_CHECK_CHAR_GPT_ARGS (the trainer's, default "--steps 200") for the char-GPT A/B,
 # GPU_CHECK_MINUTES (default 9).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -125,6 +127,14 @@ while IFS= read -r line; do targets+=("- $line"); done < <(
 phase ab bash scripts/ab_test.sh --device "${GPU_CHECK_DEVICE:-cuda}" "${data_args[@]}" --out "$LOGS/ab" \
   ${GPU_CHECK_AB_ARGS:---levels O0,O1,O2,O3,O4,O5 --steps 300}
 [[ -f "$LOGS/ab/summary.md" ]] && cp "$LOGS/ab/summary.md" "$LOGS/ab_summary.md"
+# The compute-bound workload (docs/char_gpt.md, gpu preset) through the A/B runner: where AMP's
+# speed shows; one seed per level, the per-op precision table of its first 2 steps.
+# shellcheck disable=SC2086
+phase ab_char_gpt "$PY" -m optamp.ab --no-progress --out "$LOGS/ab_char_gpt" \
+  ${GPU_CHECK_CHAR_GPT_AB_ARGS:---levels O0,O1,O2,O4,O5 --seeds 1 --precision-steps 2} -- \
+  "$OPTAMP_BUILD_DIR/examples/cpp/train_char_gpt" --device "${GPU_CHECK_DEVICE:-cuda}" \
+  ${GPU_CHECK_CHAR_GPT_ARGS:---steps 200}
+[[ -f "$LOGS/ab_char_gpt/summary.md" ]] && cp "$LOGS/ab_char_gpt/summary.md" "$LOGS/ab_char_gpt_summary.md"
 # The CPU tests last (CI runs them on every change): in what is left of the time budget, so that a
 # run under the device tool's 10-minute limit still ends with a summary.
 left=$(( budget - ($(date +%s) - started) - 15 ))

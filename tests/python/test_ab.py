@@ -345,7 +345,7 @@ def test_evaluation_uses_each_levels_trained_weights(kind, tmp_path):
 def test_eval_at_leaves_training_unchanged(kind, tmp_path):
     """--eval-at: a mid-run test pass changes nothing in training (O2: working copies and
     dynamic loss scaling), and with a constant learning rate it equals the final test pass of a
-    run that stops there (ab_report.py relies on that when the baseline has no run of a shorter
+    run that stops there (optamp.ab.summary relies on that when the baseline has no run of a shorter
     budget; ab_test.sh --epochs uses it for the accuracy after each epoch)."""
     def run(name, *extra):
         path = tmp_path / f"{name}.jsonl"
