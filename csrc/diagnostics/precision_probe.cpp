@@ -51,8 +51,21 @@ struct ThreadFrames {
   // input's shape in validate_outputs, adding it into the next node's inputs) is its.
   NodeFrame last_node;
   bool measuring = false;
+  int op_depth = 0;  // observed op calls running on this thread
 };
 thread_local ThreadFrames t_frames;
+
+// Tensors measured during the outermost op call running on this thread. A cast is observed
+// three times (aten::to -> aten::_to_copy -> aten::copy_), each returning the same tensor made
+// from the same source: those are read once. Only there, and only within one outermost call: a
+// kernel may write another op's output afterwards without a version bump (below autograd), and
+// LibTorch's optimizers update parameters through .data() (no bump either).
+struct MeasuredTensor {
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> impl;
+  std::uint32_t version;
+  detail::ValueStats stats;
+};
+thread_local std::vector<MeasuredTensor> t_measured;
 
 // What one call's floating outputs held.
 struct Measurement {
@@ -181,6 +194,27 @@ int cast_source_index(const std::string& name) {
   return -1;
 }
 
+// The stats of `t` measured earlier in this outermost call, if `reuse`; else measured now.
+ValueStats stats_of(const at::Tensor& t, bool reuse) {
+  const bool versioned = !t.is_inference();
+  const std::uint32_t version = versioned ? t._version() : 0;
+  if (reuse && versioned) {
+    for (const auto& m : t_measured) {
+      if (!m.impl.expired() && m.impl._unsafe_get_target() == t.unsafeGetTensorImpl() &&
+          m.version == version) {
+        return m.stats;
+      }
+    }
+  }
+  ValueStats stats = value_stats(t);
+  if (versioned) {
+    t_measured.push_back(
+        {c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()),
+         version, stats});
+  }
+  return stats;
+}
+
 // One observed op call, from its start callback to its end callback.
 struct OpContext : at::ObserverContext {
   std::shared_ptr<State> state;
@@ -261,6 +295,7 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   if (ctx->phase == Phase::kForward) ctx->seq = fn.seqNr();
   read_inputs(fn, *name, *ctx);
   ctx->state = std::move(state);
+  ++t_frames.op_depth;
   return ctx;
 }
 
@@ -324,12 +359,13 @@ void measure_tensor(const at::Tensor& t, const OpContext& ctx, Measurement& m) {
       is_view_of_input(t, ctx)) {
     return;
   }
-  ValueStats v = value_stats(t);
+  // A cast's output (not copy_: it writes it) was measured by the copy_ inside it.
+  ValueStats v = stats_of(t, ctx.cast_source.defined() && ctx.kind == OutputKind::kComputed);
   // A narrowing cast's output cannot show what it lost (an overflow is already inf, a flush
   // already 0): its column for the output dtype counts the source values instead.
   const at::Tensor source = source_of(t, ctx);
   if (source.defined()) {
-    const ValueStats from = value_stats(source);
+    const ValueStats from = stats_of(source, true);
     if (t.scalar_type() == at::kHalf) {
       v.fp16_overflow = from.fp16_overflow;
       v.fp16_flush = from.fp16_flush;
@@ -416,6 +452,14 @@ void remember_nodes(const at::RecordFunction& fn, const OpContext& ctx) {
 void on_op_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
   auto* ctx = static_cast<OpContext*>(raw);
   if (ctx == nullptr) return;
+  struct Depth {  // the outermost call's end forgets what was measured in it
+    ~Depth() {
+      if (--t_frames.op_depth <= 0) {
+        t_frames.op_depth = 0;
+        t_measured.clear();
+      }
+    }
+  } depth;
   // An end callback runs in RecordFunction's destructor: nothing may escape from it.
   try {
     remember_nodes(fn, *ctx);
