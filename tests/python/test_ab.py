@@ -169,6 +169,12 @@ def check_report(out, proc, levels=LEVELS, seeds=(0,)):
             assert row["vs_baseline"][k]["verdict"] in VERDICTS | {"faster", "slower"}
         assert row["vs_baseline"]["step_time"]["ratio"] > 0 and row["peak_memory_ratio"] > 0
         assert row["divergence"]["mean"] >= 0
+        # The runner's default --precision-steps 2: every level's per-op table. An inf/NaN only
+        # where a dynamic loss scale overflows the scaled backward (and that step is skipped).
+        assert "| aten::" in row["precision"]["table"], row["level"]
+        first = row["precision"]["first_nonfinite"]
+        assert first is None or (row["level"] not in STATIC_SCALE_LEVELS
+                                 and first["phase"] == "backward"), (row["level"], first)
     o0 = summary["levels"][0]
     assert o0["baseline"] and o0["vs_baseline"]["step_time"]["ratio"] == 1.0
     assert o0["vs_baseline"]["test_accuracy"]["mean_diff"] == 0.0
@@ -181,6 +187,7 @@ def check_report(out, proc, levels=LEVELS, seeds=(0,)):
     assert "| level |" in md and "Verdict:" in md and "| O0 (baseline) |" in md
     assert "step time vs O0" in md and "Verdict rule: paired by seed" in md  # names the baseline
     assert "## Per seed" in md and "bf16: avx512_bf16" in md
+    assert "## Where precision is lost" in md
     for level in levels[1:]:
         assert f"| {level} |" in md or f"| {level} (slow) |" in md
     # An ok run's last stderr line (progress, warnings) is not reported as its message.

@@ -273,8 +273,8 @@ def test_under_the_ab_runner(kind, tmp_path):
                    + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, "-m", "optamp.ab", "--levels", "O0,O4", "--seeds", "2", "--out",
-         str(out), "--no-progress", "--precision-steps", "2", "--", *command(kind), "--preset", "test", "--steps", "12",
-         "--data", STDLIB, "--threads", "1"],
+         str(out), "--no-progress", "--precision-steps", "2", "--", *command(kind),
+         "--preset", "test", "--steps", "12", "--data", STDLIB, "--threads", "1"],
         env=run_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -230,9 +230,9 @@ def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
     p.add_argument("--timeout", type=float, default=None, help="seconds per run")
     p.add_argument("--higher", default="", help="metrics where higher is better (names)")
     p.add_argument("--lower", default="", help="metrics where lower is better (names)")
-    p.add_argument("--precision-steps", type=int, default=0,
+    p.add_argument("--precision-steps", type=int, default=2,
                    help="record the per-op precision report (docs/precision.md) over the first "
-                        "N <= 5 steps of each level's first seed (default 0: off)")
+                        "N <= 5 steps of each level's first seed (default 2; 0: off)")
     p.add_argument("--title", default=None, help="the report's title")
     p.add_argument("--no-progress", action="store_true", help="no progress lines")
     a = p.parse_args(options)
