@@ -731,10 +731,9 @@ def precision_section(summary: Mapping[str, Any]) -> List[str]:
         return []
     lines = ["## Where precision is lost (per-op report of the first seed's first steps)", ""]
     for level, p in tables:
-        lines += [f"### {level}", "", p.get("table", "").rstrip(), ""]
-        first = p.get("first_nonfinite")
-        lines += [f"First inf/NaN: {describe_nonfinite(first)}." if first else
-                  "No op produced an inf or NaN.", ""]
+        first = p.get("first_nonfinite")  # the table ends with it too, in the probe's words
+        lines += [f"### {level}", "", f"First inf/NaN: {describe_nonfinite(first)}." if first
+                  else "No op produced an inf or NaN.", "", p.get("table", "").rstrip(), ""]
     return lines
 
 
