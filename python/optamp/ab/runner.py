@@ -209,10 +209,10 @@ def _finish(status: Dict[str, Any], paths: Dict[str, str], progress: Progress, i
 
 def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
     argv = list(argv)
-    if "--" not in argv:
+    if "--" not in argv and not {"-h", "--help"} & set(argv):
         raise SystemExit("python -m optamp.ab: give the command to run after --, e.g. "
                          "python -m optamp.ab --levels O0,O1,O2 -- python train.py")
-    split = argv.index("--")
+    split = argv.index("--") if "--" in argv else len(argv)
     options, command = argv[:split], argv[split + 1:]
     p = argparse.ArgumentParser(
         prog="python -m optamp.ab",
