@@ -20,45 +20,23 @@
 #include <torch/nn.h>
 #include <torch/optim.h>
 #include <torch/version.h>
-#include <unistd.h>
-
-#ifdef OPTAMP_EXAMPLE_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "char_gpt.h"
+#include "trainer_common.h"
 
 namespace {
 
-// ---- optamp integration: the only code in this program that touches the amp API -------------
-struct AmpSession {
-  amp::Handle handle;
-  template <typename Model>
-  AmpSession(Model& model, torch::optim::Optimizer& optimizer, const std::string& level)
-      : handle(amp::initialize(model, optimizer, level, amp::Options{})) {
-    std::cout << handle.describe() << std::flush;  // Apex's properties report, once
-  }
-  // backward through the scaled loss; on overflow the guard makes optimizer.step() a no-op.
-  static void backward(const torch::Tensor& loss, torch::optim::Optimizer& optimizer) {
-    auto scaled = amp::scale_loss(loss, optimizer);
-    scaled.backward();
-  }
-  static double loss_scale() { return amp::loss_scaler(0).loss_scale(); }
-  static bool last_step_skipped() { return amp::loss_scaler(0).last_step_skipped(); }
-  static void reset() { amp::reset(); }
-};
-// ---- end of optamp integration --------------------------------------------------------------
+// The optamp integration is trainer_common::AmpSession (trainer_common.h).
+using trainer_common::AmpSession;
 
 struct Args {
   std::string opt_level;   // empty: amp::ab::opt_level("O0")
@@ -114,48 +92,66 @@ double parse_double(const std::string& flag, const std::string& v, double min, b
   return x;
 }
 
+// The flags that take an integer of at least `min`, and where each goes.
+struct IntFlag {
+  const char* name;
+  std::int64_t Args::*field;
+  std::int64_t min;
+};
+const IntFlag kIntFlags[] = {
+    {"--seed", &Args::seed, 0},
+    {"--steps", &Args::steps, 1},
+    {"--batch-size", &Args::batch_size, 1},
+    {"--seq-len", &Args::seq_len, 1},
+    {"--d-model", &Args::d_model, 1},
+    {"--layers", &Args::layers, 1},
+    {"--heads", &Args::heads, 1},
+    {"--warmup", &Args::warmup, 0},
+    {"--eval-every", &Args::eval_every, 0},
+    {"--eval-bytes", &Args::eval_bytes, 0},
+};
+
+// The flags that take a finite number > 0 (strict) or >= 0.
+struct NumberFlag {
+  const char* name;
+  double Args::*field;
+  bool strict;
+};
+const NumberFlag kNumberFlags[] = {
+    {"--lr", &Args::lr, true},
+    {"--weight-decay", &Args::weight_decay, false},
+    {"--eps", &Args::eps, true},
+    {"--clip", &Args::clip, false},
+};
+
+// A numeric flag of the tables above: parsed into `a`; false when `flag` is none of them.
+bool parse_number_flag(Args& a, const std::string& flag, const std::string& v) {
+  for (const IntFlag& f : kIntFlags) {
+    if (flag != f.name) continue;
+    a.*f.field = parse_int(flag, v, f.min);
+    return true;
+  }
+  for (const NumberFlag& f : kNumberFlags) {
+    if (flag != f.name) continue;
+    a.*f.field = parse_double(flag, v, 0, f.strict);
+    return true;
+  }
+  return false;
+}
+
 Args parse_args(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "-h" || flag == "--help") {
-      std::cout << kUsage;
-      std::exit(0);
-    }
-    if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
-    const std::string v = argv[++i];
+  for (int i = 1; i < argc; i += 2) {
+    const std::string flag = argv[i], v = trainer_common::flag_value(argc, argv, i, kUsage);
+    if (parse_number_flag(a, flag, v)) continue;
     if (flag == "--opt-level") {
       amp::parse_opt_level(v);  // throws, listing the valid levels
       a.opt_level = v;
-    } else if (flag == "--seed") {
-      a.seed = parse_int(flag, v, 0);
     } else if (flag == "--preset") {
       char_gpt::Config unused{};
       if (!char_gpt::preset_config(v, &unused))
         throw std::invalid_argument("--preset must be tiny, gpu or test, got \"" + v + "\"");
       a.preset = v;
-    } else if (flag == "--steps") {
-      a.steps = parse_int(flag, v, 1);
-    } else if (flag == "--batch-size") {
-      a.batch_size = parse_int(flag, v, 1);
-    } else if (flag == "--seq-len") {
-      a.seq_len = parse_int(flag, v, 1);
-    } else if (flag == "--d-model") {
-      a.d_model = parse_int(flag, v, 1);
-    } else if (flag == "--layers") {
-      a.layers = parse_int(flag, v, 1);
-    } else if (flag == "--heads") {
-      a.heads = parse_int(flag, v, 1);
-    } else if (flag == "--lr") {
-      a.lr = parse_double(flag, v, 0, true);
-    } else if (flag == "--warmup") {
-      a.warmup = parse_int(flag, v, 0);
-    } else if (flag == "--weight-decay") {
-      a.weight_decay = parse_double(flag, v, 0, false);
-    } else if (flag == "--eps") {
-      a.eps = parse_double(flag, v, 0, true);
-    } else if (flag == "--clip") {
-      a.clip = parse_double(flag, v, 0, false);
     } else if (flag == "--device") {
       if (v != "cpu" && v != "cuda")
         throw std::invalid_argument("--device must be cpu or cuda, got \"" + v + "\"");
@@ -164,10 +160,6 @@ Args parse_args(int argc, char** argv) {
       a.threads = static_cast<int>(parse_int(flag, v, 0));
     } else if (flag == "--data") {
       a.data = v;
-    } else if (flag == "--eval-every") {
-      a.eval_every = parse_int(flag, v, 0);
-    } else if (flag == "--eval-bytes") {
-      a.eval_bytes = parse_int(flag, v, 0);
     } else {
       throw std::invalid_argument("unknown flag " + flag);
     }
@@ -217,44 +209,6 @@ double lr_at(const Args& a, const Plan& p, std::int64_t step) {
   return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(std::acos(-1.0) * progress));
 }
 
-void reset_peak_memory(const torch::Device& device) {
-#ifdef OPTAMP_EXAMPLE_CUDA
-  if (device.is_cuda()) return c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
-#endif
-  (void)device;
-  std::ofstream("/proc/self/clear_refs") << "5";
-}
-
-// CPU: peak RSS; CUDA: the caching allocator's peak allocated bytes.
-double peak_memory_mb(const torch::Device& device) {
-#ifdef OPTAMP_EXAMPLE_CUDA
-  if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
-    return static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 20);
-  }
-#endif
-  (void)device;
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // kB
-  return std::nan("");
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return std::nan("");
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string fmt_duration(double s) {
-  char buf[32];
-  const long t = std::lround(std::max(0.0, s));
-  std::snprintf(buf, sizeof(buf), "%ld:%02ld", t / 60, t % 60);
-  return buf;
-}
-
 constexpr std::int64_t kEvalBatch = 64;  // held-out windows per forward pass
 
 // Bits per character on the held-out windows: the mean cross-entropy (nats) of every predicted
@@ -291,11 +245,7 @@ double evaluate(char_gpt::GPT& model, const torch::Tensor& val,
 int run(const Args& args) {
   const Plan plan = make_plan(args);
   const char_gpt::Config& c = plan.c;
-  if (args.threads > 0) torch::set_num_threads(args.threads);
-  if (args.device == "cuda" && !torch::cuda::is_available())
-    throw std::runtime_error("--device cuda: no CUDA device is visible to LibTorch");
-  const torch::Device device(args.device == "cuda" ? torch::Device(torch::kCUDA, 0)
-                                                   : torch::Device(torch::kCPU));
+  const torch::Device device = trainer_common::setup_device(args.device, args.threads);
 
   const std::string data_dir = !args.data.empty() ? args.data : char_gpt::default_data_dir();
   if (data_dir.empty())
@@ -329,27 +279,13 @@ int run(const Args& args) {
                                     torch::optim::AdamWOptions(options).weight_decay(0.0)));
   torch::optim::AdamW optimizer(std::move(groups), options);
 
-  std::unique_ptr<AmpSession> amp_session;
-  try {
-    amp_session = std::make_unique<AmpSession>(model, optimizer, args.opt_level);
-  } catch (const c10::NotImplementedError& e) {
-    std::cerr << "train_char_gpt: opt level " << args.opt_level
-              << " unsupported: " << e.what_without_backtrace() << "\n";
-    return 3;
-  }
+  const AmpSession amp_session(model, optimizer, args.opt_level);  // throws UnsupportedOptLevel
 
   at::Generator gen = at::detail::createCPUGenerator(static_cast<std::uint64_t>(args.seed));
-  const char* force = std::getenv("OPTAMP_PROGRESS");
-  const bool tty = force && *force ? std::string(force) == "1" : isatty(STDERR_FILENO) != 0;
-  using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
-  auto last_progress = start;
-  std::vector<double> step_ms, losses;
-  std::int64_t skipped_steps = 0;
-  double eval_s = 0, peak_mb = 0, val_bpc = std::nan("");
-
+  double val_bpc = std::nan("");
   model->train();
-  reset_peak_memory(device);
+  trainer_common::RunStats stats(device);
+  trainer_common::Progress progress(args.opt_level, plan.steps, stats.start());
   for (std::int64_t step = 0; step < plan.steps; ++step) {
     const auto [x, y] = char_gpt::get_batch(train, c.batch_size, c.seq_len, gen, device);
     const double scale = AmpSession::loss_scale();
@@ -357,7 +293,7 @@ int run(const Args& args) {
     for (auto& group : optimizer.param_groups())
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
 
-    const auto t0 = Clock::now();
+    stats.start_step();
     optimizer.zero_grad();
     const torch::Tensor logits = model->forward(x);
     const torch::Tensor loss =
@@ -365,56 +301,34 @@ int run(const Args& args) {
     AmpSession::backward(loss, optimizer);
     if (args.clip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), args.clip);
     optimizer.step();
-    if (device.is_cuda()) torch::cuda::synchronize();
-    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    const trainer_common::StepResult r = stats.end_step(loss);
 
-    const double loss_value = loss.item<double>();
-    const bool skipped = AmpSession::last_step_skipped();
-    skipped_steps += skipped;
-    step_ms.push_back(ms);
-    losses.push_back(loss_value);
     amp::ab::report({{"step", step + 1},
-                     {"loss", loss_value},
-                     {"step_ms", ms},
+                     {"loss", r.loss},
+                     {"step_ms", r.ms},
                      {"loss_scale", scale},
-                     {"skipped", skipped},
+                     {"skipped", r.skipped},
                      {"lr", lr}});
-    const auto now = Clock::now();
-    if (tty && (now - last_progress > std::chrono::milliseconds(200) || step + 1 == plan.steps)) {
-      last_progress = now;
-      const double rate = (step + 1) / std::chrono::duration<double>(now - start).count();
-      std::fprintf(stderr, "\r[%s] step %lld/%lld  loss %.4f  scale %g  %.1f it/s  ETA %s   ",
-                   args.opt_level.c_str(), static_cast<long long>(step + 1),
-                   static_cast<long long>(plan.steps), loss_value, scale, rate,
-                   fmt_duration((plan.steps - step - 1) / rate).c_str());
-      if (step + 1 == plan.steps) std::fprintf(stderr, "\n");
-    }
+    progress.show(step, r.loss, scale);
     const bool last = step + 1 == plan.steps;
     if (last || (plan.eval_every > 0 && (step + 1) % plan.eval_every == 0)) {
-      const auto e0 = Clock::now();
-      peak_mb = std::max(peak_mb, peak_memory_mb(device));
-      val_bpc = evaluate(model, val, starts, c.seq_len, device);
-      amp::ab::report({{"step", step + 1}, {"val_bpc", val_bpc}});
-      reset_peak_memory(device);
-      eval_s += std::chrono::duration<double>(Clock::now() - e0).count();
+      stats.evaluation([&] {
+        val_bpc = evaluate(model, val, starts, c.seq_len, device);
+        amp::ab::report({{"step", step + 1}, {"val_bpc", val_bpc}});
+      });
     }
   }
-  const double train_s = std::chrono::duration<double>(Clock::now() - start).count() - eval_s;
-  peak_mb = std::max(peak_mb, peak_memory_mb(device));
+  stats.finish();
   const double final_scale = AmpSession::loss_scale();
   AmpSession::reset();
 
-  // Steady state: the first 5 steps (allocator and kernel warm-up) are left out when there are
-  // more than 10. train_bpc: the mean of the last (up to) 20 finite losses / ln 2.
-  const std::vector<double> steady(step_ms.begin() + (step_ms.size() > 10 ? 5 : 0), step_ms.end());
-  const double median_ms = median(steady);
-  double tail_sum = 0;
-  int tail_n = 0;
-  for (auto it = losses.rbegin(); it != losses.rend() && tail_n < 20; ++it)
-    if (std::isfinite(*it)) tail_sum += *it, ++tail_n;
-  const double train_bpc = tail_n ? tail_sum / tail_n / std::log(2.0) : std::nan("");
+  // train_bpc: the recent training loss (nats) / ln 2.
+  const double median_ms = stats.median_step_ms();
+  const double train_bpc = stats.mean_recent_loss() / std::log(2.0);
   const double tokens_per_s = static_cast<double>(c.batch_size * c.seq_len) / (median_ms / 1000.0);
-  const std::string mem_kind = device.is_cuda() ? "cuda_peak_allocated" : "cpu_peak_rss";
+  const double train_s = stats.train_s(), peak_mb = stats.peak_mb();
+  const std::int64_t skipped_steps = stats.skipped_steps();
+  const std::string mem_kind = stats.memory_kind();
 
   amp::ab::report({{"val_bpc", val_bpc},
                    {"train_bpc", train_bpc},
@@ -451,27 +365,15 @@ int run(const Args& args) {
   return 0;
 }
 
-// A user-facing message: c10 errors carry a C++ backtrace that says nothing to a user.
-const char* message_of(const std::exception& e) {
-  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-  return c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   Args args;
-  try {
-    args = parse_args(argc, argv);
-    make_plan(args);  // size checks (--d-model / --heads) are argument errors too
-  } catch (const std::exception& e) {
-    std::cerr << "train_char_gpt: " << message_of(e) << "\n" << kUsage;
-    return 2;
-  }
-  try {
-    return run(args);
-  } catch (const std::exception& e) {
-    std::cerr << "train_char_gpt: " << message_of(e) << "\n";
-  }
-  return 1;
+  return trainer_common::run_main(
+      "train_char_gpt", kUsage,
+      [&] {
+        args = parse_args(argc, argv);
+        make_plan(args);  // size checks (--d-model / --heads) are argument errors too
+      },
+      [&] { return run(args); });
 }

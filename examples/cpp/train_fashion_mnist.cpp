@@ -31,17 +31,10 @@
 #include <torch/nn.h>
 #include <torch/optim.h>
 #include <torch/version.h>
-#include <unistd.h>
-
-#ifdef OPTAMP_EXAMPLE_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -51,32 +44,13 @@
 
 #include "fashion_mnist.h"
 #include "fashion_mnist_net.h"
+#include "trainer_common.h"
 
 namespace {
 
-// ---- optamp integration: the only code in this program that touches the amp API -------------
-// Everything else is an ordinary LibTorch training loop.
-struct AmpSession {
-  amp::Handle handle;
-  template <typename Model>
-  AmpSession(Model& model, torch::optim::Optimizer& optimizer, const std::string& level)
-      // initialize prints one line (verbosity 1, the default); the scaler logs each skipped
-      // step on stderr. The A/B logs keep Apex's full report, printed here once.
-      : handle(amp::initialize(model, optimizer, level, amp::Options{})) {
-    std::cout << handle.describe() << std::flush;
-  }
-  // backward through the scaled loss; on overflow the guard makes optimizer.step() a no-op.
-  static void backward(const torch::Tensor& loss, torch::optim::Optimizer& optimizer) {
-    auto scaled = amp::scale_loss(loss, optimizer);
-    scaled.backward();
-  }
-  static double loss_scale() { return amp::loss_scaler(0).loss_scale(); }
-  static bool last_step_skipped() { return amp::loss_scaler(0).last_step_skipped(); }
-  static void reset() { amp::reset(); }
-};
-// ---- end of optamp integration --------------------------------------------------------------
-
+// The optamp integration is trainer_common::AmpSession (trainer_common.h).
 using fashion_mnist::Net;
+using trainer_common::AmpSession;
 
 struct Args {
   std::string opt_level;   // empty: OPTAMP_OPT_LEVEL (python -m optamp.ab), else O0
@@ -130,14 +104,8 @@ std::vector<std::int64_t> parse_steps(const std::string& flag, const std::string
 
 Args parse_args(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "-h" || flag == "--help") {
-      std::cout << kUsage;
-      std::exit(0);
-    }
-    if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
-    const std::string v = argv[++i];
+  for (int i = 1; i < argc; i += 2) {
+    const std::string flag = argv[i], v = trainer_common::flag_value(argc, argv, i, kUsage);
     if (flag == "--opt-level")
       a.opt_level = v;
     else if (flag == "--steps")
@@ -203,43 +171,6 @@ class Line {
   amp::ab::Metrics metrics_;
 };
 
-// Peak memory during training: CPU RSS high-water mark (reset before training through
-// /proc/self/clear_refs), or the CUDA caching allocator's peak allocated bytes.
-void reset_peak_memory(const torch::Device& device) {
-#ifdef OPTAMP_EXAMPLE_CUDA
-  if (device.is_cuda()) return c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
-#endif
-  std::ofstream("/proc/self/clear_refs") << "5";
-}
-
-double peak_memory_mb(const torch::Device& device) {
-#ifdef OPTAMP_EXAMPLE_CUDA
-  if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
-    return static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 20);
-  }
-#endif
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // kB
-  return std::nan("");
-}
-
-std::string fmt_duration(double s) {
-  char buf[32];
-  const long t = std::lround(std::max(0.0, s));
-  std::snprintf(buf, sizeof(buf), "%ld:%02ld", t / 60, t % 60);
-  return buf;
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return std::nan("");
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // The learning rate of step `step` (0-based) of `total`: constant, or cosine decay to 0 (for
 // --epochs runs to convergence; a constant rate keeps a short run the prefix of a longer one).
 double lr_at(const Args& args, std::int64_t step, std::int64_t total) {
@@ -302,11 +233,7 @@ void save_weights(Net& model, const std::string& path) {
 }
 
 int run(const Args& args) {
-  if (args.threads > 0) torch::set_num_threads(args.threads);
-  if (args.device == "cuda" && !torch::cuda::is_available())
-    throw std::runtime_error("--device cuda: no CUDA device is visible to LibTorch");
-  const torch::Device device(args.device == "cuda" ? torch::Device(torch::kCUDA, 0)
-                                                   : torch::Device(torch::kCPU));
+  const torch::Device device = trainer_common::setup_device(args.device, args.threads);
   at::globalContext().setBenchmarkCuDNN(false);
   at::globalContext().setDeterministicCuDNN(true);
 
@@ -325,14 +252,7 @@ int run(const Args& args) {
   model->to(device);
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9));
 
-  std::unique_ptr<AmpSession> amp_session;
-  try {
-    amp_session = std::make_unique<AmpSession>(model, optimizer, args.opt_level);
-  } catch (const c10::NotImplementedError& e) {
-    std::cerr << "train_fashion_mnist: opt level " << args.opt_level
-              << " unsupported: " << e.what_without_backtrace() << "\n";
-    return 3;
-  }
+  const AmpSession amp_session(model, optimizer, args.opt_level);  // throws UnsupportedOptLevel
 
   // --metrics FILE, else the runner's file (OPTAMP_AB_METRICS; none: nothing is written).
   std::unique_ptr<amp::ab::Reporter> own_reporter;
@@ -365,19 +285,10 @@ int run(const Args& args) {
   // (torch.randperm with torch.Generator().manual_seed(seed) gives the same in Python).
   at::Generator shuffle = at::detail::createCPUGenerator(args.seed);
   torch::Tensor order;
-  const char* force = std::getenv("OPTAMP_PROGRESS");  // ab_test.sh: 1 when its stderr is a TTY
-  const bool tty = force && *force ? std::string(force) == "1" : isatty(STDERR_FILENO) != 0;
-  using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
-  auto last_progress = start;
-  std::vector<double> step_ms, losses;
-  std::int64_t skipped_steps = 0;
-  double eval_s = 0;   // mid-training test passes, left out of train_time_s
-  double peak_mb = 0;  // and out of the peak memory: the peak of each training stretch
   auto next_eval = args.eval_at.begin();
-
   model->train();
-  reset_peak_memory(device);
+  trainer_common::RunStats stats(device);
+  trainer_common::Progress progress(args.opt_level, total, stats.start());
   for (std::int64_t step = 0; step < total; ++step) {
     const std::int64_t pos = step % per_epoch;
     if (pos == 0) order = torch::randperm(n_train, shuffle, torch::kLong);
@@ -387,57 +298,38 @@ int run(const Args& args) {
     const double scale = AmpSession::loss_scale();
 
     if (args.lr_schedule != "constant") set_lr(optimizer, lr_at(args, step, total));
-    const auto t0 = Clock::now();
+    stats.start_step();
     optimizer.zero_grad();
     const torch::Tensor loss = torch::nn::functional::cross_entropy(model->forward(x), y);
     AmpSession::backward(loss, optimizer);
     optimizer.step();
-    if (device.is_cuda()) torch::cuda::synchronize();
-    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    const trainer_common::StepResult r = stats.end_step(loss);
 
-    const double loss_value = loss.item<double>();
-    const bool skipped = AmpSession::last_step_skipped();
-    skipped_steps += skipped;
-    step_ms.push_back(ms);
-    losses.push_back(loss_value);
     if (metrics.active())
       metrics.report(Line()
                          .str("type", "step")
                          .integer("step", step + 1)
-                         .num("loss", loss_value)
+                         .num("loss", r.loss)
                          .num("loss_scale", scale)
-                         .boolean("skipped", skipped)
-                         .num("step_ms", ms)
+                         .boolean("skipped", r.skipped)
+                         .num("step_ms", r.ms)
                          .done());
-    const auto now = Clock::now();
-    if (tty && (now - last_progress > std::chrono::milliseconds(200) || step + 1 == total)) {
-      last_progress = now;
-      const double elapsed = std::chrono::duration<double>(now - start).count();
-      const double rate = (step + 1) / elapsed;
-      std::fprintf(stderr, "\r[%s] step %lld/%lld  loss %.4f  scale %g  %.1f it/s  ETA %s   ",
-                   args.opt_level.c_str(), static_cast<long long>(step + 1),
-                   static_cast<long long>(total), loss_value, scale, rate,
-                   fmt_duration((total - step - 1) / rate).c_str());
-      if (step + 1 == total) std::fprintf(stderr, "\n");
-    }
+    progress.show(step, r.loss, scale);
     if (next_eval != args.eval_at.end() && *next_eval == step + 1 && step + 1 < total) {
-      const auto e0 = Clock::now();
-      peak_mb = std::max(peak_mb, peak_memory_mb(device));
-      const EvalResult r = evaluate(model, test, device);
-      if (metrics.active())
-        metrics.report(Line()
-                           .str("type", "eval")
-                           .integer("step", step + 1)
-                           .num("test_accuracy", r.accuracy)
-                           .num("test_loss", r.loss)
-                           .done());
-      reset_peak_memory(device);
-      eval_s += std::chrono::duration<double>(Clock::now() - e0).count();
+      stats.evaluation([&] {
+        const EvalResult e = evaluate(model, test, device);
+        if (metrics.active())
+          metrics.report(Line()
+                             .str("type", "eval")
+                             .integer("step", step + 1)
+                             .num("test_accuracy", e.accuracy)
+                             .num("test_loss", e.loss)
+                             .done());
+      });
       ++next_eval;
     }
   }
-  const double train_s = std::chrono::duration<double>(Clock::now() - start).count() - eval_s;
-  peak_mb = std::max(peak_mb, peak_memory_mb(device));
+  stats.finish();
   const double final_scale = AmpSession::loss_scale();
 
   const EvalResult final_eval = evaluate(model, test, device);
@@ -452,17 +344,12 @@ int run(const Args& args) {
   if (!args.save_weights.empty()) save_weights(model, args.save_weights);
   AmpSession::reset();
 
-  // Median over the steady state: the first 5 steps (allocator and kernel warm-up) are left
-  // out when there are more than 10. final_train_loss: mean of the last (up to) 20 finite losses.
-  const std::vector<double> steady(step_ms.begin() + (step_ms.size() > 10 ? 5 : 0), step_ms.end());
-  const double median_ms = median(steady);
-  double tail_sum = 0;
-  int tail_n = 0;
-  for (auto it = losses.rbegin(); it != losses.rend() && tail_n < 20; ++it)
-    if (std::isfinite(*it)) tail_sum += *it, ++tail_n;
-  const double final_loss = tail_n ? tail_sum / tail_n : std::nan("");
+  const double median_ms = stats.median_step_ms();
+  const double final_loss = stats.mean_recent_loss();
   const double samples_per_s = batch / (median_ms / 1000.0);
-  const std::string mem_kind = device.is_cuda() ? "cuda_peak_allocated" : "cpu_peak_rss";
+  const double train_s = stats.train_s(), peak_mb = stats.peak_mb();
+  const std::int64_t skipped_steps = stats.skipped_steps();
+  const std::string mem_kind = stats.memory_kind();
 
   const amp::ab::Metrics summary = Line()
                                        .str("type", "summary")
@@ -492,26 +379,11 @@ int run(const Args& args) {
   return 0;
 }
 
-// A user-facing message: c10 errors carry a C++ backtrace that says nothing to a user.
-const char* message_of(const std::exception& e) {
-  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-  return c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   Args args;
-  try {
-    args = parse_args(argc, argv);
-  } catch (const std::exception& e) {
-    std::cerr << "train_fashion_mnist: " << message_of(e) << "\n" << kUsage;
-    return 2;
-  }
-  try {
-    return run(args);
-  } catch (const std::exception& e) {
-    std::cerr << "train_fashion_mnist: " << message_of(e) << "\n";
-  }
-  return 1;
+  return trainer_common::run_main(
+      "train_fashion_mnist", kUsage, [&] { args = parse_args(argc, argv); },
+      [&] { return run(args); });
 }
