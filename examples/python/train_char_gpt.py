@@ -19,16 +19,16 @@ Needs the optamp package (``pip install .``, or PYTHONPATH=python after an in-tr
 import argparse
 import math
 import os
-import statistics
 import sys
 import sysconfig
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import optamp as amp
+import trainer_common
+from trainer_common import AmpSession, Progress, RunStats  # AmpSession: the optamp integration
 
 # Training text: these stdlib modules, concatenated in this order (about 1.7 MB). Every one exists,
 # as a plain module file with its real source, in CPython 3.9 to 3.13 (none was removed or turned
@@ -61,32 +61,6 @@ PRESETS = {
                  steps=20, eval_bytes=2048),
 }
 EVAL_BATCH = 64  # held-out windows per forward pass
-
-
-# ---- optamp integration: the only code in this program that touches the amp API -------------
-class AmpSession:
-    """initialize / scale_loss / loss-scaler queries, in one place."""
-
-    def __init__(self, model, optimizer, opt_level):
-        # Raises NotImplementedError when the level is unsupported by this build or device.
-        self.model, self.optimizer = amp.initialize(model, optimizer, opt_level=opt_level)
-        print(amp.properties().describe(), end="", flush=True)  # Apex's report, once
-
-    def backward(self, loss):
-        with amp.scale_loss(loss, self.optimizer) as scaled_loss:
-            scaled_loss.backward()
-
-    def loss_scale(self):
-        return float(amp.loss_scaler(0).loss_scale())
-
-    def last_step_skipped(self):
-        return bool(amp.loss_scaler(0).last_step_skipped)
-
-    def reset(self):
-        amp.reset()
-
-
-# ---- end of optamp integration --------------------------------------------------------------
 
 
 def load_text(data_dir, names):
@@ -261,33 +235,6 @@ def lr_at(lr, min_lr_ratio, warmup, steps, step):
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def reset_peak_memory(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_memory_mb(device):
-    """CPU: peak RSS; CUDA: the caching allocator's peak allocated bytes."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
-
-
-def fmt_duration(s):
-    t = max(0, round(s))
-    return f"{t // 60}:{t % 60:02d}"
-
-
 def _int_at_least(lo):
     def parse(text):
         try:
@@ -364,11 +311,7 @@ def parse_args(argv=None):
 def run(args):
     c = args.cfg
     steps, batch, seq_len = c["steps"], c["batch_size"], c["seq_len"]
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: no CUDA device is visible to torch")
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    device = trainer_common.setup_device(args.device, args.threads)
 
     data_dir = args.data or sysconfig.get_paths()["stdlib"]
     train = load_text(data_dir, TRAIN_FILES)
@@ -385,22 +328,14 @@ def run(args):
         [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
          {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
         lr=c["lr"], betas=(0.9, 0.95), eps=args.eps, weight_decay=args.weight_decay)
-    try:
-        session = AmpSession(model, optimizer, args.opt_level)
-    except NotImplementedError as e:
-        print(f"train_char_gpt.py: opt level {args.opt_level} unsupported: {e}", file=sys.stderr)
-        return 3
+    session = AmpSession(model, optimizer, args.opt_level)  # raises UnsupportedOptLevel
     model, optimizer = session.model, session.optimizer
 
     gen = torch.Generator().manual_seed(args.seed)  # the same windows as the C++ trainer
-    force = os.environ.get("OPTAMP_PROGRESS", "")
-    tty = force == "1" if force else sys.stderr.isatty()
-    start = last_progress = time.perf_counter()
-    step_ms, losses, skipped_steps = [], [], 0
-    eval_s, peak_mb, val_bpc = 0.0, 0.0, float("nan")
-
+    val_bpc = float("nan")
     model.train()
-    reset_peak_memory(device)
+    stats = RunStats(device)
+    progress = Progress(args.opt_level, steps, stats.start)
     for step in range(steps):
         x, y = get_batch(train, batch, seq_len, gen, device)
         scale = session.loss_scale()
@@ -408,7 +343,7 @@ def run(args):
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        t0 = time.perf_counter()
+        stats.start_step()
         optimizer.zero_grad()
         logits = model(x)
         loss = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1))
@@ -416,44 +351,24 @@ def run(args):
         if args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) * 1000.0
+        ms, loss_value, skipped = stats.end_step(loss, session)
 
-        loss_value = loss.item()
-        skipped = session.last_step_skipped()
-        skipped_steps += skipped
-        step_ms.append(ms)
-        losses.append(loss_value)
         amp.ab.report(step=step + 1, loss=loss_value, step_ms=ms, loss_scale=scale,
                       skipped=skipped, lr=lr)
-        now = time.perf_counter()
-        if tty and (now - last_progress > 0.2 or step + 1 == steps):
-            last_progress = now
-            rate = (step + 1) / (now - start)
-            sys.stderr.write(f"\r[{args.opt_level}] step {step + 1}/{steps}  loss {loss_value:.4f}"
-                             f"  scale {scale:g}  {rate:.1f} it/s  "
-                             f"ETA {fmt_duration((steps - step - 1) / rate)}   ")
-            if step + 1 == steps:
-                sys.stderr.write("\n")
+        progress.show(step, loss_value, scale)
         if step + 1 == steps or (args.eval_every > 0 and (step + 1) % args.eval_every == 0):
-            e0 = time.perf_counter()
-            peak_mb = max(peak_mb, peak_memory_mb(device))
-            val_bpc = evaluate(model, val, starts, seq_len, device)
-            amp.ab.report(step=step + 1, val_bpc=val_bpc)
-            reset_peak_memory(device)
-            eval_s += time.perf_counter() - e0
-    train_s = time.perf_counter() - start - eval_s
-    peak_mb = max(peak_mb, peak_memory_mb(device))
+            with stats.evaluation():
+                val_bpc = evaluate(model, val, starts, seq_len, device)
+                amp.ab.report(step=step + 1, val_bpc=val_bpc)
+    stats.finish()
     final_scale = session.loss_scale()
     session.reset()
 
-    steady = step_ms[5:] if len(step_ms) > 10 else step_ms
-    median_ms = statistics.median(steady)
-    tail = [v for v in reversed(losses) if math.isfinite(v)][:20]
-    train_bpc = sum(tail) / len(tail) / math.log(2.0) if tail else float("nan")
+    median_ms = stats.median_step_ms()
+    train_bpc = stats.mean_recent_loss() / math.log(2.0)  # the recent loss (nats) / ln 2
     tokens_per_s = batch * seq_len / (median_ms / 1000.0)
-    mem_kind = "cuda_peak_allocated" if device.type == "cuda" else "cpu_peak_rss"
+    train_s, peak_mb, skipped_steps = stats.train_s, stats.peak_mb, stats.skipped_steps
+    mem_kind = stats.memory_kind()
     amp.ab.report(val_bpc=val_bpc, train_bpc=train_bpc, tokens_per_s=tokens_per_s,
                   median_step_ms=median_ms, skipped_steps=skipped_steps,
                   final_loss_scale=final_scale, train_time_s=train_s, peak_memory_mb=peak_mb,
@@ -471,12 +386,7 @@ def run(args):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except (OSError, ValueError, RuntimeError) as e:
-        print(f"train_char_gpt.py: {e}", file=sys.stderr)
-        return 1
+    return trainer_common.main("train_char_gpt.py", parse_args, run, argv)
 
 
 if __name__ == "__main__":

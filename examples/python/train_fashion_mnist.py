@@ -22,9 +22,7 @@ import argparse
 import gzip
 import math
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
@@ -32,39 +30,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import optamp as amp
+import trainer_common
+from trainer_common import AmpSession, Progress, RunStats  # AmpSession: the optamp integration
 
 DEFAULT_DATA = "/usr/share/datasets/fashion-mnist"
 MEAN, STD = 0.2860, 0.3530
 LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
 EVAL_BATCH = 250  # as the C++ trainer: half the time of 1000-image batches on a CPU
-
-
-# ---- optamp integration: the only code in this program that touches the amp API -------------
-class AmpSession:
-    """initialize / scale_loss / loss-scaler queries, in one place."""
-
-    def __init__(self, model, optimizer, opt_level):
-        # Raises NotImplementedError when the level is unsupported by this build or device.
-        # initialize prints one line (verbosity 1, the default); the scaler logs each skipped
-        # step on stderr. The A/B logs keep Apex's full report, printed here once.
-        self.model, self.optimizer = amp.initialize(model, optimizer, opt_level=opt_level)
-        print(amp.properties().describe(), end="", flush=True)
-
-    def backward(self, loss):
-        with amp.scale_loss(loss, self.optimizer) as scaled_loss:
-            scaled_loss.backward()
-
-    def loss_scale(self):
-        return float(amp.loss_scaler(0).loss_scale())
-
-    def last_step_skipped(self):
-        return bool(amp.loss_scaler(0).last_step_skipped)
-
-    def reset(self):
-        amp.reset()
-
-
-# ---- end of optamp integration --------------------------------------------------------------
 
 
 class Net(nn.Module):
@@ -119,32 +91,6 @@ def load(data_dir, train, limit=0):
 
 def to_input(images_u8, device):
     return images_u8.to(device).unsqueeze(1).float().div_(255.0).sub_(MEAN).div_(STD)
-
-
-def reset_peak_memory(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_memory_mb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
-
-
-def fmt_duration(s):
-    t = max(0, round(s))
-    return f"{t // 60}:{t % 60:02d}"
 
 
 def step_list(text):
@@ -217,11 +163,7 @@ def evaluate(model, test_x, test_y, device):
 
 
 def run(args):
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: no CUDA device is visible to torch")
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    device = trainer_common.setup_device(args.device, args.threads)
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
 
@@ -237,12 +179,7 @@ def run(args):
     torch.manual_seed(args.seed)
     model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    try:
-        session = AmpSession(model, optimizer, args.opt_level)
-    except NotImplementedError as e:
-        print(f"train_fashion_mnist.py: opt level {args.opt_level} unsupported: {e}",
-              file=sys.stderr)
-        return 3
+    session = AmpSession(model, optimizer, args.opt_level)  # raises UnsupportedOptLevel
     model, optimizer = session.model, session.optimizer
 
     # --metrics FILE, else the runner's file (OPTAMP_AB_METRICS; none: nothing is written).
@@ -261,17 +198,11 @@ def run(args):
           "torch": torch.__version__, "optamp": amp.__version__})
 
     shuffle = torch.Generator().manual_seed(args.seed)  # same permutations as the C++ trainer
-    force = os.environ.get("OPTAMP_PROGRESS", "")  # ab_test.sh: 1 when its stderr is a TTY
-    tty = force == "1" if force else sys.stderr.isatty()
-    start = last_progress = time.perf_counter()
-    step_ms, losses, skipped_steps = [], [], 0
-    eval_s = 0.0  # mid-training test passes, left out of train_time_s
-    peak_mb = 0.0  # and out of the peak memory: the peak of each training stretch
     pending_evals = list(args.eval_at)
     order = None
-
     model.train()
-    reset_peak_memory(device)
+    stats = RunStats(device)
+    progress = Progress(args.opt_level, total, stats.start)
     for step in range(total):
         pos = step % per_epoch
         if pos == 0:
@@ -284,41 +215,23 @@ def run(args):
         if args.lr_schedule != "constant":
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(args, step, total)
-        t0 = time.perf_counter()
+        stats.start_step()
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         session.backward(loss)
         optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) * 1000.0
+        ms, loss_value, skipped = stats.end_step(loss, session)
 
-        loss_value = loss.item()
-        skipped = session.last_step_skipped()
-        skipped_steps += skipped
-        step_ms.append(ms)
-        losses.append(loss_value)
         emit({"type": "step", "step": step + 1, "loss": loss_value, "loss_scale": scale,
               "skipped": skipped, "step_ms": ms})
-        now = time.perf_counter()
-        if tty and (now - last_progress > 0.2 or step + 1 == total):
-            last_progress = now
-            rate = (step + 1) / (now - start)
-            sys.stderr.write(f"\r[{args.opt_level}] step {step + 1}/{total}  loss {loss_value:.4f}"
-                             f"  scale {scale:g}  {rate:.1f} it/s  "
-                             f"ETA {fmt_duration((total - step - 1) / rate)}   ")
-            if step + 1 == total:
-                sys.stderr.write("\n")
+        progress.show(step, loss_value, scale)
         if pending_evals and pending_evals[0] == step + 1 and step + 1 < total:
-            e0 = time.perf_counter()
-            peak_mb = max(peak_mb, peak_memory_mb(device))
-            acc, test_loss = evaluate(model, test_x, test_y, device)
-            emit({"type": "eval", "step": step + 1, "test_accuracy": acc, "test_loss": test_loss})
-            reset_peak_memory(device)
-            eval_s += time.perf_counter() - e0
+            with stats.evaluation():
+                acc, test_loss = evaluate(model, test_x, test_y, device)
+                emit({"type": "eval", "step": step + 1, "test_accuracy": acc,
+                      "test_loss": test_loss})
             pending_evals.pop(0)
-    train_s = time.perf_counter() - start - eval_s
-    peak_mb = max(peak_mb, peak_memory_mb(device))
+    stats.finish()
     final_scale = session.loss_scale()
 
     accuracy, test_loss = evaluate(model, test_x, test_y, device)
@@ -329,12 +242,10 @@ def run(args):
                    args.save_weights)
     session.reset()
 
-    steady = step_ms[5:] if len(step_ms) > 10 else step_ms
-    median_ms = statistics.median(steady) if steady else float("nan")
-    tail = [v for v in reversed(losses) if math.isfinite(v)][:20]
-    final_loss = sum(tail) / len(tail) if tail else float("nan")
+    median_ms, final_loss = stats.median_step_ms(), stats.mean_recent_loss()
     samples_per_s = batch / (median_ms / 1000.0)
-    mem_kind = "cuda_peak_allocated" if device.type == "cuda" else "cpu_peak_rss"
+    train_s, peak_mb, skipped_steps = stats.train_s, stats.peak_mb, stats.skipped_steps
+    mem_kind = stats.memory_kind()
     summary = {"type": "summary", "opt_level": args.opt_level, "device": args.device,
                "steps": total, "batch_size": batch, "test_accuracy": accuracy,
                "test_loss": test_loss, "peak_memory_mb": peak_mb, "peak_memory_kind": mem_kind,
@@ -353,12 +264,7 @@ def run(args):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except (OSError, ValueError, RuntimeError) as e:
-        print(f"train_fashion_mnist.py: {e}", file=sys.stderr)
-        return 1
+    return trainer_common.main("train_fashion_mnist.py", parse_args, run, argv)
 
 
 if __name__ == "__main__":
