@@ -340,13 +340,7 @@ bool is_view_of_input(const at::Tensor& t, const OpContext& ctx) {
 }
 
 void add_stats(Measurement& m, const ValueStats& v, c10::ScalarType dtype) {
-  m.elements += v.elements;
-  m.nonfinite += v.nonfinite;
-  m.max_abs = std::max(m.max_abs, v.max_abs);
-  m.fp16_overflow += v.fp16_overflow;
-  m.fp16_flush += v.fp16_flush;
-  m.bf16_overflow += v.bf16_overflow;
-  m.bf16_flush += v.bf16_flush;
+  add_counts(m, v);
   if (v.nonfinite > 0 && m.nonfinite_dtype == c10::ScalarType::Undefined) {
     m.nonfinite_dtype = dtype;
   }
@@ -401,7 +395,7 @@ Measurement measure_outputs(const std::vector<c10::IValue>& outputs, const OpCon
   return m;
 }
 
-void add_counts(PrecisionProbe::Row& row, const OpContext& ctx, const Measurement& m) {
+void add_call(PrecisionProbe::Row& row, const OpContext& ctx, const Measurement& m) {
   row.calls += 1;
   row.first_call = std::min(row.first_call, ctx.call);
   const auto& dtypes = m.dtypes.empty() ? ctx.input_dtypes : m.dtypes;
@@ -411,13 +405,7 @@ void add_counts(PrecisionProbe::Row& row, const OpContext& ctx, const Measuremen
     if (it == row.dtypes.end()) it = row.dtypes.insert(row.dtypes.end(), {dtype, 0});
     it->calls += 1;
   }
-  row.elements += m.elements;
-  row.nonfinite += m.nonfinite;
-  row.max_abs = std::max(row.max_abs, m.max_abs);
-  row.fp16_overflow += m.fp16_overflow;
-  row.fp16_flush += m.fp16_flush;
-  row.bf16_overflow += m.bf16_overflow;
-  row.bf16_flush += m.bf16_flush;
+  detail::add_counts(row, m);
 }
 
 void record(const OpContext& ctx, const Measurement& m) {
@@ -425,7 +413,7 @@ void record(const OpContext& ctx, const Measurement& m) {
   std::lock_guard<std::mutex> lock(state.mutex);
   if (!state.recording.load()) return;  // ended while this call ran
   auto& row = state.row_for(ctx.op, ctx.scope, ctx.phase, ctx.node, ctx.call);
-  add_counts(row, ctx, m);
+  add_call(row, ctx, m);
   if (m.nonfinite > 0 && !state.first_nonfinite) {
     PrecisionProbe::NonFinite first;
     first.op = ctx.op;

@@ -75,16 +75,6 @@ ValueStats scan(const T* data, std::int64_t n) {
   return s;
 }
 
-void add(ValueStats& total, const ValueStats& part) {
-  total.elements += part.elements;
-  total.nonfinite += part.nonfinite;
-  total.max_abs = std::max(total.max_abs, part.max_abs);
-  total.fp16_overflow += part.fp16_overflow;
-  total.fp16_flush += part.fp16_flush;
-  total.bf16_overflow += part.bf16_overflow;
-  total.bf16_flush += part.bf16_flush;
-}
-
 // float16/bfloat16: converted to float32 a block at a time by ATen's vectorized cast (this
 // file's scalar conversion keeps the scan loop from vectorizing: 7 ns per value, not 0.5).
 ValueStats low_precision_stats(const at::Tensor& flat) {
@@ -93,7 +83,7 @@ ValueStats low_precision_stats(const at::Tensor& flat) {
   for (std::int64_t begin = 0; begin < flat.numel(); begin += kBlock) {
     const at::Tensor block =
         flat.narrow(0, begin, std::min(kBlock, flat.numel() - begin)).to(at::kFloat);
-    add(s, scan<float>(block.const_data_ptr<float>(), block.numel()));
+    add_counts(s, scan<float>(block.const_data_ptr<float>(), block.numel()));
   }
   return s;
 }

@@ -21,6 +21,19 @@ struct ValueStats {
   std::int64_t fp16_overflow = 0, fp16_flush = 0, bf16_overflow = 0, bf16_flush = 0;
 };
 
+// Adds `part`'s counts into `total`: any two of ValueStats, the probe's per-call measurement and
+// its report rows, which carry the same counters.
+template <typename Total, typename Part>
+void add_counts(Total& total, const Part& part) {
+  total.elements += part.elements;
+  total.nonfinite += part.nonfinite;
+  total.max_abs = total.max_abs > part.max_abs ? total.max_abs : part.max_abs;
+  total.fp16_overflow += part.fp16_overflow;
+  total.fp16_flush += part.fp16_flush;
+  total.bf16_overflow += part.bf16_overflow;
+  total.bf16_flush += part.bf16_flush;
+}
+
 // `t`: defined, floating point, dense with storage. One pass over the data on the CPU; a few
 // reductions and one device->host read elsewhere. Runs ATen ops: call it where they are not
 // observed and not cast (PrecisionProbe's measuring guards).

@@ -54,13 +54,20 @@ def test_o0_runs_everything_in_float32_and_counts_calls(fresh):
     assert rep.first_nonfinite is None
 
 
-def test_forward_overflow_names_the_innermost_op_and_the_module(fresh):
+def overflowing_head(opt_level):
+    """A Net whose head's outputs exceed float16's range: 1000 * (sum of relu(encoder) ~ 1e3),
+    on inputs of 100; initialized at `opt_level`, with its report of one forward."""
     net = Net()
     with torch.no_grad():
         net.head.weight.fill_(1000.0)
-    net = init(net, opt_level="O1")
+    net = init(net, opt_level=opt_level)
     with amp.precision_report(net) as rep:
-        net(torch.full((2, 16), 100.0))  # head: 1000 * (sum of relu(encoder) ~ 1e3) > 65504
+        net(torch.full((2, 16), 100.0))
+    return rep
+
+
+def test_forward_overflow_names_the_innermost_op_and_the_module(fresh):
+    rep = overflowing_head("O1")
     first = rep.first_nonfinite
     assert first is not None, rep.table()
     assert (first["op"], first["phase"], first["scope"], first["dtype"]) == (
@@ -70,12 +77,7 @@ def test_forward_overflow_names_the_innermost_op_and_the_module(fresh):
 
 
 def test_the_same_model_in_fp32_shows_what_float16_would_overflow(fresh):
-    net = Net()
-    with torch.no_grad():
-        net.head.weight.fill_(1000.0)
-    net = init(net, opt_level="O0")
-    with amp.precision_report(net) as rep:
-        net(torch.full((2, 16), 100.0))
+    rep = overflowing_head("O0")
     head = one_row(rep, "aten::linear", "head")
     assert head["fp16_overflow_fraction"] == 1.0 and head["bf16_overflow_fraction"] == 0.0
     assert head["nonfinite"] == 0 and rep.first_nonfinite is None
