@@ -13,21 +13,7 @@
 
 namespace amp {
 
-namespace detail {
-
-std::string number_name(double value) {
-  if (!std::isfinite(value)) return std::isnan(value) ? "nan" : (value > 0 ? "inf" : "-inf");
-  char text[32];
-  for (int precision = 1; precision <= 17; ++precision) {
-    std::snprintf(text, sizeof(text), "%.*g", precision, value);
-    if (std::strtod(text, nullptr) == value) break;
-  }
-  std::string out(text);
-  if (out.find_first_of(".e") == std::string::npos) out += ".0";
-  return out;
-}
-
-}  // namespace detail
+namespace detail {}  // namespace detail
 
 namespace {
 

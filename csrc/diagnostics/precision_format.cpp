@@ -15,23 +15,6 @@ namespace {
 using Row = PrecisionProbe::Row;
 using NonFinite = PrecisionProbe::NonFinite;
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
-      out += buf;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
-
 // A percentage for the table: "0" only when nothing was counted, so one value in a million
 // still shows ("0.0001").
 std::string percent(const Row& row, std::int64_t count) {
@@ -135,7 +118,9 @@ std::string json_row(const Row& r) {
   return out.str();
 }
 
-std::string json_nonfinite(const std::optional<NonFinite>& f) {
+}  // namespace
+
+std::string precision_nonfinite_json(const std::optional<NonFinite>& f) {
   if (!f) return "null";
   std::ostringstream out;
   out << "{\"op\": " << json_string(f->op) << ", \"phase\": \""
@@ -146,8 +131,6 @@ std::string json_nonfinite(const std::optional<NonFinite>& f) {
       << ", \"elements\": " << f->elements << "}";
   return out.str();
 }
-
-}  // namespace
 
 std::string torch_dtype_name(c10::ScalarType dtype) {
   switch (dtype) {
@@ -192,7 +175,7 @@ std::string precision_json(const PrecisionProbe::Report& report) {
   for (std::size_t i = 0; i < report.rows.size(); ++i) {
     out << (i ? ", " : "") << json_row(report.rows[i]);
   }
-  out << "], \"first_nonfinite\": " << json_nonfinite(report.first_nonfinite) << "}";
+  out << "], \"first_nonfinite\": " << precision_nonfinite_json(report.first_nonfinite) << "}";
   return out.str();
 }
 

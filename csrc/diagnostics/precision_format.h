@@ -2,6 +2,7 @@
 // Internal: the text forms of a PrecisionProbe report (markdown table, JSON).
 #include <c10/core/ScalarType.h>
 
+#include <optional>
 #include <string>
 
 #include "optamp/precision_probe.h"
@@ -12,5 +13,7 @@ namespace amp::detail {
 std::string torch_dtype_name(c10::ScalarType dtype);
 std::string precision_table(const PrecisionProbe::Report& report, int max_rows);
 std::string precision_json(const PrecisionProbe::Report& report);
+// The first inf/NaN as a JSON object, or null.
+std::string precision_nonfinite_json(const std::optional<PrecisionProbe::NonFinite>& first);
 
 }  // namespace amp::detail

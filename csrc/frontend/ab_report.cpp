@@ -9,11 +9,13 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <memory>
 #include <mutex>
+#include <optional>
 
+#include "core/format.h"
+#include "diagnostics/precision_format.h"
 #include "frontend/ab_precision.h"
 #include "optamp/opt_level.h"
 #include "optamp/precision_probe.h"
@@ -25,51 +27,31 @@ void finish_precision_request(std::int64_t step, Reporter& reporter);
 
 namespace {
 
+using detail::json_string;
+
 const char* env_or_null(const char* name) {
   const char* v = std::getenv(name);
   return (v != nullptr && *v != '\0') ? v : nullptr;
 }
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
-
+// JSON as Python's json module reads and writes it: non-finite numbers as NaN / Infinity.
 std::string json_number(double v) {
   if (std::isnan(v)) return "NaN";
   if (std::isinf(v)) return v > 0 ? "Infinity" : "-Infinity";
-  // The shortest of 15 or 17 significant digits that reads back as the same double.
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.15g", v);
-  if (std::strtod(buf, nullptr) != v) std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
+  return detail::number_name(v);
+}
+
+// An environment variable holding an integer >= 0, or nullopt when it is unset; anything else is
+// an error naming the variable and what it holds (`what`: "an integer", "a step count").
+std::optional<std::int64_t> env_count(const char* name, const char* what) {
+  const char* v = env_or_null(name);
+  if (v == nullptr) return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const long long parsed = std::strtoll(v, &end, 10);
+  TORCH_CHECK_VALUE(errno == 0 && end != v && *end == '\0' && parsed >= 0, name, " must be ", what,
+                    " >= 0, got \"", v, "\"");
+  return parsed;
 }
 
 // The runner's --precision-steps request (kPrecisionStepsEnv): armed by opt_level(), started by
@@ -87,14 +69,7 @@ PrecisionRequest& precision_request() {
 }
 
 void arm_precision_request() {
-  const char* v = env_or_null(kPrecisionStepsEnv);
-  std::int64_t steps = 0;
-  if (v != nullptr) {
-    char* end = nullptr;
-    steps = std::strtoll(v, &end, 10);
-    TORCH_CHECK_VALUE(end != v && *end == '\0' && steps >= 0, kPrecisionStepsEnv,
-                      " must be a step count >= 0, got \"", v, "\"");
-  }
+  const std::int64_t steps = env_count(kPrecisionStepsEnv, "a step count").value_or(0);
   auto& request = precision_request();
   std::lock_guard<std::mutex> lock(request.mutex);
   request.steps = steps;
@@ -118,14 +93,7 @@ std::string opt_level(const std::string& default_level) {
 }
 
 std::int64_t seed(std::int64_t default_seed) {
-  const char* v = env_or_null(kSeedEnv);
-  if (v == nullptr) return default_seed;
-  char* end = nullptr;
-  errno = 0;
-  long long parsed = std::strtoll(v, &end, 10);
-  TORCH_CHECK_VALUE(errno == 0 && end != v && *end == '\0' && parsed >= 0, kSeedEnv,
-                    " must be an integer >= 0, got \"", v, "\"");
-  return parsed;
+  return env_count(kSeedEnv, "an integer").value_or(default_seed);
 }
 
 std::string Value::json() const {
@@ -198,9 +166,12 @@ void finish_precision_request(std::int64_t step, Reporter& reporter) {
     request.done = true;
   }
   probe->stop();
+  const PrecisionProbe::Report report = probe->report();
+  // The same line optamp.ab.report writes in Python.
   reporter.write_fields("\"type\": \"precision\", \"steps\": " + std::to_string(request.steps) +
                         ", \"table\": " + json_string(probe->table()) +
-                        ", \"report\": " + probe->json() + ", ");
+                        ", \"calls\": " + std::to_string(report.calls) + ", \"first_nonfinite\": " +
+                        detail::precision_nonfinite_json(report.first_nonfinite) + ", ");
 }
 
 }  // namespace ab

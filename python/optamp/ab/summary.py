@@ -94,10 +94,7 @@ def read_jsonl(path: str) -> Record:
                 run["evals"].setdefault(obj["step"], {}).update(obj)
             elif kind == "summary":
                 run["summary"] = dict(run["summary"] or {}, **obj)
-            elif kind == "precision":  # the C++ side nests the whole report
-                report = obj.pop("report", None) or {}
-                obj.setdefault("first_nonfinite", report.get("first_nonfinite"))
-                obj.setdefault("calls", report.get("calls"))
+            elif kind == "precision":
                 run["precision"] = obj
             else:
                 run["config"].update(obj)
