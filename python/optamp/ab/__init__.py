@@ -16,7 +16,6 @@ The C++ twin is ``optamp/ab.h`` (``amp::ab::opt_level``, ``amp::ab::seed``, ``am
 """
 import atexit
 import json
-import math
 import os
 import threading
 import time
@@ -45,7 +44,13 @@ def opt_level(default: str = "O1") -> str:
 
 def seed(default: int = 0) -> int:
     """``OPTAMP_SEED`` when it is set (an integer >= 0), else ``default``."""
-    value = os.environ.get(SEED_ENV) or None
+    return _env_count(SEED_ENV, "an integer", default)
+
+
+def _env_count(name: str, what: str, default: int) -> int:
+    """An environment variable holding an integer >= 0, else ``default`` when it is unset; any
+    other value is a ValueError naming the variable (as amp::ab's in C++)."""
+    value = os.environ.get(name) or None
     if value is None:
         return default
     try:
@@ -53,7 +58,7 @@ def seed(default: int = 0) -> int:
     except ValueError:
         parsed = -1
     if parsed < 0:
-        raise ValueError(f"{SEED_ENV} must be an integer >= 0, got {value!r}")
+        raise ValueError(f"{name} must be {what} >= 0, got {value!r}")
     return parsed
 
 
@@ -94,19 +99,15 @@ class Reporter:
         if loss is not None:
             line["loss"] = _plain(loss)
         line.update((k, _plain(v)) for k, v in metrics.items())
-        if step is not None:
-            _precision.after_step(int(step), self)
         cuda_peak = _cuda_peak_mb()
         if cuda_peak is not None and "peak_memory_mb" not in line:
             line["cuda_peak_mb"] = cuda_peak
-        line["t"] = time.perf_counter() - self._start
-        text = json.dumps(line, allow_nan=True) + "\n"
-        with self._lock:
-            self._file.write(text)
-            self._file.flush()
+        self.write_line(line)
+        if step is not None:
+            _precision.after_step(int(step), self)
 
     def write_line(self, line: Dict[str, Any]) -> None:
-        """One JSON object as it is (with its time stamp); for the precision report's line."""
+        """One JSON object as it is, with its time stamp."""
         if self._file is None:
             return
         text = json.dumps(dict(line, t=time.perf_counter() - self._start), allow_nan=True)
@@ -140,11 +141,7 @@ class _PrecisionRequest:
         self.lock = threading.Lock()
 
     def arm(self) -> None:
-        value = os.environ.get(PRECISION_ENV) or "0"
-        try:
-            self.steps = max(0, int(value))
-        except ValueError:
-            raise ValueError(f"{PRECISION_ENV} must be a step count >= 0, got {value!r}")
+        self.steps = _env_count(PRECISION_ENV, "a step count", 0)
 
     def start(self, models: List["torch.nn.Module"]) -> None:
         """Called by initialize."""
@@ -195,10 +192,6 @@ def report(step: Optional[int] = None, loss: Any = None, **metrics: Any) -> None
     metrics (``test_accuracy=..``; with ``step=`` they belong to that step, without it they are
     final). Numbers may be one-element tensors. Does nothing outside the runner."""
     reporter().report(step=step, loss=loss, **metrics)
-
-
-def is_finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 __all__ = ["opt_level", "seed", "report", "reporter", "Reporter", "OPT_LEVEL_ENV", "SEED_ENV",

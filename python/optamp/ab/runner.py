@@ -19,7 +19,7 @@ from typing import IO, Any, Dict, List, Optional, Sequence, Tuple
 
 from . import LEVELS, METRICS_ENV, OPT_LEVEL_ENV, SEED_ENV
 from .plan import parse_seeds, run_name
-from .summary import STEADY_SKIP
+from .summary import STEADY_SKIP, any_level_ran, read_run, write_report
 
 PRECISION_ENV = "OPTAMP_AB_PRECISION_STEPS"
 UNSUPPORTED_EXIT = 3  # the project's trainers: the level is not supported on this build/device
@@ -185,8 +185,6 @@ def run_one(command: List[str], run: Run, out: str, precision_steps: int, timeou
 
 def _finish(status: Dict[str, Any], paths: Dict[str, str], progress: Progress, index: int,
             run: Run) -> Dict[str, Any]:
-    from .summary import read_run
-
     with open(paths[".status"], "w") as f:
         json.dump(status, f)
         f.write("\n")
@@ -299,8 +297,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if status["status"] == "unsupported":
             unsupported[level] = status
         failed |= status["status"] in ("failed", "timeout")
-    from .summary import any_level_ran, write_report
-
     summary = write_report(a.out)
     print(summary["verdict"])
     print(f"optamp.ab: {len(runs)} runs in {time.monotonic() - t0:.0f} s; report: "
