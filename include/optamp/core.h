@@ -92,4 +92,10 @@ OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor>
 // grads were reset); always false for a guard with a DeviceSkip (the host does not know yet).
 OPTAMP_API bool finish(ScaledLoss& guard, bool unwinding);
 
+// For amp::step: refuses (c10::Error naming labels(i)) a parameter that still holds scaled
+// gradients, and returns whether any of `params` overflowed in a guard since its last step
+// (forgetting it).
+OPTAMP_API bool take_step_overflows(const std::vector<at::Tensor>& params,
+                                    const ParamLabeler& labels);
+
 }  // namespace amp::core

@@ -10,7 +10,7 @@
 #include <memory>
 
 #include "casting_test.h"
-#include "core/step_events.h"
+#include "common/step_events.h"
 #include "test_util.h"
 
 namespace amp {

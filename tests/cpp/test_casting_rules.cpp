@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "casting_test.h"
-#include "core/step_events.h"
+#include "common/step_events.h"
 #include "test_util.h"
 
 namespace amp {

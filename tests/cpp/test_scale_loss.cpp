@@ -16,7 +16,7 @@
 #include <random>
 #include <sstream>
 
-#include "core/step_events.h"
+#include "common/step_events.h"
 #include "optamp/amp.h"
 #include "optamp/core.h"
 #include "test_util.h"

@@ -12,7 +12,7 @@
 #include <mutex>
 #include <unordered_set>
 
-#include "frontend/ab_precision.h"
+#include "libtorch/ab_precision.h"
 #include "optamp/core.h"
 
 namespace amp {

@@ -1,4 +1,4 @@
-#include "core/step_events.h"
+#include "common/step_events.h"
 
 #include <algorithm>
 #include <mutex>

@@ -7,7 +7,7 @@
 #include <sstream>
 #include <vector>
 
-#include "core/format.h"
+#include "common/format.h"
 
 namespace amp::detail {
 namespace {

@@ -9,7 +9,7 @@
 #include <cstdlib>
 #include <sstream>
 
-#include "core/format.h"
+#include "common/format.h"
 
 namespace amp {
 

@@ -1,6 +1,6 @@
 #pragma once
-// Internal: what the tensor-level scale_loss (optamp/core.h) shares with initialize and with the
-// torch::optim front.
+// Internal: what the tensor-level scale_loss (optamp/core.h) shares with initialize
+// (core/initialize.cpp): the model's names for parameters in error messages.
 
 #include <ATen/core/Tensor.h>
 
@@ -10,12 +10,6 @@
 #include <vector>
 
 namespace amp::detail {
-
-// For amp::step: refuses (c10::Error naming labels(i)) a parameter that still holds scaled
-// gradients, and returns whether any of `params` overflowed in a guard since its last step
-// (forgetting it).
-bool take_step_overflows(const std::vector<at::Tensor>& params,
-                         const std::function<std::string(size_t)>& labels);
 
 // Optional: the model's name for a parameter (e.g. "fc.weight"), installed by initialize, which
 // knows the model. Returns nullopt when unknown. The one place parameter names live: both fronts

@@ -12,7 +12,7 @@
 #include <sstream>
 #include <string>
 
-#include "core/format.h"
+#include "common/format.h"
 #include "optamp/state_dict.h"
 
 namespace amp {

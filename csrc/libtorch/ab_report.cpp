@@ -14,9 +14,9 @@
 #include <mutex>
 #include <optional>
 
-#include "core/format.h"
+#include "common/format.h"
 #include "diagnostics/precision_format.h"
-#include "frontend/ab_precision.h"
+#include "libtorch/ab_precision.h"
 #include "optamp/opt_level.h"
 #include "optamp/precision_probe.h"
 

@@ -1,5 +1,5 @@
 // Number and string formatting shared by messages and reports (core/format.h).
-#include "core/format.h"
+#include "common/format.h"
 
 #include <cmath>
 #include <cstdio>

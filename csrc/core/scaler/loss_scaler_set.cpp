@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "optamp/state_dict.h"
-#include "scaler/scale_loss_core.h"
+#include "scaler/scale_loss.h"
 
 namespace amp {
 

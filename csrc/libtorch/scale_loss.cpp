@@ -1,6 +1,6 @@
 // amp::scale_loss for torch::optim optimizers and amp::step: collect the optimizers'
-// parameters and call the tensor-level core (scale_loss_core.cpp), as initialize.cpp does for
-// initialize_core.cpp.
+// parameters and call the tensor-level core (core/scaler/scale_loss.cpp), as
+// libtorch/initialize.cpp does for core/initialize.cpp.
 #include "optamp/scale_loss.h"
 
 #include <torch/optim/optimizer.h>
@@ -10,7 +10,6 @@
 
 #include "optamp/core.h"
 #include "optamp/fused_optimizers.h"
-#include "scaler/scale_loss_core.h"
 
 namespace amp {
 
@@ -114,7 +113,7 @@ bool step(const std::vector<torch::optim::Optimizer*>& optimizers) {
   std::vector<std::vector<size_t>> group_sizes;
   collect_params(optimizers, params, group_sizes);
   const bool skip =
-      detail::take_step_overflows(params, core::optimizer_param_labels(std::move(group_sizes)));
+      core::take_step_overflows(params, core::optimizer_param_labels(std::move(group_sizes)));
   if (skip) {
     for (auto& p : params) p.mutable_grad() = at::Tensor();
     return false;

@@ -13,7 +13,7 @@
 #include "dispatch/substitution.h"
 #include "optamp/cast_cache.h"
 #include "scaler/loss_scaler_set.h"
-#include "scaler/scale_loss_core.h"
+#include "scaler/scale_loss.h"
 
 namespace amp::detail {
 

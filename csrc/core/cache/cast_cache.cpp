@@ -9,7 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/step_events.h"
+#include "common/step_events.h"
 #include "optamp/cast_cache.h"
 #include "optamp/policy.h"
 

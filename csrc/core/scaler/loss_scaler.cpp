@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/format.h"
+#include "common/format.h"
 #include "ops/multi_tensor.h"
 #include "ops/stream_capture.h"
 #include "scaler/step_status.h"

@@ -14,11 +14,11 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "core/step_events.h"
+#include "common/step_events.h"
 #include "dispatch/cast_state.h"
 #include "optamp/loss_scaler.h"
 #include "scaler/loss_scaler_set.h"
-#include "scaler/scale_loss_core.h"
+#include "scaler/scale_loss.h"
 
 namespace amp {
 namespace detail {
@@ -281,20 +281,6 @@ void warn_if_casting_is_off_here() {
 
 }  // namespace
 
-bool take_step_overflows(const std::vector<at::Tensor>& params,
-                         const std::function<std::string(size_t)>& labels) {
-  auto& b = book();
-  std::lock_guard<std::mutex> lock(b.mutex);
-  for (size_t i = 0; i < params.size(); ++i) {
-    TORCH_CHECK(!b.find(params[i]), "amp::step: ", param_label(params[i], labels(i)),
-                " still holds scaled gradients (the last scale_loss guard used delay_unscale); "
-                "finish with a guard without delay_unscale before stepping");
-  }
-  bool overflowed = false;
-  for (const auto& p : params) overflowed |= b.take_overflowed(p);
-  return overflowed;
-}
-
 }  // namespace detail
 
 ScaledLoss::ScaledLoss(std::unique_ptr<detail::ScaleLossState> state) : state_(std::move(state)) {}
@@ -451,6 +437,19 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
     s->created_record[i] = true;
   }
   return ScaledLossAccess::make(std::move(s));
+}
+
+bool take_step_overflows(const std::vector<at::Tensor>& params, const ParamLabeler& labels) {
+  auto& b = detail::book();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(!b.find(params[i]), "amp::step: ", detail::param_label(params[i], labels(i)),
+                " still holds scaled gradients (the last scale_loss guard used delay_unscale); "
+                "finish with a guard without delay_unscale before stepping");
+  }
+  bool overflowed = false;
+  for (const auto& p : params) overflowed |= b.take_overflowed(p);
+  return overflowed;
 }
 
 }  // namespace core
