@@ -4,7 +4,6 @@
 #include <c10/util/irange.h>
 
 #include <iostream>
-#include <mutex>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -13,7 +12,7 @@
 #include "dispatch/substitution.h"
 #include "optamp/cast_cache.h"
 #include "scaler/loss_scaler_set.h"
-#include "scaler/scale_loss.h"
+#include "session.h"
 
 namespace amp::detail {
 
@@ -21,17 +20,6 @@ using core::ModelTensors;
 using core::OptimizerTensors;
 
 namespace {
-
-struct FrontendState {
-  std::mutex mutex;
-  bool initialized = false;
-  std::unordered_set<const void*> optimizers;
-};
-
-FrontendState& frontend() {
-  static auto* state = new FrontendState();
-  return *state;
-}
 
 std::string shape_of(const at::Tensor& t) {
   std::ostringstream out;
@@ -95,7 +83,8 @@ void check_model_dtypes(const ModelTensors& model, const Properties& p, const Op
   }
 }
 
-void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTensors>& opts) {
+void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTensors>& opts,
+                      const Session& current) {
   // Model parameters by identity, with the model's name for them ("fc1.weight") when known.
   std::unordered_map<const c10::TensorImpl*, std::string> in_model;
   for (const auto i : c10::irange(model.parameters.size())) {
@@ -104,16 +93,17 @@ void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTens
   }
   std::unordered_map<const c10::TensorImpl*, std::string> owner;
   std::unordered_set<const void*> seen;
-  auto& state = frontend();
+  const auto& initialized = current.optimizers;
   for (const auto& opt : opts) {
     TORCH_CHECK_VALUE(!opt.steps_through_closure, opt.description,
                       " is LBFGS, which is not supported: its step() re-evaluates the loss "
                       "through a closure, outside scale_loss, so gradients would be unscaled "
                       "twice or not at all. Use SGD/Adam/AdamW/RMSprop/Adagrad.");
-    TORCH_CHECK_VALUE(!state.optimizers.count(opt.identity) && !seen.count(opt.identity),
-                      opt.description,
-                      " was already passed to amp::initialize; call "
-                      "amp::reset() before initializing it again");
+    TORCH_CHECK_VALUE(
+        !(initialized && initialized->count(opt.identity)) && !seen.count(opt.identity),
+        opt.description,
+        " was already passed to amp::initialize; call "
+        "amp::reset() before initializing it again");
     seen.insert(opt.identity);
     TORCH_CHECK_VALUE(!opt.parameters.empty(), opt.description,
                       " must have parameters, got "
@@ -185,18 +175,38 @@ void cast_model(const ModelTensors& model, const std::vector<OptimizerTensors>& 
   }
 }
 
-// The floor error of the loss scaler names parameters the way the user's model does.
-void install_param_names(const ModelTensors& model) {
-  if (model.names.size() != model.parameters.size()) return;
-  auto names = std::make_shared<std::unordered_map<const c10::TensorImpl*, std::string>>();
-  for (std::size_t i = 0; i < model.names.size(); ++i) {
-    names->emplace(model.parameters[i].unsafeGetTensorImpl(), model.names[i]);
+// What scale_loss checks parameters against: their dtypes as training runs them (after O3's
+// cast), and the model's names for them, which error messages use.
+ParameterRecords parameter_records(const ModelTensors& model) {
+  ParameterRecords records;
+  const bool named = model.names.size() == model.parameters.size();
+  for (const auto i : c10::irange(model.parameters.size())) {
+    const at::Tensor& p = model.parameters[i];
+    records.insert_or_assign(
+        p.unsafeGetTensorImpl(),
+        ParameterRecord{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()),
+                        p.scalar_type(), named ? model.names[i] : std::string()});
   }
-  set_param_namer([names](const at::Tensor& t) -> std::optional<std::string> {
-    auto it = names->find(t.unsafeGetTensorImpl());
-    if (it == names->end()) return std::nullopt;
-    return it->second;
-  });
+  return records;
+}
+
+// The session initialize publishes. Called after O3's cast.
+std::shared_ptr<Session> build_session(const ModelTensors& model,
+                                       const std::vector<OptimizerTensors>& opts,
+                                       const Properties& p) {
+  auto session = std::make_shared<Session>();
+  session->initialized = true;
+  session->rules = level_rules_for(p);
+  if (p.enabled && p.model_cast() == ModelCast::kWorkingCopies) {
+    session->working_copy_sources = make_working_copy_sources(model.reduced);
+  }
+  session->parameters = parameter_records(model);
+  Properties scaler_properties = p;
+  if (!p.enabled) scaler_properties.loss_scale = LossScale::fixed(1.0);
+  session->loss_scalers = make_loss_scalers(scaler_properties);
+  session->optimizers.emplace();
+  for (const auto& opt : opts) session->optimizers->insert(opt.identity);
+  return session;
 }
 
 }  // namespace
@@ -209,47 +219,36 @@ using namespace amp::detail;  // this file's internals
 
 Properties initialize(const ModelTensors& model, const std::vector<OptimizerTensors>& opts,
                       OptLevel level, const Options& options) {
-  auto& state = frontend();
-  std::lock_guard<std::mutex> lock(state.mutex);
+  auto lock = lock_session_changes();
+  const auto current = current_session();
   // ---- validate: nothing changes before every check passed -----------------------------
   Properties p = resolve(level, options);
-  TORCH_CHECK_VALUE(
-      !state.initialized || opts.empty() || !state.optimizers.count(opts.front().identity),
-      opts.empty() ? "" : opts.front().description,
-      " was already passed to amp::initialize; call amp::reset() first");
-  TORCH_CHECK_VALUE(!state.initialized,
+  TORCH_CHECK_VALUE(!current->initialized || opts.empty() || !current->optimizers ||
+                        !current->optimizers->count(opts.front().identity),
+                    opts.empty() ? "" : opts.front().description,
+                    " was already passed to amp::initialize; call amp::reset() first");
+  TORCH_CHECK_VALUE(!current->initialized,
                     "amp::initialize was already called; call amp::reset() "
                     "before initializing a new model/optimizer");
   check_model(model);
   check_model_dtypes(model, p, options);
-  check_optimizers(model, opts);
+  check_optimizers(model, opts, *current);
+  TORCH_CHECK_VALUE(p.num_losses >= 1, "num_losses must be >= 1, got ", p.num_losses);
   ensure_registered();  // key conflicts surface here, still before any change
   warn_fp16_epsilon(p, opts);
 
   // ---- apply ------------------------------------------------------------------------------
-  Properties scaler_properties = p;
-  if (!p.enabled) scaler_properties.loss_scale = LossScale::fixed(1.0);
-  configure_loss_scalers(scaler_properties);
-  std::vector<const void*> identities;
-  for (const auto& opt : opts) identities.push_back(opt.identity);
-  restrict_loss_scaling_to(identities);
-  install_param_names(model);
   // Regions and disable_casts left open on any thread (or stuck by mismatched exits) end here.
   reset_all_thread_states();
+  if (p.enabled && p.model_cast() == ModelCast::kInPlace)
+    cast_model(model, opts, p.cast_model_type);
+  auto next = build_session(model, opts, p);
+  const auto replaced = publish_session(next);
+  move_substitution_key(replaced->working_copy_sources, next->working_copy_sources);
   if (p.enabled) {
-    const ModelCast model_cast = p.model_cast();
-    if (model_cast == ModelCast::kInPlace) cast_model(model, opts, p.cast_model_type);
-    if (model_cast == ModelCast::kWorkingCopies) {
-      set_working_copy_sources(model.reduced);
-      activate_substitution_thread(true);
-    }
-    set_level_rules(p);
-    set_rules_under_no_grad(p.rules_under_no_grad);
+    activate_substitution_thread(p.model_cast() == ModelCast::kWorkingCopies);
     activate_thread(p.casts());
   }
-  record_parameter_dtypes(model.parameters);  // after O3's cast: the dtypes training runs in
-  for (const auto& opt : opts) state.optimizers.insert(opt.identity);
-  state.initialized = true;
   // Apex printed its ~40-line report on every start; here it takes verbosity 2.
   if (p.verbosity >= 2) {
     std::cout << p.describe() << std::flush;
@@ -260,25 +259,15 @@ Properties initialize(const ModelTensors& model, const std::vector<OptimizerTens
 }
 
 void reset() {
-  auto& state = frontend();
-  std::lock_guard<std::mutex> lock(state.mutex);
+  auto lock = lock_session_changes();
+  const auto replaced = publish_session(std::make_shared<Session>());
   reset_all_thread_states();  // every thread's regions, key and substitution: back to initial
   activate_thread(false);
   activate_substitution_thread(false);
-  clear_level_rules();
-  set_rules_under_no_grad(false);
-  clear_working_copy_sources();
+  move_substitution_key(replaced->working_copy_sources, {});
   clear_cache();
-  reset_loss_scalers();
-  set_param_namer(nullptr);
-  state.optimizers.clear();
-  state.initialized = false;
 }
 
-bool initialized() {
-  auto& state = frontend();
-  std::lock_guard<std::mutex> lock(state.mutex);
-  return state.initialized;
-}
+bool is_initialized() { return current_session()->initialized; }
 
 }  // namespace amp::core

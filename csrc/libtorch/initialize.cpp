@@ -183,7 +183,7 @@ void reset() {
   fp32_marks().clear();
 }
 
-bool is_initialized() { return core::initialized(); }
+bool is_initialized() { return core::is_initialized(); }
 
 void keep_in_fp32(const torch::nn::Module& module) {
   std::lock_guard<std::mutex> lock(g_marks_mutex);

@@ -46,7 +46,12 @@ OPTAMP_API Properties initialize(const ModelTensors& model,
                                  const Options& options);
 // amp::reset(): casting off, level rules, caches, loss scalers; initialize may run again.
 OPTAMP_API void reset();
-OPTAMP_API bool initialized();
+// Whether initialize ran since the last reset (amp::is_initialized, optamp.is_initialized).
+OPTAMP_API bool is_initialized();
+[[deprecated("renamed amp::core::is_initialized, as amp::is_initialized")]] inline bool
+initialized() {
+  return is_initialized();
+}
 
 // The loss scalers (one per loss_id) initialize configures. configure_loss_scalers creates
 // props.num_losses of them (replacing any previous ones); reset_loss_scalers drops them.

@@ -94,7 +94,7 @@ void bind_frontend(py::module_& m) {
         "identity, description, parameters, state, state_owners, smallest_eps, "
         "steps_through_closure.");
   m.def("_reset_core", &core::reset);
-  m.def("is_initialized", &core::initialized);
+  m.def("is_initialized", &core::is_initialized);
 
   // ---- per-thread state -------------------------------------------------------------------
   m.def("is_casting_enabled", &amp::is_casting_enabled,

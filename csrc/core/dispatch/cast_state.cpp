@@ -10,35 +10,10 @@
 
 #include "dispatch/substitution.h"
 #include "optamp/autocast.h"
+#include "session.h"
 
 namespace amp::detail {
 namespace {
-
-std::atomic<RuleSet> g_rules{RuleSet::kNone};
-std::atomic<c10::ScalarType> g_low{c10::ScalarType::Undefined};
-std::atomic<int> g_verbosity{1};
-std::atomic<bool> g_rules_under_no_grad{false};
-std::atomic<OpLists> g_op_lists{OpLists::kApex};
-
-// The level's rules: the lists at O1/O4; at the model levels, the rules of the level when the
-// model is cast (Apex cast no op when it did not cast the model).
-RuleSet rules_for(const Properties& p) {
-  if (!p.casts()) return RuleSet::kNone;
-  switch (p.opt_level) {
-    case OptLevel::O1:
-    case OptLevel::O4:
-      return RuleSet::kFullLists;
-    case OptLevel::O2:
-    case OptLevel::O5:
-      return RuleSet::kMasterWeights;
-    default:  // O3, and O0 with a reduced cast_model_type
-      return RuleSet::kPureLow;
-  }
-}
-
-// A model cast in place has no fp32 weights to meet fp32 inputs under no_grad: its rules apply
-// there too (the no_grad gate protects fp32 evaluation, which such a model cannot do).
-std::atomic<bool> g_level_ungated{false};
 
 std::atomic<std::uint64_t> g_epoch{0};
 std::atomic<std::uint64_t> g_next_frame{1};
@@ -187,25 +162,17 @@ void reset_all_thread_states() {
 }
 
 void set_level_rules(const Properties& properties) {
-  g_low.store(properties.low_dtype());
-  g_verbosity.store(properties.verbosity);
-  g_level_ungated.store(properties.model_cast() == ModelCast::kInPlace);
-  g_op_lists.store(properties.op_lists);
-  g_rules.store(rules_for(properties));
+  edit_session([&](Session& s) { s.rules = level_rules_for(properties); });
 }
 
 void clear_level_rules() {
-  g_rules.store(RuleSet::kNone);
-  g_level_ungated.store(false);
-  g_low.store(c10::ScalarType::Undefined);
-  g_verbosity.store(1);
-  g_op_lists.store(OpLists::kApex);
+  edit_session([](Session& s) { s.rules = LevelRules{}; });
 }
 
-OpLists level_op_lists() { return g_op_lists.load(std::memory_order_relaxed); }
+OpLists level_op_lists() { return current_level_rules().op_lists; }
 
-c10::ScalarType level_low_dtype() { return g_low.load(std::memory_order_relaxed); }
-int verbosity() { return g_verbosity.load(std::memory_order_relaxed); }
+c10::ScalarType level_low_dtype() { return current_level_rules().low; }
+int verbosity() { return current_level_rules().verbosity; }
 
 void set_thread_key(bool on) {
   const bool was_on = thread_key_on();
@@ -226,19 +193,15 @@ CarriedMode carried_mode() {
   return {tag == kUngatedTag ? kFollowLevelUngated : kFollowLevel, c10::ScalarType::Undefined};
 }
 
-void set_rules_under_no_grad(bool on) { g_rules_under_no_grad.store(on); }
-
 namespace {
 
 // The level's rules (not a region's) for this call, with the no_grad gate.
-CastDecision level_decision(const CarriedMode& carried) {
-  const RuleSet rules = g_rules.load(std::memory_order_relaxed);
-  if (rules == RuleSet::kNone) return {};
-  const bool gated = !g_level_ungated.load(std::memory_order_relaxed) &&
-                     carried.mode != kFollowLevelUngated &&
-                     !g_rules_under_no_grad.load(std::memory_order_relaxed);
+CastDecision level_decision(const LevelRules& level, const CarriedMode& carried) {
+  if (level.rules == RuleSet::kNone) return {};
+  const bool gated =
+      !level.ungated && carried.mode != kFollowLevelUngated && !level.rules_under_no_grad;
   if (gated && !c10::GradMode::is_enabled()) return {};
-  return {rules, g_low.load(std::memory_order_relaxed)};
+  return {level.rules, level.low};
 }
 
 }  // namespace
@@ -254,20 +217,23 @@ CastDecision decide(c10::DeviceType device) {
   }
   const CarriedMode carried = carried_mode();
   if (carried.mode == kDisabled) return {};
+  const LevelRules level = current_level_rules();
   CastDecision decision = carried.mode == kRegion ? CastDecision{RuleSet::kFullLists, carried.dtype}
-                                                  : level_decision(carried);
-  decision.lists = list_set_for(level_op_lists(), device);
+                                                  : level_decision(level, carried);
+  decision.lists = list_set_for(level.op_lists, device);
   return decision;
 }
 
-RuleSet level_decision_rules() { return level_decision(carried_mode()).rules; }
+RuleSet level_decision_rules() {
+  return level_decision(current_level_rules(), carried_mode()).rules;
+}
 
 bool rules_apply_now() {
   thread_cast_state();
   const CarriedMode carried = carried_mode();
   if (carried.mode == kDisabled) return false;
   if (carried.mode == kRegion) return true;
-  return level_decision(carried).rules != RuleSet::kNone;
+  return level_decision(current_level_rules(), carried).rules != RuleSet::kNone;
 }
 
 }  // namespace amp::detail

@@ -1,6 +1,6 @@
 #pragma once
-// Process-wide rules of the initialized level and per-thread casting state (docs/design.md, The
-// gate and the sections after it).
+// Per-thread casting state and what each kernel call decides from it and from the session's level
+// rules (session.h; docs/casting.md, "The no_grad gate").
 #include <c10/core/DeviceType.h>
 #include <c10/core/DispatchKey.h>
 #include <c10/core/ScalarType.h>
@@ -94,7 +94,8 @@ void abandon_frame(std::uint64_t id);
 // kernel call or guard.
 void reset_all_thread_states();
 
-// Level rules, read by every kernel call (atomics: set once per initialize).
+// The level rules of the session (session.h), read by every kernel call. initialize publishes
+// them with the rest of the session; these edit only the rules (tests of the casting tables).
 void set_level_rules(const Properties& properties);
 void clear_level_rules();
 c10::ScalarType level_low_dtype();
@@ -127,7 +128,5 @@ CastDecision decide(c10::DeviceType device);
 bool rules_apply_now();
 // The level's rule set for a call now, after the no_grad gate (kNone when gated off).
 RuleSet level_decision_rules();
-// Process-wide: the level's rules apply under no_grad too (Properties::rules_under_no_grad).
-void set_rules_under_no_grad(bool on);
 
 }  // namespace amp::detail

@@ -48,35 +48,10 @@ void put_key(c10::TensorImpl* impl, bool on) {
   }
 }
 
-void put_key_on_all(const SourceMap& sources, bool on) {
+void put_key_on_all(const WorkingCopySources& sources, bool on) {
   for (const auto& entry : sources) {
     if (auto impl = entry.second.ref.lock()) put_key(impl.get(), on);
   }
-}
-
-// ---- the registry -----------------------------------------------------------------------------
-// Read by every substituted op, written only by initialize/reset: an immutable snapshot that
-// each thread caches with the version it saw. A reader pays one acquire load; the lock is taken
-// only when the version moved. (std::atomic_load of a shared_ptr takes a global lock in
-// libstdc++ on every call.)
-struct Registry {
-  std::mutex mutex;
-  std::shared_ptr<const SourceMap> sources = std::make_shared<SourceMap>();
-  std::atomic<std::uint64_t> version{0};
-};
-
-Registry& registry() {
-  static auto* instance = new Registry();  // leaked: read until process exit
-  return *instance;
-}
-
-// Publishes `next` and returns the snapshot it replaces.
-std::shared_ptr<const SourceMap> publish(std::shared_ptr<const SourceMap> next) {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  std::swap(r.sources, next);
-  r.version.fetch_add(1, std::memory_order_release);
-  return next;
 }
 
 constexpr const char* kOwnDataOps[] = {
@@ -174,30 +149,15 @@ void ensure_substitution_registered() {
 
 }  // namespace
 
-std::shared_ptr<const SourceMap> load_sources() {
-  struct Cached {
-    std::uint64_t version = ~std::uint64_t{0};
-    std::shared_ptr<const SourceMap> sources;
-  };
-  thread_local Cached cached;
-  auto& r = registry();
-  if (cached.version != r.version.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> lock(r.mutex);
-    cached.sources = r.sources;
-    cached.version = r.version.load(std::memory_order_relaxed);
-  }
-  return cached.sources;
-}
-
 namespace {
 thread_local std::uint64_t t_substitution_calls = 0;
 }  // namespace
 
 std::uint64_t substitution_calls_on_this_thread() { return t_substitution_calls; }
 
-SubstitutionCall::SubstitutionCall() : sources_(load_sources()) {
+SubstitutionCall::SubstitutionCall() : session_(current_session()) {
   ++t_substitution_calls;
-  if (sources_->empty() || !substitution_active(&dtype_)) return;
+  if (session_->working_copy_sources.empty() || !substitution_active(&dtype_)) return;
   active_ = true;
   no_recursion_.emplace(kSubstituteKey);
 }
@@ -206,8 +166,9 @@ std::optional<at::Tensor> SubstitutionCall::working_copy(const at::Tensor& t) co
   if (!carries_substitution_key(t) || t.scalar_type() == dtype_ || !t.is_floating_point()) {
     return std::nullopt;
   }
-  const auto source = sources_->find(t.unsafeGetTensorImpl());
-  if (source == sources_->end()) return std::nullopt;  // a view or detached alias of a source
+  const auto& sources = session_->working_copy_sources;
+  const auto source = sources.find(t.unsafeGetTensorImpl());
+  if (source == sources.end()) return std::nullopt;  // a view or detached alias of a source
   // The model was cast after initialize (model->to(torch::kDouble)): its masters are no longer
   // what the working copies stand for, and torch would fail further down with a mixed-dtype
   // error that does not say why.
@@ -230,29 +191,29 @@ bool carries_substitution_key(const at::Tensor& t) {
 }
 
 void remark_if_source(c10::TensorImpl* impl) {
-  if (impl != nullptr && load_sources()->count(impl) != 0) put_key(impl, true);
-}
-
-void set_working_copy_sources(const std::vector<at::Tensor>& tensors) {
-  ensure_substitution_registered();
-  auto sources = std::make_shared<SourceMap>();
-  for (const auto& t : tensors) {
-    sources->emplace(
-        t.unsafeGetTensorImpl(),
-        Source{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), t.scalar_type()});
+  if (impl != nullptr && current_session()->working_copy_sources.count(impl) != 0) {
+    put_key(impl, true);
   }
-  const auto replaced = publish(sources);
-  put_key_on_all(*replaced, false);
-  put_key_on_all(*sources, true);
 }
 
-void clear_working_copy_sources() {
-  const auto replaced = publish(std::make_shared<SourceMap>());
-  put_key_on_all(*replaced, false);
+WorkingCopySources make_working_copy_sources(const std::vector<at::Tensor>& tensors) {
+  ensure_substitution_registered();
+  WorkingCopySources sources;
+  for (const auto& t : tensors) {
+    sources.emplace(t.unsafeGetTensorImpl(),
+                    WorkingCopySource{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
+                                      t.scalar_type()});
+  }
+  return sources;
+}
+
+void move_substitution_key(const WorkingCopySources& from, const WorkingCopySources& to) {
+  put_key_on_all(from, false);
+  put_key_on_all(to, true);
 }
 
 bool is_working_copy_source(const at::Tensor& t) {
-  return t.defined() && load_sources()->count(t.unsafeGetTensorImpl()) != 0;
+  return t.defined() && current_session()->working_copy_sources.count(t.unsafeGetTensorImpl()) != 0;
 }
 
 void activate_substitution_thread(bool on) {

@@ -12,6 +12,8 @@
 
 #include <vector>
 
+#include "session.h"
+
 namespace amp::detail {
 
 // Its own key, so O1 ops (on kCastKey) don't pay for it. Free in CPU/CUDA builds. In torch's
@@ -19,10 +21,11 @@ namespace amp::detail {
 constexpr c10::DispatchKey kSubstituteKey = c10::DispatchKey::AutocastXLA;
 
 // The model tensors ops should see as working copies (params and buffers minus batch-norm /
-// keep_in_fp32 ones). Replaces the previous set (whose tensors lose the key); registers the key's
-// kernels on first use.
-void set_working_copy_sources(const std::vector<at::Tensor>& tensors);
-void clear_working_copy_sources();
+// keep_in_fp32 ones), for the session initialize builds; registers the key's kernels on first use.
+WorkingCopySources make_working_copy_sources(const std::vector<at::Tensor>& tensors);
+// After a session was published: the tensors of `from` (the replaced session's) lose the key,
+// those of `to` get it.
+void move_substitution_key(const WorkingCopySources& from, const WorkingCopySources& to);
 // Whether `t` is a registered source now.
 bool is_working_copy_source(const at::Tensor& t);
 

@@ -12,22 +12,13 @@
 #include <unordered_map>
 
 #include "dispatch/substitution.h"
+#include "session.h"
 
 namespace torch {
 class Library;
 }
 
 namespace amp::detail {
-
-// A registered model tensor and its dtype at initialize (the master's, fp32 normally).
-struct Source {
-  c10::weak_intrusive_ptr<c10::TensorImpl> ref;
-  c10::ScalarType dtype;
-};
-using SourceMap = std::unordered_map<const c10::TensorImpl*, Source>;
-
-// This thread's view of the registered sources (an immutable snapshot; see substitution.cpp).
-std::shared_ptr<const SourceMap> load_sources();
 
 // Whether `t` carries the substitution key (read atomically: initialize and reset change it while
 // other threads dispatch). Views and detached aliases of a source carry it too (torch copies a
@@ -65,7 +56,7 @@ class SubstitutionCall {
  private:
   bool active_ = false;
   c10::ScalarType dtype_ = c10::ScalarType::Undefined;
-  std::shared_ptr<const SourceMap> sources_;
+  std::shared_ptr<const Session> session_;  // its working_copy_sources, for this call
   std::optional<c10::impl::ExcludeDispatchKeyGuard> no_recursion_;
 };
 

@@ -1,5 +1,5 @@
-// The process-wide loss scalers (one per loss_id, configured by initialize) and what scale_loss
-// checks against them: the optimizers initialize was given, the parameters' dtypes; the
+// The session's loss scalers (one per loss_id): making them, reading them, what scale_loss checks
+// against the session (the optimizers initialize was given, the parameters' dtypes), and the
 // scalers' amp::state_dict() / amp::load_state_dict().
 #include "scaler/loss_scaler_set.h"
 
@@ -19,29 +19,19 @@
 
 #include "optamp/state_dict.h"
 #include "scaler/scale_loss.h"
+#include "session.h"
 
 namespace amp {
 
-// ---- registry ------------------------------------------------------------------------------
+// ---- the session's scalers ----------------------------------------------------------------
 
 namespace {
 
-struct Registry {
-  std::mutex mutex;
-  bool configured = false;
-  std::vector<std::shared_ptr<LossScaler>> scalers;
-  // The optimizers scale_loss accepts (nullopt: any; see restrict_loss_scaling_to).
-  std::optional<std::unordered_set<const void*>> optimizers;
-  // Parameter dtypes at initialize (record_parameter_dtypes), keyed by TensorImpl with a weak
-  // reference so a reused address is not mistaken for the parameter.
-  std::unordered_map<const c10::TensorImpl*,
-                     std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, at::ScalarType>>
-      dtypes;
-};
-
-Registry& registry() {
-  static Registry instance;
-  return instance;
+// The session's scalers, refusing when none is configured. `who` names the caller in the error.
+const std::vector<std::shared_ptr<LossScaler>>& configured_scalers(const detail::Session& s,
+                                                                   const char* who) {
+  TORCH_CHECK(!s.loss_scalers.empty(), who, ": call amp::initialize first (no loss scaler exists)");
+  return s.loss_scalers;
 }
 
 constexpr const char* kEntryNames[] = {"scale", "growth_tracker", "hysteresis", "skipped",
@@ -71,30 +61,24 @@ LossScaler& loss_scaler(int loss_id) { return *core::loss_scaler_ptr(loss_id); }
 
 namespace detail {
 
-void record_parameter_dtypes(const std::vector<at::Tensor>& parameters) {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  r.dtypes.clear();
-  for (const auto& p : parameters) {
-    r.dtypes.insert_or_assign(
-        p.unsafeGetTensorImpl(),
-        std::make_pair(c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()),
-                       p.scalar_type()));
+std::vector<std::shared_ptr<LossScaler>> make_loss_scalers(const Properties& props) {
+  TORCH_CHECK_VALUE(props.num_losses >= 1, "num_losses must be >= 1, got ", props.num_losses);
+  std::vector<std::shared_ptr<LossScaler>> scalers;
+  for (int i = 0; i < props.num_losses; ++i) {
+    scalers.push_back(std::make_shared<LossScaler>(props, i));
   }
+  return scalers;
 }
 
 void check_parameter_dtypes(const std::vector<at::Tensor>& params,
                             const std::function<std::string(size_t)>& labels) {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
+  const auto session = current_session();
   for (size_t i = 0; i < params.size(); ++i) {
-    auto it = r.dtypes.find(params[i].unsafeGetTensorImpl());
-    if (it == r.dtypes.end() || it->second.first.lock().get() != params[i].unsafeGetTensorImpl())
-      continue;
-    TORCH_CHECK_VALUE(params[i].scalar_type() == it->second.second,
-                      param_label(params[i], labels(i)), " must still be ",
-                      dtype_name(it->second.second), " as when amp::initialize ran, got ",
-                      dtype_name(params[i].scalar_type()),
+    const ParameterRecord* record = session->find_parameter(params[i]);
+    if (record == nullptr) continue;
+    TORCH_CHECK_VALUE(params[i].scalar_type() == record->dtype, param_label(params[i], labels(i)),
+                      " must still be ", dtype_name(record->dtype),
+                      " as when amp::initialize ran, got ", dtype_name(params[i].scalar_type()),
                       ": the model was cast after initialize (e.g. model->to(torch::kDouble)), "
                       "which optamp does not follow. Call amp::reset(), cast the model, and "
                       "initialize again (or cast before initialize); moving it to another device "
@@ -102,48 +86,37 @@ void check_parameter_dtypes(const std::vector<at::Tensor>& params,
   }
 }
 
-void restrict_loss_scaling_to(const std::vector<const void*>& optimizers) {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  r.optimizers.emplace(optimizers.begin(), optimizers.end());
-}
-
 }  // namespace detail
 
 namespace core {
 
 std::shared_ptr<LossScaler> loss_scaler_ptr(int loss_id) {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  TORCH_CHECK(r.configured,
+  const auto session = detail::current_session();
+  TORCH_CHECK(!session->loss_scalers.empty(),
               "amp: loss scaling is not configured; call amp::initialize first (no loss scaler "
               "exists yet)");
-  const int n = static_cast<int>(r.scalers.size());
+  const int n = static_cast<int>(session->loss_scalers.size());
   TORCH_CHECK_VALUE(loss_id >= 0 && loss_id < n, "loss_id must be in [0, ", n, ") (num_losses=", n,
                     "), got ", loss_id);
-  return r.scalers[loss_id];
+  return session->loss_scalers[loss_id];
 }
 
+// Scalers on their own (without initialize): any optimizer, no parameter records.
 void configure_loss_scalers(const Properties& props) {
-  TORCH_CHECK_VALUE(props.num_losses >= 1, "num_losses must be >= 1, got ", props.num_losses);
-  std::vector<std::shared_ptr<LossScaler>> scalers;
-  for (int i = 0; i < props.num_losses; ++i)
-    scalers.push_back(std::make_shared<LossScaler>(props, i));
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  r.scalers = std::move(scalers);
-  r.configured = true;
-  r.optimizers.reset();
-  r.dtypes.clear();
+  auto scalers = detail::make_loss_scalers(props);
+  detail::edit_session([&](detail::Session& s) {
+    s.loss_scalers = std::move(scalers);
+    s.optimizers.reset();
+    s.parameters.clear();
+  });
 }
 
 void check_optimizers_allowed(const std::vector<const void*>& identities,
                               const std::vector<std::string>& descriptions) {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  if (!r.optimizers) return;
+  const auto session = detail::current_session();
+  if (!session->optimizers) return;
   for (size_t i = 0; i < identities.size(); ++i) {
-    TORCH_CHECK_VALUE(r.optimizers->count(identities[i]),
+    TORCH_CHECK_VALUE(session->optimizers->count(identities[i]),
                       i < descriptions.size() ? descriptions[i] : std::string("optimizer"),
                       " must be an optimizer passed to amp::initialize, got one that was not "
                       "(its parameters would be unscaled with the loss scaler of another "
@@ -153,42 +126,34 @@ void check_optimizers_allowed(const std::vector<const void*>& identities,
 }
 
 void reset_loss_scalers() {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  r.scalers.clear();
-  r.configured = false;
-  r.optimizers.reset();
-  r.dtypes.clear();
+  detail::edit_session([](detail::Session& s) {
+    s.loss_scalers.clear();
+    s.optimizers.reset();
+    s.parameters.clear();
+  });
 }
 
-int num_loss_scalers() {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  return static_cast<int>(r.scalers.size());
-}
+int num_loss_scalers() { return static_cast<int>(detail::current_session()->loss_scalers.size()); }
 
 }  // namespace core
 
 StateDict state_dict() {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  TORCH_CHECK(r.configured, "amp::state_dict: call amp::initialize first (no loss scaler exists)");
+  const auto session = detail::current_session();
+  const auto& scalers = configured_scalers(*session, "amp::state_dict");
   StateDict sd;
-  for (size_t i = 0; i < r.scalers.size(); ++i) r.scalers[i]->save(sd, scaler_prefix(i));
+  for (size_t i = 0; i < scalers.size(); ++i) scalers[i]->save(sd, scaler_prefix(i));
   return sd;
 }
 
 void load_state_dict(const StateDict& state) {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  TORCH_CHECK(r.configured,
-              "amp::load_state_dict: call amp::initialize first (no loss scaler exists)");
-  const int n = static_cast<int>(r.scalers.size());
+  const auto session = detail::current_session();
+  const auto& scalers = configured_scalers(*session, "amp::load_state_dict");
+  const int n = static_cast<int>(scalers.size());
   int saved = 0;
   while (state.contains(scaler_prefix(saved) + "scale")) ++saved;
   TORCH_CHECK_VALUE(saved == n, "state dict must hold num_losses=", n,
                     " loss scalers (keys loss_scaler0.* .. loss_scaler", n - 1, ".*), got ", saved);
-  for (int i = 0; i < n; ++i) r.scalers[i]->check_state(state, scaler_prefix(i));
+  for (int i = 0; i < n; ++i) scalers[i]->check_state(state, scaler_prefix(i));
   // Every entry is one of those checked: nothing the caller meant to restore is dropped silently.
   if (state.size() != static_cast<size_t>(n) * kEntriesPerScaler) {
     for (const auto& [key, value] : state.items()) {
@@ -199,7 +164,7 @@ void load_state_dict(const StateDict& state) {
                         key, "'");
     }
   }
-  for (int i = 0; i < n; ++i) r.scalers[i]->load(state, scaler_prefix(i));
+  for (int i = 0; i < n; ++i) scalers[i]->load(state, scaler_prefix(i));
 }
 
 }  // namespace amp

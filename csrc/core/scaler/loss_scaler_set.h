@@ -1,6 +1,6 @@
 #pragma once
-// Internal: what scale_loss checks against the process-wide loss scalers (whose public half,
-// configure/reset/loss_scaler_ptr, is in optamp/core.h).
+// Internal: the session's loss scalers (whose public half, configure/reset/loss_scaler_ptr, is in
+// optamp/core.h) and what scale_loss checks against the session.
 
 #include <ATen/core/Tensor.h>
 
@@ -12,14 +12,11 @@
 
 namespace amp::detail {
 
-// From now until the next configure/reset, scale_loss accepts only these optimizers (the ones
-// amp::initialize was given; an empty list accepts none). Without it, any optimizer is accepted.
-void restrict_loss_scaling_to(const std::vector<const void*>& optimizers);
-// The model parameters' dtypes as initialize left them. scale_loss refuses a parameter whose
-// dtype changed since (the model was cast after initialize, e.g. model->to(torch::kDouble)),
-// which would otherwise fail later in a forward with torch's mixed-dtype errors. Cleared by
-// configure/reset.
-void record_parameter_dtypes(const std::vector<at::Tensor>& parameters);
+// The scalers of a session (props.num_losses of them; throws a ValueError when it is < 1).
+std::vector<std::shared_ptr<LossScaler>> make_loss_scalers(const Properties& props);
+// scale_loss refuses a parameter whose dtype changed since initialize recorded it in the session
+// (the model was cast after initialize, e.g. model->to(torch::kDouble)), which would otherwise
+// fail later in a forward with torch's mixed-dtype errors.
 // Throws a ValueError naming labels(i) when params[i]'s dtype differs from the recorded one.
 void check_parameter_dtypes(const std::vector<at::Tensor>& params,
                             const std::function<std::string(size_t)>& labels);

@@ -19,6 +19,7 @@
 #include "optamp/loss_scaler.h"
 #include "scaler/loss_scaler_set.h"
 #include "scaler/scale_loss.h"
+#include "session.h"
 
 namespace amp {
 namespace detail {
@@ -79,20 +80,11 @@ Book& book() {
   return instance;
 }
 
-std::mutex& namer_mutex() {
-  static std::mutex m;
-  return m;
-}
-ParamNamer& namer() {
-  static ParamNamer n;
-  return n;
-}
-
-// The model's name for `p` ("fc1.weight") from the namer initialize installed, if any.
+// The model's name for `p` ("fc1.weight"), when initialize was given one.
 std::optional<std::string> model_name(const at::Tensor& p) {
-  std::lock_guard<std::mutex> lock(namer_mutex());
-  if (!namer()) return std::nullopt;
-  return namer()(p);
+  const ParameterRecord* record = current_session()->find_parameter(p);
+  if (record == nullptr || record->name.empty()) return std::nullopt;
+  return record->name;
 }
 
 }  // namespace
@@ -120,11 +112,6 @@ struct ScaledLossAccess {
   static ScaledLoss make(std::unique_ptr<ScaleLossState> s) { return ScaledLoss(std::move(s)); }
   static ScaleLossState* state(ScaledLoss& g) { return g.state_.get(); }
 };
-
-void set_param_namer(ParamNamer n) {
-  std::lock_guard<std::mutex> lock(namer_mutex());
-  namer() = std::move(n);
-}
 
 std::string param_label(const at::Tensor& p, const std::string& where) {
   const auto name = model_name(p);
