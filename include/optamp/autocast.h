@@ -56,24 +56,27 @@ class OPTAMP_API
 // but must match a later recompute with grad on: the reentrant checkpoint (optamp wraps
 // torch.utils.checkpoint for Python itself), or a hand-written torch::autograd::Function. A
 // region or disable_casts in effect stays in effect. Ends like autocast does.
+// (Options::rules_under_no_grad does the same process-wide; docs/casting.md, "The no_grad gate".)
 class OPTAMP_API
-    rules_under_no_grad {  // NOLINT(readability-identifier-naming): a guard, like autocast
+    lift_no_grad_gate {  // NOLINT(readability-identifier-naming): a guard, like autocast
  public:
-  rules_under_no_grad();
-  ~rules_under_no_grad();
-  rules_under_no_grad(const rules_under_no_grad&) = delete;
-  rules_under_no_grad& operator=(const rules_under_no_grad&) = delete;
+  lift_no_grad_gate();
+  ~lift_no_grad_gate();
+  lift_no_grad_gate(const lift_no_grad_gate&) = delete;
+  lift_no_grad_gate& operator=(const lift_no_grad_gate&) = delete;
 
  private:
   std::uint64_t frame_;
   std::thread::id owner_;
 };
+// The guard's old name, which was also the name of the process-wide option.
+using rules_under_no_grad [[deprecated("renamed amp::lift_no_grad_gate")]] = lift_no_grad_gate;
 
 // optamp's per-thread state lives in the dispatcher's thread-local state, so whatever carries
 // at::ThreadLocalState (the autograd engine's device threads, at::launch, torch.jit.fork,
 // at::ThreadLocalStateGuard) carries it too. For threads you start yourself:
 //   auto state = amp::ThreadState::capture();           // on the thread that initialized
-//   std::thread t([state] { amp::ThreadStateGuard g(state); /* ops here follow the rules */ });
+//   std::thread t([state] { amp::thread_state_guard g(state); /* ops follow the rules */ });
 // (equivalent to capturing and restoring at::ThreadLocalState; this carries only optamp's part.)
 struct OPTAMP_API ThreadState {
   bool key_on = false;
@@ -83,17 +86,20 @@ struct OPTAMP_API ThreadState {
   static ThreadState capture();
 };
 
-class OPTAMP_API ThreadStateGuard {
+// A guard, named like the others (and like Python's optamp.thread_state_guard).
+class OPTAMP_API
+    thread_state_guard {  // NOLINT(readability-identifier-naming): a guard, like autocast
  public:
-  explicit ThreadStateGuard(const ThreadState& state);
-  ~ThreadStateGuard();
-  ThreadStateGuard(const ThreadStateGuard&) = delete;
-  ThreadStateGuard& operator=(const ThreadStateGuard&) = delete;
+  explicit thread_state_guard(const ThreadState& state);
+  ~thread_state_guard();
+  thread_state_guard(const thread_state_guard&) = delete;
+  thread_state_guard& operator=(const thread_state_guard&) = delete;
 
  private:
   std::uint64_t frame_;
   std::thread::id owner_;
 };
+using ThreadStateGuard [[deprecated("renamed amp::thread_state_guard")]] = thread_state_guard;
 
 // True when optamp's rules apply to ops on this thread now: it was initialized (O1-O5) or is in
 // an amp::autocast region, no disable_casts / autocast(false) is innermost, and grad mode is on

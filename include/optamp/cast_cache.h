@@ -3,6 +3,7 @@
 // once per weight version and reused by every op until the weights may have changed.
 
 #include <cstddef>
+#include <cstdint>
 
 #include "optamp/export.h"
 
@@ -14,5 +15,8 @@ OPTAMP_API void clear_cache();
 
 // Live entries, for tests and diagnostics.
 OPTAMP_API std::size_t cache_size();
+
+// Number of tensor casts optamp performed (cache hits excluded), for tests and diagnostics.
+OPTAMP_API std::int64_t cast_count();
 
 }  // namespace amp

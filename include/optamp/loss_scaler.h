@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -25,7 +24,7 @@ namespace amp {
 
 class StateDict;
 namespace detail {
-class StepStatusQueue;
+struct LossScalerImpl;
 }  // namespace detail
 
 class OPTAMP_API LossScaler {
@@ -48,11 +47,11 @@ class OPTAMP_API LossScaler {
   LossScaler& operator=(const LossScaler&) = delete;
   ~LossScaler();
 
-  int loss_id() const { return loss_id_; }
-  bool dynamic() const { return dynamic_; }
+  int loss_id() const;
+  bool dynamic() const;
   // Whether steps are checked for inf/NaN: always with a dynamic scale; with a fixed one unless
   // Properties::overflow_check is false (Apex's behaviour) or amp is disabled.
-  bool checks_overflow() const { return checks_; }
+  bool checks_overflow() const;
   // The host accessors: each first waits for the results of steps that skipped on the device
   // and have not reached the host yet (a device->host sync, only then).
   // The scale after the last update.
@@ -68,9 +67,9 @@ class OPTAMP_API LossScaler {
   // constant.
   int64_t host_waits() const;
   // The lowest scale this scaler can reach: max(min_loss_scale, kScaleFloor).
-  double lowest_scale() const { return lowest_scale_; }
+  double lowest_scale() const;
   // The hysteresis setting: overflowing steps tolerated before a backoff (the tracker's start).
-  int64_t hysteresis() const { return hysteresis_; }
+  int64_t hysteresis() const;
 
   // The device tensors (0-dim): float32 scale, int32 growth and hysteresis trackers.
   at::Tensor scale_tensor() const;
@@ -165,33 +164,9 @@ class OPTAMP_API LossScaler {
   template <typename T>
   T settled(const T& field) const;
 
-  int loss_id_;
-  bool dynamic_, checks_;
-  double fixed_scale_;
-  double init_scale_, growth_factor_, backoff_factor_;
-  int64_t growth_interval_, hysteresis_;
-  double min_loss_scale_, max_loss_scale_, lowest_scale_;  // min: 0 when no floor
-  bool has_min_;
-  int verbosity_;
-
-  // Guards the tensors, the two-call API's flags and the reducer; never held while calling the
-  // reducer or another scaler.
-  mutable std::mutex mutex_;
-  at::Tensor scale_, growth_tracker_, hysteresis_tracker_;
-  // The two-call API: one found_inf flag per device touched since the last update().
-  DeviceFlags found_inf_;
-  bool pending_ = false;
-  FoundInfReducer found_inf_reducer_;
-
-  // Step results on their way to the host, and the host counters they update (mutable: the const
-  // accessors settle the queue first). Guarded by mutex_.
-  std::unique_ptr<detail::StepStatusQueue> statuses_;
-  mutable double loss_scale_;
-  mutable bool last_step_skipped_ = false;
-  mutable int64_t skipped_steps_ = 0;
-  mutable int64_t floor_skips_ = 0;
-  mutable bool floor_limit_ = false;
-  mutable int64_t host_waits_ = 0;  // set by settling, taken by the step that reports it
+  // The configuration, the device tensors, the lock and the host counters (internal: the
+  // installed header shows no synchronization, as ScaledLoss shows none).
+  std::unique_ptr<detail::LossScalerImpl> impl_;
 };
 
 // The scaler of `loss_id`. Throws when loss scaling is not configured (amp::initialize has not

@@ -12,6 +12,7 @@
 #include <string>
 #include <string_view>
 
+#include "optamp/cast_cache.h"  // cast_count(), declared here before
 #include "optamp/export.h"
 
 namespace amp {
@@ -57,8 +58,5 @@ OPTAMP_API void register_promote_op(std::string_view qualified_name);
 
 // Debug listing: every table entry with its policy, and the overloads this LibTorch lacks.
 OPTAMP_API std::string policy_report();
-
-// Number of tensor casts optamp performed (cache hits excluded), for tests and diagnostics.
-OPTAMP_API std::int64_t cast_count();
 
 }  // namespace amp

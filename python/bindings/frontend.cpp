@@ -48,8 +48,8 @@ struct PyAutocast : PyGuard<amp::autocast> {
   c10::ScalarType dtype;
 };
 struct PyDisableCasts : PyGuard<amp::disable_casts> {};
-struct PyRulesUnderNoGrad : PyGuard<amp::rules_under_no_grad> {};
-struct PyThreadStateGuard : PyGuard<amp::ThreadStateGuard> {
+struct PyLiftNoGradGate : PyGuard<amp::lift_no_grad_gate> {};
+struct PyThreadStateGuard : PyGuard<amp::thread_state_guard> {
   amp::ThreadState state;
 };
 
@@ -174,16 +174,16 @@ void bind_frontend(py::module_& m) {
              return false;
            }));
 
-  py::class_<PyRulesUnderNoGrad>(m, "rules_under_no_grad")
+  py::class_<PyLiftNoGradGate>(m, "lift_no_grad_gate")
       .def(py::init<>(),
            "Context manager: the initialized level's rules apply on this thread also under "
            "no_grad inside (Apex/torch.amp behaviour).")
       .def("__enter__",
-           [](PyRulesUnderNoGrad& self) -> PyRulesUnderNoGrad& {
+           [](PyLiftNoGradGate& self) -> PyLiftNoGradGate& {
              self.enter();
              return self;
            })
-      .def("__exit__", torch::wrap_pybind_function([](PyRulesUnderNoGrad& self, const py::args&) {
+      .def("__exit__", torch::wrap_pybind_function([](PyLiftNoGradGate& self, const py::args&) {
              self.exit();
              return false;
            }));

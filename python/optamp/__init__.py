@@ -8,6 +8,7 @@
 
 Casting is per thread: initialize turns it on for the calling thread (see docs/python.md).
 """
+import warnings
 from typing import Any, Union
 
 import torch  # loads libtorch before the extension that links it
@@ -34,7 +35,7 @@ from ._C import (
     RuleSet,
     cast_rules_now,
     policy_applies,
-    rules_under_no_grad,
+    lift_no_grad_gate,
     thread_state_guard,
 )
 from .frontend import initialize, keep_in_fp32, master_params, properties, reset
@@ -52,6 +53,18 @@ from .functions import (
 from .scaler import load_state_dict, loss_scaler, scale_loss, state_dict
 from .precision import compare_with_fp32, precision_report
 from . import _autocast_flag, _checkpoint, ab
+
+
+def rules_under_no_grad() -> lift_no_grad_gate:
+    """Deprecated: renamed ``optamp.lift_no_grad_gate`` (``rules_under_no_grad`` is the option)."""
+    warnings.warn(
+        "optamp.rules_under_no_grad() is renamed optamp.lift_no_grad_gate(); "
+        "rules_under_no_grad is the name of the process-wide option",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return lift_no_grad_gate()
+
 
 _checkpoint.install()  # forward and recompute of torch.utils.checkpoint under the same rules
 _autocast_flag.install()  # torch._C._is_any_autocast_enabled(): True only where ops are cast
@@ -104,6 +117,7 @@ __all__ = [
     "RuleSet",
     "cast_rules_now",
     "policy_applies",
+    "lift_no_grad_gate",
     "rules_under_no_grad",
     "scale_loss",
     "state_dict",

@@ -37,7 +37,7 @@ def _same_state(function: F) -> F:
         with _C.thread_state_guard(state):
             if not ungate:
                 return function(*args, **kwargs)
-            with _C.rules_under_no_grad():
+            with _C.lift_no_grad_gate():
                 return function(*args, **kwargs)
 
     return run  # type: ignore[return-value]  # the same signature, wrapped

@@ -187,7 +187,7 @@ TEST_F(Casting, ThreadsWithoutAmpSeeFp32) {
   const auto state = ThreadState::capture();
   ScalarType carried = ScalarType::Undefined;
   std::thread([&] {
-    ThreadStateGuard guard(state);
+    thread_state_guard guard(state);
     carried = at::mm(a, b).scalar_type();
   }).join();
   EXPECT_EQ(carried, at::kHalf);

@@ -5,13 +5,16 @@
 #include <ATen/ThreadLocalState.h>
 #include <torch/autograd.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
 #include <thread>
+#include <type_traits>
 
 #include "optamp/amp.h"
 #include "optamp/autocast.h"
+#include "optamp/core.h"
 #include "test_util.h"
 
 namespace amp {
@@ -66,7 +69,7 @@ TEST_F(Compose, ThreadLocalStateCarriesTheLevelRegionsAndDisableCasts) {
   {
     at::NoGradGuard no_grad;
     EXPECT_EQ(mm_dtype_on_another_thread_with(at::ThreadLocalState()), at::kFloat);
-    rules_under_no_grad ungated;
+    lift_no_grad_gate ungated;
     EXPECT_EQ(mm_dtype_on_another_thread_with(at::ThreadLocalState()), at::kHalf);
   }
   // The receiving thread's own guards stack on top of the carried state and give it back.
@@ -83,7 +86,7 @@ TEST_F(Compose, ThreadLocalStateCarriesTheLevelRegionsAndDisableCasts) {
 }
 
 // A hand-written checkpoint: the forward runs under no_grad (autograd::Function::forward always
-// does) and keeps no activations; backward recomputes with grad on. With rules_under_no_grad the
+// does) and keeps no activations; backward recomputes with grad on. With lift_no_grad_gate the
 // two runs cast alike; without it the forward would run fp32 and the recompute fp16.
 struct Recompute : torch::autograd::Function<Recompute> {
   static at::ScalarType forward_dtype;
@@ -94,7 +97,7 @@ struct Recompute : torch::autograd::Function<Recompute> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& w) {
     ctx->save_for_backward({x, w});
-    rules_under_no_grad same_rules_as_the_recompute;
+    lift_no_grad_gate same_rules_as_the_recompute;
     at::Tensor out = block(x, w);
     forward_dtype = out.scalar_type();
     return out;
@@ -320,6 +323,22 @@ TEST_F(Spellings, DeviceMoveAfterInitializeKeepsTraining_CUDA) {
   EXPECT_TRUE(step(opt));
   EXPECT_FALSE(at::equal(net->w1, before));
 }
+
+// Renamed names keep working as deprecated aliases: the guards (one name per idea, named like the
+// other guards and like Python's) and core::initialized.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+static_assert(std::is_same_v<ThreadStateGuard, thread_state_guard>);
+static_assert(std::is_same_v<rules_under_no_grad, lift_no_grad_gate>);
+TEST_F(Spellings, RenamedNamesKeepTheirOldSpellingsAsDeprecatedAliases) {
+  EXPECT_FALSE(core::initialized());
+  torch::nn::Linear net(2, 2);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  initialize(net, opt, "O1", quiet());
+  EXPECT_TRUE(core::initialized());
+  EXPECT_EQ(core::initialized(), core::is_initialized());
+}
+#pragma GCC diagnostic pop
 
 }  // namespace
 }  // namespace amp

@@ -201,7 +201,7 @@ TEST_F(ParamDispatch, ThreadsWithoutAmpStateSeeTheMasters) {
   // With this thread's state handed over, the other thread substitutes too.
   const ThreadState state = ThreadState::capture();
   std::thread([&] {
-    ThreadStateGuard guard(state);
+    thread_state_guard guard(state);
     seen = net->fc(at::randn({2, 4})).scalar_type();
   }).join();
   EXPECT_EQ(seen, at::kBFloat16);

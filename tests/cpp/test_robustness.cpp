@@ -125,7 +125,7 @@ TEST_F(Robustness, ThreadsSharingOneLossScalerSkipExactlyTheirOwnOverflows) {
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
-      ThreadStateGuard guard(state);
+      thread_state_guard guard(state);
       TinyNet& net = nets[t];
       auto& opt = *opts[t];
       for (int step = 0; step < kSteps; ++step) {

@@ -150,7 +150,7 @@ def test_scripted_fork_carries_regions_and_disable_casts_to_the_pool_thread(
         assert _forked_mm(a).dtype == torch.float32
     with torch.no_grad():
         assert _forked_mm(a).dtype == torch.float32
-        with optamp.rules_under_no_grad():
+        with optamp.lift_no_grad_gate():
             assert _forked_mm(a).dtype == torch.float16
 
 
@@ -167,7 +167,7 @@ def test_inference_under_no_grad_and_inference_mode_is_fp32_by_default():
         assert model(x).dtype == torch.float32
     with torch.no_grad(), optamp.autocast():
         assert model(x).dtype == torch.float16
-    with torch.no_grad(), optamp.rules_under_no_grad():
+    with torch.no_grad(), optamp.lift_no_grad_gate():
         assert model(x).dtype == torch.float16
 
 
@@ -286,7 +286,7 @@ def test_compiled_model_follows_regions_no_grad_and_reinitialization(backend):
     assert compiled(x).dtype == torch.float32, "after reset nothing is cast"
     init(net, None, "O4")  # the same compiled module, another level: traced again
     assert compiled(x).dtype == torch.bfloat16
-    with torch.no_grad(), optamp.rules_under_no_grad():
+    with torch.no_grad(), optamp.lift_no_grad_gate():
         assert compiled(x).dtype == torch.bfloat16
 
 
@@ -327,3 +327,11 @@ def test_optamp_context_managers_inside_a_compiled_forward_keep_their_dtypes(bac
     eager = [t.dtype for t in net(x)]
     compiled = [t.dtype for t in torch.compile(net, backend=backend)(x)]
     assert eager == compiled == [torch.float16, torch.bfloat16, torch.float32]
+
+
+def test_the_guards_old_name_is_a_deprecated_alias_of_lift_no_grad_gate():
+    with pytest.warns(DeprecationWarning, match="lift_no_grad_gate"):
+        guard = optamp.rules_under_no_grad()
+    assert isinstance(guard, optamp.lift_no_grad_gate)
+    with guard:  # still a working guard
+        assert optamp.is_casting_enabled() is False  # nothing initialized: no rules

@@ -82,17 +82,16 @@ ThreadState ThreadState::capture() {
                      carried.dtype};
 }
 
-rules_under_no_grad::rules_under_no_grad() : owner_(std::this_thread::get_id()) {
+lift_no_grad_gate::lift_no_grad_gate() : owner_(std::this_thread::get_id()) {
   CastFrame frame;
   frame.ungate = true;
   frame_ = detail::push_frame(frame);
 }
 
-rules_under_no_grad::~rules_under_no_grad() {
-  end_frame(frame_, owner_, "amp::rules_under_no_grad");
-}
+lift_no_grad_gate::~lift_no_grad_gate() { end_frame(frame_, owner_, "amp::lift_no_grad_gate"); }
 
-ThreadStateGuard::ThreadStateGuard(const ThreadState& state) : owner_(std::this_thread::get_id()) {
+thread_state_guard::thread_state_guard(const ThreadState& state)
+    : owner_(std::this_thread::get_id()) {
   if (state.key_on) detail::ensure_registered();  // may throw before anything changed
   CastFrame frame;
   frame.mode = state.mode;
@@ -104,15 +103,8 @@ ThreadStateGuard::ThreadStateGuard(const ThreadState& state) : owner_(std::this_
   frame_ = detail::push_frame(frame);
 }
 
-ThreadStateGuard::~ThreadStateGuard() { end_frame(frame_, owner_, "amp::ThreadStateGuard"); }
+thread_state_guard::~thread_state_guard() { end_frame(frame_, owner_, "amp::thread_state_guard"); }
 
 bool is_casting_enabled() { return detail::rules_apply_now(); }
-
-CastRules cast_rules_now(c10::DeviceType device) {
-  if (!detail::thread_key_on()) return {};
-  const detail::CastDecision decision = detail::decide(device);
-  if (decision.native_owns || decision.rules == RuleSet::kNone) return {};
-  return {decision.rules, decision.low};
-}
 
 }  // namespace amp

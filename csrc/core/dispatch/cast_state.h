@@ -24,7 +24,7 @@ using amp::RuleSet;
 //  kFollowLevel         the level's rules, while autograd records (the no_grad gate)
 //  kRegion              an amp::autocast region: the full lists in its dtype, also under no_grad
 //  kDisabled            no rules (disable_casts, autocast(enabled=false))
-//  kFollowLevelUngated  the level's rules also under no_grad (amp::rules_under_no_grad; the
+//  kFollowLevelUngated  the level's rules also under no_grad (amp::lift_no_grad_gate; the
 //                       forward of a reentrant checkpoint)
 enum ThreadMode : std::int32_t {
   kFollowLevel = 0,
@@ -44,15 +44,15 @@ struct CarriedMode {
 };
 CarriedMode carried_mode();
 
-// One open guard on a thread: amp::autocast, amp::disable_casts or amp::ThreadStateGuard.
+// One open guard on a thread: amp::autocast, amp::disable_casts or amp::thread_state_guard.
 struct CastFrame {
   std::uint64_t id = 0;
   std::int32_t mode = kFollowLevel;
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   bool is_autocast = false;  // counts for the cache drop at the outermost autocast exit
-  bool sets_key = false;     // turns the casting key on/off (autocast, ThreadStateGuard)
+  bool sets_key = false;     // turns the casting key on/off (autocast, thread_state_guard)
   bool key_on = false;
-  bool sets_substitution = false;  // ThreadStateGuard: O2/O5 substitution on/off
+  bool sets_substitution = false;  // thread_state_guard: O2/O5 substitution on/off
   bool substitution_on = false;
   // Lifts the no_grad gate without changing the mode otherwise (kFollowLevel becomes
   // kFollowLevelUngated; regions and disabled stay).

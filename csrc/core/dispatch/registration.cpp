@@ -121,14 +121,6 @@ std::vector<c10::OperatorHandle> resolve_ops(std::string_view qualified_name) {
   return ops;
 }
 
-void register_user_op(std::string_view qualified_name, CastPolicy policy) {
-  auto ops = resolve_ops(qualified_name);  // validate before touching anything
-  ensure_registered();
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  for (const auto& op : ops) kernel_locked(r, op).set_policy_everywhere(policy);
-}
-
 }  // namespace
 
 std::string qualified(const c10::OperatorName& name) {
@@ -153,44 +145,31 @@ void activate_thread(bool on) {
   set_thread_key(on);
 }
 
-}  // namespace amp::detail
-
-namespace amp {
-
-void register_half_op(std::string_view name) { detail::register_user_op(name, CastPolicy::kLower); }
-void register_float_op(std::string_view name) { detail::register_user_op(name, CastPolicy::kFp32); }
-void register_promote_op(std::string_view name) {
-  detail::register_user_op(name, CastPolicy::kPromote);
+void register_user_op(std::string_view qualified_name, CastPolicy policy) {
+  auto ops = resolve_ops(qualified_name);  // validate before touching anything
+  ensure_registered();
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const auto& op : ops) kernel_locked(r, op).set_policy_everywhere(policy);
 }
 
-std::string policy_report() {
-  detail::ensure_registered();
-  auto& r = detail::registry();
+PolicyRows policy_rows() {
+  ensure_registered();
+  auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  using detail::ListSet;
-  // Apex's lists (and user registrations) first, in the "name: policy" form; then torch's lists,
-  // "name: <CPU policy> | <other devices' policy>", with "-" where a table has no row.
-  std::map<std::string, std::string> apex, torch_rows;
+  PolicyRows rows;
   for (const auto& [name, kernel] : r.kernels) {
-    if (auto policy = kernel->policy(ListSet::kApex)) {
-      apex[detail::qualified(name)] = to_string(*policy);
-    }
+    if (auto policy = kernel->policy(ListSet::kApex))
+      rows.apex[qualified(name)] = to_string(*policy);
     auto cpu = kernel->policy(ListSet::kTorchCpu);
     auto other = kernel->policy(ListSet::kTorchOther);
     if (cpu || other) {
-      torch_rows[detail::qualified(name)] =
+      rows.torch[qualified(name)] =
           std::string(cpu ? to_string(*cpu) : "-") + " | " + (other ? to_string(*other) : "-");
     }
   }
-  std::ostringstream out;
-  out << "optamp casting policies (" << apex.size() << " operators; op_lists=\"apex\"):\n";
-  for (const auto& [name, policy] : apex) out << "  " << name << ": " << policy << "\n";
-  out << "torch.autocast's lists (" << torch_rows.size()
-      << " operators; op_lists=\"torch\"), CPU | CUDA and other devices:\n";
-  for (const auto& [name, policies] : torch_rows) out << "  " << name << ": " << policies << "\n";
-  out << "skipped (not in this LibTorch): " << r.skipped.size() << "\n";
-  for (const auto& name : r.skipped) out << "  " << name << "\n";
-  return out.str();
+  rows.skipped.assign(r.skipped.begin(), r.skipped.end());
+  return rows;
 }
 
-}  // namespace amp
+}  // namespace amp::detail

@@ -2,7 +2,12 @@
 // Registration of optamp's kernels on its dispatch key.
 #include <ATen/core/operator_name.h>
 
+#include <map>
 #include <string>
+#include <string_view>
+#include <vector>
+
+#include "optamp/policy.h"
 
 namespace amp::detail {
 
@@ -15,5 +20,18 @@ void ensure_registered();
 
 // Turns casting on/off for this thread (registers first when turning on).
 void activate_thread(bool on);
+
+// amp::register_{half,float,promote}_op: the policy for every overload `qualified_name` names, in
+// every table (validated first: an unknown op changes nothing).
+void register_user_op(std::string_view qualified_name, CastPolicy policy);
+
+// The registered kernels' policies, for amp::policy_report(): "name[.overload]" -> policy under
+// Apex's lists (with user registrations), and "<CPU policy> | <other devices' policy>" under
+// torch's ("-" where a table has no row); the table ops this LibTorch lacks.
+struct PolicyRows {
+  std::map<std::string, std::string> apex, torch;
+  std::vector<std::string> skipped;
+};
+PolicyRows policy_rows();
 
 }  // namespace amp::detail

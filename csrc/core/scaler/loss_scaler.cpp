@@ -15,6 +15,7 @@
 #include "common/format.h"
 #include "ops/multi_tensor.h"
 #include "ops/stream_capture.h"
+#include "scaler/loss_scaler_impl.h"
 #include "scaler/step_status.h"
 
 namespace amp {
@@ -26,7 +27,9 @@ constexpr double kFloatMax = 3.4028234663852886e38;
 
 }  // namespace
 
-LossScaler::LossScaler(const Properties& props, int loss_id)
+namespace detail {
+
+LossScalerImpl::LossScalerImpl(const Properties& props, int loss_id)
     : loss_id_(loss_id),
       dynamic_(props.enabled && props.loss_scale.is_dynamic()),
       checks_(props.enabled && (dynamic_ || props.overflow_check)),
@@ -38,90 +41,102 @@ LossScaler::LossScaler(const Properties& props, int loss_id)
       hysteresis_(props.hysteresis),
       min_loss_scale_(props.min_loss_scale.value_or(0.0)),
       max_loss_scale_(props.max_loss_scale),
-      lowest_scale_(std::max(props.min_loss_scale.value_or(0.0), kScaleFloor)),
+      lowest_scale_(std::max(props.min_loss_scale.value_or(0.0), LossScaler::kScaleFloor)),
       has_min_(props.min_loss_scale.has_value()),
-      verbosity_(props.verbosity) {
+      verbosity_(props.verbosity) {}
+
+}  // namespace detail
+
+LossScaler::LossScaler(const Properties& props, int loss_id)
+    : impl_(std::make_unique<detail::LossScalerImpl>(props, loss_id)) {
   TORCH_CHECK_VALUE(loss_id >= 0, "loss_id must be >= 0, got ", loss_id);
-  TORCH_CHECK_VALUE(growth_interval_ > 0, "growth_interval must be positive, got ",
-                    growth_interval_);
-  TORCH_CHECK_VALUE(hysteresis_ > 0, "hysteresis must be positive, got ", hysteresis_);
-  const double value = dynamic_ ? props.init_scale : fixed_scale_;
+  TORCH_CHECK_VALUE(impl_->growth_interval_ > 0, "growth_interval must be positive, got ",
+                    impl_->growth_interval_);
+  TORCH_CHECK_VALUE(impl_->hysteresis_ > 0, "hysteresis must be positive, got ",
+                    impl_->hysteresis_);
+  const double value = impl_->dynamic_ ? props.init_scale : impl_->fixed_scale_;
   TORCH_CHECK_VALUE(std::isfinite(value) && value >= kScaleFloor && value <= kFloatMax,
                     "loss scale must lie within [2^-126, 3.4e38] (float32's normal range), got ",
                     value);
-  statuses_ = std::make_unique<detail::StepStatusQueue>();
-  loss_scale_ = static_cast<float>(value);
-  scale_ = at::full({}, value, at::kFloat);
-  growth_tracker_ = at::zeros({}, at::kInt);
-  hysteresis_tracker_ = at::full({}, hysteresis_, at::kInt);
+  impl_->statuses_ = std::make_unique<detail::StepStatusQueue>();
+  impl_->loss_scale_ = static_cast<float>(value);
+  impl_->scale_ = at::full({}, value, at::kFloat);
+  impl_->growth_tracker_ = at::zeros({}, at::kInt);
+  impl_->hysteresis_tracker_ = at::full({}, impl_->hysteresis_, at::kInt);
 }
 
 LossScaler::~LossScaler() = default;
 
+int LossScaler::loss_id() const { return impl_->loss_id_; }
+bool LossScaler::dynamic() const { return impl_->dynamic_; }
+bool LossScaler::checks_overflow() const { return impl_->checks_; }
+double LossScaler::lowest_scale() const { return impl_->lowest_scale_; }
+int64_t LossScaler::hysteresis() const { return impl_->hysteresis_; }
+
 template <typename T>
 T LossScaler::settled(const T& field) const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
   settle_locked(/*wait=*/true);
   return field;
 }
-double LossScaler::loss_scale() const { return settled(loss_scale_); }
-bool LossScaler::last_step_skipped() const { return settled(last_step_skipped_); }
-int64_t LossScaler::skipped_steps() const { return settled(skipped_steps_); }
-int64_t LossScaler::floor_skips() const { return settled(floor_skips_); }
+double LossScaler::loss_scale() const { return settled(impl_->loss_scale_); }
+bool LossScaler::last_step_skipped() const { return settled(impl_->last_step_skipped_); }
+int64_t LossScaler::skipped_steps() const { return settled(impl_->skipped_steps_); }
+int64_t LossScaler::floor_skips() const { return settled(impl_->floor_skips_); }
 int64_t LossScaler::host_waits() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return host_waits_;
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  return impl_->host_waits_;
 }
 
 at::Tensor LossScaler::scale_tensor() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return scale_;
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  return impl_->scale_;
 }
 at::Tensor LossScaler::growth_tracker() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return growth_tracker_;
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  return impl_->growth_tracker_;
 }
 at::Tensor LossScaler::hysteresis_tracker() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return hysteresis_tracker_;
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  return impl_->hysteresis_tracker_;
 }
 bool LossScaler::pending() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return pending_;
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  return impl_->pending_;
 }
 void LossScaler::set_found_inf_reducer(FoundInfReducer reducer) {
   FoundInfReducer old;  // destroyed after the lock is released (it may take the GIL)
-  std::lock_guard<std::mutex> lock(mutex_);
-  old = std::move(found_inf_reducer_);
-  found_inf_reducer_ = std::move(reducer);
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  old = std::move(impl_->found_inf_reducer_);
+  impl_->found_inf_reducer_ = std::move(reducer);
 }
 bool LossScaler::has_found_inf_reducer() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return static_cast<bool>(found_inf_reducer_);
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  return static_cast<bool>(impl_->found_inf_reducer_);
 }
 
 void LossScaler::to(const c10::Device& device) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (scale_.device() == device) return;
-  scale_ = scale_.to(device);
-  growth_tracker_ = growth_tracker_.to(device);
-  hysteresis_tracker_ = hysteresis_tracker_.to(device);
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  if (impl_->scale_.device() == device) return;
+  impl_->scale_ = impl_->scale_.to(device);
+  impl_->growth_tracker_ = impl_->growth_tracker_.to(device);
+  impl_->hysteresis_tracker_ = impl_->hysteresis_tracker_.to(device);
 }
 
 // As torch.amp.GradScaler: 1/scale in double, rounded to float (one element, the scale's
-// device). Callers hold mutex_.
+// device). Callers hold impl_->mutex_.
 at::Tensor LossScaler::inverse_scale() const {
-  return scale_.to(at::kDouble).reciprocal().to(at::kFloat).reshape({1});
+  return impl_->scale_.to(at::kDouble).reciprocal().to(at::kFloat).reshape({1});
 }
 
 at::Tensor LossScaler::scale(const at::Tensor& loss) { return scale_for_step(loss).scaled; }
 
 LossScaler::ScaledLossValue LossScaler::scale_for_step(const at::Tensor& loss) {
   to(loss.device());
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
   // 1/scale is taken together with the
   // multiplication, so a concurrent update of the scale cannot come between them.
-  return {loss.to(at::kFloat) * scale_, inverse_scale()};
+  return {loss.to(at::kFloat) * impl_->scale_, inverse_scale()};
 }
 
 namespace {
@@ -201,18 +216,18 @@ void LossScaler::unscale_into(const std::vector<at::Tensor>& grads,
 
 void LossScaler::unscale(const std::vector<at::Tensor>& grads,
                          const std::vector<at::Tensor>& stashed) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  unscale_into(grads, stashed, inverse_scale(), found_inf_, /*check_stash=*/true);
-  pending_ = true;
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  unscale_into(grads, stashed, inverse_scale(), impl_->found_inf_, /*check_stash=*/true);
+  impl_->pending_ = true;
 }
 
 bool LossScaler::update() {
   DeviceFlags found;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    pending_ = false;
-    found = std::move(found_inf_);
-    found_inf_.clear();
+    std::lock_guard<std::mutex> lock(impl_->mutex_);
+    impl_->pending_ = false;
+    found = std::move(impl_->found_inf_);
+    impl_->found_inf_.clear();
   }
   return update_from(std::move(found), /*on_device=*/false).skipped;
 }
@@ -227,7 +242,7 @@ LossScaler::StepResult LossScaler::finish_step(const std::vector<at::Tensor>& gr
   for (const auto& t : stashed) any_stash |= t.defined();
   DeviceFlags found;
   // A fixed scale of 1.0 that checks nothing needs no pass at all (Apex's shortcut).
-  const bool identity = !checks_ && fixed_scale_ == 1.0 && !any_stash;
+  const bool identity = !impl_->checks_ && impl_->fixed_scale_ == 1.0 && !any_stash;
   if (!identity && !grads.empty()) {
     unscale_into(grads, any_stash ? stashed : std::vector<at::Tensor>{}, inv_scale, found,
                  /*check_stash=*/!on_device);
@@ -236,20 +251,21 @@ LossScaler::StepResult LossScaler::finish_step(const std::vector<at::Tensor>& gr
 }
 
 LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list, bool on_device) {
-  if (!checks_) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    last_step_skipped_ = false;
+  if (!impl_->checks_) {
+    std::lock_guard<std::mutex> lock(impl_->mutex_);
+    impl_->last_step_skipped_ = false;
     StepResult result;
-    result.loss_scale = loss_scale_;
-    result.floor_skips = floor_skips_;
+    result.loss_scale = impl_->loss_scale_;
+    result.floor_skips = impl_->floor_skips_;
     return result;
   }
   c10::Device device(c10::kCPU);
   FoundInfReducer reducer;
   {
-    std::lock_guard<std::mutex> lock(mutex_);  // scale_ may be moved by to() on another thread
-    device = scale_.device();
-    reducer = found_inf_reducer_;
+    std::lock_guard<std::mutex> lock(
+        impl_->mutex_);  // impl_->scale_ may be moved by to() on another thread
+    device = impl_->scale_.device();
+    reducer = impl_->found_inf_reducer_;
   }
   at::Tensor found;
   if (found_list.size() == 1 && found_list[0].first == device) {
@@ -263,11 +279,11 @@ LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list, bool on_d
       reduce_found_inf(reducer, found);
     } catch (...) {
       // The guard skips the step (see scale_loss.cpp); the scale stays as it was.
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::lock_guard<std::mutex> lock(impl_->mutex_);
       // Earlier steps' results first (an error path: waiting is fine).
       settle_locked(/*wait=*/true);
-      last_step_skipped_ = true;
-      ++skipped_steps_;
+      impl_->last_step_skipped_ = true;
+      ++impl_->skipped_steps_;
       throw;
     }
   }
@@ -276,14 +292,14 @@ LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list, bool on_d
   if (on_device && (found_list.size() != 1 || reducer)) found = found.ne(0).to(at::kFloat);
   StepResult result;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (found.device() != scale_.device()) found = found.to(scale_.device());
-    if (dynamic_) {
-      ops::update_scale_(scale_, growth_tracker_, hysteresis_tracker_, found, growth_factor_,
-                         backoff_factor_, growth_interval_, hysteresis_, lowest_scale_,
-                         max_loss_scale_);
+    std::lock_guard<std::mutex> lock(impl_->mutex_);
+    if (found.device() != impl_->scale_.device()) found = found.to(impl_->scale_.device());
+    if (impl_->dynamic_) {
+      ops::update_scale_(impl_->scale_, impl_->growth_tracker_, impl_->hysteresis_tracker_, found,
+                         impl_->growth_factor_, impl_->backoff_factor_, impl_->growth_interval_,
+                         impl_->hysteresis_, impl_->lowest_scale_, impl_->max_loss_scale_);
     }
-    if (ops::stream_is_capturing(scale_.device())) {
+    if (ops::stream_is_capturing(impl_->scale_.device())) {
       // Captured into a CUDA graph: the host sees this step once, at capture, and never its
       // replays, so it keeps no result (querying events or allocating pinned memory would also
       // break the capture), and a floor error waits for an eager step (naming the culprits
@@ -298,20 +314,21 @@ LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list, bool on_d
       // together. Skipping on the host: the step's one sync, a blocking copy (earlier steps'
       // results, queued before it on the stream, have arrived by then).
       settle_locked(/*wait=*/false);
-      statuses_->push(at::cat({found.reshape({1}), scale_.reshape({1})}), /*wait_now=*/!on_device);
+      impl_->statuses_->push(at::cat({found.reshape({1}), impl_->scale_.reshape({1})}),
+                             /*wait_now=*/!on_device);
       // Bounded: a host running far ahead of its device waits for its oldest results.
       constexpr size_t kMaxQueued = 64;
-      while (statuses_->size() > kMaxQueued) settle_one_locked(/*wait=*/true);
+      while (impl_->statuses_->size() > kMaxQueued) settle_one_locked(/*wait=*/true);
       if (!on_device) settle_locked(/*wait=*/true);
-      result.floor_limit = std::exchange(floor_limit_, false);
+      result.floor_limit = std::exchange(impl_->floor_limit_, false);
     }
     if (on_device) {
       result.found_inf = found.reshape({});  // 0-dim, as torch.amp.GradScaler hands it over
     } else {
-      result.skipped = last_step_skipped_;
+      result.skipped = impl_->last_step_skipped_;
     }
-    result.loss_scale = loss_scale_;
-    result.floor_skips = floor_skips_;
+    result.loss_scale = impl_->loss_scale_;
+    result.floor_skips = impl_->floor_skips_;
   }
   return result;
 }
@@ -322,30 +339,31 @@ void LossScaler::settle_locked(bool wait) const {
 }
 
 bool LossScaler::settle_one_locked(bool wait) const {
-  const std::optional<detail::StepStatus> status = statuses_->pop(wait);
+  const std::optional<detail::StepStatus> status = impl_->statuses_->pop(wait);
   if (!status) return false;
-  host_waits_ += wait;
-  const double used = loss_scale_;
+  impl_->host_waits_ += wait;
+  const double used = impl_->loss_scale_;
   const bool skipped = status->found_inf != 0.0f;
-  loss_scale_ = status->scale;
-  last_step_skipped_ = skipped;
+  impl_->loss_scale_ = status->scale;
+  impl_->last_step_skipped_ = skipped;
   if (skipped) {
-    ++skipped_steps_;
+    ++impl_->skipped_steps_;
     // At the bottom already: a fixed scale, or a dynamic one that cannot back off further
     // (min_loss_scale or the floor). Skips there can only repeat: count them for the error.
-    const bool at_bottom = !dynamic_ || used <= lowest_scale_;
-    floor_skips_ = at_bottom ? floor_skips_ + 1 : 0;
-    if (floor_skips_ > 0 && floor_skips_ % kFloorSkipLimit == 0) floor_limit_ = true;
+    const bool at_bottom = !impl_->dynamic_ || used <= impl_->lowest_scale_;
+    impl_->floor_skips_ = at_bottom ? impl_->floor_skips_ + 1 : 0;
+    if (impl_->floor_skips_ > 0 && impl_->floor_skips_ % kFloorSkipLimit == 0)
+      impl_->floor_limit_ = true;
   } else {
-    floor_skips_ = 0;
+    impl_->floor_skips_ = 0;
   }
-  if (skipped && verbosity_ >= 1) {
-    if (dynamic_) {
-      std::cerr << "Gradient overflow. Skipping step, loss scaler " << loss_id_
-                << " reducing loss scale to " << number_name(loss_scale_) << std::endl;
+  if (skipped && impl_->verbosity_ >= 1) {
+    if (impl_->dynamic_) {
+      std::cerr << "Gradient overflow. Skipping step, loss scaler " << impl_->loss_id_
+                << " reducing loss scale to " << number_name(impl_->loss_scale_) << std::endl;
     } else {
-      std::cerr << "Gradient overflow. Skipping step, loss scaler " << loss_id_
-                << " keeping its fixed loss scale " << number_name(loss_scale_) << std::endl;
+      std::cerr << "Gradient overflow. Skipping step, loss scaler " << impl_->loss_id_
+                << " keeping its fixed loss scale " << number_name(impl_->loss_scale_) << std::endl;
     }
   }
   return true;
@@ -356,7 +374,7 @@ void LossScaler::reduce_found_inf(const FoundInfReducer& reducer, at::Tensor& fo
   reducer(found);
   TORCH_CHECK_VALUE(found.defined() && found.numel() == 1 && found.scalar_type() == at::kFloat &&
                         found.device() == device,
-                    "the found_inf reducer of loss scaler ", loss_id_,
+                    "the found_inf reducer of loss scaler ", impl_->loss_id_,
                     " must leave a one-element float32 tensor on ", device.str(), ", got ",
                     found.defined() ? found.toString() + " with " + std::to_string(found.numel()) +
                                           " elements on " + found.device().str()

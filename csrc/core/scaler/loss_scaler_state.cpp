@@ -2,6 +2,8 @@
 // before anything changes), amp::StateDict and its torch::serialize archive form.
 #include "optamp/loss_scaler.h"
 
+#include "scaler/loss_scaler_impl.h"
+
 #include <ATen/ATen.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
@@ -45,10 +47,12 @@ void LossScaler::check_state(const StateDict& from, const std::string& prefix) c
   const int64_t skipped = state_entry(from, prefix + "skipped", at::kLong).item<int64_t>();
   const int64_t floor = state_entry(from, prefix + "floor_skips", at::kLong).item<int64_t>();
   const std::string key = prefix + "scale";
-  if (dynamic_) {
+  if (impl_->dynamic_) {
     const double lo =
-        has_min_ ? std::max(kScaleFloor, std::min(min_loss_scale_, init_scale_)) : kScaleFloor;
-    const double hi = std::max(max_loss_scale_, init_scale_);
+        impl_->has_min_
+            ? std::max(kScaleFloor, std::min(impl_->min_loss_scale_, impl_->init_scale_))
+            : kScaleFloor;
+    const double hi = std::max(impl_->max_loss_scale_, impl_->init_scale_);
     TORCH_CHECK_VALUE(std::isfinite(scale) && scale >= static_cast<float>(lo) && scale <= hi,
                       "state entry '", key, "' must lie within [", number_name(lo), ", ",
                       number_name(hi),
@@ -56,14 +60,16 @@ void LossScaler::check_state(const StateDict& from, const std::string& prefix) c
                       "got ",
                       number_name(scale));
   } else {
-    TORCH_CHECK_VALUE(scale == static_cast<float>(fixed_scale_), "state entry '", key,
-                      "' must equal the configured fixed loss scale ", number_name(fixed_scale_),
-                      " (a fixed scale never changes), got ", number_name(scale),
+    TORCH_CHECK_VALUE(scale == static_cast<float>(impl_->fixed_scale_), "state entry '", key,
+                      "' must equal the configured fixed loss scale ",
+                      number_name(impl_->fixed_scale_), " (a fixed scale never changes), got ",
+                      number_name(scale),
                       "; initialize with loss_scale=\"dynamic\" (or with this scale) to resume it");
   }
-  check_range<int64_t>(prefix + "growth_tracker", growth, 0, growth_interval_ - 1,
+  check_range<int64_t>(prefix + "growth_tracker", growth, 0, impl_->growth_interval_ - 1,
                        "0 to growth_interval - 1");
-  check_range<int64_t>(prefix + "hysteresis", hyst, 0, hysteresis_, "0 to the hysteresis setting");
+  check_range<int64_t>(prefix + "hysteresis", hyst, 0, impl_->hysteresis_,
+                       "0 to the hysteresis setting");
   check_range<int64_t>(prefix + "skipped", skipped, 0, std::numeric_limits<int64_t>::max(),
                        "a count of skipped steps");
   check_range<int64_t>(prefix + "floor_skips", floor, 0, skipped,
@@ -72,31 +78,31 @@ void LossScaler::check_state(const StateDict& from, const std::string& prefix) c
 
 void LossScaler::save(StateDict& into, const std::string& prefix) const {
   auto cpu = [](const at::Tensor& t) { return t.detach().to(at::kCPU).clone().reshape({}); };
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
   settle_locked(/*wait=*/true);
-  into.insert(prefix + "scale", cpu(scale_));
-  into.insert(prefix + "growth_tracker", cpu(growth_tracker_));
-  into.insert(prefix + "hysteresis", cpu(hysteresis_tracker_));
-  into.insert(prefix + "skipped", at::scalar_tensor(skipped_steps_, at::kLong));
-  into.insert(prefix + "floor_skips", at::scalar_tensor(floor_skips_, at::kLong));
+  into.insert(prefix + "scale", cpu(impl_->scale_));
+  into.insert(prefix + "growth_tracker", cpu(impl_->growth_tracker_));
+  into.insert(prefix + "hysteresis", cpu(impl_->hysteresis_tracker_));
+  into.insert(prefix + "skipped", at::scalar_tensor(impl_->skipped_steps_, at::kLong));
+  into.insert(prefix + "floor_skips", at::scalar_tensor(impl_->floor_skips_, at::kLong));
 }
 
 void LossScaler::load(const StateDict& from, const std::string& prefix) {
   check_state(from, prefix);
   auto get = [&](const char* name) { return from.at(prefix + name).to(at::kCPU).reshape({}); };
   const at::Tensor scale = get("scale");
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
   settle_locked(/*wait=*/true);  // results of earlier steps must not land on the loaded state
-  floor_limit_ = false;
-  scale_.copy_(scale);
-  growth_tracker_.copy_(get("growth_tracker"));
-  hysteresis_tracker_.copy_(get("hysteresis"));
-  loss_scale_ = scale.item<float>();
-  skipped_steps_ = get("skipped").item<int64_t>();
-  floor_skips_ = get("floor_skips").item<int64_t>();
-  last_step_skipped_ = false;
-  pending_ = false;
-  found_inf_.clear();
+  impl_->floor_limit_ = false;
+  impl_->scale_.copy_(scale);
+  impl_->growth_tracker_.copy_(get("growth_tracker"));
+  impl_->hysteresis_tracker_.copy_(get("hysteresis"));
+  impl_->loss_scale_ = scale.item<float>();
+  impl_->skipped_steps_ = get("skipped").item<int64_t>();
+  impl_->floor_skips_ = get("floor_skips").item<int64_t>();
+  impl_->last_step_skipped_ = false;
+  impl_->pending_ = false;
+  impl_->found_inf_.clear();
 }
 
 // ---- state dict ----------------------------------------------------------------------------

@@ -262,7 +262,7 @@ void warn_if_casting_is_off_here() {
       "amp::scale_loss runs on a thread where optamp's casting is off, although amp::initialize "
       "set up a casting level: initialize turns casting on only for the thread that called it, "
       "so the forward on this thread ran in plain fp32. Carry the state over with "
-      "amp::ThreadState::capture() / amp::ThreadStateGuard (Python: optamp.ThreadState.capture() "
+      "amp::ThreadState::capture() / amp::thread_state_guard (Python: optamp.ThreadState.capture() "
       "/ optamp.thread_state_guard), or call initialize on the training thread.");
 }
 
