@@ -1,0 +1,148 @@
+// O2's fp16 working copies of the fp32 master weights: one per parameter, reused across
+// micro-batches, refreshed by every step and never stale (CPU and CUDA); views see the copy,
+// ops that make their own data (clone, to) stay fp32, and no_grad runs fp32.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "initialize_test.h"
+#include "optamp/amp.h"
+#include "test_util.h"
+
+namespace amp {
+namespace {
+
+using namespace amp::testing;  // NOLINT: the initialize fixtures and model (initialize_test.h)
+
+// InitializeOnDevice's one instantiation (initialize_test.h): it also runs the fixture's tests in
+// the other files (test_reset.cpp).
+INSTANTIATE_TEST_SUITE_P(Devices, InitializeOnDevice, testing::kDevices, testing::on_device);
+
+bool is_batchnorm_param(const std::string& name) { return name.rfind("bn.", 0) == 0; }
+
+// The working copy each op sees for every parameter, read through a view (a substituted op: a
+// cache hit once the forward has cast it), next to its fp32 master rounded to fp16 with an
+// exempt `to`. Returns the copies of the substituted parameters by name.
+std::vector<std::pair<std::string, at::Tensor>> expect_copies_are_rounded_masters(
+    Net& net, const std::string& when) {
+  std::vector<std::pair<std::string, at::Tensor>> copies;
+  for (const auto& p : net->named_parameters()) {
+    const at::Tensor& master = p.value();
+    EXPECT_EQ(master.scalar_type(), at::kFloat) << p.key() << " master " << when;
+    const at::Tensor seen = master.view(master.sizes());
+    if (is_batchnorm_param(p.key())) {  // keep_batchnorm_fp32: the fp32 tensor itself
+      EXPECT_EQ(seen.scalar_type(), at::kFloat) << p.key() << " " << when;
+      EXPECT_TRUE(at::equal(seen, master)) << p.key() << " " << when;
+      continue;
+    }
+    EXPECT_EQ(seen.scalar_type(), at::kHalf) << p.key() << " " << when;
+    EXPECT_TRUE(at::equal(seen, master.detach().to(at::kHalf)))
+        << p.key() << ": stale working copy " << when;
+    copies.emplace_back(p.key(), seen.detach().clone());
+  }
+  return copies;
+}
+
+void expect_o2_working_copies_never_stale(at::Device device) {
+  Net net = make_net_on(device);
+  auto opt = make_optimizer(net, Opt::kSgd);
+  initialize(net, *opt, "O2", quiet());
+  auto batches = batches_on(device, 3);
+  std::size_t reduced_params = 0;
+  for (const auto& p : net->named_parameters()) {
+    if (!is_batchnorm_param(p.key())) ++reduced_params;
+  }
+  opt->zero_grad();
+  // Micro-batch 1 (delayed unscale): every non-BN param is cast once (+ the input).
+  auto before = cast_count();
+  auto out = net->forward(batches[0].x, batches[0].tag);
+  const auto forward_casts = cast_count() - before;
+  EXPECT_EQ(forward_casts, static_cast<std::int64_t>(reduced_params) + 1);
+  EXPECT_EQ(cache_size(), reduced_params);
+  {
+    auto scaled =
+        scale_loss(at::cross_entropy_loss(out, batches[0].y), *opt, {0, /*delay_unscale=*/true});
+    scaled.backward();
+  }
+  EXPECT_EQ(cache_size(), reduced_params);  // delayed: copies stay valid
+  // Micro-batch 2: the working copies are reused; only the input is cast.
+  before = cast_count();
+  {
+    auto scaled = scale_loss(
+        at::cross_entropy_loss(net->forward(batches[1].x, batches[1].tag), batches[1].y), *opt);
+    scaled.backward();
+  }
+  EXPECT_EQ(cast_count() - before, 2);  // the input and the loss's fp16->fp32 cast
+  EXPECT_EQ(cache_size(), 0u);          // the non-delayed unscale dropped them: a step may follow
+  opt->step();
+  // Steps 1-4, each followed by the next training forward: it re-casts every copy exactly once,
+  // and the copies it used are the stepped fp32 masters rounded to fp16 — never stale.
+  std::vector<std::pair<std::string, at::Tensor>> previous;
+  for (int step = 1; step <= 4; ++step) {
+    const std::string when = "after step " + std::to_string(step);
+    const auto& b = batches[step % batches.size()];
+    opt->zero_grad();
+    before = cast_count();
+    out = net->forward(b.x, b.tag);
+    EXPECT_EQ(cast_count() - before, forward_casts) << when;
+    EXPECT_EQ(cache_size(), reduced_params) << when;
+    const auto copies = expect_copies_are_rounded_masters(net, when);
+    EXPECT_EQ(cast_count() - before, forward_casts) << "the check must read the forward's copies";
+    for (std::size_t i = 0; i < previous.size(); ++i) {
+      // The step moved every copy (a stale one would have been caught), except conv.bias: the
+      // batch-norm after it cancels any shift, so its gradient is zero.
+      const auto& [name, copy] = copies[i];
+      EXPECT_EQ(at::equal(copy, previous[i].second), name == "conv.bias") << name << " " << when;
+    }
+    previous = copies;
+    {
+      auto scaled = scale_loss(at::cross_entropy_loss(out, b.y), *opt);
+      scaled.backward();
+    }
+    EXPECT_EQ(cache_size(), 0u) << when;
+    opt->step();
+  }
+  // After the last step, through a module: its output is the linear of the rounded masters.
+  at::manual_seed(3);
+  auto x = at::randn({2, 16}, device);
+  const auto seen = net->fc2->forward(x);
+  const auto expected = at::linear(x.to(at::kHalf), net->fc2->weight.detach().to(at::kHalf),
+                                   net->fc2->bias.detach().to(at::kHalf));
+  EXPECT_EQ(seen.scalar_type(), at::kHalf);
+  // Same op, same fp16 inputs: bitwise on the CPU; within fp16 rounding on CUDA (cuBLAS).
+  EXPECT_TRUE(device.is_cpu() ? at::equal(seen, expected)
+                              : testing::all_close(seen, expected, testing::tolerance(at::kHalf)));
+  expect_copies_are_rounded_masters(net, "after step 5");
+}
+
+TEST_P(InitializeOnDevice, O2OneWorkingCopyPerParamReusedAndRefreshedPerStep) {
+  expect_o2_working_copies_never_stale(GetParam());
+}
+
+TEST_F(Initialize, O2OwnDataOpsStayFp32AndViewsReuseTheCopy) {
+  Net net = make_net();
+  auto opt = make_optimizer(net, Opt::kSgd);
+  initialize(net, *opt, "O2", quiet());
+  const auto& w = net->fc2->weight;
+  EXPECT_EQ(w.detach().clone().scalar_type(), at::kFloat);
+  EXPECT_EQ(w.clone().scalar_type(), at::kFloat);
+  EXPECT_EQ(w.to(at::kDouble).scalar_type(), at::kDouble);
+  EXPECT_EQ(w.t().scalar_type(), at::kHalf);  // views see the working copy
+  auto x = at::randn({2, 16});
+  at::matmul(x, w.t());
+  const auto before = cast_count();
+  at::matmul(x, w.t());
+  EXPECT_EQ(cast_count() - before, 1);  // x only: w's copy is reused through the view
+  // No substitution without autograd recording (validation in fp32 by default).
+  c10::NoGradGuard no_grad;
+  EXPECT_EQ(net->fc2->forward(x).scalar_type(), at::kFloat);
+}
+
+}  // namespace
+}  // namespace amp
