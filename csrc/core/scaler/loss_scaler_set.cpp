@@ -1,61 +1,19 @@
-// The session's loss scalers (one per loss_id): making them, reading them, what scale_loss checks
-// against the session (the optimizers initialize was given, the parameters' dtypes), and the
-// scalers' amp::state_dict() / amp::load_state_dict().
+// The session's loss scalers (one per loss_id): making them, reading them, and what scale_loss
+// checks against the session (the optimizers initialize was given, the parameters' dtypes).
 #include "scaler/loss_scaler_set.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 
-#include <algorithm>
-#include <iterator>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <unordered_map>
-#include <unordered_set>
-#include <utility>
 #include <vector>
 
-#include "optamp/state_dict.h"
 #include "scaler/scale_loss.h"
 #include "session.h"
 
 namespace amp {
-
-// ---- the session's scalers ----------------------------------------------------------------
-
-namespace {
-
-// The session's scalers, refusing when none is configured. `who` names the caller in the error.
-const std::vector<std::shared_ptr<LossScaler>>& configured_scalers(const detail::Session& s,
-                                                                   const char* who) {
-  TORCH_CHECK(!s.loss_scalers.empty(), who, ": call amp::initialize first (no loss scaler exists)");
-  return s.loss_scalers;
-}
-
-constexpr const char* kEntryNames[] = {"scale", "growth_tracker", "hysteresis", "skipped",
-                                       "floor_skips"};
-constexpr size_t kEntriesPerScaler = std::size(kEntryNames);
-
-std::string scaler_prefix(int i) { return "loss_scaler" + std::to_string(i) + "."; }
-
-// Whether `key` is "loss_scaler<i>.<entry>" with i in [0, n) (as scaler_prefix writes i).
-bool is_entry_name(const std::string& key, int n) {
-  const std::string head = "loss_scaler";
-  const auto dot = key.find('.');
-  if (key.compare(0, head.size(), head) != 0 || dot == std::string::npos) return false;
-  const std::string index = key.substr(head.size(), dot - head.size());
-  if (index.empty() || index.size() > 9 || (index.size() > 1 && index[0] == '0') ||
-      index.find_first_not_of("0123456789") != std::string::npos) {
-    return false;
-  }
-  const std::string name = key.substr(dot + 1);
-  return std::stoi(index) < n &&
-         std::find(std::begin(kEntryNames), std::end(kEntryNames), name) != std::end(kEntryNames);
-}
-
-}  // namespace
 
 LossScaler& loss_scaler(int loss_id) { return *core::loss_scaler_ptr(loss_id); }
 
@@ -136,35 +94,5 @@ void reset_loss_scalers() {
 int num_loss_scalers() { return static_cast<int>(detail::current_session()->loss_scalers.size()); }
 
 }  // namespace core
-
-StateDict state_dict() {
-  const auto session = detail::current_session();
-  const auto& scalers = configured_scalers(*session, "amp::state_dict");
-  StateDict sd;
-  for (size_t i = 0; i < scalers.size(); ++i) scalers[i]->save(sd, scaler_prefix(i));
-  return sd;
-}
-
-void load_state_dict(const StateDict& state) {
-  const auto session = detail::current_session();
-  const auto& scalers = configured_scalers(*session, "amp::load_state_dict");
-  const int n = static_cast<int>(scalers.size());
-  int saved = 0;
-  while (state.contains(scaler_prefix(saved) + "scale")) ++saved;
-  TORCH_CHECK_VALUE(saved == n, "state dict must hold num_losses=", n,
-                    " loss scalers (keys loss_scaler0.* .. loss_scaler", n - 1, ".*), got ", saved);
-  for (int i = 0; i < n; ++i) scalers[i]->check_state(state, scaler_prefix(i));
-  // Every entry is one of those checked: nothing the caller meant to restore is dropped silently.
-  if (state.size() != static_cast<size_t>(n) * kEntriesPerScaler) {
-    for (const auto& [key, value] : state.items()) {
-      TORCH_CHECK_VALUE(is_entry_name(key, n),
-                        "state dict must hold only the entries of num_losses=", n,
-                        " loss scalers (loss_scaler<i>.{scale, growth_tracker, hysteresis, "
-                        "skipped, floor_skips}), got an unknown entry '",
-                        key, "'");
-    }
-  }
-  for (int i = 0; i < n; ++i) scalers[i]->load(state, scaler_prefix(i));
-}
 
 }  // namespace amp

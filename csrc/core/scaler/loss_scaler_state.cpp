@@ -1,12 +1,10 @@
 // Saving and loading a loss scaler: LossScaler::check_state/save/load (every entry validated
-// before anything changes), amp::StateDict and its torch::serialize archive form.
+// before anything changes).
 #include "optamp/loss_scaler.h"
 
 #include "scaler/loss_scaler_impl.h"
 
 #include <ATen/ATen.h>
-#include <torch/serialize/input-archive.h>
-#include <torch/serialize/output-archive.h>
 
 #include <algorithm>
 #include <cmath>
@@ -103,65 +101,6 @@ void LossScaler::load(const StateDict& from, const std::string& prefix) {
   impl_->last_step_skipped_ = false;
   impl_->pending_ = false;
   impl_->found_inf_.clear();
-}
-
-// ---- state dict ----------------------------------------------------------------------------
-
-void StateDict::insert(const std::string& name, const at::Tensor& value) {
-  auto [it, added] = index_.try_emplace(name, items_.size());
-  if (added) {
-    items_.emplace_back(name, value);
-  } else {
-    items_[it->second].second = value;
-  }
-}
-
-bool StateDict::contains(const std::string& name) const { return index_.count(name) != 0; }
-
-const at::Tensor& StateDict::at(const std::string& name) const {
-  auto it = index_.find(name);
-  TORCH_CHECK_VALUE(it != index_.end(), "state dict must contain '", name, "', got keys [",
-                    c10::Join(", ", keys()), "]");
-  return items_[it->second].second;
-}
-
-std::vector<std::string> StateDict::keys() const {
-  std::vector<std::string> out;
-  for (const auto& [k, v] : items_) out.push_back(k);
-  return out;
-}
-
-// Saved as a names string plus tensors "t0", "t1", ... (dotted names are not valid archive keys).
-torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
-                                            const StateDict& state) {
-  std::string names;
-  for (size_t i = 0; i < state.items().size(); ++i) {
-    if (i) names += '\n';
-    names += state.items()[i].first;
-    archive.write("t" + std::to_string(i), state.items()[i].second, /*is_buffer=*/true);
-  }
-  archive.write("optamp_state_names", c10::IValue(names));
-  return archive;
-}
-
-torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
-                                           StateDict& state) {
-  c10::IValue names_value;
-  TORCH_CHECK_VALUE(archive.try_read("optamp_state_names", names_value),
-                    "archive must hold an amp::StateDict (key 'optamp_state_names' missing)");
-  const std::string names = names_value.toStringRef();
-  StateDict loaded;
-  if (!names.empty()) {
-    std::istringstream in(names);
-    std::string name;
-    for (size_t i = 0; std::getline(in, name); ++i) {
-      at::Tensor t;
-      archive.read("t" + std::to_string(i), t, /*is_buffer=*/true);
-      loaded.insert(name, t);
-    }
-  }
-  state = std::move(loaded);
-  return archive;
 }
 
 }  // namespace amp
