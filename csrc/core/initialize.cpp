@@ -7,7 +7,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "dispatch/cast_state.h"
+#include "dispatch/thread_frames.h"
 #include "dispatch/registration.h"
 #include "dispatch/substitution.h"
 #include "optamp/cast_cache.h"

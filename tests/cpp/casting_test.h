@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
 
-#include "dispatch/cast_state.h"
+#include "dispatch/cast_decision.h"
 #include "dispatch/registration.h"
 #include "optamp/amp.h"
 

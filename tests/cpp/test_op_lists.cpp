@@ -10,7 +10,7 @@
 #include <set>
 #include <string>
 
-#include "dispatch/cast_state.h"
+#include "dispatch/cast_decision.h"
 #include "dispatch/policy_table.h"
 #include "dispatch/registration.h"
 #include "optamp/amp.h"

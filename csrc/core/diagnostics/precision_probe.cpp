@@ -23,7 +23,7 @@
 
 #include "diagnostics/precision_format.h"
 #include "diagnostics/value_stats.h"
-#include "dispatch/cast_state.h"
+#include "dispatch/carried_state.h"
 #include "dispatch/substitution.h"
 #include "ops/stream_capture.h"
 

@@ -1,13 +1,14 @@
 // amp::autocast, amp::disable_casts and the thread-state carrier: each opens a frame on its
-// thread (dispatch/cast_state.h), and the thread's mode follows the frames still open.
+// thread (dispatch/thread_frames.h), and the thread's mode follows the frames still open.
 #include "optamp/autocast.h"
 #include "optamp/policy.h"
 
 #include <c10/util/Exception.h>
 
-#include "dispatch/cast_state.h"
+#include "dispatch/cast_decision.h"
 #include "dispatch/registration.h"
 #include "dispatch/substitution.h"
+#include "dispatch/thread_frames.h"
 #include "optamp/cast_cache.h"
 #include "optamp/opt_level.h"
 

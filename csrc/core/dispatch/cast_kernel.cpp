@@ -11,7 +11,7 @@
 #include <unordered_set>
 
 #include "cache/cast_cache.h"
-#include "dispatch/cast_state.h"
+#include "dispatch/cast_decision.h"
 #include "dispatch/tensor_args.h"
 
 namespace amp::detail {

@@ -5,7 +5,7 @@
 #include <sstream>
 #include <string>
 
-#include "dispatch/cast_state.h"
+#include "dispatch/cast_decision.h"
 #include "dispatch/registration.h"
 
 namespace amp {

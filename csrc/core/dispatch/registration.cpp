@@ -14,8 +14,8 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "dispatch/carried_state.h"
 #include "dispatch/cast_kernel.h"
-#include "dispatch/cast_state.h"
 #include "optamp/policy.h"
 
 namespace amp::detail {

@@ -15,10 +15,11 @@
 #include <mutex>
 
 #include "cache/cast_cache.h"
-#include "dispatch/cast_state.h"
+#include "dispatch/cast_decision.h"
 #include "dispatch/registration.h"
 #include "dispatch/substitution_call.h"
 #include "dispatch/tensor_args.h"
+#include "dispatch/thread_frames.h"
 
 namespace amp::detail {
 namespace {
@@ -218,12 +219,7 @@ bool is_working_copy_source(const at::Tensor& t) {
 
 void activate_substitution_thread(bool on) {
   if (on) ensure_substitution_registered();
-  // The key reaches dispatch through the registered tensors' key sets, never through the
-  // thread's included set: turning it on only lifts torch's default exclusion.
-  c10::impl::tls_set_dispatch_key_included(kSubstituteKey, false);
-  c10::impl::tls_set_dispatch_key_excluded(kSubstituteKey, !on);
+  set_substitution_key(on);
 }
-
-bool substitution_thread_on() { return !c10::impl::tls_is_dispatch_key_excluded(kSubstituteKey); }
 
 }  // namespace amp::detail

@@ -12,13 +12,11 @@
 
 #include <vector>
 
+#include "dispatch/carried_state.h"
+
 #include "session.h"
 
 namespace amp::detail {
-
-// Its own key, so O1 ops (on kCastKey) don't pay for it. Free in CPU/CUDA builds. In torch's
-// default excluded set, so a thread that never turned substitution on ignores it.
-constexpr c10::DispatchKey kSubstituteKey = c10::DispatchKey::AutocastXLA;
 
 // The model tensors ops should see as working copies (params and buffers minus batch-norm /
 // keep_in_fp32 ones), for the session initialize builds; registers the key's kernels on first use.
@@ -29,8 +27,8 @@ void move_substitution_key(const WorkingCopySources& from, const WorkingCopySour
 // Whether `t` is a registered source now.
 bool is_working_copy_source(const at::Tensor& t);
 
-// This thread's substitution on/off (with the casting key, by initialize and reset).
+// This thread's substitution on/off (with the casting key, by initialize and reset); registers
+// the key's kernels first when turning it on.
 void activate_substitution_thread(bool on);
-bool substitution_thread_on();
 
 }  // namespace amp::detail

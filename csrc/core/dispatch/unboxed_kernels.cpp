@@ -9,7 +9,7 @@
 #include <string>
 #include <utility>
 
-#include "dispatch/cast_state.h"
+#include "dispatch/carried_state.h"
 #include "dispatch/tensor_args.h"
 
 namespace amp::detail {

@@ -15,7 +15,7 @@
 #include <unordered_set>
 
 #include "common/step_events.h"
-#include "dispatch/cast_state.h"
+#include "dispatch/cast_decision.h"
 #include "optamp/loss_scaler.h"
 #include "scaler/loss_scaler_set.h"
 #include "scaler/scale_loss.h"
