@@ -6,16 +6,8 @@
 // It is a program of python -m optamp.ab's protocol (optamp/ab.h, docs/ab_test.md): without
 // --opt-level / --seed it takes OPTAMP_OPT_LEVEL / OPTAMP_SEED (else O0 / 0), and it reports
 // through amp::ab::report, to --metrics FILE or else to the runner's OPTAMP_AB_METRICS file.
-// Metrics file (one JSON object a line, each with "t": seconds since the first line):
-//   {"type":"config", ...}                      the run's settings
-//   {"type":"step","step":1,"loss":..,"loss_scale":..,"skipped":false,"step_ms":..}
-//   {"type":"eval","step":150,"test_accuracy":..,"test_loss":..}   for each --eval-at step
-//   {"type":"summary","test_accuracy":..,"test_loss":..,"median_step_ms":..,...}
-// --eval-at 100,400 evaluates the test set after those steps too (eval mode, no grad: training is
-// not changed, so a 100-step run's result equals the eval at step 100 of a longer run with the
-// same seed; ab_test.sh pairs levels run for fewer steps with the baseline this way).
-// --save-weights FILE writes the trained parameters and buffers (a name -> tensor dict, readable
-// with torch.load) so the test set's result can be checked against the weights independently.
+// What it does for the A/B harness alone (the metrics file, --eval-at, --save-weights) is in
+// ab_harness.h.
 // stdout gets Apex's properties report (printed once, by amp::initialize at its default
 // verbosity 1) and a one-line summary; stderr Apex's "Gradient overflow" lines and a progress
 // line with rate and ETA when it is a terminal (OPTAMP_PROGRESS=1/0 forces it on/off).
@@ -26,7 +18,6 @@
 #include <ATen/Context.h>
 #include <malloc.h>
 #include <optamp/amp.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/cuda.h>
 #include <torch/nn.h>
 #include <torch/optim.h>
@@ -35,13 +26,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
-#include <iostream>
-#include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "ab_harness.h"
 #include "fashion_mnist.h"
 #include "fashion_mnist_net.h"
 #include "trainer_common.h"
@@ -77,31 +65,6 @@ const char* kUsage =
     "         [--data DIR] [--subset N] [--test-subset N] [--threads N] [--metrics FILE]\n"
     "         [--eval-at S1,S2,..] [--save-weights FILE]\n";
 
-// "100,400" -> {100, 400}; every entry a step number >= 1.
-std::vector<std::int64_t> parse_steps(const std::string& flag, const std::string& v) {
-  std::vector<std::int64_t> out;
-  std::stringstream in(v);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    std::size_t used = 0;
-    std::int64_t step = 0;
-    try {
-      step = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;  // not a number: reported below
-    }
-    if (used == 0 || used != item.size() || step < 1)
-      throw std::invalid_argument(flag + " takes step numbers >= 1 separated by commas, got \"" +
-                                  v + "\"");
-    out.push_back(step);
-  }
-  if (out.empty())
-    throw std::invalid_argument(flag + " takes step numbers >= 1 separated by commas, got \"\"");
-  std::sort(out.begin(), out.end());
-  out.erase(std::unique(out.begin(), out.end()), out.end());
-  return out;
-}
-
 Args parse_args(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; i += 2) {
@@ -133,7 +96,7 @@ Args parse_args(int argc, char** argv) {
     else if (flag == "--metrics")
       a.metrics = v;
     else if (flag == "--eval-at")
-      a.eval_at = parse_steps(flag, v);
+      a.eval_at = ab_harness::parse_steps(flag, v);
     else if (flag == "--save-weights")
       a.save_weights = v;
     else
@@ -153,23 +116,6 @@ Args parse_args(int argc, char** argv) {
     throw std::invalid_argument("--steps >= 0, --epochs >= 1, --batch-size >= 1, --lr > 0");
   return a;
 }
-
-// ---- one metrics line for amp::ab::report (numbers, strings, bools) -------------------------
-class Line {
- public:
-  Line& num(const std::string& k, double v) { return add(k, v); }
-  Line& integer(const std::string& k, std::int64_t v) { return add(k, v); }
-  Line& boolean(const std::string& k, bool v) { return add(k, v); }
-  Line& str(const std::string& k, const std::string& v) { return add(k, v); }
-  const amp::ab::Metrics& done() const { return metrics_; }
-
- private:
-  Line& add(const std::string& k, amp::ab::Value v) {
-    metrics_.emplace_back(k, std::move(v));
-    return *this;
-  }
-  amp::ab::Metrics metrics_;
-};
 
 // The learning rate of step `step` (0-based) of `total`: constant, or cosine decay to 0 (for
 // --epochs runs to convergence; a constant rate keeps a short run the prefix of a longer one).
@@ -221,17 +167,6 @@ EvalResult evaluate(Net& model, const fashion_mnist::Split& test, const torch::D
   return {100.0 * static_cast<double>(correct) / n, loss_sum / n};
 }
 
-// The trained parameters and buffers as a name -> tensor dict in torch.save's format.
-void save_weights(Net& model, const std::string& path) {
-  c10::Dict<std::string, torch::Tensor> dict;
-  for (const auto& p : model->named_parameters()) dict.insert(p.key(), p.value().detach().cpu());
-  for (const auto& b : model->named_buffers()) dict.insert(b.key(), b.value().detach().cpu());
-  const std::vector<char> bytes = torch::jit::pickle_save(c10::IValue(dict));
-  std::ofstream out(path, std::ios::binary);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  if (!out) throw std::runtime_error("cannot write --save-weights " + path);
-}
-
 int run(const Args& args) {
   const torch::Device device = trainer_common::setup_device(args.device, args.threads);
   at::globalContext().setBenchmarkCuDNN(false);
@@ -243,9 +178,7 @@ int run(const Args& args) {
   const std::int64_t batch = std::min(args.batch_size, n_train);
   const std::int64_t per_epoch = n_train / batch;  // the last partial batch is dropped
   const std::int64_t total = args.steps > 0 ? args.steps : args.epochs * per_epoch;
-  if (!args.eval_at.empty() && args.eval_at.back() > total)
-    throw std::invalid_argument("--eval-at " + std::to_string(args.eval_at.back()) +
-                                " is after the run's last step " + std::to_string(total));
+  const ab_harness::EvalSteps eval_at(args.eval_at, total);  // throws past the last step
 
   torch::manual_seed(args.seed);
   Net model;
@@ -254,38 +187,30 @@ int run(const Args& args) {
 
   const AmpSession amp_session(model, optimizer, args.opt_level);  // throws UnsupportedOptLevel
 
-  // --metrics FILE, else the runner's file (OPTAMP_AB_METRICS; none: nothing is written).
-  std::unique_ptr<amp::ab::Reporter> own_reporter;
-  if (!args.metrics.empty()) {
-    if (!std::ofstream(args.metrics))
-      throw std::runtime_error("cannot write --metrics " + args.metrics);
-    own_reporter = std::make_unique<amp::ab::Reporter>(args.metrics);
-  }
-  amp::ab::Reporter& metrics = own_reporter ? *own_reporter : amp::ab::reporter();
-  if (metrics.active()) {
-    metrics.report(Line()
-                       .str("type", "config")
-                       .str("program", "train_fashion_mnist")
-                       .str("language", "c++")
-                       .str("opt_level", args.opt_level)
-                       .str("device", args.device)
-                       .integer("steps", total)
-                       .integer("batch_size", batch)
-                       .num("lr", args.lr)
-                       .str("lr_schedule", args.lr_schedule)
-                       .integer("seed", static_cast<std::int64_t>(args.seed))
-                       .integer("train_images", n_train)
-                       .integer("test_images", test.images.size(0))
-                       .integer("threads", torch::get_num_threads())
-                       .str("torch", TORCH_VERSION)
-                       .done());
-  }
+  ab_harness::MetricsOut metrics(args.metrics);
+  metrics.report({{"type", "config"},
+                  {"program", "train_fashion_mnist"},
+                  {"language", "c++"},
+                  {"opt_level", args.opt_level},
+                  {"device", args.device},
+                  {"steps", total},
+                  {"batch_size", batch},
+                  {"lr", args.lr},
+                  {"lr_schedule", args.lr_schedule},
+                  {"seed", static_cast<std::int64_t>(args.seed)},
+                  {"train_images", n_train},
+                  {"test_images", test.images.size(0)},
+                  {"threads", torch::get_num_threads()},
+                  {"torch", TORCH_VERSION}});
+  const auto report_eval = [&](std::int64_t step, const EvalResult& e) {
+    metrics.report(
+        {{"type", "eval"}, {"step", step}, {"test_accuracy", e.accuracy}, {"test_loss", e.loss}});
+  };
 
   // Fixed shuffling: a CPU generator seeded with --seed draws one permutation per epoch
   // (torch.randperm with torch.Generator().manual_seed(seed) gives the same in Python).
   at::Generator shuffle = at::detail::createCPUGenerator(args.seed);
   torch::Tensor order;
-  auto next_eval = args.eval_at.begin();
   model->train();
   trainer_common::RunStats stats(device);
   trainer_common::Progress progress(args.opt_level, total, stats.start());
@@ -305,43 +230,23 @@ int run(const Args& args) {
     optimizer.step();
     const trainer_common::StepResult r = stats.end_step(loss);
 
-    if (metrics.active())
-      metrics.report(Line()
-                         .str("type", "step")
-                         .integer("step", step + 1)
-                         .num("loss", r.loss)
-                         .num("loss_scale", scale)
-                         .boolean("skipped", r.skipped)
-                         .num("step_ms", r.ms)
-                         .done());
+    metrics.report({{"type", "step"},
+                    {"step", step + 1},
+                    {"loss", r.loss},
+                    {"loss_scale", scale},
+                    {"skipped", r.skipped},
+                    {"step_ms", r.ms}});
     progress.show(step, r.loss, scale);
-    if (next_eval != args.eval_at.end() && *next_eval == step + 1 && step + 1 < total) {
-      stats.evaluation([&] {
-        const EvalResult e = evaluate(model, test, device);
-        if (metrics.active())
-          metrics.report(Line()
-                             .str("type", "eval")
-                             .integer("step", step + 1)
-                             .num("test_accuracy", e.accuracy)
-                             .num("test_loss", e.loss)
-                             .done());
-      });
-      ++next_eval;
-    }
+    if (eval_at.mid_run(step + 1))
+      stats.evaluation([&] { report_eval(step + 1, evaluate(model, test, device)); });
   }
   stats.finish();
   const double final_scale = AmpSession::loss_scale();
 
   const EvalResult final_eval = evaluate(model, test, device);
-  if (metrics.active() && next_eval != args.eval_at.end())  // --eval-at named the last step
-    metrics.report(Line()
-                       .str("type", "eval")
-                       .integer("step", total)
-                       .num("test_accuracy", final_eval.accuracy)
-                       .num("test_loss", final_eval.loss)
-                       .done());
+  if (eval_at.at_end()) report_eval(total, final_eval);
   const double accuracy = final_eval.accuracy;
-  if (!args.save_weights.empty()) save_weights(model, args.save_weights);
+  if (!args.save_weights.empty()) ab_harness::save_weights(*model, args.save_weights);
   AmpSession::reset();
 
   const double median_ms = stats.median_step_ms();
@@ -351,24 +256,21 @@ int run(const Args& args) {
   const std::int64_t skipped_steps = stats.skipped_steps();
   const std::string mem_kind = stats.memory_kind();
 
-  const amp::ab::Metrics summary = Line()
-                                       .str("type", "summary")
-                                       .str("opt_level", args.opt_level)
-                                       .str("device", args.device)
-                                       .integer("steps", total)
-                                       .integer("batch_size", batch)
-                                       .num("test_accuracy", accuracy)
-                                       .num("test_loss", final_eval.loss)
-                                       .num("peak_memory_mb", peak_mb)
-                                       .str("peak_memory_kind", mem_kind)
-                                       .num("median_step_ms", median_ms)
-                                       .num("samples_per_s", samples_per_s)
-                                       .num("final_train_loss", final_loss)
-                                       .integer("skipped_steps", skipped_steps)
-                                       .num("final_loss_scale", final_scale)
-                                       .num("train_time_s", train_s)
-                                       .done();
-  metrics.report(summary);
+  metrics.report({{"type", "summary"},
+                  {"opt_level", args.opt_level},
+                  {"device", args.device},
+                  {"steps", total},
+                  {"batch_size", batch},
+                  {"test_accuracy", accuracy},
+                  {"test_loss", final_eval.loss},
+                  {"peak_memory_mb", peak_mb},
+                  {"peak_memory_kind", mem_kind},
+                  {"median_step_ms", median_ms},
+                  {"samples_per_s", samples_per_s},
+                  {"final_train_loss", final_loss},
+                  {"skipped_steps", skipped_steps},
+                  {"final_loss_scale", final_scale},
+                  {"train_time_s", train_s}});
   std::printf(
       "summary: %s %s | test accuracy %.2f%% (loss %.4f) | median step %.2f ms | %.0f samples/s | "
       "peak "
