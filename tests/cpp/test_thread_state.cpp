@@ -26,7 +26,7 @@ TEST_F(Initialize, ThreadStateCarriesO2SubstitutionToWorkerThreads) {
   std::thread([&] {
     plain = at::add(net->fc2->weight, 1.0).scalar_type();
     {
-      ThreadStateGuard guard(state);
+      thread_state_guard guard(state);
       carried = at::add(net->fc2->weight, 1.0).scalar_type();
     }
     after = at::add(net->fc2->weight, 1.0).scalar_type();
