@@ -29,19 +29,15 @@ round (> 1: faster than native AMP).
 """
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 import warnings
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_models import GPT, ResNet  # noqa: E402
-
-import optamp  # noqa: E402
+import optamp
+from bench_models import GPT, ResNet  # a sibling module: the script's directory is on sys.path
 
 DEFAULT_CONFIGS = "native,fp32,fp32_tf32,O0,O0_tf32,O1,O2,O3,O4,O5,native_bf16"
 

@@ -21,14 +21,12 @@ step allocates past its threshold), so per step = the program's total / n, witho
 (benchmarks/step_icount.sh does that for every mode.)
 """
 import gc
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_models import GPT  # noqa: E402
+from bench_models import GPT  # a sibling module: the script's directory is on sys.path
 
 MODES = ("fp32", "native_fp16", "native_bf16", "O1", "O2", "O4", "O5")
 SIZES = dict(vocab=64, seq=16, layers=2, d_model=32, heads=2)

@@ -4,6 +4,8 @@ steps, the training's own time and peak memory), the progress line and main()'s 
 The C++ trainers share the same in examples/cpp/trainer_common.h.
 
 A trainer imports it as a sibling module: a script's own directory is on sys.path when it runs.
+(The tests load a trainer with tests/python/common_utils.py's load_script, which loads this
+module first, under this name.)
 """
 import contextlib
 import math

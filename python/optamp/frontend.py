@@ -15,7 +15,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
-from . import _C, _compile, ab, scaler
+from . import _C, _compile, _distributed, ab
 from ._tree import map_tensors
 
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
@@ -217,7 +217,7 @@ def initialize(
         # Apex returned at once when disabled, so scripts pass the level of a run that never
         # casts as None (``opt_level=args.opt_level, enabled=args.amp``).
         opt_level = "O0"
-    scaler.check_process_group(process_group)
+    _distributed.check_process_group(process_group)
     preview = _C.resolve(opt_level, **overrides)  # validates the options before collecting
     with _lock:
         reduced, keep, parameters, names = _collect_models(
@@ -227,7 +227,7 @@ def initialize(
         props = _C._initialize_core(
             reduced, keep, parameters, names, opts, opt_level, **overrides
         )
-        scaler.set_process_group(process_group if props.enabled else None, props.num_losses)
+        _distributed.set_process_group(process_group if props.enabled else None, props.num_losses)
         if props.enabled and cast_model_outputs is not None:
             for model in model_list:
                 _patch_forward(model, cast_model_outputs)
@@ -261,7 +261,7 @@ def reset() -> None:
     global _properties
     with _lock:
         _C._reset_core()  # the loss scalers and their found-inf reducers go with it
-        scaler.set_process_group(None, 0)
+        _distributed.set_process_group(None, 0)
         for ref, had_instance_forward in reversed(_patched_forwards):
             model = ref()
             if model is None:

@@ -1,21 +1,41 @@
-"""Loss scaling: ``optamp.scale_loss`` (Apex's ``amp.scale_loss``) over the compiled core."""
-import atexit
+"""Loss scaling: ``optamp.scale_loss`` (Apex's ``amp.scale_loss``) over the compiled core, the
+scalers' state dicts, and ``loss_scaler``.
+
+Two jobs live beside it: the process-group reducers of the overflow flag (``_distributed.py``)
+and Apex's state-dict layout (``_apex_layout.py``). Imports go one way: ``frontend.py`` ->
+``scaler.py`` -> those two -> ``_C``. The reducer helpers are re-exported here, where they were
+defined before, so ``optamp.scaler.check_process_group`` and the others still import."""
 import contextlib
-import numbers
-import re
 from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
-from typing import Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _C
+from . import _C, _apex_layout
+from ._distributed import (
+    FoundInfReducer,
+    check_process_group,
+    max_reducer,
+    reducing_over,
+    set_process_group,
+)
 
 if TYPE_CHECKING:  # torch.distributed is imported only when a process group is used
     from torch.distributed import ProcessGroup
 
 OptimizerArg = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
-FoundInfReducer = Callable[[torch.Tensor], None]
+
+__all__ = [
+    "FoundInfReducer",
+    "OptimizerArg",
+    "check_process_group",
+    "load_state_dict",
+    "loss_scaler",
+    "max_reducer",
+    "scale_loss",
+    "set_process_group",
+    "state_dict",
+]
 
 
 def _check_int(value: object, name: str) -> None:
@@ -54,56 +74,6 @@ def _params_of(optimizers: List[Any]) -> Tuple[List[torch.Tensor], List[List[int
             sizes.append(len(group_params))
         group_sizes.append(sizes)
     return params, group_sizes
-
-
-def check_process_group(process_group: Optional["ProcessGroup"]) -> None:
-    """TypeError unless ``process_group`` is None or a torch.distributed ProcessGroup."""
-    if process_group is None:
-        return
-    import torch.distributed as dist
-
-    if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
-        raise TypeError("process_group must be a torch.distributed.ProcessGroup (e.g. "
-                        "torch.distributed.group.WORLD) or None, got "
-                        f"{type(process_group).__name__}")
-
-
-def max_reducer(process_group: Optional["ProcessGroup"]) -> FoundInfReducer:
-    """A found-inf reducer (see ``LossScaler.set_found_inf_reducer``) that max-reduces the
-    overflow flag over ``process_group`` with ``torch.distributed.all_reduce``. The flag lives on
-    the scale's device (a CUDA tensor under NCCL) and nothing is read back: the step keeps its
-    one device->host copy."""
-    import torch.distributed as dist
-
-    def reduce(found_inf: torch.Tensor) -> None:
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=process_group)
-
-    return reduce
-
-
-# The process group initialize(process_group=...) gave every loss scaler (None: none).
-_initialize_group: Optional["ProcessGroup"] = None
-
-
-def set_process_group(process_group: Optional["ProcessGroup"], num_losses: int) -> None:
-    """Called by initialize (and reset, with None): every loss scaler max-reduces its overflow
-    flag over the group."""
-    global _initialize_group
-    _initialize_group = process_group
-    if process_group is not None:
-        for loss_id in range(num_losses):
-            _C.loss_scaler(loss_id).set_found_inf_reducer(max_reducer(process_group))
-
-
-@atexit.register
-def _drop_reducers() -> None:
-    """A reducer holds its process group, and the scalers live in a C++ static that outlives the
-    interpreter: left there, the group (and its backend's threads) would outlive Python too,
-    still running while the process tears down. Drop them while Python is fully alive."""
-    global _initialize_group
-    _initialize_group = None
-    for loss_id in range(_C.num_loss_scalers()):
-        _C.loss_scaler(loss_id).set_found_inf_reducer(None)
 
 
 @contextlib.contextmanager
@@ -160,13 +130,8 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int = 0,
     if process_group is None or delay_unscale:
         skipped = guard.finish(False)
     else:
-        scaler = _C.loss_scaler(loss_id)
-        scaler.set_found_inf_reducer(max_reducer(process_group))  # for this step only
-        try:
+        with reducing_over(process_group, loss_id):  # for this step only
             skipped = guard.finish(False)
-        finally:
-            scaler.set_found_inf_reducer(
-                None if _initialize_group is None else max_reducer(_initialize_group))
     if skipped:
         for opt in opts:
             _skip_next_step(opt)
@@ -247,64 +212,6 @@ def state_dict(
     return destination
 
 
-# Apex's amp.state_dict(): {"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}.
-_APEX_ENTRIES = ("loss_scale", "unskipped")
-
-
-def _is_apex_layout(state: Mapping[Any, Any]) -> bool:
-    return any(isinstance(v, Mapping) for v in state.values())
-
-
-def _apex_number(value: object, where: str, integral: bool) -> Union[int, float]:
-    kinds = "an int" if integral else "a number"
-    ok = isinstance(value, numbers.Integral if integral else numbers.Real) or (
-        isinstance(value, torch.Tensor) and value.numel() == 1
-        and (not integral or not value.is_floating_point()))
-    if not ok or isinstance(value, bool):
-        raise TypeError(f"{where} must be {kinds}, got {type(value).__name__}")
-    number: Any = value  # an Integral, a Real or a one-element tensor (checked above)
-    return int(number) if integral else float(number)
-
-
-def _from_apex_layout(state: Mapping[Any, Any]) -> Dict[str, torch.Tensor]:
-    """Apex's nested layout -> optamp's flat one. Apex kept the scale and the count of steps
-    since the last overflow ("unskipped", the growth tracker with Apex's scale_window=2000);
-    the rest starts as in a fresh scaler: the full hysteresis, no skipped steps."""
-    flat: Dict[str, torch.Tensor] = {}
-    for key, entry in state.items():
-        if not isinstance(key, str) or not key.startswith("loss_scaler"):
-            raise ValueError(f"state_dict in Apex's layout must hold only 'loss_scaler<i>' "
-                             f"entries (as apex.amp.state_dict() writes), got {key!r}")
-        if not isinstance(entry, Mapping):
-            raise TypeError(f"state_dict[{key!r}] must be a mapping with 'loss_scale' and "
-                            f"'unskipped' (Apex's layout), got {type(entry).__name__}")
-        if set(entry) != set(_APEX_ENTRIES):
-            raise ValueError(f"state_dict[{key!r}] must hold exactly 'loss_scale' and "
-                             f"'unskipped' (Apex's layout), got {sorted(map(str, entry))}")
-        scale = _apex_number(entry["loss_scale"], f"state_dict[{key!r}]['loss_scale']", False)
-        unskipped = _apex_number(entry["unskipped"], f"state_dict[{key!r}]['unskipped']", True)
-        index = key[len("loss_scaler"):]
-        scaler = (_C.loss_scaler(int(index))
-                  if index.isdigit() and int(index) < _C.num_loss_scalers() else None)
-        # A fixed scale never grows, and Apex counted its steps past the window: nothing to keep.
-        growth = unskipped if scaler is not None and scaler.dynamic else 0
-        hysteresis = scaler.hysteresis if scaler is not None else 1
-        flat[f"{key}.scale"] = torch.tensor(scale, dtype=torch.float32)
-        flat[f"{key}.growth_tracker"] = torch.tensor(growth, dtype=torch.int32) \
-            if -(2**31) <= growth < 2**31 else torch.tensor(growth)
-        flat[f"{key}.hysteresis"] = torch.tensor(hysteresis, dtype=torch.int32)
-        flat[f"{key}.skipped"] = torch.tensor(0, dtype=torch.int64)
-        flat[f"{key}.floor_skips"] = torch.tensor(0, dtype=torch.int64)
-    return flat
-
-
-def _apex_names(message: str) -> str:
-    """optamp's entry names in a validation error -> the Apex keys the caller wrote."""
-    message = re.sub(r"'(loss_scaler\d+)\.growth_tracker'", r"'\1']['unskipped']", message)
-    message = re.sub(r"'(loss_scaler\d+)\.scale'", r"'\1']['loss_scale']", message)
-    return message.replace("state entry 'loss_scaler", "state_dict['loss_scaler")
-
-
 def load_state_dict(state_dict: Mapping[str, Any]) -> None:
     """Restore :func:`state_dict` output (validated first; nothing changes on error).
 
@@ -313,19 +220,7 @@ def load_state_dict(state_dict: Mapping[str, Any]) -> None:
     if not isinstance(state_dict, Mapping):
         raise TypeError("state_dict must be a mapping such as optamp.state_dict() returns, got "
                         f"{type(state_dict).__name__}")
-    if not (state_dict and _is_apex_layout(state_dict)):
+    if state_dict and _apex_layout.is_apex_layout(state_dict):
+        _apex_layout.load(state_dict)
+    else:
         _C.load_state_dict(dict(state_dict))
-        return
-    if not _C.num_loss_scalers():
-        _C.load_state_dict({})  # the "call initialize first" error
-    flat = _from_apex_layout(state_dict)
-    expected = [f"loss_scaler{i}" for i in range(_C.num_loss_scalers())]
-    if sorted(state_dict) != sorted(expected):
-        # Apex warned and loaded what matched; a resumed loss would silently start over here.
-        raise ValueError(f"state_dict (Apex's layout) must hold the {len(expected)} loss "
-                         f"scaler(s) initialize configured (num_losses={len(expected)}: "
-                         f"{', '.join(expected)}), got {', '.join(map(str, state_dict))}")
-    try:
-        _C.load_state_dict(flat)
-    except (ValueError, TypeError) as error:
-        raise type(error)(_apex_names(str(error))) from None

@@ -1,6 +1,8 @@
 """What several test modules share (fixtures are in conftest.py, the casting cases in
-op_cases.py): small models, a quiet initialize, the tolerance table of tests/tolerances.txt, and
-where the A/B trainers are."""
+op_cases.py): small models, a quiet initialize, the tolerance table of tests/tolerances.txt,
+where the A/B trainers are, and load_script (a script of examples/ or benchmarks/ as a module,
+without editing sys.path)."""
+import importlib.util
 import os
 import sys
 
@@ -91,3 +93,46 @@ def env(progress="0"):
         del e["OPTAMP_PROGRESS"]
     e["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + e.get("PYTHONPATH", "")
     return e
+
+
+# ---- scripts of examples/ and benchmarks/ as modules -----------------------------------------
+
+
+def _load_file(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path} as a module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it, as import does (dataclasses, pickle look)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load_script(path, siblings=()):
+    """The script at ``path`` (absolute, or from the repository root: e.g.
+    "examples/python/train_char_gpt.py") as a module, loaded once per test session, without
+    putting its directory on sys.path.
+
+    It is registered in sys.modules under a name made from its path
+    ("_script_examples_python_train_char_gpt"), so it neither shadows nor is shadowed by another
+    module. ``siblings``: the modules of its directory that it imports by their plain name, as a
+    script run from there does (the trainers' ``import trainer_common``); they are loaded first,
+    under that name."""
+    path = os.path.join(ROOT, path)
+    relpath = os.path.relpath(path, ROOT)
+    folder = os.path.dirname(path)
+    for sibling in siblings:
+        sibling_path = os.path.join(folder, sibling + ".py")
+        loaded = sys.modules.get(sibling)
+        if loaded is None:
+            _load_file(sibling_path, sibling)
+        elif os.path.realpath(getattr(loaded, "__file__", "") or "") != \
+                os.path.realpath(sibling_path):
+            raise ImportError(f"{relpath} imports {sibling!r}, but sys.modules holds another "
+                              f"module of that name ({getattr(loaded, '__file__', loaded)})")
+    name = "_script_" + os.path.splitext(relpath)[0].replace(os.sep, "_")
+    return sys.modules.get(name) or _load_file(path, name)

@@ -20,7 +20,8 @@ import sys
 
 import pytest
 
-from common_utils import BIN, DATA, PY_TRAINER, ROOT, env, needs_data, trainer_binary
+from common_utils import (BIN, DATA, PY_TRAINER, ROOT, env, load_script, needs_data,
+                          trainer_binary)
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 STATIC_SCALE_LEVELS = {"O0", "O3", "O4", "O5"}  # loss scale 1.0, never skips (docs/opt_levels.md)
@@ -323,8 +324,7 @@ def test_evaluation_uses_each_levels_trained_weights(kind, tmp_path):
     the weights it saved in a plain fp32 model (no amp), and those weights and their test
     logits differ from level to level, even where two accuracies coincide."""
     import torch
-    sys.path.insert(0, os.path.dirname(PY_TRAINER))
-    import train_fashion_mnist as twin
+    twin = load_script(PY_TRAINER, siblings=["trainer_common"])
     test_x, test_y = twin.load(DATA, False, 1000)
     logits, weights = {}, {}
     for level in ("O0", "O1", "O2", "O4", "O5"):

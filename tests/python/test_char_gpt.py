@@ -17,7 +17,7 @@ import sysconfig
 
 import pytest
 
-from common_utils import BUILD, ROOT
+from common_utils import BUILD, ROOT, load_script
 
 BIN = os.path.join(BUILD, "examples", "cpp", "train_char_gpt")
 PY_TRAINER = os.path.join(ROOT, "examples", "python", "train_char_gpt.py")
@@ -31,8 +31,7 @@ FINAL_KEYS = {"val_bpc", "train_bpc", "tokens_per_s", "device", "batch_size", "s
               "train_bytes", "val_bytes", "preset", "torch", "opt_level", "seed", "t"}
 ENV_KEYS = ("OPTAMP_OPT_LEVEL", "OPTAMP_SEED", "OPTAMP_AB_METRICS")
 
-sys.path.insert(0, os.path.dirname(PY_TRAINER))
-import train_char_gpt as py_gpt  # noqa: E402
+py_gpt = load_script(PY_TRAINER, siblings=["trainer_common"])
 
 needs_binary = pytest.mark.skipif(
     not os.access(BIN, os.X_OK),

@@ -7,7 +7,6 @@ import datetime
 import os
 import socket
 import time
-import sys
 
 import pytest
 import torch
@@ -26,7 +25,9 @@ def _free_port():
 
 
 def _spawn(fn, args):
-    """mp.spawn with a deadline: ranks still running after SPAWN_TIMEOUT_S are killed."""
+    """mp.spawn with a deadline: ranks still running after SPAWN_TIMEOUT_S are killed. The
+    ranks start with this process's sys.path (the spawn start method hands it over before it
+    unpickles ``fn``), so they import this module and optamp as it does."""
     ctx = mp.start_processes(fn, args=args, nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not ctx.join(timeout=5):
@@ -42,9 +43,8 @@ def _init(rank, world, port, backend="gloo"):
                             timeout=datetime.timedelta(seconds=60))
 
 
-def _worker(rank, world, port, level, out_dir, pythonpath, backend="gloo"):
+def _worker(rank, world, port, level, out_dir, backend="gloo"):
     """gloo: CPU. nccl: one GPU per rank (cuda:rank), DDP with device_ids."""
-    sys.path[:0] = pythonpath
     import optamp
 
     _init(rank, world, port, backend)
@@ -83,8 +83,7 @@ def _worker(rank, world, port, level, out_dir, pythonpath, backend="gloo"):
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_ddp_two_ranks_skip_together(tmp_path, level):
-    pythonpath = [p for p in sys.path if p]
-    _spawn(_worker, (2, _free_port(), level, str(tmp_path), pythonpath))
+    _spawn(_worker, (2, _free_port(), level, str(tmp_path)))
     _expect_ranks_agree(tmp_path)
 
 
@@ -94,8 +93,7 @@ def test_ddp_nccl_two_gpus_skip_together(tmp_path, level):
     """The same under NCCL, one GPU per rank (needs two GPUs: NCCL refuses two ranks on one)."""
     if torch.cuda.device_count() < 2 or not dist.is_nccl_available():
         pytest.skip("needs 2 CUDA devices and NCCL")
-    pythonpath = [p for p in sys.path if p]
-    _spawn(_worker, (2, _free_port(), level, str(tmp_path), pythonpath, "nccl"))
+    _spawn(_worker, (2, _free_port(), level, str(tmp_path), "nccl"))
     _expect_ranks_agree(tmp_path)
 
 
@@ -176,10 +174,9 @@ def _expect_ranks_agree(tmp_path):
         assert torch.isfinite(a).all()
 
 
-def _mp_worker(rank, world, port, use_group, out_dir, pythonpath):
+def _mp_worker(rank, world, port, use_group, out_dir):
     """Model-parallel style: each rank owns different parameters (no DDP averaging). The group
     is given to initialize (every step) on rank 0 and per scale_loss call on rank 1."""
-    sys.path[:0] = pythonpath
     import optamp
 
     _init(rank, world, port)
@@ -209,7 +206,6 @@ def _mp_worker(rank, world, port, use_group, out_dir, pythonpath):
 
 def test_process_group_makes_model_parallel_ranks_skip_together(tmp_path, use_group=True):
     # (Without process_group only rank 1 would skip: [[], [2]]; not run, to save a spawn.)
-    pythonpath = [p for p in sys.path if p]
-    _spawn(_mp_worker, (2, _free_port(), use_group, str(tmp_path), pythonpath))
+    _spawn(_mp_worker, (2, _free_port(), use_group, str(tmp_path)))
     skipped = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     assert skipped == ([[2], [2]] if use_group else [[], [2]])

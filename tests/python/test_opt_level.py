@@ -53,6 +53,19 @@ def test_none_means_not_overridden():
     assert p.keep_batchnorm_fp32 is True and p.loss_scale == "dynamic"
 
 
+@pytest.mark.parametrize("level, low", [("O1", torch.float16), ("O4", torch.bfloat16)])
+def test_patch_type_none_is_not_an_override(level, low):
+    """Opt-level rule 9 (patching needs a type) is C++-only: from Python, None means "not
+    overridden", so the level's own type stays, even with patch_torch_functions=True spelled out."""
+    for overrides in ({}, {"patch_torch_functions": True}):
+        props = optamp.resolve(level, patch_torch_functions_type=None, **overrides)
+        assert props.patch_torch_functions is True
+        assert props.patch_torch_functions_type == low
+        overrides_line = next(line for line in props.describe().splitlines()
+                              if line.startswith("Overrides applied"))
+        assert "patch_torch_functions_type" not in overrides_line, overrides_line
+
+
 def test_overrides_apply():
     p = optamp.resolve("O2", loss_scale=128, keep_batchnorm_fp32="False", growth_interval=7)
     assert p.loss_scale == 128.0 and p.keep_batchnorm_fp32 is False and p.growth_interval == 7

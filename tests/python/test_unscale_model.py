@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from common_utils import BUILD, ROOT, env
+from common_utils import BUILD, ROOT, env, load_script
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "unscale_model.py")
 LIB = os.path.join(BUILD, "csrc", "liboptamp.so")
@@ -44,11 +44,7 @@ def test_torch_runs_its_avx2_unscale_loop_on_avx512_cpus(monkeypatch):
     if a torch upgrade adds one (then the docs' comparison changes)."""
     import torch
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import bench_unscale
-    finally:
-        sys.path.pop(0)
+    bench_unscale = load_script("benchmarks/bench_unscale.py")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert bench_unscale.torch_unscale_kernel() == "AVX2"
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
