@@ -38,7 +38,7 @@ from ._C import (
     lift_no_grad_gate,
     thread_state_guard,
 )
-from .frontend import initialize, keep_in_fp32, master_params, properties, reset
+from .frontend import ModelCast, initialize, keep_in_fp32, master_params, properties, reset
 from .functions import (
     float_function,
     half_function,
@@ -118,6 +118,7 @@ __all__ = [
     "cast_rules_now",
     "policy_applies",
     "lift_no_grad_gate",
+    "ModelCast",
     "rules_under_no_grad",
     "scale_loss",
     "state_dict",

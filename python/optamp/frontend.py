@@ -7,6 +7,7 @@ all live there, and so do the parameter names error messages use (the core's nam
 here). What needs Python objects lives here: ``cast_model_outputs`` (a forward wrapper, as in
 Apex) and the fp32 state_dict hook of models cast in place.
 """
+import enum
 import threading
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type, TypeVar, Union
@@ -21,6 +22,16 @@ from ._tree import map_tensors
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 OptimizerArg = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
 _T = TypeVar("_T")
+
+
+class ModelCast(str, enum.Enum):
+    """What initialize does to the model's floating tensors (C++: ``amp::ModelCast``). The values
+    are the strings ``Properties.model_cast`` holds, so the two compare equal."""
+
+    NONE = "not cast"
+    WORKING_COPIES = "working copies"
+    IN_PLACE = "cast in place"
+
 
 _lock = threading.Lock()
 _fp32_marks: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # keep_in_fp32's modules
@@ -231,7 +242,7 @@ def initialize(
         if props.enabled and cast_model_outputs is not None:
             for model in model_list:
                 _patch_forward(model, cast_model_outputs)
-        if props.model_cast == "cast in place":
+        if props.model_cast == ModelCast.IN_PLACE:
             for model in model_list:
                 _state_dict_hooks.append(model.register_state_dict_post_hook(_fp32_state_dict))
     global _properties

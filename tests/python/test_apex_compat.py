@@ -738,3 +738,17 @@ def test_a_model_cast_in_place_saves_fp32_state_as_apex_did(level, kwargs):
         torch.testing.assert_close(t, raw[name], rtol=0, atol=0, msg=name)
     optamp.reset()
     assert model.state_dict()["conv.weight"].dtype == model.conv.weight.dtype  # hook removed
+
+
+@pytest.mark.parametrize("level,kwargs,expected", [
+    ("O1", {}, optamp.ModelCast.NONE),
+    ("O2", {}, optamp.ModelCast.WORKING_COPIES),
+    ("O3", {}, optamp.ModelCast.IN_PLACE),
+    ("O2", {"master_weights": False}, optamp.ModelCast.IN_PLACE),
+    ("O3", {"cast_model_type": torch.float32}, optamp.ModelCast.NONE),
+])
+def test_model_cast_is_one_name_in_cpp_and_python(level, kwargs, expected):
+    """Properties.model_cast holds C++'s to_string(ModelCast); optamp.ModelCast names its values."""
+    props = optamp.resolve(level, **kwargs)
+    assert optamp.ModelCast(props.model_cast) is expected
+    assert props.model_cast == expected
