@@ -24,9 +24,13 @@ enum class CastPolicy : std::uint8_t {
   kFp32Loss,  // as kFp32, at every casting level (losses and their softmaxes; O2/O5 included)
   kPromote,   // if floating inputs mix widths, cast all to the widest
   kBanned,    // refuse with the table's message (O1/O4, regions); an fp32 loss at O2/O5
+  // As kFp32, at every level that casts (O1-O5, regions): what register_float_op registers, so
+  // a registered op (a loss, say) runs in fp32 whatever the level does to the model.
+  kFp32Always,
 };
 
-// "lower", "fp32", "fp32 (loss)", "promote", "banned" (as policy_report() prints them).
+// "lower", "fp32", "fp32 (loss)", "promote", "banned", "fp32 (always)" (as policy_report()
+// prints them).
 OPTAMP_API const char* to_string(CastPolicy policy);
 
 // Which policies apply: chosen by the level (or an amp::autocast region), per call after the
@@ -52,6 +56,9 @@ OPTAMP_API CastRules cast_rules_now(c10::DeviceType device);
 // Apex's register_half_function / register_float_function / register_promote_function for
 // dispatcher ops (ATen or custom TORCH_LIBRARY ops). Usable before or after amp::initialize;
 // the newest registration of an op wins. Unknown ops: ValueError naming the op.
+// register_half_op applies at every level that casts, register_float_op too (CastPolicy::
+// kFp32Always: a registered loss runs in fp32 at O1-O5, whatever the model's dtype),
+// register_promote_op where the lists apply (O1/O4, regions).
 OPTAMP_API void register_half_op(std::string_view qualified_name);
 OPTAMP_API void register_float_op(std::string_view qualified_name);
 OPTAMP_API void register_promote_op(std::string_view qualified_name);

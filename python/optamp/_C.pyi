@@ -160,6 +160,7 @@ class CastPolicy:
     FP32_LOSS: ClassVar[CastPolicy]
     PROMOTE: ClassVar[CastPolicy]
     BANNED: ClassVar[CastPolicy]
+    FP32_ALWAYS: ClassVar[CastPolicy]
     __members__: ClassVar[Dict[str, CastPolicy]]
     def __init__(self, value: int) -> None: ...
     @property

@@ -32,7 +32,9 @@ register_half_op = _C.register_half_op
 register_float_op = _C.register_float_op
 register_promote_op = _C.register_promote_op
 
-_POLICY = {"half": _C.CastPolicy.LOWER, "float": _C.CastPolicy.FP32,
+# "float" applies at every level that casts, as register_float_op does (a registered loss runs
+# in fp32 whatever the level did to the model); "promote" where the lists apply (O1/O4, regions).
+_POLICY = {"half": _C.CastPolicy.LOWER, "float": _C.CastPolicy.FP32_ALWAYS,
            "promote": _C.CastPolicy.PROMOTE}
 
 
@@ -75,7 +77,10 @@ def _wrap(fn: F, kind: str) -> F:
         cast = _caster(kind, tensors, low)
         if cast is not None:
             args, kwargs = map_tensors(args, cast), map_tensors(kwargs, cast)
-        if builtin:
+        # A builtin is one op: cast once, here. A float function's body runs on its fp32
+        # arguments as it is written, uncast, so an op optamp refuses at O1/O4
+        # (binary_cross_entropy) runs inside a registered float function, as in Apex.
+        if builtin or kind == "float":
             with _C.disable_casts():
                 return original(*args, **kwargs)
         return original(*args, **kwargs)

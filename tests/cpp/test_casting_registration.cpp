@@ -14,6 +14,7 @@
 #include "casting_test.h"
 #include "dispatch/policy_table.h"
 #include "dispatch/registration.h"
+#include "optamp/amp.h"
 #include "test_util.h"
 
 // A custom op library for the registration tests: a pure function and an in-place one.
@@ -178,6 +179,75 @@ TEST(CastingKeyConflictDeathTest, ActivationNamesTheConflict) {
         std::exit(0);
       },
       ::testing::ExitedWithCode(3), "another library already registered a fallback");
+}
+
+// Apex's way to keep a loss in fp32, register_float_function, as an op: a BCE of a sigmoid
+// output, registered as fp32, trains at every level (O0-O5), whether the model gives it fp32 or
+// reduced-precision values, forward and backward. In a child process: the registration is
+// process-wide, and the other tests expect BCE refused at O1/O4.
+namespace {
+
+// Returns an empty string when one step at `level` ran the loss in fp32 and stepped finite weights.
+std::string bce_step(const char* level, bool low_input) {
+  reset();
+  torch::manual_seed(0);
+  torch::nn::Linear net(4, 1);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  initialize(net, opt, level, testing::quiet());
+  const at::Tensor before = net->weight.detach().clone();
+  const at::Tensor x = at::randn({8, 4});
+  const at::Tensor y = at::randint(0, 2, {8, 1}).to(at::kFloat);
+  at::Tensor out = at::sigmoid(net->forward(x));
+  if (low_input) out = out.to(resolve(level).low_dtype());
+  const at::Tensor loss = at::binary_cross_entropy(out, y);
+  if (loss.scalar_type() != at::kFloat)
+    return std::string("loss dtype ") + dtype_name(loss.scalar_type());
+  {
+    auto scaled = scale_loss(loss, opt);
+    scaled.backward();
+  }
+  opt.step();
+  const at::Tensor w = net->weight.detach().to(at::kFloat);
+  if (!w.isfinite().all().item<bool>()) return "non-finite weights";
+  if (at::equal(w, before.to(at::kFloat))) return "the step changed nothing";
+  return "";
+}
+
+}  // namespace
+
+TEST(RegisteredFp32LossDeathTest, TrainsAtEveryLevelWithFp32OrReducedInputs) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        register_float_op("aten::binary_cross_entropy");
+        for (const char* level : {"O0", "O1", "O2", "O3", "O4", "O5"}) {
+          for (const bool low_input : {false, true}) {
+            if (low_input && std::string(level) == "O0") continue;  // O0 casts nothing
+            std::string failure;
+            try {
+              failure = bce_step(level, low_input);
+            } catch (const c10::Error& e) {
+              failure = e.what_without_backtrace();
+            }
+            if (!failure.empty()) {
+              std::fprintf(stderr, "%s%s: %s\n", level, low_input ? " (reduced input)" : "",
+                           failure.c_str());
+              std::exit(1);
+            }
+          }
+        }
+        reset();
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
+// Without the registration, BCE's refusal says how to register it.
+TEST_F(Casting, BceRefusalPointsToRegisterFloatOp) {
+  enable("O1");
+  const at::Tensor p = at::rand({4}).to(at::kHalf);
+  OPTAMP_EXPECT_THROW_WITH(at::binary_cross_entropy(p, at::rand({4}).to(at::kHalf)), c10::Error,
+                           "amp::register_float_op(\"aten::binary_cross_entropy\")");
 }
 
 }  // namespace

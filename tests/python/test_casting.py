@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import optamp
-from common_utils import Mlp, init, tol
+from common_utils import Mlp, env, init, tol
 from op_cases import (CPU_AND_CUDA, FP32, FP32_PY, LEVELS, LOWER, LOWER_PY, NATIVE_PROMOTION,
                       PROMOTE, PROMOTE_PY, RESULT, TABLES, In, r)
 
@@ -481,3 +481,42 @@ def test_registered_builtin_wins_over_its_table_policy(fresh):
     init(Mlp(), opt_level="O4")
     assert ns.gelu(r(3)).dtype == torch.bfloat16
     assert F.gelu(r(3, dtype=torch.bfloat16)).dtype == torch.float32  # the table still holds
+
+
+_BCE_EVERY_LEVEL = r"""
+import sys, torch, torch.nn.functional as F, optamp
+how = sys.argv[1]
+if how == "op":
+    optamp.register_float_op("aten::binary_cross_entropy")
+else:
+    optamp.register_float_function(F, "binary_cross_entropy")
+for level in ["O0", "O1", "O2", "O3", "O4", "O5"]:
+    for low_input in ([False] if level == "O0" else [False, True]):
+        optamp.reset()
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        net, opt = optamp.initialize(net, opt, opt_level=level, verbosity=0,
+                                     cast_model_outputs=None)
+        before = net.weight.detach().float().clone()
+        out = torch.sigmoid(net(torch.randn(8, 4)))
+        if low_input:
+            out = out.to(torch.bfloat16 if level in ("O4", "O5") else torch.float16)
+        loss = F.binary_cross_entropy(out, torch.randint(0, 2, (8, 1)).float())
+        assert loss.dtype == torch.float32, (level, low_input, loss.dtype)
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        w = net.weight.detach().float()
+        assert torch.isfinite(w).all() and not torch.equal(w, before), (level, low_input)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("how", ["op", "function"])
+def test_a_loss_registered_as_fp32_trains_at_every_level(how):
+    """Apex's register_float_function (and register_float_op) keeps a loss in fp32 at O0-O5,
+    whatever dtype the model hands it. In a child: the registration is process-wide."""
+    proc = subprocess.run([sys.executable, "-c", _BCE_EVERY_LEVEL, how], env=env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -22,6 +22,8 @@ const char* to_string(CastPolicy policy) {
       return "promote";
     case CastPolicy::kBanned:
       return "banned";
+    case CastPolicy::kFp32Always:
+      return "fp32 (always)";
   }
   return "?";
 }
@@ -41,6 +43,7 @@ const char* to_string(RuleSet rules) {
 }
 
 bool policy_applies(CastPolicy policy, RuleSet rules) {
+  if (policy == CastPolicy::kFp32Always) return rules != RuleSet::kNone;
   switch (rules) {
     case RuleSet::kFullLists:
       return true;
@@ -63,7 +66,9 @@ CastRules cast_rules_now(c10::DeviceType device) {
 }
 
 void register_half_op(std::string_view name) { detail::register_user_op(name, CastPolicy::kLower); }
-void register_float_op(std::string_view name) { detail::register_user_op(name, CastPolicy::kFp32); }
+void register_float_op(std::string_view name) {
+  detail::register_user_op(name, CastPolicy::kFp32Always);
+}
 void register_promote_op(std::string_view name) {
   detail::register_user_op(name, CastPolicy::kPromote);
 }

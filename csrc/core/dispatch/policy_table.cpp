@@ -204,7 +204,10 @@ constexpr BannedOp kBannedOps[] = {
      "F.binary_cross_entropy): it is unsafe to autocast because sigmoid outputs in "
      "reduced precision lose the accuracy the loss needs. Use "
      "binary_cross_entropy_with_logits (torch::nn::BCEWithLogitsLoss), which fuses the "
-     "sigmoid and is safe, or run the loss in fp32 inside an amp::disable_casts() scope. "
+     "sigmoid and is safe, or register it as an fp32 op, which runs it in fp32 at every level "
+     "(C++: amp::register_float_op(\"aten::binary_cross_entropy\"); Python: "
+     "amp.register_float_op(\"aten::binary_cross_entropy\") or "
+     "amp.register_float_function(torch.nn.functional, \"binary_cross_entropy\")). "
      "(Refused at O1/O4 and in amp::autocast regions, as Apex's O1 did; at O2/O5 it runs "
      "as an fp32 loss, and at O0/O3 it is not cast.)"},
 };
