@@ -47,22 +47,27 @@ def test_every_case_calls_its_operator(fresh):
             assert "aten::" + name.split(".")[0] in ops, (category, name, sorted(ops))
 
 
-def _check_tables(low, device):
-    m = In(low, device)
-    f = In(torch.float32, device)
-    for name, run in {**LOWER, **LOWER_PY}.items():
+def _check_listed_ops(low, device, lower, fp32, promote):
+    """Each case of the lower / fp32 / promote tables gives the dtype its category promises."""
+    m, f = In(low, device), In(torch.float32, device)
+    for name, run in lower.items():
         assert run(f).dtype == low, name
         assert run(m).dtype == low, name
-    for name, run in {**FP32, **FP32_PY}.items():
+    for name, run in fp32.items():
         assert run(m).dtype == torch.float32, name
         assert run(f).dtype == torch.float32, name
-    for name, run in {**PROMOTE, **PROMOTE_PY}.items():
+    for name, run in promote.items():
         before = optamp.cast_count()
         assert run(m).dtype == RESULT.get(name, torch.float32), name
         if name in NATIVE_PROMOTION:
             assert optamp.cast_count() == before, f"{name}: torch promotes it itself"
         else:
             assert optamp.cast_count() > before, f"{name}: no input was cast"
+
+
+def _check_tables(low, device):
+    _check_listed_ops(low, device, {**LOWER, **LOWER_PY}, {**FP32, **FP32_PY},
+                      {**PROMOTE, **PROMOTE_PY})
     # Same widths: left alone.
     a = r(3, dtype=low, device=device)
     before = optamp.cast_count()
@@ -89,22 +94,9 @@ def test_tables_in_an_autocast_region_under_no_grad(fresh, level, device):
     """Without initialize and with autograd off, an explicit region applies the full lists in
     its dtype (reduced-precision inference): every table case, as the C++ CastingTable expects."""
     low = LEVELS[level]
-    m, f = In(low, device), In(torch.float32, device)
     assert not optamp.is_casting_enabled()
     with torch.no_grad(), optamp.autocast(dtype=low):
-        for name, run in LOWER.items():
-            assert run(f).dtype == low, name
-            assert run(m).dtype == low, name
-        for name, run in FP32.items():
-            assert run(m).dtype == torch.float32, name
-            assert run(f).dtype == torch.float32, name
-        for name, run in PROMOTE.items():
-            before = optamp.cast_count()
-            assert run(m).dtype == RESULT.get(name, torch.float32), name
-            if name in NATIVE_PROMOTION:
-                assert optamp.cast_count() == before, f"{name}: torch promotes it itself"
-            else:
-                assert optamp.cast_count() > before, f"{name}: no input was cast"
+        _check_listed_ops(low, device, LOWER, FP32, PROMOTE)
     assert not optamp.is_casting_enabled()
 
 
