@@ -7,9 +7,9 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "dispatch/thread_frames.h"
 #include "dispatch/registration.h"
 #include "dispatch/substitution.h"
+#include "dispatch/thread_frames.h"
 #include "optamp/cast_cache.h"
 #include "scaler/loss_scaler_set.h"
 #include "session.h"
@@ -190,10 +190,12 @@ ParameterRecords parameter_records(const ModelTensors& model) {
   return records;
 }
 
-// The session initialize publishes. Called after O3's cast.
+// The session initialize publishes. Called after O3's cast (the records hold the dtypes training
+// runs in); the scalers are made before anything changes, since making them validates.
 std::shared_ptr<Session> build_session(const ModelTensors& model,
                                        const std::vector<OptimizerTensors>& opts,
-                                       const Properties& p) {
+                                       const Properties& p,
+                                       std::vector<std::shared_ptr<LossScaler>> scalers) {
   auto session = std::make_shared<Session>();
   session->initialized = true;
   session->rules = level_rules_for(p);
@@ -201,9 +203,7 @@ std::shared_ptr<Session> build_session(const ModelTensors& model,
     session->working_copy_sources = make_working_copy_sources(model.reduced);
   }
   session->parameters = parameter_records(model);
-  Properties scaler_properties = p;
-  if (!p.enabled) scaler_properties.loss_scale = LossScale::fixed(1.0);
-  session->loss_scalers = make_loss_scalers(scaler_properties);
+  session->loss_scalers = std::move(scalers);
   session->optimizers.emplace();
   for (const auto& opt : opts) session->optimizers->insert(opt.identity);
   return session;
@@ -233,7 +233,9 @@ Properties initialize(const ModelTensors& model, const std::vector<OptimizerTens
   check_model(model);
   check_model_dtypes(model, p, options);
   check_optimizers(model, opts, *current);
-  TORCH_CHECK_VALUE(p.num_losses >= 1, "num_losses must be >= 1, got ", p.num_losses);
+  Properties scaler_properties = p;
+  if (!p.enabled) scaler_properties.loss_scale = LossScale::fixed(1.0);
+  auto scalers = make_loss_scalers(scaler_properties);
   ensure_registered();  // key conflicts surface here, still before any change
   warn_fp16_epsilon(p, opts);
 
@@ -242,7 +244,7 @@ Properties initialize(const ModelTensors& model, const std::vector<OptimizerTens
   reset_all_thread_states();
   if (p.enabled && p.model_cast() == ModelCast::kInPlace)
     cast_model(model, opts, p.cast_model_type);
-  auto next = build_session(model, opts, p);
+  auto next = build_session(model, opts, p, std::move(scalers));
   const auto replaced = publish_session(next);
   move_substitution_key(replaced->working_copy_sources, next->working_copy_sources);
   if (p.enabled) {
