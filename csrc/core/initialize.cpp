@@ -83,8 +83,7 @@ void check_model_dtypes(const ModelTensors& model, const Properties& p, const Op
   }
 }
 
-void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTensors>& opts,
-                      const Session& current) {
+void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTensors>& opts) {
   // Model parameters by identity, with the model's name for them ("fc1.weight") when known.
   std::unordered_map<const c10::TensorImpl*, std::string> in_model;
   for (const auto i : c10::irange(model.parameters.size())) {
@@ -93,17 +92,14 @@ void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTens
   }
   std::unordered_map<const c10::TensorImpl*, std::string> owner;
   std::unordered_set<const void*> seen;
-  const auto& initialized = current.optimizers;
   for (const auto& opt : opts) {
     TORCH_CHECK_VALUE(!opt.steps_through_closure, opt.description,
                       " is LBFGS, which is not supported: its step() re-evaluates the loss "
                       "through a closure, outside scale_loss, so gradients would be unscaled "
                       "twice or not at all. Use SGD/Adam/AdamW/RMSprop/Adagrad.");
-    TORCH_CHECK_VALUE(
-        !(initialized && initialized->count(opt.identity)) && !seen.count(opt.identity),
-        opt.description,
-        " was already passed to amp::initialize; call "
-        "amp::reset() before initializing it again");
+    TORCH_CHECK_VALUE(!seen.count(opt.identity), opt.description,
+                      " was already passed to amp::initialize; call "
+                      "amp::reset() before initializing it again");
     seen.insert(opt.identity);
     TORCH_CHECK_VALUE(!opt.parameters.empty(), opt.description,
                       " must have parameters, got "
@@ -232,7 +228,7 @@ Properties initialize(const ModelTensors& model, const std::vector<OptimizerTens
                     "before initializing a new model/optimizer");
   check_model(model);
   check_model_dtypes(model, p, options);
-  check_optimizers(model, opts, *current);
+  check_optimizers(model, opts);
   Properties scaler_properties = p;
   if (!p.enabled) scaler_properties.loss_scale = LossScale::fixed(1.0);
   auto scalers = make_loss_scalers(scaler_properties);

@@ -21,9 +21,6 @@ OpLists level_op_lists() { return current_level_rules().op_lists; }
 c10::ScalarType level_low_dtype() { return current_level_rules().low; }
 int verbosity() { return current_level_rules().verbosity; }
 
-namespace {
-
-// The level's rules (not a region's) for this call, with the no_grad gate.
 CastDecision level_decision(const LevelRules& level, const CarriedMode& carried) {
   if (level.rules == RuleSet::kNone) return {};
   const bool gated =
@@ -31,8 +28,6 @@ CastDecision level_decision(const LevelRules& level, const CarriedMode& carried)
   if (gated && !c10::GradMode::is_enabled()) return {};
   return {level.rules, level.low};
 }
-
-}  // namespace
 
 CastDecision decide(c10::DeviceType device) {
   thread_cast_state();  // catches up with resets and frames ended on other threads
@@ -50,10 +45,6 @@ CastDecision decide(c10::DeviceType device) {
                                                   : level_decision(level, carried);
   decision.lists = list_set_for(level.op_lists, device);
   return decision;
-}
-
-RuleSet level_decision_rules() {
-  return level_decision(current_level_rules(), carried_mode()).rules;
 }
 
 bool rules_apply_now() {

@@ -8,6 +8,7 @@
 #include "dispatch/policy_table.h"
 #include "optamp/opt_level.h"
 #include "optamp/policy.h"
+#include "session.h"
 
 namespace amp::detail {
 
@@ -42,7 +43,8 @@ CastDecision decide(c10::DeviceType device);
 // autocast(enabled=false) is innermost, and a level or an autocast region says so (with the
 // grad-mode gate). Native torch.autocast, where it is on, takes precedence over this.
 bool rules_apply_now();
-// The level's rule set for a call now, after the no_grad gate (kNone when gated off).
-RuleSet level_decision_rules();
+// The rules of `level` for a call on a thread in `carried` mode (not a region), after the no_grad
+// gate: kNone when gated off or when the level has none.
+CastDecision level_decision(const LevelRules& level, const CarriedMode& carried);
 
 }  // namespace amp::detail

@@ -88,7 +88,8 @@ constexpr const char* kOwnDataOps[] = {
     "aten::equal",
 };
 
-bool substitution_active(c10::ScalarType* dtype) {
+// Whether a call holding `level` (its session's rules) substitutes, and in which dtype.
+bool substitution_active(const LevelRules& level, c10::ScalarType* dtype) {
   thread_cast_state();  // catches up with resets and frames ended on other threads
   const CarriedMode carried = carried_mode();
   if (carried.mode == kDisabled) return false;
@@ -101,8 +102,9 @@ bool substitution_active(c10::ScalarType* dtype) {
     *dtype = carried.dtype;
     return true;
   }
-  if (level_decision_rules() == RuleSet::kNone) return false;  // the no_grad gate
-  *dtype = level_low_dtype();
+  const CastDecision decision = level_decision(level, carried);
+  if (decision.rules == RuleSet::kNone) return false;  // the no_grad gate
+  *dtype = decision.low;
   return *dtype != c10::ScalarType::Undefined;
 }
 
@@ -158,7 +160,9 @@ std::uint64_t substitution_calls_on_this_thread() { return t_substitution_calls;
 
 SubstitutionCall::SubstitutionCall() : session_(current_session()) {
   ++t_substitution_calls;
-  if (session_->working_copy_sources.empty() || !substitution_active(&dtype_)) return;
+  if (session_->working_copy_sources.empty() || !substitution_active(session_->rules, &dtype_)) {
+    return;
+  }
   active_ = true;
   no_recursion_.emplace(kSubstituteKey);
 }
@@ -176,11 +180,7 @@ std::optional<at::Tensor> SubstitutionCall::working_copy(const at::Tensor& t) co
   TORCH_CHECK_VALUE(t.scalar_type() == source->second.dtype,
                     "a model tensor registered by amp::initialize (O2/O5) must still be ",
                     dtype_name(source->second.dtype), ", got ", dtype_name(t.scalar_type()),
-                    " of shape ", t.sizes(),
-                    ": the model was cast after initialize (e.g. model->to(torch::kDouble)), "
-                    "which optamp does not follow. Call amp::reset(), cast the model, and "
-                    "initialize again (or cast before initialize); moving it to another device "
-                    "is fine.");
+                    " of shape ", t.sizes(), kCastAfterInitialize);
   c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
   return cast_through_cache(t, dtype_, /*always_cache=*/true).tensor;
 }

@@ -37,10 +37,7 @@ void check_parameter_dtypes(const std::vector<at::Tensor>& params,
     TORCH_CHECK_VALUE(params[i].scalar_type() == record->dtype, param_label(params[i], labels(i)),
                       " must still be ", dtype_name(record->dtype),
                       " as when amp::initialize ran, got ", dtype_name(params[i].scalar_type()),
-                      ": the model was cast after initialize (e.g. model->to(torch::kDouble)), "
-                      "which optamp does not follow. Call amp::reset(), cast the model, and "
-                      "initialize again (or cast before initialize); moving it to another device "
-                      "is fine.");
+                      kCastAfterInitialize);
   }
 }
 
@@ -59,14 +56,21 @@ std::shared_ptr<LossScaler> loss_scaler_ptr(int loss_id) {
   return session->loss_scalers[loss_id];
 }
 
+namespace {
+
 // Scalers on their own (without initialize): any optimizer, no parameter records.
-void configure_loss_scalers(const Properties& props) {
-  auto scalers = detail::make_loss_scalers(props);
+void use_loss_scalers(std::vector<std::shared_ptr<LossScaler>> scalers) {
   detail::edit_session([&](detail::Session& s) {
     s.loss_scalers = std::move(scalers);
     s.optimizers.reset();
     s.parameters.clear();
   });
+}
+
+}  // namespace
+
+void configure_loss_scalers(const Properties& props) {
+  use_loss_scalers(detail::make_loss_scalers(props));
 }
 
 void check_optimizers_allowed(const std::vector<const void*>& identities,
@@ -83,13 +87,7 @@ void check_optimizers_allowed(const std::vector<const void*>& identities,
   }
 }
 
-void reset_loss_scalers() {
-  detail::edit_session([](detail::Session& s) {
-    s.loss_scalers.clear();
-    s.optimizers.reset();
-    s.parameters.clear();
-  });
-}
+void reset_loss_scalers() { use_loss_scalers({}); }
 
 int num_loss_scalers() { return static_cast<int>(detail::current_session()->loss_scalers.size()); }
 
