@@ -67,3 +67,18 @@ def test_every_file_a_csrc_row_names_is_in_its_folder():
             if not glob.glob(os.path.join(ROOT, folder, "**", pattern), recursive=True):
                 missing.append(folder + name)
     assert not missing, f"design.md's layout names files that are not there: {missing}"
+
+
+def test_tests_import_without_sys_path_edits_and_are_named_by_unit():
+    """Tests load what they test like any package (common_utils.load_script for scripts), and a
+    test file is named after its unit, not "extra"/"misc"."""
+    edits, vague = [], []
+    pattern = re.compile(r"sys\.path\.(insert|append|extend)\(|sys\.path\[[^\]]*\]\s*=")
+    for path in glob.glob(os.path.join(ROOT, "tests", "python", "*.py")):
+        name = os.path.basename(path)
+        if re.search(r"(extra|misc|more)\b", name.replace("_", " ")):
+            vague.append(name)
+        with open(path, encoding="utf-8") as f:
+            edits += [f"{name}:{i}" for i, line in enumerate(f, 1) if pattern.search(line)]
+    assert not edits, f"sys.path edits in tests: {edits}"
+    assert not vague, f"test files not named by unit: {vague}"
