@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <iostream>
 #include <unordered_map>
 #include <unordered_set>
@@ -202,6 +203,8 @@ std::shared_ptr<Session> build_session(const ModelTensors& model,
   session->loss_scalers = std::move(scalers);
   session->optimizers.emplace();
   for (const auto& opt : opts) session->optimizers->insert(opt.identity);
+  session->models = model.identities;
+  session->boundary = p.model_boundary();
   return session;
 }
 
@@ -267,5 +270,22 @@ void reset() {
 }
 
 bool is_initialized() { return current_session()->initialized; }
+
+ModelBoundary model_boundary(const void* model) {
+  const auto session = current_session();
+  const auto& models = session->models;
+  if (!session->initialized ||
+      (model != nullptr && std::find(models.begin(), models.end(), model) == models.end())) {
+    return {};
+  }
+  ModelBoundary boundary = session->boundary;
+  if (!session->working_copy_sources.empty()) {
+    // O2/O5: the model is its working copies only where ops are substituted; elsewhere its fp32
+    // masters, which fp16 inputs would not match (docs/casting.md, "The no_grad gate").
+    const c10::ScalarType working = working_copy_dtype_now();
+    boundary.inputs = working != c10::ScalarType::Undefined ? working : c10::ScalarType::Float;
+  }
+  return boundary;
+}
 
 }  // namespace amp::core

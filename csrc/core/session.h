@@ -71,6 +71,11 @@ struct Session {
   std::vector<std::shared_ptr<LossScaler>> loss_scalers;
   // The optimizers scale_loss accepts (the ones initialize was given); nullopt: any.
   std::optional<std::unordered_set<const void*>> optimizers;
+  // The models initialize was given (their identities, as the front passed them) and the casts at
+  // their boundary (Properties::model_boundary; at O2/O5 the inputs' cast also depends on the
+  // thread: core::model_boundary).
+  std::vector<const void*> models;
+  ModelBoundary boundary;
 
   // The record of `t` when `t` is (still) that parameter, else nullptr.
   const ParameterRecord* find_parameter(const at::Tensor& t) const;

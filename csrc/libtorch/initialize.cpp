@@ -1,5 +1,6 @@
 // amp::initialize for LibTorch modules and optimizers: collects tensors, then the shared core.
 #include "optamp/initialize.h"
+#include "optamp/forward.h"
 
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/optim/adagrad.h>
@@ -50,6 +51,7 @@ core::ModelTensors collect_models(const std::vector<ModulePtr>& models, bool kee
   for (std::size_t i = 0; i < models.size(); ++i) {
     TORCH_CHECK_VALUE(models[i] != nullptr, "models[", i, "] must be a module, got nullptr");
     collect_tree(*models[i], keep_batchnorm, out);
+    out.identities.push_back(static_cast<const torch::nn::Module*>(models[i].get()));
   }
   for (std::size_t i = 0; i < models.size(); ++i) {
     const std::string prefix = models.size() > 1 ? "models[" + std::to_string(i) + "]." : "";
@@ -184,6 +186,10 @@ void reset() {
 }
 
 bool is_initialized() { return core::is_initialized(); }
+
+ModelBoundary model_boundary(const torch::nn::Module& model) {
+  return core::model_boundary(&model);
+}
 
 void keep_in_fp32(const torch::nn::Module& module) {
   std::lock_guard<std::mutex> lock(g_marks_mutex);

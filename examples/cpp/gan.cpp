@@ -93,14 +93,14 @@ int main(int argc, char** argv) {
   for (int step = 0; step < args.steps; ++step) {
     // ---- discriminator: two guards before one step, so step through amp::step ----
     d_opt.zero_grad();
-    auto real_loss = bce_logits(d->forward(real_batch()), 1.0f);
+    auto real_loss = bce_logits(amp::forward(d, real_batch()), 1.0f);
     if (step == args.inject_at) real_loss = real_loss * std::numeric_limits<float>::infinity();
     {
       auto scaled = amp::scale_loss(real_loss, d_opt, /*loss_id=*/0);
       scaled.backward();
     }
-    const auto fake = g->forward(torch::randn({kBatch, kNoise}));
-    const auto fake_loss = bce_logits(d->forward(fake.detach()), 0.0f);
+    const auto fake = amp::forward(g, torch::randn({kBatch, kNoise}));
+    const auto fake_loss = bce_logits(amp::forward(d, fake.detach()), 0.0f);
     {
       auto scaled = amp::scale_loss(fake_loss, d_opt, /*loss_id=*/1);
       scaled.backward();
@@ -112,7 +112,7 @@ int main(int argc, char** argv) {
     // ---- generator: its loss runs through D, whose parameters are not in g_opt. Their grads
     // stay scaled (by loss scaler 2) until d_opt.zero_grad() at the next step, which clears them.
     g_opt.zero_grad();
-    const auto g_loss = bce_logits(d->forward(fake), 1.0f);
+    const auto g_loss = bce_logits(amp::forward(d, fake), 1.0f);
     {
       auto scaled = amp::scale_loss(g_loss, g_opt, /*loss_id=*/2);
       scaled.backward();

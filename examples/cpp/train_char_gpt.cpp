@@ -231,7 +231,7 @@ double evaluate(char_gpt::GPT& model, const torch::Tensor& val,
           val.index_select(0, idx.flatten()).view({s.size(0), seq_len + 1}).to(torch::kLong);
       const auto x = w.slice(1, 0, seq_len).contiguous().to(device);
       const auto y = w.slice(1, 1, seq_len + 1).contiguous().to(device);
-      const auto logits = model->forward(x).to(torch::kFloat);
+      const auto logits = amp::forward(model, x).to(torch::kFloat);
       nats += torch::nn::functional::cross_entropy(
                   logits.view({-1, char_gpt::kVocab}), y.view({-1}),
                   torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
@@ -295,7 +295,7 @@ int run(const Args& args) {
 
     stats.start_step();
     optimizer.zero_grad();
-    const torch::Tensor logits = model->forward(x);
+    const torch::Tensor logits = amp::forward(model, x);
     const torch::Tensor loss =
         torch::nn::functional::cross_entropy(logits.view({-1, char_gpt::kVocab}), y.view({-1}));
     AmpSession::backward(loss, optimizer);

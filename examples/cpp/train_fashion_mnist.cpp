@@ -153,7 +153,7 @@ EvalResult evaluate(Net& model, const fashion_mnist::Split& test, const torch::D
     for (std::int64_t i = 0; i < n_test; i += kEvalBatch) {
       const std::int64_t j = std::min(n_test, i + kEvalBatch);
       const torch::Tensor x = fashion_mnist::to_input(test.images.slice(0, i, j), device);
-      const torch::Tensor logits = model->forward(x).to(torch::kFloat).cpu();
+      const torch::Tensor logits = amp::forward(model, x).to(torch::kFloat).cpu();
       const torch::Tensor y = test.labels.slice(0, i, j);
       correct += logits.argmax(1).eq(y).sum().item<std::int64_t>();
       loss_sum +=
@@ -225,7 +225,7 @@ int run(const Args& args) {
     if (args.lr_schedule != "constant") set_lr(optimizer, lr_at(args, step, total));
     stats.start_step();
     optimizer.zero_grad();
-    const torch::Tensor loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+    const torch::Tensor loss = torch::nn::functional::cross_entropy(amp::forward(model, x), y);
     AmpSession::backward(loss, optimizer);
     optimizer.step();
     const trainer_common::StepResult r = stats.end_step(loss);

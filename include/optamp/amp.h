@@ -9,6 +9,7 @@
 #include "optamp/ab.h"
 #include "optamp/autocast.h"
 #include "optamp/cast_cache.h"
+#include "optamp/forward.h"
 #include "optamp/fused_optimizers.h"
 #include "optamp/initialize.h"
 #include "optamp/loss_scaler.h"

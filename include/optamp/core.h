@@ -22,10 +22,11 @@ namespace amp::core {
 
 // The model(s) as tensors, split the way the level treats them.
 struct OPTAMP_API ModelTensors {
-  std::vector<at::Tensor> reduced;     // seen as working copies (O2/O5) or cast (O3)
-  std::vector<at::Tensor> keep_fp32;   // batch-norm / keep_in_fp32 modules' tensors
-  std::vector<at::Tensor> parameters;  // every parameter, for the optimizer checks
-  std::vector<std::string> names;      // names[i] names parameters[i] ("fc1.weight"), optional
+  std::vector<at::Tensor> reduced;      // seen as working copies (O2/O5) or cast (O3)
+  std::vector<at::Tensor> keep_fp32;    // batch-norm / keep_in_fp32 modules' tensors
+  std::vector<at::Tensor> parameters;   // every parameter, for the optimizer checks
+  std::vector<std::string> names;       // names[i] names parameters[i] ("fc1.weight"), optional
+  std::vector<const void*> identities;  // the model objects, for model_boundary(model); optional
 };
 
 // One optimizer as tensors.
@@ -52,6 +53,14 @@ OPTAMP_API bool is_initialized();
 initialized() {
   return is_initialized();
 }
+
+// The casts at the boundary of `model` (one of ModelTensors::identities; nullptr: any model
+// initialize was given) for a forward on this thread now: Properties::model_boundary(), except
+// that at O2/O5 the inputs are cast to the working copies' dtype only where ops see working
+// copies (the level's rules apply on this thread: not under no_grad, not on another thread,
+// not under disable_casts) and to fp32 elsewhere, where the model is its fp32 masters. Nothing
+// for a model initialize was not given, or when not initialized.
+OPTAMP_API ModelBoundary model_boundary(const void* model);
 
 // The loss scalers (one per loss_id) initialize configures. configure_loss_scalers creates
 // props.num_losses of them (replacing any previous ones); reset_loss_scalers drops them.

@@ -98,6 +98,21 @@ struct OPTAMP_API Options {
   std::optional<bool> rules_under_no_grad;
   // Beyond Apex: the op lists (default OpLists::kApex).
   std::optional<OpLists> op_lists;
+  // The dtype the model's floating outputs are cast to at its boundary (Apex's initialize
+  // argument; see ModelBoundary). Unset: fp32 wherever the model has a cast_model_type (O0, O2,
+  // O3, O5), left as they are at O1/O4. A floating type.
+  std::optional<c10::ScalarType> cast_model_outputs;
+};
+
+// The casts at a model's boundary, Apex's patched forward: floating inputs to `inputs`, floating
+// outputs to `outputs`; Undefined leaves them as they are. Python applies it to the models given
+// to initialize (their forward is wrapped); C++ through amp::forward(model, inputs...).
+struct OPTAMP_API ModelBoundary {
+  c10::ScalarType inputs = c10::ScalarType::Undefined;
+  c10::ScalarType outputs = c10::ScalarType::Undefined;
+  bool casts() const {
+    return inputs != c10::ScalarType::Undefined || outputs != c10::ScalarType::Undefined;
+  }
 };
 
 // The resolved, validated settings for one initialize() call.
@@ -134,6 +149,8 @@ struct OPTAMP_API Properties {
   bool rules_under_no_grad = false;
   // Which lists decide the casts at O1/O4 (and the loss/softmax entries at O2/O5).
   OpLists op_lists = OpLists::kApex;
+  // nullopt = None: Apex's default (see model_boundary()).
+  std::optional<c10::ScalarType> cast_model_outputs;
 
   // The reduced-precision type the dispatcher casts to at this level: Half (O1/O2/O3),
   // BFloat16 (O4/O5), or Undefined when casts() is false.
@@ -144,6 +161,12 @@ struct OPTAMP_API Properties {
   // level whose model is cast. False at O0, with enabled=False, and for O2/O3/O5 with
   // cast_model_type fp32/None (Apex's "cast nothing").
   bool casts() const;
+  // The boundary of the models initialize is given, as Apex set it: with a cast_model_type
+  // (O0's fp32, O2/O3's fp16, O5's bf16), floating inputs are cast to it and floating outputs to
+  // cast_model_outputs (fp32 when None); without one (O1/O4), only an explicit
+  // cast_model_outputs applies. Nothing when disabled. At O2/O5 the inputs are cast only where
+  // ops see the working copies (the rules apply on the thread: core::model_boundary).
+  ModelBoundary model_boundary() const;
 
   // Apex-style report: the level's defaults, the overrides applied, and the final options.
   std::string describe() const;

@@ -93,6 +93,14 @@ void bind_frontend(py::module_& m) {
         "parameters[i] (for the loss scaler's floor error). optimizers: dicts with "
         "identity, description, parameters, state, state_owners, smallest_eps, "
         "steps_through_closure.");
+  m.def(
+      "_model_boundary",
+      []() {
+        const ModelBoundary b = core::model_boundary(nullptr);
+        return py::make_tuple(dtype_to_py(b.inputs), dtype_to_py(b.outputs));
+      },
+      "(inputs dtype, outputs dtype) of the initialized models' forward on this thread now; "
+      "None: left as they are.");
   m.def("_reset_core", &core::reset);
   m.def("is_initialized", &core::is_initialized);
 

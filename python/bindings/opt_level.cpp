@@ -165,6 +165,8 @@ Options options_from_kwargs(const py::kwargs& kwargs) {
       o.rules_under_no_grad = bool_from_py(v, k);
     else if (key == "op_lists")
       o.op_lists = op_lists_from_py(v);
+    else if (key == "cast_model_outputs")
+      o.cast_model_outputs = dtype_from_py(v, k);
     else
       throw py::type_error("unexpected keyword argument '" + key + "'");
   }
@@ -228,6 +230,16 @@ void bind_opt_level(py::module_& m) {
       .def_readonly("overflow_check", &Properties::overflow_check)
       .def_readonly("rules_under_no_grad", &Properties::rules_under_no_grad)
       .def_property_readonly("op_lists", [](const Properties& p) { return to_string(p.op_lists); })
+      .def_property_readonly("cast_model_outputs",
+                             [](const Properties& p) {
+                               return p.cast_model_outputs ? dtype_to_py(*p.cast_model_outputs)
+                                                           : py::none();
+                             })
+      .def_property_readonly("model_boundary",
+                             [](const Properties& p) {
+                               const ModelBoundary b = p.model_boundary();
+                               return py::make_tuple(dtype_to_py(b.inputs), dtype_to_py(b.outputs));
+                             })
       .def_property_readonly("low_dtype",
                              [](const Properties& p) { return dtype_to_py(p.low_dtype()); })
       .def_property_readonly("model_cast",

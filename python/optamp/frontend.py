@@ -4,8 +4,8 @@ The Python side only collects tensors (parameters and buffers split by batch-nor
 optimizer params, optimizer state, eps) and hands them to the compiled core that the C++
 ``amp::initialize`` also uses: validation, O2/O5 working copies, O3 casting and the loss scalers
 all live there, and so do the parameter names error messages use (the core's namer, given
-here). What needs Python objects lives here: ``cast_model_outputs`` (a forward wrapper, as in
-Apex) and the fp32 state_dict hook of models cast in place.
+here). What needs Python objects lives here: the model boundary's forward wrapper (_boundary.py,
+as in Apex) and the fp32 state_dict hook of models cast in place.
 """
 import enum
 import threading
@@ -16,8 +16,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
-from . import _C, _compile, _distributed, ab
-from ._tree import map_tensors
+from . import _C, _boundary, _compile, _distributed, ab
 
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 OptimizerArg = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
@@ -35,8 +34,6 @@ class ModelCast(str, enum.Enum):
 
 _lock = threading.Lock()
 _fp32_marks: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # keep_in_fp32's modules
-# (weakref to module, had an instance attribute "forward" before)
-_patched_forwards: List[Tuple["weakref.ref[torch.nn.Module]", bool]] = []
 _state_dict_hooks: List[RemovableHandle] = []  # fp32 state_dict hooks of models cast in place
 
 
@@ -132,21 +129,6 @@ def _collect_optimizers(optimizers: List[torch.optim.Optimizer]) -> List[Dict[st
     return out
 
 
-def _patch_forward(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    had_instance_forward = "forward" in model.__dict__
-    old_forward = model.forward
-
-    def cast_output(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) if t.is_floating_point() else t
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return map_tensors(old_forward(*args, **kwargs), cast_output)
-
-    forward.__optamp_wrapped__ = old_forward  # type: ignore[attr-defined]
-    model.forward = forward
-    _patched_forwards.append((weakref.ref(model), had_instance_forward))
-
-
 def _fp32_state_dict(module: torch.nn.Module, state_dict: Dict[str, Any], prefix: str,
                      local_metadata: Dict[str, Any]) -> None:
     """Apex's O2StateDictHook: a model cast in place still saves fp32 tensors, so its
@@ -183,7 +165,13 @@ def initialize(
 
     Returns ``model`` alone when ``optimizers`` is None, else ``(model, optimizer)``, each a
     single object or a list as passed (hence the ``Any`` return type). The objects are the ones passed in (optamp changes no
-    optimizer and, except O3's in-place cast and ``cast_model_outputs``, no model).
+    optimizer and, except O3's in-place cast and the forward wrapper, no model).
+
+    The models' forward gets Apex's boundary wherever the level has a ``cast_model_type`` (O0,
+    O2, O3, O5): floating inputs are cast to the model's dtype and floating outputs to
+    ``cast_model_outputs`` (fp32 when None); at O1/O4 only an explicit ``cast_model_outputs``
+    applies. At O2/O5 inputs go to fp16/bf16 only where ops see the working copies (not under
+    ``no_grad``, where the model is its fp32 masters).
 
     ``None`` means "not overridden". ``scaler_knobs``: ``init_scale``, ``growth_factor``,
     ``backoff_factor``, ``growth_interval``, ``hysteresis``. ``process_group`` (optamp's, for
@@ -217,13 +205,9 @@ def initialize(
         min_loss_scale=min_loss_scale,
         max_loss_scale=max_loss_scale,
         op_lists=op_lists,
+        cast_model_outputs=cast_model_outputs,
         **scaler_knobs,
     )
-    if cast_model_outputs is not None and not isinstance(cast_model_outputs, torch.dtype):
-        raise TypeError(
-            "cast_model_outputs must be a torch.dtype or None, got "
-            f"{type(cast_model_outputs).__name__}"
-        )
     if opt_level is None and not _C.resolve("O0", enabled=enabled).enabled:
         # Apex returned at once when disabled, so scripts pass the level of a run that never
         # casts as None (``opt_level=args.opt_level, enabled=args.amp``).
@@ -239,9 +223,9 @@ def initialize(
             reduced, keep, parameters, names, opts, opt_level, **overrides
         )
         _distributed.set_process_group(process_group if props.enabled else None, props.num_losses)
-        if props.enabled and cast_model_outputs is not None:
+        if props.model_boundary != (None, None):
             for model in model_list:
-                _patch_forward(model, cast_model_outputs)
+                _boundary.wrap(model)
         if props.model_cast == ModelCast.IN_PLACE:
             for model in model_list:
                 _state_dict_hooks.append(model.register_state_dict_post_hook(_fp32_state_dict))
@@ -273,17 +257,7 @@ def reset() -> None:
     with _lock:
         _C._reset_core()  # the loss scalers and their found-inf reducers go with it
         _distributed.set_process_group(None, 0)
-        for ref, had_instance_forward in reversed(_patched_forwards):
-            model = ref()
-            if model is None:
-                continue
-            wrapped = model.__dict__.get("forward")
-            if wrapped is not None and hasattr(wrapped, "__optamp_wrapped__"):
-                if had_instance_forward:
-                    model.forward = wrapped.__optamp_wrapped__
-                else:
-                    del model.forward
-        _patched_forwards.clear()
+        _boundary.unwrap_all()
         for handle in _state_dict_hooks:
             handle.remove()
         _state_dict_hooks.clear()

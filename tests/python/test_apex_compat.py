@@ -106,8 +106,13 @@ def test_model_overrides_do_what_apex_did_to_the_model(level, kwargs, model_cast
     expected = {"not cast": torch.float32, "working copies": torch.float32,
                 "cast in place": torch.float16}[model_cast]
     assert model.conv.weight.dtype == expected
+    seen = {}
+    model.conv.register_forward_hook(lambda m, i, o: seen.update(conv=o.dtype))
     out = model(torch.randn(2, 1, 4, 4))
-    assert out.dtype == (torch.float16 if casts else torch.float32)
+    assert seen["conv"] == (torch.float16 if casts else torch.float32)
+    # Apex's patched forward: where cast_model_type is set, outputs leave the model as fp32
+    assert out.dtype == (torch.float16 if casts and props.cast_model_type is None
+                         else torch.float32)
 
 
 def test_disabled_run_accepts_opt_level_none():

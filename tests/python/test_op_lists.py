@@ -166,7 +166,9 @@ def test_the_two_lists_differ_where_apex_and_torch_disagree():
 
 def test_o5_with_torch_lists_keeps_losses_fp32():
     model = torch.nn.Linear(4, 3)
-    optamp.initialize(model, opt_level="O5", op_lists="torch", verbosity=0)
+    # bf16 logits out of the model (the boundary's default would make them fp32)
+    optamp.initialize(model, opt_level="O5", op_lists="torch", verbosity=0,
+                      cast_model_outputs=torch.bfloat16)
     try:
         logits = model(torch.randn(2, 4))
         assert logits.dtype == torch.bfloat16

@@ -89,6 +89,7 @@ std::string format_options(const Properties& p) {
   if (!p.loss_scale.is_dynamic()) row("overflow_check", bool_name(p.overflow_check));
   row("rules_under_no_grad", bool_name(p.rules_under_no_grad));
   row("op_lists", to_string(p.op_lists));
+  row("cast_model_outputs", p.cast_model_outputs ? dtype_name(*p.cast_model_outputs) : "None");
   if (p.loss_scale.is_dynamic()) {
     row("init_scale", number_name(p.init_scale));
     row("growth_factor", number_name(p.growth_factor));
@@ -129,6 +130,13 @@ void check_model_types(const Properties& p, const Options& o) {
                       dtype_name(t),
                       "). To cast the model use opt_level='O2'/'O3' (fp16) or "
                       "'O5' (bf16).");
+  }
+  if (o.cast_model_outputs) {
+    const ScalarType t = *o.cast_model_outputs;
+    TORCH_CHECK_VALUE(t == ScalarType::Float || t == ScalarType::Double || is_reduced_float(t),
+                      "cast_model_outputs must be a floating type (torch.float32, torch.float16, "
+                      "torch.bfloat16, torch.float64) or None, got ",
+                      dtype_name(t));
   }
   if (o.patch_torch_functions_type) {
     const ScalarType t = *o.patch_torch_functions_type;
@@ -272,6 +280,7 @@ void apply_overrides(Properties& p, const Options& o, OverrideLog& log) {
   take("overflow_check", p.overflow_check, o.overflow_check, bool_name);
   take("rules_under_no_grad", p.rules_under_no_grad, o.rules_under_no_grad, bool_name);
   take("op_lists", p.op_lists, o.op_lists, [](OpLists v) { return to_string(v); });
+  take("cast_model_outputs", p.cast_model_outputs, o.cast_model_outputs, dtype_name);
   // Apex: the initial scale never exceeds the ceiling unless the user asked for it explicitly.
   if (!o.init_scale && p.init_scale > p.max_loss_scale) p.init_scale = p.max_loss_scale;
 }
@@ -355,6 +364,18 @@ bool Properties::casts() const {
   if (!enabled) return false;
   if (opt_level == OptLevel::O1 || opt_level == OptLevel::O4) return patch_torch_functions;
   return model_cast() != ModelCast::kNone;
+}
+
+ModelBoundary Properties::model_boundary() const {
+  ModelBoundary boundary;
+  if (!enabled) return boundary;
+  if (cast_model_type != kNone) {
+    boundary.inputs = cast_model_type;
+    boundary.outputs = cast_model_outputs.value_or(ScalarType::Float);
+  } else if (cast_model_outputs) {
+    boundary.outputs = *cast_model_outputs;
+  }
+  return boundary;
 }
 
 c10::ScalarType Properties::low_dtype() const {

@@ -1,0 +1,88 @@
+"""Apex's model boundary: the forward of each model ``initialize`` is given casts floating inputs
+to the model's dtype and floating outputs to fp32 (or ``cast_model_outputs``), "so the user never
+needs to call .half()". The dtypes come from the compiled core (``_C._model_boundary``), which
+C++'s ``amp::forward`` asks too, so both fronts cast the same tensors.
+
+The wrapper is a method bound to the model (``types.MethodType``), not a closure over it, so that
+``copy.deepcopy(model)`` (an EMA copy, say) gets a forward bound to the copy, not one that still
+runs the original's. The forward it wraps, if the model had its own instance ``forward``, is kept
+on the model as well, for the same reason.
+"""
+import threading
+import types
+import weakref
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from . import _C
+from ._tree import map_tensors
+
+_INNER = "_optamp_inner_forward"  # the model's own instance forward, if it had one
+_lock = threading.Lock()
+_wrapped: List["weakref.ref[torch.nn.Module]"] = []
+
+
+def _dtypes_now() -> Tuple[Optional[torch.dtype], Optional[torch.dtype]]:
+    return _C._model_boundary()
+
+
+# A constant to Dynamo (torch.compiler.assume_constant_result, which would import Dynamo at
+# ``import optamp``; this is all it does): what the answer depends on is guarded already (grad
+# mode and disable_casts are global state Dynamo guards; initialize and reset clear its caches).
+# test_model_boundary.py's compile test holds it to one graph.
+_dtypes_now._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _caster(dtype: Optional[torch.dtype]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    if dtype is None:
+        return None
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    return cast
+
+
+def _boundary_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    inputs, outputs = _dtypes_now()
+    cast_in, cast_out = _caster(inputs), _caster(outputs)
+    if cast_in is not None:
+        args, kwargs = map_tensors(args, cast_in), map_tensors(kwargs, cast_in)
+    inner = self.__dict__.get(_INNER)
+    if inner is not None:
+        output = inner(*args, **kwargs)
+    else:
+        output = type(self).forward(self, *args, **kwargs)
+    return output if cast_out is None else map_tensors(output, cast_out)
+
+
+def _is_wrapper(value: object) -> bool:
+    return isinstance(value, types.MethodType) and value.__func__ is _boundary_forward
+
+
+def wrap(model: torch.nn.Module) -> None:
+    """Gives ``model`` the boundary (once; ``unwrap_all`` takes it off again)."""
+    with _lock:
+        own = model.__dict__.get("forward")
+        if _is_wrapper(own):
+            return
+        if own is not None:
+            model.__dict__[_INNER] = own
+        model.__dict__["forward"] = types.MethodType(_boundary_forward, model)
+        _wrapped.append(weakref.ref(model))
+
+
+def unwrap_all() -> None:
+    """Restores the forward of every wrapped model still alive (what ``reset`` does)."""
+    with _lock:
+        for ref in reversed(_wrapped):
+            model = ref()
+            if model is None or not _is_wrapper(model.__dict__.get("forward")):
+                continue
+            inner = model.__dict__.pop(_INNER, None)
+            if inner is None:
+                del model.__dict__["forward"]
+            else:
+                model.__dict__["forward"] = inner
+        _wrapped.clear()

@@ -1,0 +1,174 @@
+"""Apex's model boundary: the forward of each model initialize is given casts floating inputs to
+the model's dtype and floating outputs to fp32 (or ``cast_model_outputs``) wherever the level has
+a cast_model_type; at O2/O5 the inputs follow where ops see the working copies. The twin of
+tests/cpp/test_model_boundary.cpp (same table)."""
+import collections
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import optamp
+from common_utils import init
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+# level: (dtype the model's first op saw, output dtype), for fp32 inputs in grad mode
+TABLE = {"O0": (F32, F32), "O1": (F32, F16), "O2": (F16, F32), "O3": (F16, F32),
+         "O4": (F32, BF16), "O5": (BF16, F32)}
+
+
+class Probe(torch.nn.Module):
+    """A linear layer that records the dtype its input arrived in."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.seen = None
+
+    def forward(self, x):
+        self.seen = x.dtype
+        return self.fc(x)
+
+
+def probe(level, **kw):
+    model = Probe()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, level, **kw)
+    return model
+
+
+@pytest.mark.parametrize("level", list(TABLE))
+def test_inputs_go_to_the_model_dtype_and_outputs_to_fp32(fresh, level):
+    model = probe(level)
+    out = model(torch.randn(2, 4))
+    assert (model.seen, out.dtype) == TABLE[level]
+    expected_in = {"O0": F32, "O2": F16, "O3": F16, "O5": BF16}.get(level)
+    assert optamp.properties().model_boundary == (expected_in, F32 if expected_in else None)
+
+
+def test_an_explicit_output_type_is_honoured_at_every_level(fresh):
+    model = probe("O2", cast_model_outputs=F16)
+    assert model(torch.randn(2, 4)).dtype == F16
+    optamp.reset()
+    model = probe("O1", cast_model_outputs=F32)  # O1: outputs only (Apex's elif branch)
+    assert model(torch.randn(2, 4)).dtype == F32 and model.seen == F32
+    assert optamp.properties().cast_model_outputs == F32
+
+
+def test_a_non_floating_output_type_is_refused(fresh):
+    with pytest.raises(ValueError, match="cast_model_outputs must be a floating type"):
+        probe("O2", cast_model_outputs=torch.int64)
+    with pytest.raises(TypeError, match="cast_model_outputs"):
+        probe("O2", cast_model_outputs="float16")
+    assert not optamp.is_initialized()
+
+
+def test_o2_feeds_fp32_where_ops_see_the_masters(fresh):
+    # Under no_grad (the gate), inside disable_casts and on a thread initialize did not turn on,
+    # ops see the fp32 masters: fp16 inputs would not match them.
+    model = probe("O2")
+    with torch.no_grad():
+        assert model(torch.randn(2, 4, dtype=F16)).dtype == F32 and model.seen == F32
+    with optamp.disable_casts():
+        assert model(torch.randn(2, 4)).dtype == F32 and model.seen == F32
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append((model(torch.randn(2, 4)).dtype,
+                                                          model.seen)))
+    thread.start()
+    thread.join()
+    assert seen == [(F32, F32)]
+    model(torch.randn(2, 4))
+    assert model.seen == F16
+
+
+def test_tensors_inside_containers_and_keywords(fresh):
+    Out = collections.namedtuple("Out", "h index")
+
+    class Containers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, xs, index, factor, extra=None):
+            self.seen = [xs[0].dtype, xs[1].dtype, index.dtype, extra["t"].dtype]
+            h = self.fc(xs[0] + xs[1]) * factor
+            return Out(h, index + 1), [h, self.fc(extra["t"])]
+
+    model = Containers()
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), "O5")
+    out, more = model((torch.randn(2, 4), torch.randn(2, 4, dtype=torch.float64)),
+                      torch.arange(2), 0.5, extra={"t": torch.randn(2, 4)})
+    assert model.seen == [BF16, BF16, torch.int64, BF16]
+    assert isinstance(out, Out) and out.h.dtype == F32 and out.index.dtype == torch.int64
+    assert [t.dtype for t in more] == [F32, F32]
+
+
+def test_gradients_flow_back_through_the_boundary_in_the_inputs_dtype(fresh):
+    model = probe("O2")
+    x = torch.randn(2, 4, requires_grad=True)
+    model(x).sum().backward()
+    assert x.grad is not None and x.grad.dtype == F32 and x.grad.abs().sum() > 0
+    assert model.fc.weight.grad.dtype == F32
+
+
+def test_o3_trains_a_model_that_starts_with_layer_norm_on_fp32_inputs(fresh):
+    model = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, "O3")
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    before = model[1].weight.detach().clone()
+    for _ in range(3):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        assert loss.dtype == F32  # the loss runs in fp32, not fp16
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert torch.isfinite(loss)
+    assert not torch.equal(before, model[1].weight)
+
+
+def test_a_deep_copy_runs_its_own_weights(fresh):
+    # An EMA copy (copy.deepcopy(model), as timm's ModelEmaV2 makes it) must not run the
+    # original's forward through a wrapper that closed over it.
+    model = probe("O2")
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        ema.fc.weight.zero_()
+        ema.fc.bias.zero_()
+    assert ema.forward.__self__ is ema
+    assert torch.equal(ema(torch.randn(2, 4)), torch.zeros(2, 3))
+    assert ema.seen == F16 and model(torch.randn(2, 4)).abs().sum() > 0
+
+
+def test_reset_restores_the_forward_the_model_had(fresh):
+    model = Probe()
+    own = model.forward  # an instance attribute set by the user, kept and restored
+    model.forward = lambda x: own(x) * 2
+    mine = model.forward
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2")
+    assert model(torch.randn(2, 4)).dtype == F32 and model.seen == F16
+    optamp.reset()
+    assert model.forward is mine
+    plain = Probe()
+    init(plain, torch.optim.SGD(plain.parameters(), lr=0.1), "O5")
+    optamp.reset()
+    assert "forward" not in plain.__dict__
+
+
+def test_compiled_model_keeps_the_boundary_in_one_graph(fresh):
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    model = probe("O2")
+    compiled = torch.compile(model, backend=count)
+    x = torch.randn(2, 4)
+    assert compiled(x).dtype == F32 and model.seen == F16
+    assert len(graphs) == 1, "the boundary made Dynamo break the graph"
+    with torch.no_grad():  # grad mode is guarded: traced again, fp32 inputs
+        assert compiled(x.to(F16)).dtype == F32 and model.seen == F32
