@@ -24,5 +24,6 @@ void bind_opt_level(py::module_& m);
 void bind_scaler(py::module_& m);
 void bind_frontend(py::module_& m);
 void bind_precision(py::module_& m);
+void bind_c_handles(py::module_& m);
 
 }  // namespace amp::python

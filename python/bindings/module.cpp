@@ -49,4 +49,5 @@ PYBIND11_MODULE(_C, m) {
   amp::python::bind_scaler(m);
   amp::python::bind_frontend(m);
   amp::python::bind_precision(m);
+  amp::python::bind_c_handles(m);
 }
