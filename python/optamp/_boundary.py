@@ -3,10 +3,12 @@ to the model's dtype and floating outputs to fp32 (or ``cast_model_outputs``), "
 needs to call .half()". The dtypes come from the compiled core (``_C._model_boundary``), which
 C++'s ``amp::forward`` asks too, so both fronts cast the same tensors.
 
-The wrapper is a method bound to the model (``types.MethodType``), not a closure over it, so that
-``copy.deepcopy(model)`` (an EMA copy, say) gets a forward bound to the copy, not one that still
-runs the original's. The forward it wraps, if the model had its own instance ``forward``, is kept
-on the model as well, for the same reason.
+The boundary belongs to the models ``initialize`` was given, as in C++ (``amp::forward`` casts
+nothing for any other module). The wrapper is a method bound to the model (``types.MethodType``),
+not a closure over it, so that ``copy.deepcopy(model)`` (an EMA copy, say) gets a forward bound to
+the copy, not one that still runs the original's; the copy is not an initialized model, so its
+forward is a plain one (its ``_Owner`` mark deep-copies to None). The forward it wraps, if the
+model had its own instance ``forward``, is kept on the model as well, for the same reason.
 """
 import threading
 import types
@@ -19,6 +21,14 @@ from . import _C
 from ._tree import map_tensors
 
 _INNER = "_optamp_inner_forward"  # the model's own instance forward, if it had one
+_OWNER = "_optamp_boundary"  # an _Owner on a model initialize was given
+
+
+class _Owner:
+    """Marks a model initialize was given; a deep copy of the model is not one."""
+
+    def __deepcopy__(self, memo: Any) -> None:
+        return None
 _lock = threading.Lock()
 _wrapped: List["weakref.ref[torch.nn.Module]"] = []
 
@@ -45,7 +55,7 @@ def _caster(dtype: Optional[torch.dtype]) -> Optional[Callable[[torch.Tensor], t
 
 
 def _boundary_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    inputs, outputs = _dtypes_now()
+    inputs, outputs = _dtypes_now() if self.__dict__.get(_OWNER) is not None else (None, None)
     cast_in, cast_out = _caster(inputs), _caster(outputs)
     if cast_in is not None:
         args, kwargs = map_tensors(args, cast_in), map_tensors(kwargs, cast_in)
@@ -70,6 +80,7 @@ def wrap(model: torch.nn.Module) -> None:
         if own is not None:
             model.__dict__[_INNER] = own
         model.__dict__["forward"] = types.MethodType(_boundary_forward, model)
+        model.__dict__[_OWNER] = _Owner()
         _wrapped.append(weakref.ref(model))
 
 
@@ -80,6 +91,7 @@ def unwrap_all() -> None:
             model = ref()
             if model is None or not _is_wrapper(model.__dict__.get("forward")):
                 continue
+            model.__dict__.pop(_OWNER, None)
             inner = model.__dict__.pop(_INNER, None)
             if inner is None:
                 del model.__dict__["forward"]

@@ -130,17 +130,23 @@ def test_o3_trains_a_model_that_starts_with_layer_norm_on_fp32_inputs(fresh):
     assert not torch.equal(before, model[1].weight)
 
 
-def test_a_deep_copy_runs_its_own_weights(fresh):
+def test_a_deep_copy_runs_its_own_weights_as_a_plain_model(fresh):
     # An EMA copy (copy.deepcopy(model), as timm's ModelEmaV2 makes it) must not run the
-    # original's forward through a wrapper that closed over it.
+    # original's forward through a wrapper that closed over it. The boundary belongs to the
+    # models initialize was given (as amp::forward's in C++), so the copy runs as any other
+    # module does at O2: no boundary casts, its linear in fp16 by the level's rules in grad mode,
+    # fp32 under no_grad.
     model = probe("O2")
     ema = copy.deepcopy(model)
     with torch.no_grad():
         ema.fc.weight.zero_()
         ema.fc.bias.zero_()
     assert ema.forward.__self__ is ema
-    assert torch.equal(ema(torch.randn(2, 4)), torch.zeros(2, 3))
-    assert ema.seen == F16 and model(torch.randn(2, 4)).abs().sum() > 0
+    out = ema(torch.randn(2, 4))
+    assert torch.equal(out, torch.zeros(2, 3, dtype=F16)) and ema.seen == F32
+    with torch.no_grad():
+        assert ema(torch.randn(2, 4)).dtype == F32
+    assert model(torch.randn(2, 4)).abs().sum() > 0 and model.seen == F16
 
 
 def test_reset_restores_the_forward_the_model_had(fresh):
