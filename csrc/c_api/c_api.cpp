@@ -113,11 +113,13 @@ std::vector<at::Tensor> tensors(optamp_tensor* const* items, size_t count, const
   require_array(items, count, name, count_name);
   std::vector<at::Tensor> out;
   out.reserve(count);
+  // The element's name is built only for a message: scale_loss_begin passes every parameter
+  // on every step.
+  auto item = [&name](size_t i) { return name + "[" + std::to_string(i) + "]"; };
   for (size_t i = 0; i < count; ++i) {
-    const std::string item = name + "[" + std::to_string(i) + "]";
-    require(items[i], item);
+    if (items[i] == nullptr) require(items[i], item(i));
     const at::Tensor& t = tensor_of(items[i]);
-    TORCH_CHECK_VALUE(!defined || t.defined(), item,
+    TORCH_CHECK_VALUE(!defined || t.defined(), item(i),
                       " must be a defined tensor, got an undefined one");
     out.push_back(t);
   }
