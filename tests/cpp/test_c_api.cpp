@@ -126,6 +126,25 @@ class OptimizerShim {
 const char* const kQuietKeys[] = {"verbosity"};
 const char* const kQuietValues[] = {"0"};
 
+// A model, its Adam and their shims: what a binding holds for one run. The tests bind its
+// members by name (auto& [net, opt, model, optimizer] = binding).
+struct Binding {
+  explicit Binding(bool keep_batchnorm = false)
+      : net(make_net()),
+        opt(make_optimizer(net, Opt::kAdam)),
+        model(*net, keep_batchnorm),
+        optimizer(*opt) {}
+  // optamp_initialize at `level` (quiet); a failure fails the test.
+  void initialize(const char* level) {
+    C_OK(optamp_initialize(model.get(), optimizer.get(), 1, level, kQuietKeys, kQuietValues, 1,
+                           nullptr));
+  }
+  Net net;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  ModelShim model;
+  OptimizerShim optimizer;
+};
+
 optamp_properties properties_struct() {
   optamp_properties p{};
   p.struct_size = sizeof(p);
@@ -387,10 +406,8 @@ TEST_F(CApi, BadOptionsAreValueErrorsNamingTheOption) {
 }
 
 TEST_F(CApi, InitializeErrorsLeaveAmpUninitialized) {
-  Net net = make_net();
-  auto opt = make_optimizer(net, Opt::kAdam);
-  ModelShim model(*net, true);
-  OptimizerShim optimizer(*opt);
+  Binding binding{true};
+  auto& [net, opt, model, optimizer] = binding;
 
   Failure f =
       failure(optamp_initialize(nullptr, optimizer.get(), 1, "O1", nullptr, nullptr, 0, nullptr));
@@ -455,10 +472,8 @@ TEST_F(CApi, InitializeErrorsLeaveAmpUninitialized) {
 }
 
 TEST_F(CApi, InitializingTwiceIsRefusedAndChangesNothing) {
-  Net net = make_net();
-  auto opt = make_optimizer(net, Opt::kAdam);
-  ModelShim model(*net, true);
-  OptimizerShim optimizer(*opt);
+  Binding binding{true};
+  auto& [net, opt, model, optimizer] = binding;
   const char* keys[] = {"verbosity", "loss_scale"};
   const char* first[] = {"0", "128"};
   optamp_properties p = properties_struct();
@@ -486,12 +501,9 @@ TEST_F(CApi, InitializingTwiceIsRefusedAndChangesNothing) {
 }
 
 TEST_F(CApi, ScaleLossNullArgumentsAndUnknownOptimizers) {
-  Net net = make_net();
-  auto opt = make_optimizer(net, Opt::kAdam);
-  ModelShim model(*net, false);
-  OptimizerShim optimizer(*opt);
-  C_OK(optamp_initialize(model.get(), optimizer.get(), 1, "O1", kQuietKeys, kQuietValues, 1,
-                         nullptr));
+  Binding binding{};
+  auto& [net, opt, model, optimizer] = binding;
+  binding.initialize("O1");
   const auto b = make_batches(1)[0];
   at::Tensor loss = at::cross_entropy_loss(net->forward(b.x, b.tag), b.y);
   optamp_scaled_loss* guard = nullptr;
@@ -546,12 +558,9 @@ TEST_F(CApi, ScaleLossNullArgumentsAndUnknownOptimizers) {
 }
 
 TEST_F(CApi, AnInfGradientSkipsTheStepAndHalvesTheScale) {
-  Net net = make_net();
-  auto opt = make_optimizer(net, Opt::kAdam);
-  ModelShim model(*net, false);
-  OptimizerShim optimizer(*opt);
-  C_OK(optamp_initialize(model.get(), optimizer.get(), 1, "O1", kQuietKeys, kQuietValues, 1,
-                         nullptr));
+  Binding binding{};
+  auto& [net, opt, model, optimizer] = binding;
+  binding.initialize("O1");
   double before = 0;
   C_OK(optamp_loss_scale(0, &before));
   std::vector<at::Tensor> weights;  // the parameters (a forward changes batch-norm's buffers)
@@ -585,10 +594,8 @@ TEST_F(CApi, AnInfGradientSkipsTheStepAndHalvesTheScale) {
 }
 
 TEST_F(CApi, UnscaledGradientsEqualThePlainLosssAndDelayUnscaleIsRefusedAtTheStep) {
-  Net net = make_net();
-  auto opt = make_optimizer(net, Opt::kAdam);
-  ModelShim model(*net, false);
-  OptimizerShim optimizer(*opt);
+  Binding binding{};
+  auto& [net, opt, model, optimizer] = binding;
   const char* keys[] = {"verbosity", "loss_scale"};
   const char* values[] = {"0", "1024"};  // a power of two: unscaling is exact
   C_OK(optamp_initialize(model.get(), optimizer.get(), 1, "O0", keys, values, 2, nullptr));
@@ -635,12 +642,9 @@ TEST_F(CApi, UnscaledGradientsEqualThePlainLosssAndDelayUnscaleIsRefusedAtTheSte
 }
 
 TEST_F(CApi, AbandonRestoresTheGradientsFromBefore) {
-  Net net = make_net();
-  auto opt = make_optimizer(net, Opt::kAdam);
-  ModelShim model(*net, false);
-  OptimizerShim optimizer(*opt);
-  C_OK(optamp_initialize(model.get(), optimizer.get(), 1, "O1", kQuietKeys, kQuietValues, 1,
-                         nullptr));
+  Binding binding{};
+  auto& [net, opt, model, optimizer] = binding;
+  binding.initialize("O1");
   const auto b = make_batches(1)[0];
   std::vector<at::Tensor> before;
   for (auto& p : net->parameters()) {
@@ -701,12 +705,9 @@ TEST_F(CApi, RegionsCastAndExitRestoresFp32) {
 }
 
 TEST_F(CApi, DisableCastsTurnsAnInitializedLevelOff) {
-  Net net = make_net();
-  auto opt = make_optimizer(net, Opt::kAdam);
-  ModelShim model(*net, false);
-  OptimizerShim optimizer(*opt);
-  C_OK(optamp_initialize(model.get(), optimizer.get(), 1, "O4", kQuietKeys, kQuietValues, 1,
-                         nullptr));
+  Binding binding{};
+  auto& [net, opt, model, optimizer] = binding;
+  binding.initialize("O4");
   const at::Tensor a = at::randn({4, 4}, at::requires_grad());
   EXPECT_EQ(at::mm(a, a).scalar_type(), at::kBFloat16);
   optamp_region* off = nullptr;
@@ -725,10 +726,8 @@ TEST_F(CApi, DisableCastsTurnsAnInitializedLevelOff) {
 }
 
 TEST_F(CApi, ModelBoundaryOfTheInitializedModel) {
-  Net net = make_net();
-  auto opt = make_optimizer(net, Opt::kAdam);
-  ModelShim model(*net, true);
-  OptimizerShim optimizer(*opt);
+  Binding binding{true};
+  auto& [net, opt, model, optimizer] = binding;
   optamp_dtype inputs = OPTAMP_DTYPE_FLOAT64, outputs = OPTAMP_DTYPE_FLOAT64;
   C_OK(optamp_model_boundary(nullptr, &inputs, &outputs));
   EXPECT_EQ(inputs, OPTAMP_DTYPE_UNDEFINED);  // not initialized
@@ -769,10 +768,8 @@ void expect_same(const std::vector<std::pair<std::string, at::Tensor>>& actual,
 }
 
 TEST_F(CApi, StateBytesRoundTripBitExactly) {
-  Net net = make_net();
-  auto opt = make_optimizer(net, Opt::kAdam);
-  ModelShim model(*net, false);
-  OptimizerShim optimizer(*opt);
+  Binding binding{};
+  auto& [net, opt, model, optimizer] = binding;
   const char* keys[] = {"verbosity", "num_losses"};
   const char* values[] = {"0", "2"};
   C_OK(optamp_initialize(model.get(), optimizer.get(), 1, "O1", keys, values, 2, nullptr));
