@@ -99,8 +99,8 @@ struct OPTAMP_API Options {
   // Beyond Apex: the op lists (default OpLists::kApex).
   std::optional<OpLists> op_lists;
   // The dtype the model's floating outputs are cast to at its boundary (Apex's initialize
-  // argument; see ModelBoundary). Unset: fp32 wherever the model has a cast_model_type (O0, O2,
-  // O3, O5), left as they are at O1/O4. A floating type.
+  // argument; see ModelBoundary). Unset: fp32 wherever the model is cast (O2, O3, O5), left as
+  // they are elsewhere. A floating type.
   std::optional<c10::ScalarType> cast_model_outputs;
 };
 
@@ -161,11 +161,12 @@ struct OPTAMP_API Properties {
   // level whose model is cast. False at O0, with enabled=False, and for O2/O3/O5 with
   // cast_model_type fp32/None (Apex's "cast nothing").
   bool casts() const;
-  // The boundary of the models initialize is given, as Apex set it: with a cast_model_type
-  // (O0's fp32, O2/O3's fp16, O5's bf16), floating inputs are cast to it and floating outputs to
-  // cast_model_outputs (fp32 when None); without one (O1/O4), only an explicit
-  // cast_model_outputs applies. Nothing when disabled. At O2/O5 the inputs are cast only where
-  // ops see the working copies (the rules apply on the thread: core::model_boundary).
+  // The boundary of the models initialize is given, as Apex set it: where the model is cast
+  // (model_cast() != kNone: O2/O3's fp16, O5's bf16), floating inputs are cast to
+  // cast_model_type and floating outputs to cast_model_outputs (fp32 when None); elsewhere only
+  // an explicit cast_model_outputs applies (O0 changes nothing, unlike Apex's O0, which cast
+  // model and inputs to fp32). Nothing when disabled. At O2/O5 the inputs are cast to the low
+  // type only where ops see the working copies (core::model_boundary).
   ModelBoundary model_boundary() const;
 
   // Apex-style report: the level's defaults, the overrides applied, and the final options.

@@ -66,8 +66,9 @@ TEST(ModelBoundary, DefaultsFollowApexCastModelType) {
     const char* level;
     ScalarType inputs, outputs;
   };
-  // Apex patched forward wherever cast_model_type is set: O0's fp32 too.
-  for (const Row& row : {Row{"O0", ScalarType::Float, ScalarType::Float}, Row{"O1", kNone, kNone},
+  // Apex patched forward wherever cast_model_type is set, O0's fp32 too; optamp's O0 changes
+  // nothing (it does not cast the model to fp32 either, so an fp64 model keeps working).
+  for (const Row& row : {Row{"O0", kNone, kNone}, Row{"O1", kNone, kNone},
                          Row{"O2", ScalarType::Half, ScalarType::Float},
                          Row{"O3", ScalarType::Half, ScalarType::Float}, Row{"O4", kNone, kNone},
                          Row{"O5", ScalarType::BFloat16, ScalarType::Float}}) {
@@ -86,6 +87,8 @@ TEST(ModelBoundary, DefaultsFollowApexCastModelType) {
   EXPECT_FALSE(resolve("O2", off).model_boundary().casts());
   Options uncast = quiet();
   uncast.cast_model_type = kNone;
+  EXPECT_FALSE(resolve("O2", uncast).model_boundary().casts());
+  uncast.cast_model_type = ScalarType::Float;  // Apex's "cast to fp32": nothing is cast
   EXPECT_FALSE(resolve("O2", uncast).model_boundary().casts());
 }
 

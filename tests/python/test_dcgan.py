@@ -4,8 +4,8 @@ CPU), the training loop as Apex wrote it: two models and two optimizers in one i
 ``num_losses=3``, two scaled losses before the discriminator's plain ``step()``, labels made with
 ``torch.full`` and matched to the output with ``type_as`` (torch's float-label change: the label
 constants are floats). It must train at O0-O3 near the fp32 run, with the discriminator's output
-(the loss's input) fp32 wherever the level casts the model (O0, O2, O3), as Apex's patched
-forward made it; at O1 it is what the ops left (fp16), in Apex too."""
+(the loss's input) fp32 wherever the level casts the model (O2, O3), as Apex's patched
+forward made it; at O1 it is what the ops left (fp16), in Apex too; O0 is fp32 throughout."""
 import pytest
 import torch
 from torch import nn

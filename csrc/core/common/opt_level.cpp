@@ -369,7 +369,7 @@ bool Properties::casts() const {
 ModelBoundary Properties::model_boundary() const {
   ModelBoundary boundary;
   if (!enabled) return boundary;
-  if (cast_model_type != kNone) {
+  if (model_cast() != ModelCast::kNone) {
     boundary.inputs = cast_model_type;
     boundary.outputs = cast_model_outputs.value_or(ScalarType::Float);
   } else if (cast_model_outputs) {
