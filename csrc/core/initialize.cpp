@@ -282,7 +282,7 @@ ModelBoundary model_boundary(const void* model) {
   if (!session->working_copy_sources.empty()) {
     // O2/O5: the model is its working copies only where ops are substituted; elsewhere its fp32
     // masters, which fp16 inputs would not match (docs/casting.md, "The no_grad gate").
-    const c10::ScalarType working = working_copy_dtype_now();
+    const c10::ScalarType working = working_copy_dtype_now(*session);
     boundary.inputs = working != c10::ScalarType::Undefined ? working : c10::ScalarType::Float;
   }
   return boundary;

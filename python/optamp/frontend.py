@@ -170,8 +170,8 @@ def initialize(
     The models' forward gets Apex's boundary wherever the model is cast (O2, O3, O5):
     floating inputs are cast to the model's dtype and floating outputs to
     ``cast_model_outputs`` (fp32 when None); at O0/O1/O4 only an explicit
-    ``cast_model_outputs`` applies. At O2/O5 inputs go to fp16/bf16 only where ops see the working copies (not under
-    ``no_grad``, where the model is its fp32 masters).
+    ``cast_model_outputs`` applies. At O2/O5 inputs go to fp16/bf16 only where ops see the
+    working copies (not under ``no_grad``, where the model is its fp32 masters).
 
     ``None`` means "not overridden". ``scaler_knobs``: ``init_scale``, ``growth_factor``,
     ``backoff_factor``, ``growth_interval``, ``hysteresis``. ``process_group`` (optamp's, for

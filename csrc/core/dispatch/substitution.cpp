@@ -213,11 +213,10 @@ void move_substitution_key(const WorkingCopySources& from, const WorkingCopySour
   put_key_on_all(to, true);
 }
 
-c10::ScalarType working_copy_dtype_now() {
-  const auto session = current_session();
+c10::ScalarType working_copy_dtype_now(const Session& session) {
   c10::ScalarType dtype = c10::ScalarType::Undefined;
-  if (session->working_copy_sources.empty() || !substitution_thread_on() ||
-      !substitution_active(session->rules, &dtype)) {
+  if (session.working_copy_sources.empty() || !substitution_thread_on() ||
+      !substitution_active(session.rules, &dtype)) {
     return c10::ScalarType::Undefined;
   }
   return dtype;

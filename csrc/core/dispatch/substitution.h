@@ -24,9 +24,10 @@ WorkingCopySources make_working_copy_sources(const std::vector<at::Tensor>& tens
 // After a session was published: the tensors of `from` (the replaced session's) lose the key,
 // those of `to` get it.
 void move_substitution_key(const WorkingCopySources& from, const WorkingCopySources& to);
-// The dtype ops on this thread see the working copies in now (Undefined: they see the masters:
-// no working copies, substitution off on this thread, the no_grad gate, disable_casts).
-c10::ScalarType working_copy_dtype_now();
+// The dtype ops on this thread see `session`'s working copies in now (Undefined: they see the
+// masters: no working copies, substitution off on this thread, the no_grad gate, disable_casts).
+// The caller's snapshot, so its answer and the caller's other reads come from one session.
+c10::ScalarType working_copy_dtype_now(const Session& session);
 // Whether `t` is a registered source now.
 bool is_working_copy_source(const at::Tensor& t);
 
