@@ -8,6 +8,8 @@ same seed:
 
   native       torch.autocast(fp16) + torch.amp.GradScaler (the native AMP recipe)
   native_bf16  torch.autocast(bf16), no scaler
+  native_again native once more: native_again / native, measured in the same run, is the
+               benchmark's own noise, against which the other ratios are read
   fp32         plain fp32, TF32 off;   fp32_tf32: TF32 on (matmul + cuDNN)
   O0 .. O5     model, opt = optamp.initialize(model, opt, opt_level=...);
                with optamp.scale_loss(loss, opt) as s: s.backward()      (O0_tf32: TF32 on)
@@ -19,6 +21,10 @@ same seed:
 --fused builds the optimizers with fused=True (SGD, AdamW): their kernels skip an overflowing step
 on the device (GradScaler's protocol, which optamp.scale_loss follows too), so neither native nor
 optamp makes a device->host sync per step.
+
+--kernel-time profiles --profile-steps more steps of each configuration after the rounds
+(torch.profiler, CUDA only) and reports the GPU kernel time per step beside the wall time: a
+step whose wall time is far above its kernel time is bound by host work, not by the GPU.
 
 A level optamp.initialize reports unsupported on the device (NotImplementedError) is skipped
 with a message. Ratios are the median over rounds of native_ms / config_ms measured in the same
@@ -71,6 +77,10 @@ class Workload:
     def build(self, graph=False):
         kw, dev = dict(self.kw), self.device
         batch = kw.pop("batch")
+        with torch.device(dev):  # initialized where it runs: seconds less per configuration
+            return self._build(kw, batch, dev, graph)
+
+    def _build(self, kw, batch, dev, graph):
         if self.args.model == "resnet50":
             image = kw.pop("image")
             model = ResNet(**kw).to(dev).train()
@@ -156,7 +166,7 @@ def make_step(config, model, opt, loss_fn, dev):
                 scaled.backward()
             opt.step()
         return step
-    if config == "native":
+    if config in ("native", "native_again"):
         scaler = torch.amp.GradScaler(dev.type)
 
         def step():
@@ -200,7 +210,27 @@ def count_syncs(step, dev, n=3):
     return sum("synchroniz" in str(w.message) for w in caught) / n
 
 
-def run_config(wl, config, args, dev):
+def kernel_ms_per_step(step, dev, n):
+    """GPU kernel time per step (ms): the device time of every kernel torch.profiler records
+    during n steps (kernels replayed from a CUDA graph included), summed, over n."""
+    from torch.profiler import ProfilerActivity, profile  # imported only when asked for
+
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        sync(dev)
+    events = prof.events()
+    # Two views of the same kernels (device events, or the kernels attached to the CPU calls that
+    # launched them); a profiler version may fill only one.
+    on_device = sum(e.device_time_total for e in events
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
+    launched = sum(k.duration for e in events
+                   if e.device_type == torch.autograd.DeviceType.CPU for k in e.kernels)
+    return max(on_device, launched) / 1e3 / n
+
+
+def run_config(wl, config, args, dev, kernel_time=False):
     torch.manual_seed(0)
     set_tf32(config.endswith("_tf32"))
     model, opt, loss_fn = wl.build(graph=config.endswith("_graph"))
@@ -226,6 +256,8 @@ def run_config(wl, config, args, dev):
             ms.append((time.perf_counter() - t0) * 1e3)
         res.update(median_ms=statistics.median(ms), peak_mb=peak_mb(dev),
                    syncs_per_step=count_syncs(step, dev))
+        if kernel_time and dev.type == "cuda":
+            res["kernel_ms"] = kernel_ms_per_step(step, dev, args.profile_steps)
         if config.startswith("O") and not config.endswith("_graph"):
             # A level whose steps are skipped measures nothing. (Replayed steps never reach the
             # host counters: check a graph config's scale instead.)
@@ -256,6 +288,9 @@ def main():
     ap.add_argument("--fused", action="store_true",
                     help="fused=True optimizers: steps skip on the device, no sync per step")
     ap.add_argument("--json", help="write one JSON line per (round, config) here")
+    ap.add_argument("--kernel-time", action="store_true",
+                    help="after the rounds, GPU kernel time per step of each configuration")
+    ap.add_argument("--profile-steps", type=int, default=5)
     for k in ("batch", "image", "width", "classes", "vocab", "seq", "layers", "d_model", "heads"):
         ap.add_argument("--" + k.replace("_", "-"), dest=k, type=int)
     ap.add_argument("--blocks", help="ResNet blocks per stage, e.g. 3,4,6,3")
@@ -285,41 +320,72 @@ def main():
             if out:
                 out.write(json.dumps(dict(res, round=r + 1, model=args.model)) + "\n")
 
+    if args.kernel_time and dev.type == "cuda":
+        for c in configs:
+            res = run_config(wl, c, args, dev, kernel_time=True)
+            if "kernel_ms" in res:
+                print(f"profiled {c:<12} wall {res['median_ms']:.2f} ms/step  GPU kernels "
+                      f"{res['kernel_ms']:.2f} ms/step", flush=True)
+                for r in results[c]:
+                    r["kernel_ms"] = res["kernel_ms"]
+                if out:
+                    out.write(json.dumps(dict(res, round="profile", model=args.model)) + "\n")
+
     def med(c, key):
         v = [x[key] for x in results.get(c, []) if key in x and x[key] == x[key]]
         return statistics.median(v) if v else float("nan")
 
-    def ratio(c, ref):
+    def ratios(c, ref):
         if c not in results or ref not in results:  # a target's configuration was not run
-            return float("nan")
-        v = [b["median_ms"] / a["median_ms"] for a, b in zip(results[c], results[ref])
-             if "median_ms" in a and "median_ms" in b]
+            return []
+        return [b["median_ms"] / a["median_ms"] for a, b in zip(results[c], results[ref])
+                if "median_ms" in a and "median_ms" in b]
+
+    def ratio(c, ref):
+        v = ratios(c, ref)
         return statistics.median(v) if v else float("nan")
 
+    def ratio_cell(c, ref):  # median over rounds and its range
+        v = ratios(c, ref)
+        return f"{statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})" if v else "-"
+
     f = lambda fmt, v: "-" if v != v else fmt % v  # noqa: E731
-    print("\n| config | median ms/step | samples/s | peak MB | syncs/step | throughput vs native | vs native_bf16 |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| config | median ms/step | GPU kernel ms/step | samples/s | peak MB | syncs/step | "
+          "throughput vs native (range over rounds) | vs native_bf16 |")
+    print("|---|---|---|---|---|---|---|---|")
     for c in configs:
         ms = med(c, "median_ms")
-        print(f"| {c} | {f('%.2f', ms)} | {f('%.1f', wl.batch * 1e3 / ms)} | {f('%.0f', med(c, 'peak_mb'))} | "
-              f"{f('%.2f', med(c, 'syncs_per_step'))} | {f('%.3f', ratio(c, 'native'))} | "
-              f"{f('%.3f', ratio(c, 'native_bf16'))} |")
+        print(f"| {c} | {f('%.2f', ms)} | {f('%.2f', med(c, 'kernel_ms'))} | "
+              f"{f('%.1f', wl.batch * 1e3 / ms)} | {f('%.0f', med(c, 'peak_mb'))} | "
+              f"{f('%.2f', med(c, 'syncs_per_step'))} | {ratio_cell(c, 'native')} | "
+              f"{ratio_cell(c, 'native_bf16')} |")
 
     def check(what, v, target, ge=True):
         if v == v:
             ok = v >= target if ge else v <= target
             print(f"target {what:<40} {v:.3f} ({'>=' if ge else '<='} {target:.2f}) {'MET' if ok else 'NOT MET'}")
     print()
-    check("O2 throughput / native", ratio("O2", "native"), 1.05 if args.model == "gpt2" else 1.0)
-    check("O1 throughput / native", ratio("O1", "native"), 0.98)
+    if "native_again" in results:
+        print(f"noise  {'native_again / native':<40} {ratio_cell('native_again', 'native')}")
+    # The speed targets (docs/benchmarks.md): faster than native AMP at every level.
+    check("O1 throughput / native", ratio("O1", "native"), 1.0)
+    check("O2 throughput / native", ratio("O2", "native"), 1.05)
+    check("O4 throughput / native_bf16", ratio("O4", "native_bf16"), 1.0)
+    check("O5 throughput / native_bf16", ratio("O5", "native_bf16"), 1.0)
     check("O2 throughput / O3", ratio("O2", "O3"), 0.95)
     # op_lists "torch": native autocast's casts, so its step time should be native's (<= 1.02x).
     check("O1_torch throughput / native", ratio("O1_torch", "native"), 1 / 1.02)
     check("O4_torch throughput / native_bf16", ratio("O4_torch", "native_bf16"), 1 / 1.02)
+    for c in ("O2_graph", "O5_graph"):
+        # A captured step is as fast as the GPU allows when its wall time is its kernel time.
+        check(f"{c} wall / GPU kernel time", med(c, "median_ms") / med(c, "kernel_ms"), 1.05,
+              ge=False)
     if dev.type == "cuda":
         check("O2 peak memory / native", med("O2", "peak_mb") / med("native", "peak_mb"), 1.0, ge=False)
+        # fused optimizers skip on the device (native's GradScaler and optamp): nothing to read
         for c in configs:
-            check(f"{c} syncs per step", med(c, "syncs_per_step"), 1.0, ge=False)
+            check(f"{c} syncs per step", med(c, "syncs_per_step"), 0.0 if args.fused else 1.0,
+                  ge=False)
 
 
 if __name__ == "__main__":

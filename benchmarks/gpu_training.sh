@@ -6,10 +6,13 @@
 #   OPTAMP_PYTHON=python3 bash benchmarks/gpu_training.sh [OUTDIR] [extra flags for all four]
 #   bash benchmarks/gpu_training.sh /tmp/smoke --device cpu --small --steps 2 --rounds 1
 #
-# Writes OUTDIR/{cpp,py}_{resnet50,gpt2}.{txt,jsonl}; each .txt ends with the table and the
-# target checks (ratios vs native AMP measured in the same round). Then GPT-2 again with fused
-# optimizers (--fused: native's GradScaler and optamp both skip on the device, no sync per step)
-# and, in Python, the whole O2/O5 step captured in a CUDA graph: {cpp,py}_gpt2_fused.{txt,jsonl}.
+# Writes OUTDIR/{cpp,py}_{resnet50,gpt2}.{txt,jsonl}; each .txt ends with the table (median over
+# rounds, the range of the per-round ratios) and the target checks (ratios vs native AMP measured
+# in the same round). Then GPT-2 again with fused optimizers (--fused: native's GradScaler and
+# optamp both skip on the device, no sync per step), native measured twice (native_again: the
+# noise), and, in Python, the whole O2/O5 step captured in a CUDA graph, with each
+# configuration's GPU kernel time per step: {cpp,py}_gpt2_fused.{txt,jsonl}.
+# BENCH_RUNS picks and orders the runs (default "resnet50 gpt2 gpt2_fused").
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/common.sh"
 OUTDIR="${1:-bench-results}"
@@ -27,16 +30,36 @@ PY="$(optamp_python)"
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 } | tee "$OUTDIR/machine.txt"
-for model in resnet50 gpt2; do
-  "$BUILD/benchmarks/training/bench_train_$model" --json "$OUTDIR/cpp_$model.jsonl" "$@" 2>&1 |
-    tee "$OUTDIR/cpp_$model.txt"
-  PYTHONPATH="$OPTAMP_ROOT/python" "$PY" "$OPTAMP_ROOT/benchmarks/bench_train.py" --model "$model" \
-    --json "$OUTDIR/py_$model.jsonl" "$@" 2>&1 | tee "$OUTDIR/py_$model.txt"
+# BENCH_RUNS: which runs, in order (default "resnet50 gpt2 gpt2_fused"); BENCH_CONFIGS: the
+# unfused runs' configurations (default: each program's own list).
+# A run that fails is reported and the others still run; the exit status says one failed.
+failed=0
+FUSED_CONFIGS=native,native_again,O1,O2,O4,O5,native_bf16
+bench_py() { PYTHONPATH="$OPTAMP_ROOT/python" "$PY" "$OPTAMP_ROOT/benchmarks/bench_train.py" "$@"; }
+for run in ${BENCH_RUNS:-resnet50 gpt2 gpt2_fused}; do
+  case "$run" in
+    resnet50 | gpt2)
+      configs=()
+      [[ -n "${BENCH_CONFIGS:-}" ]] && configs=(--configs "$BENCH_CONFIGS")
+      # GPT-2 is where the host work shows: its Python run also profiles each configuration's
+      # GPU kernel time per step.
+      kernel_time=()
+      [[ "$run" == gpt2 ]] && kernel_time=(--kernel-time)
+      "$BUILD/benchmarks/training/bench_train_$run" "${configs[@]}" \
+        --json "$OUTDIR/cpp_$run.jsonl" "$@" 2>&1 | tee "$OUTDIR/cpp_$run.txt" || failed=1
+      bench_py --model "$run" "${configs[@]}" "${kernel_time[@]}" --json "$OUTDIR/py_$run.jsonl" \
+        "$@" 2>&1 | tee "$OUTDIR/py_$run.txt" || failed=1
+      ;;
+    gpt2_fused)  # no sync per step; in Python also the CUDA-graph-captured O2/O5 step
+      "$BUILD/benchmarks/training/bench_train_gpt2" --fused --configs "$FUSED_CONFIGS" \
+        --json "$OUTDIR/cpp_gpt2_fused.jsonl" "$@" 2>&1 | tee "$OUTDIR/cpp_gpt2_fused.txt" ||
+        failed=1
+      bench_py --model gpt2 --fused --kernel-time --configs "$FUSED_CONFIGS,O2_graph,O5_graph" \
+        --json "$OUTDIR/py_gpt2_fused.jsonl" "$@" 2>&1 | tee "$OUTDIR/py_gpt2_fused.txt" ||
+        failed=1
+      ;;
+    *) echo "gpu_training.sh: unknown run $run (resnet50, gpt2, gpt2_fused)" >&2; exit 2 ;;
+  esac
 done
-FUSED_CONFIGS=native,O1,O2,O4,O5,native_bf16
-"$BUILD/benchmarks/training/bench_train_gpt2" --fused --configs "$FUSED_CONFIGS" \
-  --json "$OUTDIR/cpp_gpt2_fused.jsonl" "$@" 2>&1 | tee "$OUTDIR/cpp_gpt2_fused.txt"
-PYTHONPATH="$OPTAMP_ROOT/python" "$PY" "$OPTAMP_ROOT/benchmarks/bench_train.py" --model gpt2 \
-  --fused --configs "$FUSED_CONFIGS,O2_graph,O5_graph" --json "$OUTDIR/py_gpt2_fused.jsonl" "$@" \
-  2>&1 | tee "$OUTDIR/py_gpt2_fused.txt"
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUTDIR/machine.txt"
+exit "$failed"

@@ -21,7 +21,11 @@
 # GPU_CHECK_DEVICE (the A/B's device, default cuda; cpu for a dry run of this script),
 # GPU_CHECK_CHAR_GPT_AB_ARGS (default "--levels O0,O1,O2,O4,O5 --seeds 1 --precision-steps 2")
 # and GPU_CHECK_CHAR_GPT_ARGS (the trainer's, default "--steps 200") for the char-GPT A/B,
-# GPU_CHECK_MINUTES (default 9).
+# GPU_CHECK_MINUTES (default 9), GPU_CHECK_PHASES (which phases, in order, comma-separated;
+# default all: bootstrap,build,ctest,cmake_compat,pytest_cuda,benchmarks,ab,ab_char_gpt,pytest_cpu;
+# the pytest phases run in what is left of the budget), GPU_CHECK_CMAKE_ARGS (added to the
+# configure's arguments, e.g. -DOPTAMP_BUILD_TESTS=OFF for a run without ctest),
+# GPU_CHECK_PYTEST_CUDA_SECONDS (the most the needs_cuda pytests may take; default: the budget).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/runner_counts.sh"
@@ -44,7 +48,7 @@ if [[ -d .devcarry/googletest ]]; then
   export OPTAMP_GTEST_SOURCE_DIR="$PWD/.devcarry/googletest"  # also for scripts/cmake_compat.sh
   cmake_args+=" -DOPTAMP_GTEST_SOURCE_DIR=$OPTAMP_GTEST_SOURCE_DIR"
 fi
-export OPTAMP_CMAKE_ARGS="${OPTAMP_CMAKE_ARGS:-$cmake_args}"
+export OPTAMP_CMAKE_ARGS="${OPTAMP_CMAKE_ARGS:-$cmake_args} ${GPU_CHECK_CMAKE_ARGS:-}"
 data_args=()
 [[ -d .devcarry/fashion-mnist ]] && data_args=(--data .devcarry/fashion-mnist)
 
@@ -102,47 +106,82 @@ phase() {
   return $rc
 }
 
-phase bootstrap bash scripts/bootstrap.sh
-PY="$(optamp_python)"
-if ! phase build bash -c 'source scripts/common.sh && optamp_build'; then
-  echo "gpu_check: the build failed; nothing else can run"
-  tail -n 1 "$OUT/summary.md"
-  exit 1
-fi
-phase ctest ctest --test-dir "$OPTAMP_BUILD_DIR" --output-on-failure -j "$(nproc)"
-phase cmake_compat bash scripts/cmake_compat.sh "$OPTAMP_BUILD_DIR"
-# The CUDA tests first: if time runs out, their result is already in.
-export PYTHONPATH="$OPTAMP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
-# shellcheck disable=SC2206
-pytest_cmd=("$PY" -m pytest tests/python -q -rs -p no:cacheprovider ${PYTEST_ARGS:-})
-phase pytest_cuda "${pytest_cmd[@]}" -m needs_cuda
-# shellcheck disable=SC2086
-phase benchmarks bash benchmarks/gpu_training.sh "$LOGS/bench" \
-  ${GPU_CHECK_BENCH_ARGS:---steps 10 --rounds 2 --warmup 3}
-while IFS= read -r line; do targets+=("- $line"); done < <(
-  for f in "$LOGS"/bench/{cpp,py}_{resnet50,gpt2,gpt2_fused}.txt; do
-    [[ -f "$f" ]] && grep -E '^target ' "$f" | sed "s|^|$(basename "$f" .txt): |"
-  done)
-# shellcheck disable=SC2086
-phase ab bash scripts/ab_test.sh --device "${GPU_CHECK_DEVICE:-cuda}" "${data_args[@]}" --out "$LOGS/ab" \
-  ${GPU_CHECK_AB_ARGS:---levels O0,O1,O2,O3,O4,O5 --steps 300}
-[[ -f "$LOGS/ab/summary.md" ]] && cp "$LOGS/ab/summary.md" "$LOGS/ab_summary.md"
+# Seconds left of the budget, less a margin for the summary.
+seconds_left() { echo $(( budget - ($(date +%s) - started) - 15 )); }
+# A pytest phase in what is left of the time budget, so that a run under the device tool's
+# 10-minute limit still ends with a summary (stopped at the budget: "cut short").
+pytest_phase() {
+  local name="$1" left cap="$2"
+  shift 2
+  left=$(seconds_left)
+  [[ -n "$cap" && "$cap" -lt "$left" ]] && left="$cap"
+  if [[ $left -gt 60 ]]; then
+    phase "$name" timeout --signal=INT "$left" "${pytest_cmd[@]}" "$@"
+  else
+    rows+=("| $name | not run: ${left}s left of the ${budget}s budget | 0 | 0 | 0 | 0 |")
+  fi
+}
+
+run_bootstrap() { phase bootstrap bash scripts/bootstrap.sh; }
+run_build() {
+  if ! phase build bash -c 'source scripts/common.sh && optamp_build'; then
+    echo "gpu_check: the build failed; nothing else can run"
+    tail -n 1 "$OUT/summary.md"
+    exit 1
+  fi
+}
+run_ctest() { phase ctest ctest --test-dir "$OPTAMP_BUILD_DIR" --output-on-failure -j "$(nproc)"; }
+run_cmake_compat() { phase cmake_compat bash scripts/cmake_compat.sh "$OPTAMP_BUILD_DIR"; }
+run_pytest_cuda() { pytest_phase pytest_cuda "${GPU_CHECK_PYTEST_CUDA_SECONDS:-}" -m needs_cuda; }
+run_benchmarks() {
+  # Stopped at the budget too: the runs that finished (and the one cut short, up to its last
+  # round) are in the logs.
+  # shellcheck disable=SC2086
+  phase benchmarks timeout --signal=INT "$(seconds_left)" bash benchmarks/gpu_training.sh \
+    "$LOGS/bench" ${GPU_CHECK_BENCH_ARGS:---steps 10 --rounds 2 --warmup 3}
+  while IFS= read -r line; do targets+=("- $line"); done < <(
+    for f in "$LOGS"/bench/{cpp,py}_{resnet50,gpt2,gpt2_fused}.txt; do
+      [[ -f "$f" ]] && grep -E '^(target|noise) ' "$f" | sed "s|^|$(basename "$f" .txt): |"
+    done)
+  write_summary
+}
+run_ab() {
+  # shellcheck disable=SC2086
+  phase ab bash scripts/ab_test.sh --device "${GPU_CHECK_DEVICE:-cuda}" "${data_args[@]}" \
+    --out "$LOGS/ab" ${GPU_CHECK_AB_ARGS:---levels O0,O1,O2,O3,O4,O5 --steps 300}
+  [[ -f "$LOGS/ab/summary.md" ]] && cp "$LOGS/ab/summary.md" "$LOGS/ab_summary.md"
+}
 # The compute-bound workload (docs/char_gpt.md, gpu preset) through the A/B runner: where AMP's
 # speed shows; one seed per level, the per-op precision table of its first 2 steps.
-# shellcheck disable=SC2086
-phase ab_char_gpt "$PY" -m optamp.ab --no-progress --out "$LOGS/ab_char_gpt" \
-  ${GPU_CHECK_CHAR_GPT_AB_ARGS:---levels O0,O1,O2,O4,O5 --seeds 1 --precision-steps 2} -- \
-  "$OPTAMP_BUILD_DIR/examples/cpp/train_char_gpt" --device "${GPU_CHECK_DEVICE:-cuda}" \
-  ${GPU_CHECK_CHAR_GPT_ARGS:---steps 200}
-[[ -f "$LOGS/ab_char_gpt/summary.md" ]] && cp "$LOGS/ab_char_gpt/summary.md" "$LOGS/ab_char_gpt_summary.md"
-# The CPU tests last (CI runs them on every change): in what is left of the time budget, so that a
-# run under the device tool's 10-minute limit still ends with a summary.
-left=$(( budget - ($(date +%s) - started) - 15 ))
-if [[ $left -gt 60 ]]; then
-  phase pytest_cpu timeout --signal=INT "$left" "${pytest_cmd[@]}" -m "not needs_cuda"
-else
-  rows+=("| pytest_cpu | not run: ${left}s left of the ${budget}s budget (CI runs these) | 0 | 0 | 0 | 0 |")
-fi
+run_ab_char_gpt() {
+  # shellcheck disable=SC2086
+  phase ab_char_gpt "$PY" -m optamp.ab --no-progress --out "$LOGS/ab_char_gpt" \
+    ${GPU_CHECK_CHAR_GPT_AB_ARGS:---levels O0,O1,O2,O4,O5 --seeds 1 --precision-steps 2} -- \
+    "$OPTAMP_BUILD_DIR/examples/cpp/train_char_gpt" --device "${GPU_CHECK_DEVICE:-cuda}" \
+    ${GPU_CHECK_CHAR_GPT_ARGS:---steps 200}
+  [[ -f "$LOGS/ab_char_gpt/summary.md" ]] &&
+    cp "$LOGS/ab_char_gpt/summary.md" "$LOGS/ab_char_gpt_summary.md"
+}
+# The CPU tests last (CI runs them on every change).
+run_pytest_cpu() { pytest_phase pytest_cpu "" -m "not needs_cuda"; }
+
+export PYTHONPATH="$OPTAMP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+# GPU_CHECK_PHASES: which phases, in order. By default the CUDA tests come first (if time runs
+# out, their result is already in) and the CPU tests last.
+all_phases=bootstrap,build,ctest,cmake_compat,pytest_cuda,benchmarks,ab,ab_char_gpt,pytest_cpu
+IFS=, read -r -a phases <<<"${GPU_CHECK_PHASES:-$all_phases}"
+PY=""
+for name in "${phases[@]}"; do
+  if [[ -z "$PY" && "$name" != bootstrap ]]; then
+    PY="$(optamp_python)"
+    # shellcheck disable=SC2206
+    pytest_cmd=("$PY" -m pytest tests/python -q -rs -p no:cacheprovider ${PYTEST_ARGS:-})
+  fi
+  case ",$all_phases," in
+    *",$name,"*) "run_$name" ;;
+    *) echo "gpu_check: unknown phase $name (phases: $all_phases)" >&2; exit 2 ;;
+  esac
+done
 write_summary
 cat "$OUT/summary.md"
 [[ $failed -eq 0 ]]

@@ -20,6 +20,8 @@
 // --fused: the workload's optimizer skips on the device (amp::FusedAdamW for GPT-2; ResNet-50's
 // SGD has no fused C++ form and stays as it is), so optamp's steps and native's make no sync.
 //   native_bf16       at::autocast (bf16), no scaler
+//   native_again      native once more: the ratio native_again / native measured in the same
+//                     run is the benchmark's own noise, against which the other ratios are read
 // Peak memory: CUDA caching allocator peak allocated bytes during the timed steps; on CPU the RSS
 // high-water mark (process-wide: with several configurations in one process it is an upper bound
 // only; run one configuration per process with --configs X for a CPU memory comparison).
@@ -72,6 +74,9 @@ class Workload {
   // --fused: build an optimizer that skips on the device where the workload has one.
   void set_fused(bool fused) { fused_ = fused; }
   bool fused() const { return fused_; }
+  // Whether --fused gives this workload an optimizer that skips on the device (GPT-2's
+  // amp::FusedAdamW; ResNet-50's SGD has no fused C++ form).
+  virtual bool fused_skips_on_device() const { return false; }
   virtual torch::optim::Optimizer& optimizer() = 0;
   virtual torch::Tensor loss() = 0;  // forward + loss on the fixed batch
   virtual void destroy() = 0;
@@ -262,7 +267,7 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
         }
         opt.step();  // a no-op after an overflow (the guard or the fused kernel skips it)
       };
-    } else if (config == "native") {
+    } else if (config == "native" || config == "native_again") {
       scaler = std::make_unique<HandScaler>(device);
       step = [&] {
         opt.zero_grad();
@@ -427,16 +432,26 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
     }
   }
 
-  // Per round ratios (throughput = inverse time) against native and O3, then medians.
-  auto ratio_to = [&](const std::string& c, const std::string& ref) {
+  // Per round ratios (throughput = inverse time) against a reference, then their median and
+  // range: configurations run adjacent in time, so a ratio is steadier than either time.
+  auto ratios_to = [&](const std::string& c, const std::string& ref) {
     std::vector<double> v;
     // Either configuration may not have run (a target names configurations --configs left out).
-    if (!results.count(c) || !results.count(ref)) return std::nan("");
+    if (!results.count(c) || !results.count(ref)) return v;
     for (int i = 0; i < a.rounds; ++i) {
       const double x = results[c][i].median_ms, y = results[ref][i].median_ms;
       if (std::isfinite(x) && std::isfinite(y)) v.push_back(y / x);
     }
-    return median(v);
+    return v;
+  };
+  auto ratio_to = [&](const std::string& c, const std::string& ref) {
+    return median(ratios_to(c, ref));
+  };
+  auto ratio_cell = [&](const std::string& c, const std::string& ref) {
+    const auto v = ratios_to(c, ref);
+    if (v.empty()) return std::string("-");
+    const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+    return fmt("%.3f", median(v)) + fmt(" (%.3f", *lo) + fmt("-%.3f)", *hi);
   };
   auto med = [&](const std::string& c, double RunResult::*field) {
     std::vector<double> v;
@@ -445,26 +460,30 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
     return median(v);
   };
   std::printf(
-      "\n| config | median ms/step | samples/s | peak MB | syncs/step | throughput vs native | "
-      "vs native_bf16 |\n|---|---|---|---|---|---|---|\n");
+      "\n| config | median ms/step | samples/s | peak MB | syncs/step | throughput vs native "
+      "(range over rounds) | vs native_bf16 |\n|---|---|---|---|---|---|---|\n");
   for (const auto& c : a.configs) {
     const double ms = med(c, &RunResult::median_ms);
     std::printf("| %s | %s | %s | %s | %s | %s | %s |\n", c.c_str(), fmt("%.2f", ms).c_str(),
                 fmt("%.1f", wl.samples_per_step() * 1000.0 / ms).c_str(),
                 fmt("%.0f", med(c, &RunResult::peak_mb)).c_str(),
                 fmt("%.2f", med(c, &RunResult::syncs_per_step)).c_str(),
-                fmt("%.3f", ratio_to(c, "native")).c_str(),
-                fmt("%.3f", ratio_to(c, "native_bf16")).c_str());
+                ratio_cell(c, "native").c_str(), ratio_cell(c, "native_bf16").c_str());
   }
-  const bool transformer = wl.name().find("gpt") != std::string::npos;
   auto check = [&](const char* what, double v, double target, bool ge = true) {
     if (!std::isfinite(v)) return;
     std::printf("target %-40s %.3f (%s %.2f) %s\n", what, v, ge ? ">=" : "<=", target,
                 (ge ? v >= target : v <= target) ? "MET" : "NOT MET");
   };
   std::printf("\n");
-  check("O2 throughput / native", ratio_to("O2", "native"), transformer ? 1.05 : 1.0);
-  check("O1 throughput / native", ratio_to("O1", "native"), 0.98);
+  if (results.count("native_again"))
+    std::printf("noise  native_again / native                    %s\n",
+                ratio_cell("native_again", "native").c_str());
+  // The speed targets (docs/benchmarks.md): faster than native AMP at every level.
+  check("O1 throughput / native", ratio_to("O1", "native"), 1.0);
+  check("O2 throughput / native", ratio_to("O2", "native"), 1.05);
+  check("O4 throughput / native_bf16", ratio_to("O4", "native_bf16"), 1.0);
+  check("O5 throughput / native_bf16", ratio_to("O5", "native_bf16"), 1.0);
   check("O2 throughput / O3", ratio_to("O2", "O3"), 0.95);
   // op_lists "torch": native autocast's casts, so its step time should be native's (<= 1.02x).
   check("O1_torch throughput / native", ratio_to("O1_torch", "native"), 1.0 / 1.02);
@@ -472,9 +491,11 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
   if (device.is_cuda()) {
     check("O2 peak memory / native",
           med("O2", &RunResult::peak_mb) / med("native", &RunResult::peak_mb), 1.0, false);
+    // An optimizer that skips on the device leaves nothing to read back: no sync at all.
+    const double most_syncs = a.fused && wl.fused_skips_on_device() ? 0.0 : 1.0;
     for (const auto& c : a.configs) {
       const std::string what = c + " syncs per step";
-      check(what.c_str(), med(c, &RunResult::syncs_per_step), 1.0, false);
+      check(what.c_str(), med(c, &RunResult::syncs_per_step), most_syncs, false);
     }
   }
   return 0;
