@@ -777,7 +777,9 @@ void check_guard_keeps_state_on_the_loss_device(at::Device device) {
     s.backward();
   }
   EXPECT_FALSE(loss_scaler().last_step_skipped());
-  EXPECT_EQ(loss_scaler().scale_tensor().device(), device);
+  // The loss's device as the tensors report it (cuda:0), not the index-less one asked for.
+  EXPECT_EQ(loss_scaler().scale_tensor().device(), w.device());
+  EXPECT_EQ(w.device().type(), device.type());
   EXPECT_TRUE(all_close(w.grad(), g_ref, testing::tolerance(at::kFloat)));
   {
     auto s = scale_loss(loss(), opt);

@@ -42,9 +42,10 @@ def batch(i, device="cpu"):
     return torch.randn(4, 4, generator=g).to(device)
 
 
-def train_step(model, opt, i, device="cpu", poison=False):
+def train_step(model, opt, i, device="cpu", poison=False, x=None):
     opt.zero_grad()
-    with optamp.scale_loss(model(batch(i, device)).float().pow(2).mean(), opt) as scaled:
+    x = batch(i, device) if x is None else x
+    with optamp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
         scaled.backward()
         if poison:
             model.fc1.weight.grad[0, 0] = float("inf")
@@ -173,13 +174,16 @@ def test_a_guard_over_a_fused_and_a_plain_optimizer_skips_on_the_host(fresh):
 @pytest.mark.parametrize("level", LEVELS)
 def test_cuda_steps_with_a_fused_optimizer_never_sync(fresh, level, kind):
     model, opt = setup(level, kind, device="cuda")
+    # The inputs go to the GPU first: copying a pageable CPU tensor to the device is itself a
+    # synchronizing copy (the first GPU run counted it, one per step, as optamp's).
+    inputs = [batch(i, "cuda") for i in range(1, 4)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for i in range(1, 4):
-                train_step(model, opt, i, device="cuda")
+            for i, x in enumerate(inputs, start=1):
+                train_step(model, opt, i, device="cuda", x=x)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
