@@ -210,9 +210,10 @@ def count_syncs(step, dev, n=3):
     return sum("synchroniz" in str(w.message) for w in caught) / n
 
 
-def kernel_ms_per_step(step, dev, n):
-    """GPU kernel time per step (ms): the device time of every kernel torch.profiler records
-    during n steps (kernels replayed from a CUDA graph included), summed, over n."""
+def kernel_profile(step, dev, n):
+    """GPU kernel time per step (ms), kernels launched per step, and the time per step of each
+    kernel name: the device time of every kernel torch.profiler records during n steps (kernels
+    replayed from a CUDA graph included), over n."""
     from torch.profiler import ProfilerActivity, profile  # imported only when asked for
 
     sync(dev)
@@ -223,11 +224,29 @@ def kernel_ms_per_step(step, dev, n):
     events = prof.events()
     # Two views of the same kernels (device events, or the kernels attached to the CPU calls that
     # launched them); a profiler version may fill only one.
-    on_device = sum(e.device_time_total for e in events
-                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    launched = sum(k.duration for e in events
-                   if e.device_type == torch.autograd.DeviceType.CPU for k in e.kernels)
-    return max(on_device, launched) / 1e3 / n
+    on_device = [(e.name, e.device_time_total) for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
+    launched = [(k.name, k.duration) for e in events
+                if e.device_type == torch.autograd.DeviceType.CPU for k in e.kernels]
+    kernels = max(on_device, launched, key=lambda ks: sum(t for _, t in ks))
+    by_name = {}
+    for name, us in kernels:
+        by_name[name] = by_name.get(name, 0.0) + us / 1e3 / n
+    return sum(by_name.values()), len(kernels) / n, by_name
+
+
+def print_kernel_differences(configs, profiles, top=6):
+    """Per configuration, the kernels whose time per step differs most from its native
+    reference's (native for fp16, native_bf16 for bf16 levels): where extra GPU work comes from."""
+    for c in configs:
+        ref = "native_bf16" if c[:2] in ("O4", "O5") else "native"
+        if not c.startswith("O") or c not in profiles or ref not in profiles:
+            continue
+        mine, theirs = profiles[c], profiles[ref]
+        diff = {k: mine.get(k, 0.0) - theirs.get(k, 0.0) for k in set(mine) | set(theirs)}
+        worst = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]
+        print(f"kernels {c} vs {ref}: " + "; ".join(f"{d:+.2f} ms {k[:70]}" for k, d in worst),
+              flush=True)
 
 
 def run_config(wl, config, args, dev, kernel_time=False):
@@ -257,7 +276,8 @@ def run_config(wl, config, args, dev, kernel_time=False):
         res.update(median_ms=statistics.median(ms), peak_mb=peak_mb(dev),
                    syncs_per_step=count_syncs(step, dev))
         if kernel_time and dev.type == "cuda":
-            res["kernel_ms"] = kernel_ms_per_step(step, dev, args.profile_steps)
+            res["kernel_ms"], res["kernels_per_step"], res["kernel_ms_by_name"] = kernel_profile(
+                step, dev, args.profile_steps)
         if config.startswith("O") and not config.endswith("_graph"):
             # A level whose steps are skipped measures nothing. (Replayed steps never reach the
             # host counters: check a graph config's scale instead.)
@@ -321,15 +341,19 @@ def main():
                 out.write(json.dumps(dict(res, round=r + 1, model=args.model)) + "\n")
 
     if args.kernel_time and dev.type == "cuda":
+        profiles = {}
         for c in configs:
             res = run_config(wl, c, args, dev, kernel_time=True)
             if "kernel_ms" in res:
                 print(f"profiled {c:<12} wall {res['median_ms']:.2f} ms/step  GPU kernels "
-                      f"{res['kernel_ms']:.2f} ms/step", flush=True)
+                      f"{res['kernel_ms']:.2f} ms/step  {res['kernels_per_step']:.0f} kernels/step",
+                      flush=True)
+                profiles[c] = res.pop("kernel_ms_by_name")
                 for r in results[c]:
                     r["kernel_ms"] = res["kernel_ms"]
                 if out:
                     out.write(json.dumps(dict(res, round="profile", model=args.model)) + "\n")
+        print_kernel_differences(configs, profiles)
 
     def med(c, key):
         v = [x[key] for x in results.get(c, []) if key in x and x[key] == x[key]]

@@ -41,13 +41,11 @@ for run in ${BENCH_RUNS:-resnet50 gpt2 gpt2_fused}; do
     resnet50 | gpt2)
       configs=()
       [[ -n "${BENCH_CONFIGS:-}" ]] && configs=(--configs "$BENCH_CONFIGS")
-      # GPT-2 is where the host work shows: its Python run also profiles each configuration's
-      # GPU kernel time per step.
-      kernel_time=()
-      [[ "$run" == gpt2 ]] && kernel_time=(--kernel-time)
+      # The Python run also profiles each configuration: GPU kernel time and kernels launched
+      # per step, and the kernels whose time differs most from native's.
       "$BUILD/benchmarks/training/bench_train_$run" "${configs[@]}" \
         --json "$OUTDIR/cpp_$run.jsonl" "$@" 2>&1 | tee "$OUTDIR/cpp_$run.txt" || failed=1
-      bench_py --model "$run" "${configs[@]}" "${kernel_time[@]}" --json "$OUTDIR/py_$run.jsonl" \
+      bench_py --model "$run" "${configs[@]}" --kernel-time --json "$OUTDIR/py_$run.jsonl" \
         "$@" 2>&1 | tee "$OUTDIR/py_$run.txt" || failed=1
       ;;
     gpt2_fused)  # no sync per step; in Python also the CUDA-graph-captured O2/O5 step
