@@ -12,7 +12,8 @@
 # optamp both skip on the device, no sync per step), native measured twice (native_again: the
 # noise), and, in Python, the whole O2/O5 step captured in a CUDA graph, with each
 # configuration's GPU kernel time per step: {cpp,py}_gpt2_fused.{txt,jsonl}.
-# BENCH_RUNS picks and orders the runs (default "resnet50 gpt2 gpt2_fused").
+# BENCH_RUNS picks and orders the runs (default "resnet50 gpt2 gpt2_fused"; also
+# resnet50_fused: ResNet-50 with an SGD that skips on the device).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/common.sh"
 OUTDIR="${1:-bench-results}"
@@ -56,7 +57,16 @@ for run in ${BENCH_RUNS:-resnet50 gpt2 gpt2_fused}; do
         --json "$OUTDIR/py_gpt2_fused.jsonl" "$@" 2>&1 | tee "$OUTDIR/py_gpt2_fused.txt" ||
         failed=1
       ;;
-    *) echo "gpu_training.sh: unknown run $run (resnet50, gpt2, gpt2_fused)" >&2; exit 2 ;;
+    resnet50_fused)  # SGD that skips on the device (C++ amp::FusedSGD, Python SGD(fused=True))
+      "$BUILD/benchmarks/training/bench_train_resnet50" --fused --configs "$FUSED_CONFIGS" \
+        --json "$OUTDIR/cpp_resnet50_fused.jsonl" "$@" 2>&1 |
+        tee "$OUTDIR/cpp_resnet50_fused.txt" || failed=1
+      bench_py --model resnet50 --fused --kernel-time --configs "$FUSED_CONFIGS" \
+        --json "$OUTDIR/py_resnet50_fused.jsonl" "$@" 2>&1 | tee "$OUTDIR/py_resnet50_fused.txt" ||
+        failed=1
+      ;;
+    *) echo "gpu_training.sh: unknown run $run (resnet50, gpt2, gpt2_fused, resnet50_fused)" >&2
+       exit 2 ;;
   esac
 done
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUTDIR/machine.txt"

@@ -17,7 +17,8 @@ class ResNet50Workload : public bench::Workload {
     for (auto b : opts_.blocks) blocks += (blocks.empty() ? "" : "-") + std::to_string(b);
     return "ResNet blocks " + blocks + " width " + std::to_string(opts_.width) + ", " +
            std::to_string(opts_.classes) + " classes, batch " + std::to_string(batch_) + "x3x" +
-           std::to_string(image_) + "x" + std::to_string(image_) + ", SGD momentum 0.9";
+           std::to_string(image_) + "x" + std::to_string(image_) +
+           (fused_ ? ", amp::FusedSGD momentum 0.9" : ", SGD momentum 0.9");
   }
   bool parse_flag(const std::string& f, const std::string& v) override {
     if (f == "--batch")
@@ -45,12 +46,17 @@ class ResNet50Workload : public bench::Workload {
            "  --small = --batch 4 --image 64 --width 8 --blocks 1,1,1,1 --classes 10\n";
   }
   std::int64_t samples_per_step() const override { return batch_; }
+  bool fused_skips_on_device() const override { return true; }
   void build(const torch::Device& device) override {
     model_ = bench::ResNet(opts_);
     model_->to(device);
     model_->train();
-    optimizer_ = std::make_unique<torch::optim::SGD>(
-        model_->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9).weight_decay(1e-4));
+    const auto options = torch::optim::SGDOptions(0.01).momentum(0.9).weight_decay(1e-4);
+    if (fused_) {
+      optimizer_ = std::make_unique<amp::FusedSGD>(model_->parameters(), options);
+    } else {
+      optimizer_ = std::make_unique<torch::optim::SGD>(model_->parameters(), options);
+    }
     x_ = torch::randn({batch_, 3, image_, image_}, torch::device(device));
     y_ = torch::randint(opts_.classes, {batch_}, torch::dtype(torch::kLong).device(device));
   }

@@ -17,8 +17,8 @@
 //                     _amp_update_scale_, one found_inf.item() per step, step skipped on overflow;
 //                     with --fused, GradScaler's protocol for fused optimizers: the flag goes to
 //                     the optimizer, no item())
-// --fused: the workload's optimizer skips on the device (amp::FusedAdamW for GPT-2; ResNet-50's
-// SGD has no fused C++ form and stays as it is), so optamp's steps and native's make no sync.
+// --fused: the workload's optimizer skips on the device (amp::FusedAdamW for GPT-2, amp::FusedSGD
+// for ResNet-50), so optamp's steps and native's make no sync.
 //   native_bf16       at::autocast (bf16), no scaler
 //   native_again      native once more: the ratio native_again / native measured in the same
 //                     run is the benchmark's own noise, against which the other ratios are read
@@ -75,7 +75,7 @@ class Workload {
   void set_fused(bool fused) { fused_ = fused; }
   bool fused() const { return fused_; }
   // Whether --fused gives this workload an optimizer that skips on the device (GPT-2's
-  // amp::FusedAdamW; ResNet-50's SGD has no fused C++ form).
+  // amp::FusedAdamW, ResNet-50's amp::FusedSGD).
   virtual bool fused_skips_on_device() const { return false; }
   virtual torch::optim::Optimizer& optimizer() = 0;
   virtual torch::Tensor loss() = 0;  // forward + loss on the fixed batch

@@ -1,5 +1,6 @@
-// amp::FusedAdam / FusedAdamW: torch::optim's Adam and AdamW stepped by torch's fused kernels,
-// which take the loss scaler's overflow flag and skip on the device (optamp/fused_optimizers.h).
+// amp::FusedAdam / FusedAdamW / FusedSGD: torch::optim's Adam, AdamW and SGD stepped by torch's
+// fused kernels, which take the loss scaler's overflow flag and skip on the device
+// (optamp/fused_optimizers.h).
 #include "optamp/fused_optimizers.h"
 
 #include <ATen/ATen.h>
@@ -184,5 +185,128 @@ void FusedAdamFamily<Base>::load(torch::serialize::InputArchive& archive) {
 
 template class FusedAdamFamily<torch::optim::Adam>;
 template class FusedAdamFamily<torch::optim::AdamW>;
+
+namespace {
+
+// The tensors of one fused SGD launch: one device and dtype, and one value of is_first_step
+// (parameters whose momentum buffer this step creates launch apart from the others).
+struct SgdBucket {
+  c10::Device device;
+  at::ScalarType dtype;
+  bool first;
+  std::vector<at::Tensor> params, grads, buffers;
+};
+
+SgdBucket& sgd_bucket_for(std::vector<SgdBucket>& buckets, const at::Tensor& p, bool first) {
+  for (auto& b : buckets)
+    if (b.device == p.device() && b.dtype == p.scalar_type() && b.first == first) return b;
+  return buckets.emplace_back(SgdBucket{p.device(), p.scalar_type(), first, {}, {}, {}});
+}
+
+using SgdState = torch::optim::SGDParamState;
+
+// Whether the step must create `p`'s momentum buffer (momentum != 0 and none yet).
+bool creates_buffer(const StateMap& state, const at::Tensor& p, double momentum) {
+  return momentum != 0 && state.find(p.unsafeGetTensorImpl()) == state.end();
+}
+
+// The momentum buffer for `p`, created here when the step creates it: as zeros for a kernel call
+// that is not a first step (dampening 0: 0 * momentum + grad is the first step's grad, and a
+// skipped step leaves zeros, so the next one is a first step again), else uninitialized (the
+// first-step kernel writes it).
+at::Tensor sgd_buffer(StateMap& state, const at::Tensor& p, bool zeros) {
+  auto it = state.find(p.unsafeGetTensorImpl());
+  if (it == state.end()) {
+    auto fresh = std::make_unique<SgdState>();
+    fresh->momentum_buffer(zeros ? at::zeros_like(p, at::MemoryFormat::Preserve)
+                                 : at::empty_like(p, at::MemoryFormat::Preserve));
+    it = state.emplace(p.unsafeGetTensorImpl(), std::move(fresh)).first;
+  }
+  return static_cast<SgdState&>(*it->second).momentum_buffer();
+}
+
+// With dampening != 0 a first step cannot be redone on the device: the step that creates
+// buffers reads the flag once (a skipped one creates none and changes nothing).
+bool overflowed_on_the_host(const at::Tensor& found_inf) {
+  return found_inf.defined() && found_inf.item<float>() != 0.0f;
+}
+
+// torch::optim::SGD's update written out, skipped where `found` (if given) is set without a host
+// read. For what torch's fused kernel gets wrong: on the CPU (torch 2.11) its vectorized loop
+// leaves fp16/bf16 parameters unchanged (it writes the momentum buffers, not the parameters) for
+// every tensor of 16 elements or more.
+void reference_sgd_step(const SgdBucket& b, const torch::optim::SGDOptions& o,
+                        const std::optional<at::Tensor>& found) {
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    const at::Tensor& p = b.params[i];
+    at::Tensor d_p = b.grads[i];
+    if (o.weight_decay() != 0) d_p = d_p.add(p, o.weight_decay());
+    at::Tensor buf;
+    if (o.momentum() != 0) {
+      buf = b.first ? d_p.clone() : b.buffers[i].mul(o.momentum()).add(d_p, 1 - o.dampening());
+      d_p = o.nesterov() ? d_p.add(buf, o.momentum()) : buf;
+    }
+    at::Tensor updated = p.add(d_p, -o.lr());
+    if (found) {
+      const at::Tensor skip = found->ne(0);
+      updated = at::where(skip, p, updated);
+      if (buf.defined()) buf = at::where(skip, b.buffers[i], buf);
+    }
+    p.copy_(updated);
+    if (buf.defined()) b.buffers[i].copy_(buf);
+  }
+}
+
+bool fused_kernel_is_wrong_for(const SgdBucket& b) {
+  return b.device.is_cpu() && (b.dtype == at::kHalf || b.dtype == at::kBFloat16);
+}
+
+void fused_sgd_step(std::vector<torch::optim::OptimizerParamGroup>& groups, StateMap& state,
+                    const at::Tensor& found_inf) {
+  std::optional<bool> skipped_first;  // the one host read, made at most once per step
+  for (auto& group : groups) {
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+    const bool damped = o.dampening() != 0;
+    std::vector<SgdBucket> buckets;
+    for (const auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      TORCH_CHECK_VALUE(!p.grad().is_sparse(),
+                        "FusedSGD needs dense gradients, got a sparse one for a parameter of "
+                        "shape ",
+                        p.sizes());
+      const bool creates = creates_buffer(state, p, o.momentum());
+      if (creates && damped) {
+        if (!skipped_first) skipped_first = overflowed_on_the_host(found_inf);
+        if (*skipped_first) continue;
+      }
+      // Only a damped buffer's first step runs the first-step kernel; an undamped one is zeros.
+      SgdBucket& b = sgd_bucket_for(buckets, p, creates && damped);
+      b.params.push_back(p);
+      b.grads.push_back(p.grad());
+      if (o.momentum() != 0) b.buffers.push_back(sgd_buffer(state, p, /*zeros=*/!damped));
+    }
+    for (auto& b : buckets) {
+      std::optional<at::Tensor> found;
+      if (found_inf.defined() && !b.first) {
+        found = found_inf.device() == b.device ? found_inf
+                                               : found_inf.to(b.device, /*non_blocking=*/true);
+      }
+      if (fused_kernel_is_wrong_for(b)) {
+        reference_sgd_step(b, o, found);
+        continue;
+      }
+      at::_fused_sgd_(b.params, b.grads, b.buffers, o.weight_decay(), o.momentum(), o.lr(),
+                      o.dampening(), o.nesterov(), /*maximize=*/false, /*is_first_step=*/b.first,
+                      /*grad_scale=*/std::nullopt, found);
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor FusedSGD::step(LossClosure closure) {
+  return run_step(closure,
+                  [this] { fused_sgd_step(this->param_groups_, this->state_, take_found_inf()); });
+}
 
 }  // namespace amp

@@ -1,7 +1,7 @@
 #pragma once
 // Optimizers that skip an overflowing step on the device, so a training step never waits for the
 // GPU (torch.optim's fused=True Adam/AdamW in Python are the same idea; LibTorch's C++ optimizers
-// have no fused form).
+// have no fused form). amp::FusedSGD is torch::optim::SGD the same way.
 //
 //   amp::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
 //   amp::initialize(model, optimizer, "O2");
@@ -20,6 +20,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 
 #include <mutex>
 #include <unordered_map>
@@ -80,6 +81,19 @@ class OPTAMP_API FusedAdam : public FusedAdamFamily<torch::optim::Adam> {
 class OPTAMP_API FusedAdamW : public FusedAdamFamily<torch::optim::AdamW> {
  public:
   using FusedAdamFamily::FusedAdamFamily;
+};
+
+// torch::optim::SGD (momentum, dampening, Nesterov, weight decay) with its update done by torch's
+// fused kernel (at::_fused_sgd_), skipped on the device after an overflow. Same options, same
+// state, checkpoints interchangeable with torch::optim::SGD. A momentum buffer starts as the
+// first update's gradient, as torch::optim::SGD's does; with dampening 0 (the default) it is
+// made as zeros, so a skipped first step leaves the next step a first step, and nothing is read
+// on the host. With dampening != 0 the step that creates buffers under a guard waits once for
+// the overflow flag (a skipped first step creates none); later steps read nothing.
+class OPTAMP_API FusedSGD : public torch::optim::SGD, public DeviceSkippingOptimizer {
+ public:
+  using torch::optim::SGD::SGD;
+  torch::Tensor step(LossClosure closure = nullptr) override;
 };
 
 }  // namespace amp
