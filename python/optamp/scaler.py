@@ -138,7 +138,34 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int = 0,
     found_inf = guard.found_inf
     if found_inf is not None:
         for opt in opts:
+            if _fresh_fused_sgd_buffers(opt, found_inf):
+                _skip_next_step(opt)
             _hand_found_inf(opt, found_inf)
+
+
+def _fresh_fused_sgd_buffers(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> bool:
+    """torch's ``SGD(fused=True)`` makes a momentum buffer with ``empty_like`` on its first step
+    and keeps it when ``found_inf`` skips that step, so the next step starts from uninitialized
+    memory (torch 2.11; GradScaler has the same hole). Buffers are made here as zeros instead:
+    torch then steps them as a later step would, ``0 * momentum + grad``, which with dampening 0
+    is its first step exactly, and a skipped step leaves zeros. With dampening != 0 that is not
+    the first step, so the flag is read once (the step that would create buffers) and True is
+    returned when that step must be skipped on the host (no buffers made)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    damped_fresh = False
+    for group in optimizer.param_groups:
+        if not group.get("fused") or group["momentum"] == 0:
+            continue
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if p.grad is None or state.get("momentum_buffer") is not None:
+                continue
+            if group["dampening"] == 0:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            else:
+                damped_fresh = True
+    return damped_fresh and bool(found_inf.item())
 
 
 def _hand_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:

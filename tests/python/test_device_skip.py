@@ -139,6 +139,42 @@ def test_device_skip_trains_like_the_host_skip(fresh, level):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dampening", [0.0, 0.5])
+@pytest.mark.parametrize("level", ["O1", "O2", "O4"])
+def test_fused_sgd_through_a_skipped_first_step(fresh, level, dampening):
+    """torch's SGD(fused=True) keeps the empty_like momentum buffers of a first step that
+    found_inf skipped (uninitialized memory for the next step). Under a guard the first step's
+    buffers are zeros (dampening 0, no host read) or not made at all (damped: the flag is read
+    once), and the run trains as the host-skipping SGD loop does."""
+    results = []
+    for use_fused in (True, False):
+        optamp.reset()
+        torch.manual_seed(0)
+        model = Mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, dampening=dampening,
+                              weight_decay=1e-4, fused=use_fused,
+                              foreach=False if not use_fused else None)
+        model, opt = init(model, opt, opt_level=level)
+        before = [p.detach().clone() for p in model.parameters()]
+        with optamp.scale_loss(model(batch(0)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+            model.fc1.weight.grad[0, 0] = float("inf")
+        if use_fused and dampening == 0:  # made by the guard, before torch's step could
+            buffers = [opt.state[p].get("momentum_buffer") for p in model.parameters()]
+            assert all(b is not None and torch.count_nonzero(b) == 0 for b in buffers)
+        opt.step()
+        assert bit_equal([p.detach() for p in model.parameters()], before)
+        if dampening != 0:
+            assert all(s.get("momentum_buffer") is None for s in opt.state.values()), \
+                "a skipped damped first step makes no buffers"
+        for i in range(1, 4):
+            train_step(model, opt, i)
+        results.append([p.detach().clone() for p in model.parameters()])
+        assert optamp.loss_scaler().skipped_steps == 1
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_an_overflow_in_any_guard_before_the_step_skips_it(fresh):
     model, opt = setup("O1", "adam")
     before = snapshot(model, opt)
