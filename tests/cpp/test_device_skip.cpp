@@ -1,6 +1,6 @@
 // Steps that never wait for the device: amp::FusedAdam/FusedAdamW/FusedSGD against torch::optim's
-// Adam/AdamW/SGD, no host read during steps at O1-O5 (and exactly one per step with an optimizer that
-// skips on the host), an injected inf skipped bit-exactly on the device, several guards before
+// Adam/AdamW/SGD, no host read during steps at O1-O5 (and exactly one per step with an optimizer
+// that skips on the host), an injected inf skipped bit-exactly on the device, several guards before
 // one step, checkpoints interchangeable with torch::optim::Adam, the floor error, and the lazy
 // scaler accessors.
 #include <ATen/ATen.h>
@@ -179,8 +179,7 @@ TEST_F(DeviceSkip, FusedSGDTrainsLikeSGD) {
   expect_same_training<FusedSGD, torch::optim::SGD>(
       SGDOptions(1e-2).momentum(0.9).weight_decay(0.1));
   expect_same_training<FusedSGD, torch::optim::SGD>(SGDOptions(1e-2).momentum(0.9).nesterov(true));
-  expect_same_training<FusedSGD, torch::optim::SGD>(
-      SGDOptions(1e-2).momentum(0.9).dampening(0.5));
+  expect_same_training<FusedSGD, torch::optim::SGD>(SGDOptions(1e-2).momentum(0.9).dampening(0.5));
 }
 
 // torch's fused SGD kernel on the CPU (2.11) writes the momentum buffers but leaves fp16/bf16
@@ -348,8 +347,8 @@ TEST_P(DeviceSkipLevels, FusedSGDTrainsLikeSGDThroughASkippedStep) {
         // O3's parameters are fp16 (on the CPU FusedSGD steps them with SGD's own ops: torch's
         // fused CPU kernel leaves fp16 parameters of 16 elements or more unchanged); on CUDA the
         // fused kernel rounds once where SGD's ops round once per op.
-        EXPECT_TRUE(testing::all_close(fused[i], plain[i],
-                                       testing::tolerance(fused[i].scalar_type())))
+        EXPECT_TRUE(
+            testing::all_close(fused[i], plain[i], testing::tolerance(fused[i].scalar_type())))
             << "parameter " << i << ", dampening " << options.dampening() << ", poisoned step "
             << poisoned;
       }
