@@ -25,7 +25,8 @@
 # default all: bootstrap,build,ctest,cmake_compat,pytest_cuda,benchmarks,ab,ab_char_gpt,pytest_cpu;
 # the pytest phases run in what is left of the budget), GPU_CHECK_CMAKE_ARGS (added to the
 # configure's arguments, e.g. -DOPTAMP_BUILD_TESTS=OFF for a run without ctest),
-# GPU_CHECK_PYTEST_CUDA_SECONDS (the most the needs_cuda pytests may take; default: the budget).
+# GPU_CHECK_PYTEST_CUDA_SECONDS (the most the needs_cuda pytests may take; default: the budget),
+# GPU_CHECK_CTEST_ARGS (added to ctest's, e.g. -R "CUDA|packaging" for the GPU tests alone).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/runner_counts.sh"
@@ -130,7 +131,11 @@ run_build() {
     exit 1
   fi
 }
-run_ctest() { phase ctest ctest --test-dir "$OPTAMP_BUILD_DIR" --output-on-failure -j "$(nproc)"; }
+# shellcheck disable=SC2086
+run_ctest() {
+  phase ctest ctest --test-dir "$OPTAMP_BUILD_DIR" --output-on-failure -j "$(nproc)" \
+    ${GPU_CHECK_CTEST_ARGS:-}
+}
 run_cmake_compat() { phase cmake_compat bash scripts/cmake_compat.sh "$OPTAMP_BUILD_DIR"; }
 run_pytest_cuda() { pytest_phase pytest_cuda "${GPU_CHECK_PYTEST_CUDA_SECONDS:-}" -m needs_cuda; }
 run_benchmarks() {
