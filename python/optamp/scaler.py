@@ -153,18 +153,28 @@ def _fresh_fused_sgd_buffers(optimizer: torch.optim.Optimizer, found_inf: torch.
     returned when that step must be skipped on the host (no buffers made)."""
     if not isinstance(optimizer, torch.optim.SGD):
         return False
-    damped_fresh = False
-    for group in optimizer.param_groups:
-        if not group.get("fused") or group["momentum"] == 0:
-            continue
+    groups = [g for g in optimizer.param_groups if g.get("fused") and g["momentum"] != 0]
+    total = sum(len(g["params"]) for g in groups)
+    holder: Any = optimizer
+    # Every buffer made at the last look, and no state dropped since (a load_state_dict that
+    # brought fewer entries): nothing to do, without a Python loop over the parameters.
+    if getattr(holder, "_optamp_sgd_buffers", -1) == total and len(optimizer.state) >= total:
+        return False
+    damped_fresh, ready = False, 0
+    for group in groups:
         for p in group["params"]:
-            state = optimizer.state[p]
-            if p.grad is None or state.get("momentum_buffer") is not None:
+            state = optimizer.state.get(p)  # .get: no empty state entries for grad-less params
+            if state is not None and state.get("momentum_buffer") is not None:
+                ready += 1
+            elif p.grad is None:
                 continue
-            if group["dampening"] == 0:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif group["dampening"] == 0:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(
+                    p, memory_format=torch.preserve_format)
+                ready += 1
             else:
                 damped_fresh = True
+    holder._optamp_sgd_buffers = ready
     return damped_fresh and bool(found_inf.item())
 
 
