@@ -9,6 +9,7 @@ as in Apex) and the fp32 state_dict hook of models cast in place.
 """
 import enum
 import threading
+import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type, TypeVar, Union
 
@@ -229,6 +230,7 @@ def initialize(
         if props.model_cast == ModelCast.IN_PLACE:
             for model in model_list:
                 _state_dict_hooks.append(model.register_state_dict_post_hook(_fp32_state_dict))
+    _warn_fused_sgd_on_cpu(opt_list)
     global _properties
     _properties = props
     _compile.on_initialize(props.casts)
@@ -243,6 +245,40 @@ def initialize(
 
 
 _properties: Optional[_C.Properties] = None
+
+
+_fused_sgd_cpu_broken: Dict[torch.dtype, bool] = {}
+
+
+def _fused_sgd_leaves_cpu_params(dtype: torch.dtype) -> bool:
+    """Whether this torch's fused SGD kernel leaves a 16-element CPU parameter of ``dtype``
+    unchanged (torch 2.11 does for fp16 and bf16: its vectorized loop writes no parameter).
+    Asked once per dtype, by stepping one."""
+    if dtype not in _fused_sgd_cpu_broken:
+        p = torch.ones(16, dtype=dtype)
+        torch._fused_sgd_([p], [torch.ones(16, dtype=dtype)], [], weight_decay=0.0, momentum=0.0,
+                          lr=0.5, dampening=0.0, nesterov=False, maximize=False,
+                          is_first_step=False)
+        _fused_sgd_cpu_broken[dtype] = bool(p[0] == 1)
+    return _fused_sgd_cpu_broken[dtype]
+
+
+def _warn_fused_sgd_on_cpu(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """torch 2.11's ``SGD(fused=True)`` leaves fp16/bf16 CPU parameters of 16 elements or more
+    unchanged: a run with such parameters (O3, or a reduced-precision model at O0) would not
+    train, and nothing would say so."""
+    for i, opt in enumerate(optimizers):
+        if not isinstance(opt, torch.optim.SGD):
+            continue
+        stuck = [p for g in opt.param_groups if g.get("fused") for p in g["params"]
+                 if p.device.type == "cpu" and p.dtype in (torch.float16, torch.bfloat16)
+                 and p.numel() >= 16 and _fused_sgd_leaves_cpu_params(p.dtype)]
+        if stuck:
+            warnings.warn(
+                f"optimizer {i} (SGD with fused=True) steps {len(stuck)} {stuck[0].dtype} "
+                f"parameters on the CPU, which this torch's fused CPU kernel leaves unchanged "
+                f"(torch {torch.__version__}): use SGD without fused=True for them",
+                stacklevel=3)
 
 
 def properties() -> Optional[_C.Properties]:

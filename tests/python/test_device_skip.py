@@ -175,6 +175,27 @@ def test_fused_sgd_through_a_skipped_first_step(fresh, level, dampening):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("level, warns", [("O3", True), ("O1", False), ("O2", False)])
+def test_fused_sgd_with_reduced_precision_cpu_parameters_warns(fresh, level, warns):
+    """torch 2.11's fused CPU SGD kernel leaves fp16/bf16 parameters of 16 elements or more
+    unchanged (the O3 run below would not train): initialize says so, naming the optimizer."""
+    from optamp.frontend import _fused_sgd_leaves_cpu_params  # the probe (a torch that is
+    warns = warns and _fused_sgd_leaves_cpu_params(torch.float16)  # fixed gets no warning)
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, fused=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        init(model, opt, opt_level=level)
+    said = [str(w.message) for w in caught if "fused CPU kernel" in str(w.message)]
+    if warns:
+        assert len(said) == 1 and said[0].startswith("optimizer 0 (SGD with fused=True)"), said
+        before = model.fc1.weight.detach().clone()
+        train_step(model, opt, 1)
+        assert torch.equal(model.fc1.weight, before), "what the warning is about"
+    else:
+        assert said == []
+
+
 def test_an_overflow_in_any_guard_before_the_step_skips_it(fresh):
     model, opt = setup("O1", "adam")
     before = snapshot(model, opt)
