@@ -179,8 +179,10 @@ def test_fused_sgd_through_a_skipped_first_step(fresh, level, dampening):
 def test_fused_sgd_with_reduced_precision_cpu_parameters_warns(fresh, level, warns):
     """torch 2.11's fused CPU SGD kernel leaves fp16/bf16 parameters of 16 elements or more
     unchanged (the O3 run below would not train): initialize says so, naming the optimizer."""
-    from optamp.frontend import _fused_sgd_leaves_cpu_params  # the probe (a torch that is
-    warns = warns and _fused_sgd_leaves_cpu_params(torch.float16)  # fixed gets no warning)
+    from optamp.frontend import _fused_sgd_leaves_cpu_params
+
+    # initialize asks the kernel: a torch that is fixed gets no warning.
+    warns = warns and _fused_sgd_leaves_cpu_params(torch.float16)
     model = Mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, fused=True)
     with warnings.catch_warnings(record=True) as caught:
