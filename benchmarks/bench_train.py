@@ -211,33 +211,38 @@ def count_syncs(step, dev, n=3):
 
 
 def kernel_profile(step, dev, n):
-    """GPU kernel time per step (ms), kernels launched per step, and the time per step of each
-    kernel name: the device time of every kernel torch.profiler records during n steps (kernels
-    replayed from a CUDA graph included), over n."""
+    """GPU kernel time per step (ms), kernels launched per step, and per step the time of each
+    kernel name and the host time of each operator: the device time of every kernel
+    torch.profiler records during n steps (kernels replayed from a CUDA graph included), and
+    each CPU event's self time (the profiler's own cost included, so read differences)."""
     from torch.profiler import ProfilerActivity, profile  # imported only when asked for
 
     sync(dev)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             step()
         sync(dev)
     events = prof.events()
+    cpu = torch.autograd.DeviceType.CPU
     # Two views of the same kernels (device events, or the kernels attached to the CPU calls that
     # launched them); a profiler version may fill only one.
     on_device = [(e.name, e.device_time_total) for e in events
                  if e.device_type == torch.autograd.DeviceType.CUDA]
-    launched = [(k.name, k.duration) for e in events
-                if e.device_type == torch.autograd.DeviceType.CPU for k in e.kernels]
+    launched = [(k.name, k.duration) for e in events if e.device_type == cpu for k in e.kernels]
     kernels = max(on_device, launched, key=lambda ks: sum(t for _, t in ks))
-    by_name = {}
+    by_name, host = {}, {}
     for name, us in kernels:
         by_name[name] = by_name.get(name, 0.0) + us / 1e3 / n
-    return sum(by_name.values()), len(kernels) / n, by_name
+    for e in events:
+        if e.device_type == cpu:
+            host[e.name] = host.get(e.name, 0.0) + e.self_cpu_time_total / 1e3 / n
+    return sum(by_name.values()), len(kernels) / n, by_name, host
 
 
-def print_kernel_differences(configs, profiles, top=6):
-    """Per configuration, the kernels whose time per step differs most from its native
-    reference's (native for fp16, native_bf16 for bf16 levels): where extra GPU work comes from."""
+def print_profile_differences(configs, profiles, what, top=6):
+    """Per optamp configuration, the names whose time per step differs most from its native
+    reference's (native for fp16, native_bf16 for bf16 levels): `what` is "kernels" (GPU work)
+    or "host" (operators' self time on the CPU)."""
     for c in configs:
         ref = "native_bf16" if c[:2] in ("O4", "O5") else "native"
         if not c.startswith("O") or c not in profiles or ref not in profiles:
@@ -245,8 +250,8 @@ def print_kernel_differences(configs, profiles, top=6):
         mine, theirs = profiles[c], profiles[ref]
         diff = {k: mine.get(k, 0.0) - theirs.get(k, 0.0) for k in set(mine) | set(theirs)}
         worst = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]
-        print(f"kernels {c} vs {ref}: " + "; ".join(f"{d:+.2f} ms {k[:70]}" for k, d in worst),
-              flush=True)
+        print(f"{what} {c} vs {ref}: {sum(mine.values()) - sum(theirs.values()):+.2f} ms in all; "
+              + "; ".join(f"{d:+.2f} ms {k[:70]}" for k, d in worst), flush=True)
 
 
 def run_config(wl, config, args, dev, kernel_time=False):
@@ -276,8 +281,8 @@ def run_config(wl, config, args, dev, kernel_time=False):
         res.update(median_ms=statistics.median(ms), peak_mb=peak_mb(dev),
                    syncs_per_step=count_syncs(step, dev))
         if kernel_time and dev.type == "cuda":
-            res["kernel_ms"], res["kernels_per_step"], res["kernel_ms_by_name"] = kernel_profile(
-                step, dev, args.profile_steps)
+            (res["kernel_ms"], res["kernels_per_step"], res["kernel_ms_by_name"],
+             res["host_ms_by_op"]) = kernel_profile(step, dev, args.profile_steps)
         if config.startswith("O") and not config.endswith("_graph"):
             # A level whose steps are skipped measures nothing. (Replayed steps never reach the
             # host counters: check a graph config's scale instead.)
@@ -341,7 +346,7 @@ def main():
                 out.write(json.dumps(dict(res, round=r + 1, model=args.model)) + "\n")
 
     if args.kernel_time and dev.type == "cuda":
-        profiles = {}
+        profiles, host_profiles = {}, {}
         for c in configs:
             res = run_config(wl, c, args, dev, kernel_time=True)
             if "kernel_ms" in res:
@@ -349,11 +354,13 @@ def main():
                       f"{res['kernel_ms']:.2f} ms/step  {res['kernels_per_step']:.0f} kernels/step",
                       flush=True)
                 profiles[c] = res.pop("kernel_ms_by_name")
+                host_profiles[c] = res.pop("host_ms_by_op")
                 for r in results[c]:
                     r["kernel_ms"] = res["kernel_ms"]
                 if out:
                     out.write(json.dumps(dict(res, round="profile", model=args.model)) + "\n")
-        print_kernel_differences(configs, profiles)
+        print_profile_differences(configs, profiles, "kernels")
+        print_profile_differences(configs, host_profiles, "host")
 
     def med(c, key):
         v = [x[key] for x in results.get(c, []) if key in x and x[key] == x[key]]
