@@ -38,3 +38,32 @@ def test_o3_configuration_trains_instead_of_skipping(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["config"] for r in rows] == ["O3"]
     assert rows[0]["skipped_steps"] == 0, rows
+
+
+def test_noise_row_and_ratio_ranges(tmp_path):
+    """native_again is native measured twice in one run: its ratio to native is printed as the
+    run's noise, and every ratio cell carries its range over the rounds."""
+    proc = subprocess.run([sys.executable, SCRIPT, "--model", "gpt2", "--device", "cpu", "--small",
+                           "--configs", "native,native_again", "--rounds", "2", "--warmup", "0",
+                           "--steps", "1"],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    noise = [line for line in proc.stdout.splitlines() if line.startswith("noise")]
+    assert len(noise) == 1 and "native_again / native" in noise[0], proc.stdout
+    assert "| native | " in proc.stdout and "1.000 (1.000-1.000)" in proc.stdout
+
+
+def test_profile_differences_name_what_differs(capsys):
+    """--kernel-time's differences: per optamp level, against native (fp16) or native_bf16 (O4,
+    O5), largest first, and nothing for the native configurations themselves."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_train
+    finally:
+        sys.path.pop(0)
+    profiles = {"native": {"gemm": 1.0, "cast": 0.1}, "O1": {"gemm": 1.0, "cast": 0.6, "gelu": 0.2},
+                "native_bf16": {"gemm": 2.0}, "O4": {"gemm": 2.5}}
+    bench_train.print_profile_differences(list(profiles), profiles, "kernels", top=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["kernels O1 vs native: +0.70 ms in all; +0.50 ms cast; +0.20 ms gelu",
+                     "kernels O4 vs native_bf16: +0.50 ms in all; +0.50 ms gemm"]
