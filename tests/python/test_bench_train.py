@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from common_utils import ROOT, env
+from common_utils import ROOT, env, load_script
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_train.py")
 
@@ -56,11 +56,7 @@ def test_noise_row_and_ratio_ranges(tmp_path):
 def test_profile_differences_name_what_differs(capsys):
     """--kernel-time's differences: per optamp level, against native (fp16) or native_bf16 (O4,
     O5), largest first, and nothing for the native configurations themselves."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import bench_train
-    finally:
-        sys.path.pop(0)
+    bench_train = load_script("benchmarks/bench_train.py", siblings=("bench_models",))
     profiles = {"native": {"gemm": 1.0, "cast": 0.1}, "O1": {"gemm": 1.0, "cast": 0.6, "gelu": 0.2},
                 "native_bf16": {"gemm": 2.0}, "O4": {"gemm": 2.5}}
     bench_train.print_profile_differences(list(profiles), profiles, "kernels", top=2)
