@@ -32,6 +32,13 @@ namespace {
 
 using StateMap = ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>>;
 
+// The step's overflow flag where a launch on `device` reads it (none: no guard since the last
+// step, so nothing to skip).
+std::optional<at::Tensor> found_inf_on(const at::Tensor& found_inf, c10::Device device) {
+  if (!found_inf.defined()) return std::nullopt;
+  return found_inf.device() == device ? found_inf : found_inf.to(device, /*non_blocking=*/true);
+}
+
 // The tensors of one fused launch: the kernels take one device and one dtype per call.
 struct Bucket {
   c10::Device device;
@@ -93,11 +100,7 @@ void fused_step(std::vector<torch::optim::OptimizerParamGroup>& groups, StateMap
     }
     const auto [beta1, beta2] = o.betas();
     for (auto& b : buckets) {
-      std::optional<at::Tensor> found;
-      if (found_inf.defined()) {
-        found = found_inf.device() == b.device ? found_inf
-                                               : found_inf.to(b.device, /*non_blocking=*/true);
-      }
+      const std::optional<at::Tensor> found = found_inf_on(found_inf, b.device);
       at::_foreach_add_(b.steps, 1);
       if (decoupled) {
         at::_fused_adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps,
@@ -205,24 +208,17 @@ SgdBucket& sgd_bucket_for(std::vector<SgdBucket>& buckets, const at::Tensor& p, 
 
 using SgdState = torch::optim::SGDParamState;
 
-// Whether the step must create `p`'s momentum buffer (momentum != 0 and none yet).
-bool creates_buffer(const StateMap& state, const at::Tensor& p, double momentum) {
-  return momentum != 0 && state.find(p.unsafeGetTensorImpl()) == state.end();
-}
-
-// The momentum buffer for `p`, created here when the step creates it: as zeros for a kernel call
-// that is not a first step (dampening 0: 0 * momentum + grad is the first step's grad, and a
-// skipped step leaves zeros, so the next one is a first step again), else uninitialized (the
-// first-step kernel writes it).
-at::Tensor sgd_buffer(StateMap& state, const at::Tensor& p, bool zeros) {
-  auto it = state.find(p.unsafeGetTensorImpl());
-  if (it == state.end()) {
-    auto fresh = std::make_unique<SgdState>();
-    fresh->momentum_buffer(zeros ? at::zeros_like(p, at::MemoryFormat::Preserve)
-                                 : at::empty_like(p, at::MemoryFormat::Preserve));
-    it = state.emplace(p.unsafeGetTensorImpl(), std::move(fresh)).first;
-  }
-  return static_cast<SgdState&>(*it->second).momentum_buffer();
+// A new momentum buffer for `p`, kept in `state`: as zeros for a kernel call that is not a first
+// step (dampening 0: 0 * momentum + grad is the first step's grad, and a skipped step leaves
+// zeros, so the next one is a first step again), else uninitialized (the first-step kernel
+// writes it).
+at::Tensor new_sgd_buffer(StateMap& state, const at::Tensor& p, bool zeros) {
+  auto fresh = std::make_unique<SgdState>();
+  fresh->momentum_buffer(zeros ? at::zeros_like(p, at::MemoryFormat::Preserve)
+                               : at::empty_like(p, at::MemoryFormat::Preserve));
+  at::Tensor buffer = fresh->momentum_buffer();
+  state.emplace(p.unsafeGetTensorImpl(), std::move(fresh));
+  return buffer;
 }
 
 // With dampening != 0 a first step cannot be redone on the device: the step that creates
@@ -274,7 +270,8 @@ void fused_sgd_step(std::vector<torch::optim::OptimizerParamGroup>& groups, Stat
                         "FusedSGD needs dense gradients, got a sparse one for a parameter of "
                         "shape ",
                         p.sizes());
-      const bool creates = creates_buffer(state, p, o.momentum());
+      const auto it = o.momentum() != 0 ? state.find(p.unsafeGetTensorImpl()) : state.end();
+      const bool creates = o.momentum() != 0 && it == state.end();
       if (creates && damped) {
         if (!skipped_first) skipped_first = overflowed_on_the_host(found_inf);
         if (*skipped_first) continue;
@@ -283,14 +280,16 @@ void fused_sgd_step(std::vector<torch::optim::OptimizerParamGroup>& groups, Stat
       SgdBucket& b = sgd_bucket_for(buckets, p, creates && damped);
       b.params.push_back(p);
       b.grads.push_back(p.grad());
-      if (o.momentum() != 0) b.buffers.push_back(sgd_buffer(state, p, /*zeros=*/!damped));
+      if (creates) {
+        b.buffers.push_back(new_sgd_buffer(state, p, /*zeros=*/!damped));
+      } else if (o.momentum() != 0) {
+        b.buffers.push_back(static_cast<SgdState&>(*it->second).momentum_buffer());
+      }
     }
     for (auto& b : buckets) {
-      std::optional<at::Tensor> found;
-      if (found_inf.defined() && !b.first) {
-        found = found_inf.device() == b.device ? found_inf
-                                               : found_inf.to(b.device, /*non_blocking=*/true);
-      }
+      // A damped first-step launch runs only after the host read found no overflow.
+      const std::optional<at::Tensor> found =
+          b.first ? std::nullopt : found_inf_on(found_inf, b.device);
       if (fused_kernel_is_wrong_for(b)) {
         reference_sgd_step(b, o, found);
         continue;
