@@ -36,38 +36,33 @@ PY="$(optamp_python)"
 # A run that fails is reported and the others still run; the exit status says one failed.
 failed=0
 FUSED_CONFIGS=native,native_again,O1,O2,O4,O5,native_bf16
-bench_py() { PYTHONPATH="$OPTAMP_ROOT/python" "$PY" "$OPTAMP_ROOT/benchmarks/bench_train.py" "$@"; }
+# Each run is the C++ program and the Python script with the same configurations; the Python
+# run also profiles each configuration (GPU kernel time and kernels per step, and the kernels and
+# host operators that differ most from native's).
 for run in ${BENCH_RUNS:-resnet50 gpt2 gpt2_fused}; do
+  model="${run%_fused}"
   case "$run" in
     resnet50 | gpt2)
-      configs=()
-      [[ -n "${BENCH_CONFIGS:-}" ]] && configs=(--configs "$BENCH_CONFIGS")
-      # The Python run also profiles each configuration: GPU kernel time and kernels launched
-      # per step, and the kernels whose time differs most from native's.
-      "$BUILD/benchmarks/training/bench_train_$run" "${configs[@]}" \
-        --json "$OUTDIR/cpp_$run.jsonl" "$@" 2>&1 | tee "$OUTDIR/cpp_$run.txt" || failed=1
-      bench_py --model "$run" "${configs[@]}" --kernel-time --json "$OUTDIR/py_$run.jsonl" \
-        "$@" 2>&1 | tee "$OUTDIR/py_$run.txt" || failed=1
+      cpp=()
+      [[ -n "${BENCH_CONFIGS:-}" ]] && cpp=(--configs "$BENCH_CONFIGS")
+      py=("${cpp[@]}")
       ;;
     gpt2_fused)  # no sync per step; in Python also the CUDA-graph-captured O2/O5 step
-      "$BUILD/benchmarks/training/bench_train_gpt2" --fused --configs "$FUSED_CONFIGS" \
-        --json "$OUTDIR/cpp_gpt2_fused.jsonl" "$@" 2>&1 | tee "$OUTDIR/cpp_gpt2_fused.txt" ||
-        failed=1
-      bench_py --model gpt2 --fused --kernel-time --configs "$FUSED_CONFIGS,O2_graph,O5_graph" \
-        --json "$OUTDIR/py_gpt2_fused.jsonl" "$@" 2>&1 | tee "$OUTDIR/py_gpt2_fused.txt" ||
-        failed=1
+      cpp=(--fused --configs "$FUSED_CONFIGS")
+      py=(--fused --configs "$FUSED_CONFIGS,O2_graph,O5_graph")
       ;;
     resnet50_fused)  # SGD that skips on the device (C++ amp::FusedSGD, Python SGD(fused=True))
-      "$BUILD/benchmarks/training/bench_train_resnet50" --fused --configs "$FUSED_CONFIGS" \
-        --json "$OUTDIR/cpp_resnet50_fused.jsonl" "$@" 2>&1 |
-        tee "$OUTDIR/cpp_resnet50_fused.txt" || failed=1
-      bench_py --model resnet50 --fused --kernel-time --configs "$FUSED_CONFIGS" \
-        --json "$OUTDIR/py_resnet50_fused.jsonl" "$@" 2>&1 | tee "$OUTDIR/py_resnet50_fused.txt" ||
-        failed=1
+      cpp=(--fused --configs "$FUSED_CONFIGS")
+      py=("${cpp[@]}")
       ;;
     *) echo "gpu_training.sh: unknown run $run (resnet50, gpt2, gpt2_fused, resnet50_fused)" >&2
        exit 2 ;;
   esac
+  "$BUILD/benchmarks/training/bench_train_$model" "${cpp[@]}" --json "$OUTDIR/cpp_$run.jsonl" \
+    "$@" 2>&1 | tee "$OUTDIR/cpp_$run.txt" || failed=1
+  PYTHONPATH="$OPTAMP_ROOT/python" "$PY" "$OPTAMP_ROOT/benchmarks/bench_train.py" \
+    --model "$model" "${py[@]}" --kernel-time --json "$OUTDIR/py_$run.jsonl" "$@" 2>&1 |
+    tee "$OUTDIR/py_$run.txt" || failed=1
 done
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUTDIR/machine.txt"
 exit "$failed"

@@ -145,8 +145,9 @@ run_benchmarks() {
   phase benchmarks timeout --signal=INT "$(seconds_left)" bash benchmarks/gpu_training.sh \
     "$LOGS/bench" ${GPU_CHECK_BENCH_ARGS:---steps 10 --rounds 2 --warmup 3}
   while IFS= read -r line; do targets+=("- $line"); done < <(
-    for f in "$LOGS"/bench/{cpp,py}_{resnet50,gpt2,gpt2_fused,resnet50_fused}.txt; do
-      [[ -f "$f" ]] && grep -E '^(target|noise|profiled|kernels|host) ' "$f" | sed "s|^|$(basename "$f" .txt): |"
+    for f in "$LOGS"/bench/{cpp,py}_*.txt; do  # whichever runs gpu_training.sh made
+      [[ -f "$f" ]] && grep -E '^(target|noise|profiled|kernels|host) ' "$f" |
+        sed "s|^|$(basename "$f" .txt): |"
     done)
   write_summary
 }

@@ -46,7 +46,6 @@ class GPT2Workload : public bench::Workload {
            "  --small = --batch 2 --seq 64 --layers 2 --d-model 128 --heads 4 --vocab 512\n";
   }
   std::int64_t samples_per_step() const override { return batch_; }
-  bool fused_skips_on_device() const override { return true; }
   void build(const torch::Device& device) override {
     model_ = bench::GPT(opts_);
     model_->to(device);

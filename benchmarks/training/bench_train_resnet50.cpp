@@ -46,7 +46,6 @@ class ResNet50Workload : public bench::Workload {
            "  --small = --batch 4 --image 64 --width 8 --blocks 1,1,1,1 --classes 10\n";
   }
   std::int64_t samples_per_step() const override { return batch_; }
-  bool fused_skips_on_device() const override { return true; }
   void build(const torch::Device& device) override {
     model_ = bench::ResNet(opts_);
     model_->to(device);
