@@ -3,11 +3,15 @@
 // region exit and by the scale_loss guard, bounded over many iterations.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "casting_test.h"
 #include "common/step_events.h"
@@ -31,6 +35,45 @@ TEST_F(Casting, CacheCastsEachWeightOncePerVersion) {
   at::linear(randn({2, 3}), w);
   EXPECT_EQ(cast_count() - before, 1 + 3);  // w once, each input once
   EXPECT_EQ(cache_size(), 1u);
+}
+
+// Node names reached from `root`'s graph (root included).
+std::vector<std::string> graph_node_names(const at::Tensor& root) {
+  std::vector<std::string> names;
+  std::vector<const torch::autograd::Node*> todo{root.grad_fn().get()};
+  while (!todo.empty()) {
+    const auto* n = todo.back();
+    todo.pop_back();
+    if (n == nullptr) continue;
+    names.push_back(n->name());
+    for (const auto& edge : n->next_edges()) todo.push_back(edge.function.get());
+  }
+  return names;
+}
+
+std::size_t count_named(const std::vector<std::string>& names, const std::string& part) {
+  return std::count_if(names.begin(), names.end(),
+                       [&](const std::string& n) { return n.find(part) != std::string::npos; });
+}
+
+// A cached cast of a parameter records no ToCopyBackward node: its gradient edge is the
+// parameter's grad accumulator, and the engine converts the fp16 gradient to fp32 on the way.
+TEST_F(Casting, CachedCastsOfParametersRecordNoCastNode) {
+  enable("O1");
+  auto w = randn({4, 3}).requires_grad_();
+  auto b = randn({4}).requires_grad_();
+  auto x = randn({2, 3});
+  auto out = at::linear(x, w, b);  // w and b through the cache; x (not a leaf) cast as usual
+  const auto names = graph_node_names(out);
+  EXPECT_EQ(count_named(names, "ToCopyBackward"), 0u) << c10::Join(", ", names);
+  EXPECT_EQ(count_named(names, "AccumulateGrad"), 2u) << c10::Join(", ", names);
+  out.backward(at::ones_like(out));
+  ASSERT_EQ(w.grad().scalar_type(), at::kFloat);
+  ASSERT_EQ(b.grad().scalar_type(), at::kFloat);
+  // The same gradients as through ToCopyBackward: fp16 products, converted to fp32.
+  const auto g16 = at::ones({2, 4}, at::kHalf);
+  EXPECT_TRUE(at::equal(w.grad(), at::mm(g16.t(), x.to(at::kHalf)).to(at::kFloat)));
+  EXPECT_TRUE(at::equal(b.grad(), g16.sum(0).to(at::kFloat)));
 }
 
 TEST_F(Casting, CacheRefreshesAfterInPlaceUpdates) {

@@ -47,6 +47,8 @@ TEST(Session, KernelsOnOtherThreadsSeeWholeLevelsWhileInitializeAndResetRun) {
       reads.fetch_add(1);
     }
   });
+  // On a loaded 2-core machine the 200 rounds can end before the reader is first scheduled.
+  while (reads.load() == 0) std::this_thread::yield();
   for (int i = 0; i < 200; ++i) {
     torch::optim::SGD opt(net->parameters(), 0.1);
     initialize(net, opt, i % 2 ? "O4" : "O1",

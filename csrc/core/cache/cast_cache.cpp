@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cache/autograd_cast.h"
 #include "common/step_events.h"
 #include "optamp/cast_cache.h"
 #include "optamp/policy.h"
@@ -67,7 +68,7 @@ class CastCache {
       return {it->second.cast, false};
     }
     if (it != entries_.end()) dropped.push_back(std::move(it->second));  // stale
-    at::Tensor cast = source.to(dtype);
+    at::Tensor cast = cast_for_autograd(source, dtype, key.grad_mode);
     entries_.insert_or_assign(
         key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()), version,
                    storage, cast, false});
@@ -96,9 +97,9 @@ class CastCache {
   // since that sweep are dropped (a clock-style second chance), so the size stays within about
   // twice the set of tensors that are actually reused.
   // Why not "source expired": a cast made under autograd holds its source through
-  // ToCopyBackward -> AccumulateGrad, so a dead parameter is never expired while its entry lives,
-  // and from Python its preserved PyObject adds a reference too, so no reference count tells a
-  // dropped parameter from a live one. Dropping a live entry only costs one cast later.
+  // its grad accumulator (autograd_cast.h), so a dead parameter is never expired while its
+  // entry lives, and from Python its preserved PyObject adds a reference too, so no reference count
+  // tells a dropped parameter from a live one. Dropping a live entry only costs one cast later.
   void sweep_if_grown(std::vector<Entry>& dropped) {
     if (entries_.size() < 2 * live_after_sweep_ + 64) return;
     for (auto it = entries_.begin(); it != entries_.end();) {
@@ -137,7 +138,7 @@ const bool g_registered = [] {
 CastResult cast_through_cache(const at::Tensor& source, c10::ScalarType dtype, bool always_cache) {
   if (!always_cache && !is_cacheable(source)) {
     count_cast();
-    return {source.to(dtype), true};
+    return {cast_for_autograd(source, dtype, records_autograd()), true};
   }
   CastResult result = cache().get(source, dtype);
   if (result.performed_cast) count_cast();

@@ -1,0 +1,57 @@
+#include "cache/autograd_cast.h"
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/core/DispatchKeySet.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace amp::detail {
+namespace {
+
+// Why no node: every cast of a training forward costs a ToCopyBackward node, made in the forward
+// and run in the backward (the engine's per-node work: scheduling, its input buffer, restoring
+// thread-local state). At O2/O5 every parameter is cast each step, at O1/O4 every listed op's
+// inputs: on a GPU, where a small model's eager step waits on the host, those nodes were most of
+// O2's host work above native autocast's (which records them too).
+//
+// What changes: gradients of one cast used by several ops (a tied embedding, an RNN's weights at
+// each time step) are converted one by one and summed in fp32 where the source's gradients meet,
+// where ToCopyBackward summed them in fp16 and converted once: more accurate, not bit-identical
+// to Apex's or native autocast's sum. With one use (nearly every cast) the result is the same.
+//
+// Where the node stays: tensors whose autograd is not only the engine's (Python subclasses such
+// as torch.compile's fake and functional tensors, functorch's wrappers and batched tensors,
+// sparse and nested layouts), and tensors carrying a forward-mode tangent, which a cast made
+// below autograd would drop.
+bool may_borrow_edge(const at::Tensor& source) {
+  static const c10::DispatchKeySet kOtherAutograd({
+      c10::DispatchKey::Python,
+      c10::DispatchKey::PythonTLSSnapshot,
+      c10::DispatchKey::Functionalize,
+      c10::DispatchKey::FuncTorchGradWrapper,
+      c10::DispatchKey::FuncTorchBatched,
+      c10::DispatchKey::BatchedNestedTensor,
+      c10::DispatchKey::NestedTensor,
+  });
+  if (source.layout() != c10::kStrided || source.key_set().has_any(kOtherAutograd)) return false;
+  const auto* meta = torch::autograd::impl::get_autograd_meta(source);
+  return meta != nullptr && meta->fw_grad_ == nullptr;
+}
+
+}  // namespace
+
+at::Tensor cast_for_autograd(const at::Tensor& source, c10::ScalarType dtype,
+                             bool records_autograd) {
+  if (!records_autograd || source.scalar_type() == dtype || !source.requires_grad() ||
+      !may_borrow_edge(source)) {
+    return source.to(dtype);
+  }
+  at::Tensor cast;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    cast = source.to(dtype);
+  }
+  torch::autograd::impl::set_gradient_edge(cast, torch::autograd::impl::gradient_edge(source));
+  return cast;
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,20 @@
+#pragma once
+// Casts that record no autograd node of their own.
+//
+// `source.to(dtype)` under autograd records a ToCopyBackward node; so do native autocast's casts.
+// A cast made here instead takes the source's own gradient edge (its grad_fn, or a leaf's grad
+// accumulator): the ops that use the cast record the edge they would have recorded had they used
+// the source itself, and the autograd engine converts each gradient to the dtype its next node
+// expects (validate_outputs), so the fp16/bf16 gradient arrives there as fp32, as ToCopyBackward
+// would have delivered it. See autograd_cast.cpp for why and when.
+#include <ATen/core/Tensor.h>
+
+namespace amp::detail {
+
+// `source` as `dtype`. With `records_autograd` (a training forward, outside any kernel) and a
+// plain dense source that requires grad, the copy borrows the source's gradient edge and no node
+// is recorded; otherwise this is `source.to(dtype)`.
+at::Tensor cast_for_autograd(const at::Tensor& source, c10::ScalarType dtype,
+                             bool records_autograd);
+
+}  // namespace amp::detail
