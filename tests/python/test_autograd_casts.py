@@ -1,0 +1,115 @@
+"""Casts record no autograd node of their own (docs/casting.md, "Casts in the autograd graph"):
+a cast copy takes its source's gradient edge, and the engine converts the fp16/bf16 gradient
+on its way back. Checked here: no ToCopyBackward in a training step's graph at O1 and O2, the
+gradients equal those of explicit `.to()` casts, several uses of one cast sum in fp32, and the
+cases that keep the node (forward-mode AD) or need the converted gradient to stay differentiable
+(double backward) give what native autocast gives."""
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+
+from common_utils import Mlp, init
+
+
+def _node_names(t):
+    names, todo, seen = [], [t.grad_fn], {}  # seen keeps the wrappers alive: ids stay unique
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        names.append(type(node).__name__)
+        todo.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_a_training_step_records_no_cast_nodes(fresh, level):
+    model = Mlp()
+    init(model, opt_level=level)
+    out = model(torch.randn(5, 4))
+    names = _node_names(out)  # the model's graph (the loss's log_softmax(dtype=) casts itself)
+    # At O2/O5 the model boundary casts the output to fp32 with a plain `.to()`, as Apex does.
+    assert names.count("ToCopyBackward0") == (level in ("O2", "O5")), names
+    assert names.count("AccumulateGrad") == 4, names
+    F.cross_entropy(out, torch.tensor([0, 1, 2, 0, 1])).backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("level,low", [("O1", torch.float16), ("O2", torch.float16),
+                                       ("O4", torch.bfloat16), ("O5", torch.bfloat16)])
+def test_gradients_equal_explicit_casts_bit_for_bit(fresh, level, low):
+    """The same grads as a forward written with `.to(low)` (ToCopyBackward nodes), bit for bit."""
+    reference = Mlp()
+    model = Mlp()
+    model.load_state_dict(reference.state_dict())
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+
+    def by_hand(m):
+        h = F.linear(x.to(low), m.fc1.weight.to(low), m.fc1.bias.to(low)).relu()
+        return F.linear(h, m.fc2.weight.to(low), m.fc2.bias.to(low))
+
+    F.cross_entropy(by_hand(reference).float(), y).backward()
+    init(model, opt_level=level)
+    F.cross_entropy(model(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad.dtype == torch.float32
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_cast_used_twice_sums_its_gradients_in_fp32(fresh):
+    """A tied weight: each use's fp16 gradient is converted, then they are summed in fp32 (where
+    ToCopyBackward summed in fp16): the grad equals the sum of two untied copies' grads."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self, untied=False):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(6, 6))
+            self.w2 = torch.nn.Parameter(self.w.detach().clone()) if untied else self.w
+
+        def forward(self, x):
+            return F.linear(F.linear(x, self.w).tanh(), self.w2)
+
+    tied = Tied()
+    untied = Tied(untied=True)
+    untied.w.data.copy_(tied.w.data)
+    untied.w2.data.copy_(tied.w.data)
+    x = torch.randn(3, 6)
+    init(torch.nn.ModuleList([tied, untied]), opt_level="O1")
+    tied(x).float().pow(2).sum().backward()
+    untied(x).float().pow(2).sum().backward()
+    assert torch.equal(tied.w.grad, untied.w.grad + untied.w2.grad)
+
+
+def test_forward_mode_ad_keeps_its_tangent_through_a_cast(fresh):
+    model = Mlp()
+    init(model, opt_level="O1")
+    x, tangent = torch.randn(2, 4), torch.randn(2, 4)
+    with fwAD.dual_level():
+        out = model.fc1(fwAD.make_dual(x, tangent))
+        got = fwAD.unpack_dual(out).tangent
+    assert got is not None and got.dtype == torch.float16
+    expected = tangent.half() @ model.fc1.weight.detach().half().t()
+    assert torch.equal(got, expected)
+
+
+def test_double_backward_through_casts_matches_native_autocast(fresh):
+    """A gradient penalty (create_graph=True): the engine's conversion is recorded and
+    differentiated like ToCopyBackward, so the result is native fp16 autocast's, bit for bit."""
+    model = Mlp()
+    native = Mlp()
+    native.load_state_dict(model.state_dict())
+    x = torch.randn(5, 4)
+
+    def penalty(m):
+        xi = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(m(xi).float().pow(2).sum(), xi, create_graph=True)
+        g.pow(2).sum().backward()
+
+    with torch.autocast("cpu", dtype=torch.float16):
+        penalty(native)
+    init(model, opt_level="O1")
+    penalty(model)
+    for p, q in zip(model.parameters(), native.parameters()):
+        assert torch.equal(p.grad, q.grad)
