@@ -113,3 +113,20 @@ def test_double_backward_through_casts_matches_native_autocast(fresh):
     penalty(model)
     for p, q in zip(model.parameters(), native.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_kept_cast_delivers_its_gradient_before_the_backward_ends(fresh):
+    """Gradient accumulation keeps the cached casts across micro-batches. A kept cast's gradient
+    goes to its parameter as soon as it is computed; with a ToCopyBackward node from the earlier
+    micro-batch (the lowest sequence number in the graph) it waited until the whole backward had
+    run, holding every working copy's fp16 gradient meanwhile."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    init(model, opt_level="O2")
+    events = []
+    model[2].weight.register_post_accumulate_grad_hook(lambda p: events.append("last layer"))
+    for _ in range(2):  # two micro-batches: the second reuses the first one's casts
+        events.clear()
+        x = torch.randn(5, 4, requires_grad=True)
+        x.register_hook(lambda g: events.append("input"))
+        model(x).float().sum().backward()
+    assert events == ["last layer", "input"], events
