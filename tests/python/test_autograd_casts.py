@@ -19,7 +19,7 @@ def _node_names(t):
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
-        names.append(type(node).__name__)
+        names.append(node.name().split("::")[-1])  # "torch::autograd::AccumulateGrad" too
         todo.extend(fn for fn, _ in node.next_functions)
     return names
 
@@ -130,3 +130,35 @@ def test_a_kept_cast_delivers_its_gradient_before_the_backward_ends(fresh):
         x.register_hook(lambda g: events.append("input"))
         model(x).float().sum().backward()
     assert events == ["last layer", "input"], events
+
+
+class _GeluMlp(torch.nn.Module):
+    def __init__(self, approximate):
+        super().__init__()
+        self.fc1, self.fc2, self.approximate = torch.nn.Linear(4, 16), torch.nn.Linear(16, 3), approximate
+
+    def forward(self, x, cast=None):
+        if cast is None:  # under optamp: the levels cast
+            return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+        h = F.linear(x.to(cast), self.fc1.weight.to(cast), self.fc1.bias.to(cast))
+        h = F.gelu(h.float(), approximate=self.approximate).to(cast)  # Apex's fp32 GELU
+        return F.linear(h, self.fc2.weight.to(cast), self.fc2.bias.to(cast))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("level,low", [("O1", torch.float16), ("O4", torch.bfloat16)])
+def test_apex_fp32_gelu_is_one_op_with_the_cast_paths_gradients(fresh, level, low, approximate):
+    """Apex's list runs GELU in fp32: one op (WidenedGeluBackward in the graph, no casts around
+    it), with the values and gradients of widening, fp32 GELU and narrowing, bit for bit."""
+    reference, model = _GeluMlp(approximate), _GeluMlp(approximate)
+    model.load_state_dict(reference.state_dict())
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    F.cross_entropy(reference(x, cast=low).float(), y).backward()
+    init(model, opt_level=level)
+    out = model(x)
+    names = _node_names(out)
+    assert "WidenedGeluBackward" in names and "GeluBackward0" not in names, names
+    assert "ToCopyBackward0" not in names, names
+    F.cross_entropy(out, y).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name

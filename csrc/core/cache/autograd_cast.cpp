@@ -2,10 +2,30 @@
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/DispatchKeySet.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/variable.h>
 
 namespace amp::detail {
-namespace {
+bool records_autograd_now() {
+  return c10::GradMode::is_enabled() &&
+         !c10::impl::tls_local_dispatch_key_set().excluded_.has_any(c10::autograd_dispatch_keyset);
+}
+
+bool is_plain_for_autograd(const at::Tensor& t) {
+  static const c10::DispatchKeySet kOtherAutograd({
+      c10::DispatchKey::Python,
+      c10::DispatchKey::PythonTLSSnapshot,
+      c10::DispatchKey::Functionalize,
+      c10::DispatchKey::FuncTorchGradWrapper,
+      c10::DispatchKey::FuncTorchBatched,
+      c10::DispatchKey::BatchedNestedTensor,
+      c10::DispatchKey::NestedTensor,
+  });
+  if (t.layout() != c10::kStrided || t.key_set().has_any(kOtherAutograd)) return false;
+  const auto* meta = torch::autograd::impl::get_autograd_meta(t);
+  return meta == nullptr || meta->fw_grad_ == nullptr;
+}
 
 // Why no node: every cast of a training forward costs a ToCopyBackward node, made in the forward
 // and run in the backward (the engine's per-node work: scheduling, its input buffer, restoring
@@ -18,31 +38,13 @@ namespace {
 // where ToCopyBackward summed them in fp16 and converted once: more accurate, not bit-identical
 // to Apex's or native autocast's sum. With one use (nearly every cast) the result is the same.
 //
-// Where the node stays: tensors whose autograd is not only the engine's (Python subclasses such
-// as torch.compile's fake and functional tensors, functorch's wrappers and batched tensors,
-// sparse and nested layouts), and tensors carrying a forward-mode tangent, which a cast made
-// below autograd would drop.
-bool may_borrow_edge(const at::Tensor& source) {
-  static const c10::DispatchKeySet kOtherAutograd({
-      c10::DispatchKey::Python,
-      c10::DispatchKey::PythonTLSSnapshot,
-      c10::DispatchKey::Functionalize,
-      c10::DispatchKey::FuncTorchGradWrapper,
-      c10::DispatchKey::FuncTorchBatched,
-      c10::DispatchKey::BatchedNestedTensor,
-      c10::DispatchKey::NestedTensor,
-  });
-  if (source.layout() != c10::kStrided || source.key_set().has_any(kOtherAutograd)) return false;
-  const auto* meta = torch::autograd::impl::get_autograd_meta(source);
-  return meta != nullptr && meta->fw_grad_ == nullptr;
-}
-
-}  // namespace
+// Where the node stays: tensors that are not is_plain_for_autograd (their autograd is not only
+// the engine's, or a cast made below autograd would drop their forward-mode tangent).
 
 at::Tensor cast_for_autograd(const at::Tensor& source, c10::ScalarType dtype,
                              bool records_autograd) {
   if (!records_autograd || source.scalar_type() == dtype || !source.requires_grad() ||
-      !may_borrow_edge(source)) {
+      !is_plain_for_autograd(source)) {
     return source.to(dtype);
   }
   at::Tensor cast;

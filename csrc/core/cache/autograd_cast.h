@@ -11,6 +11,15 @@
 
 namespace amp::detail {
 
+// Whether a cast or op made now gets autograd history: GradMode on *and* not inside a kernel
+// (kernels run below autograd, with its keys excluded, while GradMode may still be on).
+bool records_autograd_now();
+
+// A dense tensor whose autograd is the engine's alone: not a Python subclass (torch.compile's
+// fake and functional tensors), not functorch's, not nested or sparse, and carrying no
+// forward-mode tangent. Only such tensors get casts and nodes made below autograd.
+bool is_plain_for_autograd(const at::Tensor& t);
+
 // `source` as `dtype`. With `records_autograd` (a training forward, outside any kernel) and a
 // plain dense source that requires grad, the copy borrows the source's gradient edge and no node
 // is recorded; otherwise this is `source.to(dtype)`.

@@ -1,7 +1,5 @@
 #include "cache/cast_cache.h"
 
-#include <c10/core/GradMode.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <atomic>
@@ -10,20 +8,13 @@
 #include <vector>
 
 #include "cache/autograd_cast.h"
+#include "cache/companion_casts.h"
 #include "common/step_events.h"
 #include "optamp/cast_cache.h"
 #include "optamp/policy.h"
 
 namespace amp::detail {
 namespace {
-
-// Whether a cast made now gets autograd history: GradMode on *and* not inside a kernel (kernels
-// run below autograd, with its keys excluded, while GradMode may still be on). Entries are keyed
-// by this, so a history-free copy made inside a kernel is never served to a training forward.
-bool records_autograd() {
-  return c10::GradMode::is_enabled() &&
-         !c10::impl::tls_local_dispatch_key_set().excluded_.has_any(c10::autograd_dispatch_keyset);
-}
 
 struct Key {
   const c10::TensorImpl* source;
@@ -55,7 +46,7 @@ struct Entry {
 class CastCache {
  public:
   CastResult get(const at::Tensor& source, c10::ScalarType dtype) {
-    const Key key{source.unsafeGetTensorImpl(), dtype, records_autograd()};
+    const Key key{source.unsafeGetTensorImpl(), dtype, records_autograd_now()};
     const std::uint32_t version = source._version();
     std::vector<Entry> dropped;  // destroyed after the lock is released (see clear())
     std::lock_guard<std::mutex> lock(mutex_);
@@ -138,7 +129,8 @@ const bool g_registered = [] {
 CastResult cast_through_cache(const at::Tensor& source, c10::ScalarType dtype, bool always_cache) {
   if (!always_cache && !is_cacheable(source)) {
     count_cast();
-    return {cast_for_autograd(source, dtype, records_autograd()), true};
+    if (auto companion = find_companion(source, dtype)) return {*std::move(companion), true};
+    return {cast_for_autograd(source, dtype, records_autograd_now()), true};
   }
   CastResult result = cache().get(source, dtype);
   if (result.performed_cast) count_cast();

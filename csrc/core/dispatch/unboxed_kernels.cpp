@@ -7,13 +7,37 @@
 
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 
+#include "cache/autograd_cast.h"
 #include "dispatch/carried_state.h"
 #include "dispatch/tensor_args.h"
+#include "ops/widened_gelu.h"
 
 namespace amp::detail {
 namespace {
+
+// An operator whose listed cast has a fused replacement: Fused<Op>::call returns its result, or
+// std::nullopt where the replacement does not apply and the ordinary cast follows.
+template <typename Op>
+struct Fused {
+  template <typename... Args>
+  static std::optional<at::Tensor> call(const CallPlan&, const Args&...) {
+    return std::nullopt;
+  }
+};
+
+// Apex's fp32 GELU of an fp16/bf16 input: one op computes it from the reduced input and also
+// makes the copy the next lower op would cast (ops/widened_gelu.h).
+template <>
+struct Fused<at::_ops::gelu> {
+  static std::optional<at::Tensor> call(const CallPlan& p, const at::Tensor& self,
+                                        c10::string_view approximate) {
+    if (p.target != c10::ScalarType::Float) return std::nullopt;
+    return widened_gelu(self, approximate, records_autograd_now());
+  }
+};
 
 template <typename Op, typename Signature = typename Op::schema>
 struct Unboxed;
@@ -34,6 +58,9 @@ struct Unboxed<Op, Ret(Args...)> {
       return Op::redispatch(below, args...);
     }
     c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);
+    if constexpr (std::is_same_v<Ret, at::Tensor>) {
+      if (auto fused = Fused<Op>::call(p, args...)) return *std::move(fused);
+    }
     if (p.policy == CastPolicy::kPromote) {
       PromoteWidth width;
       (visit_tensor_arg(args, [&](const at::Tensor& t) { width.add(t); }), ...);

@@ -1,0 +1,29 @@
+#pragma once
+// Companion copies: a reduced-precision copy of an fp32 result, made by the kernel that computed
+// the result, handed to the next op that would cast it.
+//
+// Why: Apex's lists run some ops in fp32 (GELU) between ops that run in fp16/bf16 (linear). The
+// fp32 result is what the op returns, as Apex returns it, and the next linear then casts it back.
+// A kernel that has each value in a register anyway writes the reduced copy in the same pass
+// (ops/widened_gelu.h), and the cast finds it here instead of reading the fp32 result again. The
+// copy carries its own autograd edge, so its gradient reaches the producing node in the reduced
+// dtype, with no conversion.
+//
+// Per thread (a forward runs on one thread), the last few offered; an entry is served while its
+// source is alive and unchanged (same version), so a result modified in place is cast afresh.
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace amp::detail {
+
+// `companion` is `source` rounded to companion's dtype, bit for bit.
+void offer_companion(const at::Tensor& source, const at::Tensor& companion);
+
+// The companion of `source` in `dtype`, if one was offered and `source` has not changed since.
+std::optional<at::Tensor> find_companion(const at::Tensor& source, c10::ScalarType dtype);
+
+// Drops this thread's companions (tests; a companion is otherwise kept until replaced).
+void drop_companions();
+
+}  // namespace amp::detail

@@ -1,0 +1,158 @@
+// Apex's fp32 GELU through optamp::widened_gelu (ops/widened_gelu.h): the same values and
+// gradients as casting the input to fp32 and calling torch's GELU (bit for bit on the CPU, where
+// the op runs those torch ops; within fp32 rounding on CUDA, where one fused kernel does), one
+// node in the graph, and the reduced copy of the result handed to the next lower op.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <algorithm>
+#include <string>
+#include <tuple>
+
+#include "cache/companion_casts.h"
+#include "casting_test.h"
+#include "ops/gelu_math.h"
+#include "optamp/autocast.h"
+#include "test_util.h"
+
+namespace amp {
+namespace {
+
+using testing::Casting;
+
+TEST(GeluMath, MatchesTorchsFp32Gelu) {
+  const auto x = at::linspace(-10, 10, 20001, at::kFloat);
+  const auto g = at::linspace(-3, 3, 20001, at::kFloat);
+  for (const bool tanh : {false, true}) {
+    const char* approximate = tanh ? "tanh" : "none";
+    const auto y = at::empty_like(x);
+    const auto dx = at::empty_like(x);
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      const float v = x[i].item<float>();
+      y[i] = ops::detail::gelu_forward_math(v, tanh);
+      dx[i] = ops::detail::gelu_backward_math(g[i].item<float>(), v, tanh);
+    }
+    // The erf form loses digits to cancellation in the left tail (1 + erf(x) for x < -3), where
+    // CPU's vectorized erf and the scalar one differ by ~1e-6 absolute: a formula error would not.
+    EXPECT_TRUE(testing::all_close(y, at::gelu(x, approximate), {1e-5, 1e-5})) << approximate;
+    EXPECT_TRUE(testing::all_close(dx, at::gelu_backward(g, x, approximate), {1e-5, 1e-5}))
+        << approximate;
+  }
+}
+
+using Param = std::tuple<at::DeviceType, const char*, at::ScalarType>;
+
+class WidenedGelu : public Casting, public ::testing::WithParamInterface<Param> {
+ protected:
+  void SetUp() override {
+    OPTAMP_SKIP_UNLESS_VISIBLE(device());
+    detail::drop_companions();
+  }
+  at::DeviceType device() const { return std::get<0>(GetParam()); }
+  const char* approximate() const { return std::get<1>(GetParam()); }
+  at::ScalarType low() const { return std::get<2>(GetParam()); }
+  const char* level() const { return low() == at::kHalf ? "O1" : "O4"; }
+  at::Tensor leaf(at::IntArrayRef shape, at::ScalarType dtype) const {
+    return at::randn(shape, at::TensorOptions().dtype(at::kFloat).device(device()))
+        .to(dtype)
+        .requires_grad_();
+  }
+  // Bit for bit on the CPU; on CUDA (or `exact` false) within the dtype's rounding.
+  void expect_same(const at::Tensor& got, const at::Tensor& want, const std::string& what,
+                   bool exact = true) const {
+    ASSERT_EQ(got.scalar_type(), want.scalar_type()) << what;
+    if (exact && device() == at::kCPU) {
+      EXPECT_TRUE(at::equal(got, want)) << what;
+    } else {
+      // Rounding errors of the terms that sum to an element scale with the largest of them, not
+      // with the (possibly cancelled) sum: the absolute tolerance follows the largest value.
+      const auto w = want.to(at::kFloat).cpu();
+      auto tol = testing::tolerance(got.scalar_type());
+      tol.atol = std::max(tol.atol, tol.rtol * w.abs().max().item<double>());
+      EXPECT_TRUE(testing::all_close(got.to(at::kFloat).cpu(), w, tol)) << what;
+    }
+  }
+};
+
+// MLP-shaped: x (reduced) -> gelu -> linear(w) -> loss. The reference writes the casts out.
+TEST_P(WidenedGelu, ValuesAndGradientsAreThoseOfTheCastPath) {
+  const auto x = leaf({6, 8}, low());
+  const auto w = leaf({5, 8}, at::kFloat);
+  const auto xr = x.detach().clone().requires_grad_();
+  const auto wr = w.detach().clone().requires_grad_();
+  const auto yr = at::gelu(xr.to(at::kFloat), approximate());
+  const auto zr = at::linear(yr.to(low()), wr.to(low()));
+  (zr.to(at::kFloat).pow(2).sum() + yr.sum()).backward();
+
+  enable(level());
+  const auto before = cast_count();
+  const auto y = at::gelu(x, approximate());
+  const auto z = at::linear(y, w);
+  EXPECT_EQ(cast_count() - before, 3);  // x widened, y narrowed (its companion), w narrowed
+  ASSERT_EQ(y.scalar_type(), at::kFloat);
+  ASSERT_TRUE(y.grad_fn());
+  EXPECT_EQ(y.grad_fn()->name(), "WidenedGeluBackward");
+  bool linear_uses_companion = false;
+  for (const auto& e : z.grad_fn()->next_edges()) {
+    linear_uses_companion |= e.function == y.grad_fn() && e.input_nr == 1;
+  }
+  EXPECT_TRUE(linear_uses_companion);
+  (z.to(at::kFloat).pow(2).sum() + y.sum()).backward();  // both outputs get a gradient
+  expect_same(y, yr, "gelu");
+  expect_same(z, zr, "linear");
+  expect_same(x.grad(), xr.grad(), "x.grad");
+  expect_same(w.grad(), wr.grad(), "w.grad");
+}
+
+TEST_P(WidenedGelu, AResultChangedInPlaceIsCastAfresh) {
+  enable(level());
+  const auto x = leaf({4, 8}, low());
+  const auto w = leaf({3, 8}, at::kFloat);
+  auto y = at::gelu(x, approximate());
+  y.mul_(2.0);
+  const auto z = at::linear(y, w);
+  const auto expected = at::linear(
+      (at::gelu(x.detach().to(at::kFloat), approximate()) * 2.0).to(low()), w.detach().to(low()));
+  expect_same(z.detach(), expected, "linear of the changed result");
+}
+
+TEST_P(WidenedGelu, NoGradRegionsUseItWithoutANode) {
+  const auto x = leaf({4, 8}, low()).detach();
+  amp::autocast region;
+  enable(level());
+  c10::NoGradGuard no_grad;
+  const auto y = at::gelu(x, approximate());
+  EXPECT_EQ(y.scalar_type(), at::kFloat);
+  EXPECT_FALSE(y.grad_fn());
+  expect_same(y, at::gelu(x.to(at::kFloat), approximate()), "gelu");
+}
+
+TEST_P(WidenedGelu, DoubleBackwardIsCloseToTheCastPaths) {
+  const auto x = leaf({4, 8}, low());
+  const auto xr = x.detach().clone().requires_grad_();
+  auto penalty = [this](const at::Tensor& y, const at::Tensor& input) {
+    const auto g = torch::autograd::grad({y.pow(2).sum()}, {input}, {}, true, true)[0];
+    g.to(at::kFloat).pow(2).sum().backward();
+  };
+  enable(level());  // both under the level's rules (they apply to the second backward's ops too)
+  penalty(at::gelu(xr.to(at::kFloat), approximate()), xr);  // an fp32 input: torch's gelu
+  penalty(at::gelu(x, approximate()), x);
+  // Not bit for bit: x's second-order gradient comes by two paths, which the cast path sums in
+  // fp32 (at the widened input) and the node's paths each round to x's dtype first.
+  expect_same(x.grad(), xr.grad(), "x.grad", /*exact=*/false);
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, WidenedGelu,
+                         ::testing::Combine(testing::kDevices, ::testing::Values("none", "tanh"),
+                                            ::testing::Values(at::kHalf, at::kBFloat16)),
+                         [](const ::testing::TestParamInfo<Param>& info) {
+                           return std::string(std::get<1>(info.param)) + "_" +
+                                  (std::get<2>(info.param) == at::kHalf ? "fp16" : "bf16") +
+                                  testing::device_suffix(std::get<0>(info.param));
+                         });
+
+}  // namespace
+}  // namespace amp
