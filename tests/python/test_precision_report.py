@@ -265,8 +265,9 @@ def test_fp32_comparison_refuses_o3(fresh):
 
 
 def test_backward_ops_of_cast_inputs_and_engine_work_carry_the_module(fresh):
-    """gelu at O1 runs in fp32: optamp casts its input first, so its node is numbered after the
-    cast's; and the engine reduces a linear's bias gradient after AddmmBackward0 ends."""
+    """gelu at O1 runs in fp32 as optamp's own op (optamp::widened_gelu), whose node optamp makes
+    in the Block's forward: its backward's ops carry the Block's scope; and the engine reduces a
+    linear's bias gradient after AddmmBackward0 ends."""
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -280,6 +281,6 @@ def test_backward_ops_of_cast_inputs_and_engine_work_carry_the_module(fresh):
     with amp.precision_report(block) as rep:
         block(torch.randn(4, 16, requires_grad=True)).float().sum().backward()
     gelu = one_row(rep, "aten::gelu_backward", phase="backward")
-    assert (gelu["scope"], gelu["node"]) == ("Block", "GeluBackward0")
+    assert (gelu["scope"], gelu["node"]) == ("Block", "WidenedGeluBackward")
     after = one_row(rep, "aten::sum.dim_IntList", phase="backward")
     assert (after["scope"], after["node"]) == ("fc", "after AddmmBackward0"), rep.table(200)
