@@ -43,6 +43,30 @@ TEST(GeluMath, MatchesTorchsFp32Gelu) {
   }
 }
 
+// The companion of a result is served for that result while it is alive and unchanged, in the
+// companion's dtype only; the ring keeps the last four offered.
+TEST(CompanionCasts, ServedForTheLiveUnchangedSourceOnly) {
+  detail::drop_companions();
+  auto source = at::randn({3});
+  const auto copy = source.to(at::kHalf);
+  detail::offer_companion(source, copy);
+  ASSERT_TRUE(detail::find_companion(source, at::kHalf));
+  EXPECT_TRUE(detail::find_companion(source, at::kHalf)->is_same(copy));
+  EXPECT_FALSE(detail::find_companion(source, at::kBFloat16));
+  EXPECT_FALSE(detail::find_companion(source.view({3}), at::kHalf));  // another tensor
+  source.add_(1.0);                                                   // a new version
+  EXPECT_FALSE(detail::find_companion(source, at::kHalf));
+
+  auto kept = at::randn({2});
+  detail::offer_companion(kept, kept.to(at::kHalf));
+  for (int i = 0; i < 4; ++i) {
+    const auto other = at::randn({2});
+    detail::offer_companion(other, other.to(at::kHalf));
+  }
+  EXPECT_FALSE(detail::find_companion(kept, at::kHalf));  // pushed out by four newer ones
+  detail::drop_companions();
+}
+
 using Param = std::tuple<at::DeviceType, const char*, at::ScalarType>;
 
 class WidenedGelu : public Casting, public ::testing::WithParamInterface<Param> {
