@@ -159,6 +159,10 @@ std::optional<at::Tensor> CastKernel::cast_argument(const at::Tensor& t, const C
   return cast_through_cache(t, p.target).tensor;
 }
 
+void CastKernel::log_fused_cast(ScalarType from, const CallPlan& p) const {
+  if (verbosity() >= 2) log_cast_once(from, p.target, name_);
+}
+
 void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                             torch::jit::Stack* stack) {
   const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kCastKey);

@@ -23,7 +23,7 @@ namespace {
 template <typename Op>
 struct Fused {
   template <typename... Args>
-  static std::optional<at::Tensor> call(const CallPlan&, const Args&...) {
+  static std::optional<at::Tensor> call(const CastKernel&, const CallPlan&, const Args&...) {
     return std::nullopt;
   }
 };
@@ -32,10 +32,12 @@ struct Fused {
 // makes the copy the next lower op would cast (ops/widened_gelu.h).
 template <>
 struct Fused<at::_ops::gelu> {
-  static std::optional<at::Tensor> call(const CallPlan& p, const at::Tensor& self,
-                                        c10::string_view approximate) {
+  static std::optional<at::Tensor> call(const CastKernel& k, const CallPlan& p,
+                                        const at::Tensor& self, c10::string_view approximate) {
     if (p.target != c10::ScalarType::Float) return std::nullopt;
-    return widened_gelu(self, approximate, records_autograd_now());
+    auto result = widened_gelu(self, approximate, records_autograd_now());
+    if (result) k.log_fused_cast(self.scalar_type(), p);
+    return result;
   }
 };
 
@@ -59,7 +61,7 @@ struct Unboxed<Op, Ret(Args...)> {
     }
     c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);
     if constexpr (std::is_same_v<Ret, at::Tensor>) {
-      if (auto fused = Fused<Op>::call(p, args...)) return *std::move(fused);
+      if (auto fused = Fused<Op>::call(k, p, args...)) return *std::move(fused);
     }
     if (p.policy == CastPolicy::kPromote) {
       PromoteWidth width;
