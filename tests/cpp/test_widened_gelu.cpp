@@ -14,6 +14,7 @@
 
 #include "cache/companion_casts.h"
 #include "casting_test.h"
+#include "common/step_events.h"
 #include "ops/gelu_math.h"
 #include "optamp/autocast.h"
 #include "test_util.h"
@@ -65,6 +66,18 @@ TEST(CompanionCasts, ServedForTheLiveUnchangedSourceOnly) {
   }
   EXPECT_FALSE(detail::find_companion(kept, at::kHalf));  // pushed out by four newer ones
   detail::drop_companions();
+}
+
+// Companions do not outlive a step: the end of a scale_loss guard (the "weights may change"
+// event) and amp::clear_cache() drop the thread's.
+TEST(CompanionCasts, DroppedAtTheStepEventAndByClearCache) {
+  const auto source = at::randn({3});
+  detail::offer_companion(source, source.to(at::kHalf));
+  detail::notify_weights_may_change();
+  EXPECT_FALSE(detail::find_companion(source, at::kHalf));
+  detail::offer_companion(source, source.to(at::kHalf));
+  clear_cache();
+  EXPECT_FALSE(detail::find_companion(source, at::kHalf));
 }
 
 using Param = std::tuple<at::DeviceType, const char*, at::ScalarType>;

@@ -120,7 +120,12 @@ std::atomic<std::int64_t> g_cast_count{0};
 bool is_cacheable(const at::Tensor& t) { return t.is_leaf() && t.requires_grad(); }
 
 const bool g_registered = [] {
-  add_weights_may_change_listener([] { cache().clear(); });
+  // Companion copies are needed only within a forward: the notifying thread (its scale_loss
+  // guard's end) drops its own, so they do not outlive a training loop.
+  add_weights_may_change_listener([] {
+    cache().clear();
+    drop_companions();
+  });
   return true;
 }();
 
@@ -143,7 +148,10 @@ void count_cast() { g_cast_count.fetch_add(1, std::memory_order_relaxed); }
 
 namespace amp {
 
-void clear_cache() { detail::cache().clear(); }
+void clear_cache() {
+  detail::cache().clear();
+  detail::drop_companions();  // this thread's: the other threads drop theirs at their step ends
+}
 std::size_t cache_size() { return detail::cache().size(); }
 std::int64_t cast_count() { return detail::g_cast_count.load(std::memory_order_relaxed); }
 

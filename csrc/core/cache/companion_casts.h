@@ -11,6 +11,9 @@
 //
 // Per thread (a forward runs on one thread), the last few offered; an entry is served while its
 // source is alive and unchanged (same version), so a result modified in place is cast afresh.
+// A thread's companions are dropped when it ends a scale_loss guard, at its outermost
+// amp::autocast exit and by amp::clear_cache() / amp::reset() on it; until then a thread keeps
+// at most four (activation-sized) copies alive.
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -23,7 +26,7 @@ void offer_companion(const at::Tensor& source, const at::Tensor& companion);
 // The companion of `source` in `dtype`, if one was offered and `source` has not changed since.
 std::optional<at::Tensor> find_companion(const at::Tensor& source, c10::ScalarType dtype);
 
-// Drops this thread's companions (tests; a companion is otherwise kept until replaced).
+// Drops this thread's companions.
 void drop_companions();
 
 }  // namespace amp::detail
