@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/TensorIterator.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 #include <ATen/native/cuda/Loops.cuh>
 
@@ -23,6 +24,7 @@ bool tanh_approximation(c10::string_view approximate) {
 std::tuple<at::Tensor, at::Tensor> widened_gelu_cuda(const at::Tensor& self,
                                                      c10::string_view approximate) {
   const bool tanh = tanh_approximation(approximate);
+  const c10::cuda::CUDAGuard device_guard(self.device());  // launches go to the current device
   at::Tensor wide = at::empty_like(self, self.options().dtype(at::kFloat));
   at::Tensor narrow = at::empty_like(self);
   auto iter = at::TensorIteratorConfig()
@@ -47,6 +49,7 @@ at::Tensor widened_gelu_backward_cuda(const at::Tensor& grad, const at::Tensor& 
   const bool tanh = tanh_approximation(approximate);
   TORCH_CHECK_VALUE(grad.scalar_type() == at::kFloat || grad.scalar_type() == self.scalar_type(),
                     "grad must be float32 or ", self.scalar_type(), ", got ", grad.scalar_type());
+  const c10::cuda::CUDAGuard device_guard(self.device());
   at::Tensor input_grad = at::empty_like(self);
   auto iter = at::TensorIteratorConfig()
                   .add_output(input_grad)
