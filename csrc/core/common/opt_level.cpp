@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <sstream>
 
+#include "common/dtypes.h"
 #include "common/format.h"
 
 namespace amp {
@@ -17,6 +18,7 @@ namespace detail {}  // namespace detail
 
 namespace {
 
+using detail::is_reduced_float;
 using detail::number_name;
 
 using c10::ScalarType;
@@ -60,10 +62,6 @@ std::string bool_name(bool value) { return value ? "True" : "False"; }
 
 std::string optional_bool_name(const std::optional<bool>& value) {
   return value ? bool_name(*value) : "None";
-}
-
-bool is_reduced_float(ScalarType type) {
-  return type == ScalarType::Half || type == ScalarType::BFloat16;
 }
 
 // One line per option, aligned the way Apex prints them.

@@ -11,6 +11,7 @@
 #include <unordered_set>
 
 #include "cache/cast_cache.h"
+#include "common/dtypes.h"
 #include "dispatch/cast_decision.h"
 #include "dispatch/tensor_args.h"
 
@@ -18,8 +19,6 @@ namespace amp::detail {
 namespace {
 
 using c10::ScalarType;
-
-bool is_reduced(ScalarType t) { return t == ScalarType::Half || t == ScalarType::BFloat16; }
 
 // A Python/C++ number passed where a Tensor is expected (`x + 0.5`): it has no width of its
 // own in type promotion, so it is neither cast nor counted when promoting.
@@ -110,7 +109,8 @@ void PromoteWidth::add(const at::Tensor& t) {
   const ScalarType s = t.scalar_type();
   auto widen = [](ScalarType a, ScalarType b) {
     if (a == ScalarType::Undefined || a == b) return b;
-    return (is_reduced(a) && is_reduced(b)) ? ScalarType::Float : c10::promoteTypes(a, b);
+    return (is_reduced_float(a) && is_reduced_float(b)) ? ScalarType::Float
+                                                        : c10::promoteTypes(a, b);
   };
   mixed = mixed || (widest != ScalarType::Undefined && s != widest);
   widest = widen(widest, s);
@@ -152,7 +152,7 @@ bool CastKernel::plan_promotion(const PromoteWidth& width, CallPlan& p) const {
 std::optional<at::Tensor> CastKernel::cast_argument(const at::Tensor& t, const CallPlan& p) const {
   if (!is_castable(t) || t.scalar_type() == p.target) return std::nullopt;
   if (p.policy != CastPolicy::kLower && p.policy != CastPolicy::kPromote &&
-      !is_reduced(t.scalar_type())) {
+      !is_reduced_float(t.scalar_type())) {
     return std::nullopt;  // fp32 policy: only reduced inputs are widened
   }
   if (verbosity() >= 2) log_cast_once(t.scalar_type(), p.target, name_);
@@ -204,7 +204,7 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
     // Ops with a dtype argument compute in fp32 without a separate input cast.
     bool any_reduced = false;
     rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
-      any_reduced = any_reduced || (t.defined() && is_reduced(t.scalar_type()));
+      any_reduced = any_reduced || (t.defined() && is_reduced_float(t.scalar_type()));
       return std::nullopt;
     });
     if (any_reduced) (*stack)[base + dtype_index_] = c10::IValue(ScalarType::Float);

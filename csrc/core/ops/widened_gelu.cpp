@@ -17,13 +17,12 @@
 #include "cache/autograd_cast.h"
 #include "cache/cast_cache.h"
 #include "cache/companion_casts.h"
+#include "common/dtypes.h"
 
 namespace amp::detail {
 namespace {
 
 using torch::autograd::variable_list;
-
-bool is_reduced(c10::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
 // Backward of optamp::widened_gelu. Inputs: the gradients of the fp32 result (0) and of its
 // reduced companion (1), each possibly undefined; output: the gradient of the reduced input.
@@ -69,7 +68,7 @@ at::Tensor widened_gelu_backward_cpu(const at::Tensor& grad, const at::Tensor& s
 std::optional<at::Tensor> widened_gelu(const at::Tensor& x, c10::string_view approximate,
                                        bool records_autograd) {
   const auto device = x.device().type();
-  if (!is_reduced(x.scalar_type()) || (device != c10::kCPU && device != c10::kCUDA) ||
+  if (!is_reduced_float(x.scalar_type()) || (device != c10::kCPU && device != c10::kCUDA) ||
       (approximate != "none" && approximate != "tanh") || !is_plain_for_autograd(x)) {
     return std::nullopt;
   }
