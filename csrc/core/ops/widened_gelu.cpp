@@ -24,6 +24,15 @@ namespace {
 
 using torch::autograd::variable_list;
 
+// The cast path's backward as torch's own (differentiable) ops: widen, fp32 GELU backward, narrow
+// to the input's dtype. The CPU kernel of optamp::widened_gelu_backward, and every device's
+// backward under create_graph.
+at::Tensor widened_gelu_backward_by_torch_ops(const at::Tensor& grad, const at::Tensor& self,
+                                              c10::string_view approximate) {
+  return at::gelu_backward(grad.to(at::kFloat), self.to(at::kFloat), approximate)
+      .to(self.scalar_type());
+}
+
 // Backward of optamp::widened_gelu. Inputs: the gradients of the fp32 result (0) and of its
 // reduced companion (1), each possibly undefined; output: the gradient of the reduced input.
 struct WidenedGeluBackward final : torch::autograd::Node {
@@ -36,10 +45,7 @@ struct WidenedGeluBackward final : torch::autograd::Node {
                    : grads[0].defined()                     ? grads[0]
                                                             : grads[1];
     if (!g.defined()) return {at::Tensor()};
-    if (c10::GradMode::is_enabled()) {  // create_graph: torch's differentiable ops
-      return {
-          at::gelu_backward(g.to(at::kFloat), x.to(at::kFloat), approximate).to(x.scalar_type())};
-    }
+    if (c10::GradMode::is_enabled()) return {widened_gelu_backward_by_torch_ops(g, x, approximate)};
     static const auto op =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("optamp::widened_gelu_backward", "")
@@ -55,12 +61,6 @@ std::tuple<at::Tensor, at::Tensor> widened_gelu_cpu(const at::Tensor& self,
   at::Tensor wide = at::gelu(self.to(at::kFloat), approximate);
   at::Tensor narrow = wide.to(self.scalar_type());
   return {std::move(wide), std::move(narrow)};
-}
-
-at::Tensor widened_gelu_backward_cpu(const at::Tensor& grad, const at::Tensor& self,
-                                     c10::string_view approximate) {
-  return at::gelu_backward(grad.to(at::kFloat), self.to(at::kFloat), approximate)
-      .to(self.scalar_type());
 }
 
 }  // namespace
@@ -105,5 +105,5 @@ TORCH_LIBRARY_FRAGMENT(optamp, m) {
 
 TORCH_LIBRARY_IMPL(optamp, CPU, m) {
   m.impl("widened_gelu", &amp::detail::widened_gelu_cpu);
-  m.impl("widened_gelu_backward", &amp::detail::widened_gelu_backward_cpu);
+  m.impl("widened_gelu_backward", &amp::detail::widened_gelu_backward_by_torch_ops);
 }
