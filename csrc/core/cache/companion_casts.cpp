@@ -11,8 +11,7 @@ namespace amp::detail {
 namespace {
 
 struct Companion {
-  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> source;
-  const c10::TensorImpl* source_impl = nullptr;
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> source;  // empty until offered
   std::uint32_t version = 0;
   at::Tensor copy;
 };
@@ -39,7 +38,6 @@ void offer_companion(const at::Tensor& source, const at::Tensor& companion) {
   Companion& slot = r.slots[r.next];
   r.next = (r.next + 1) % kSlots;
   slot.source.emplace(source.getIntrusivePtr());
-  slot.source_impl = source.unsafeGetTensorImpl();
   slot.version = source._version();
   slot.copy = companion;
 }
@@ -48,7 +46,9 @@ std::optional<at::Tensor> find_companion(const at::Tensor& source, c10::ScalarTy
   const c10::TensorImpl* impl = source.unsafeGetTensorImpl();
   for (Companion& slot : ring().slots) {
     // A dead source's address may be reused by a new tensor: the weak reference tells.
-    if (slot.source_impl != impl || !slot.source || slot.source->expired()) continue;
+    if (!slot.source || slot.source->_unsafe_get_target() != impl || slot.source->expired()) {
+      continue;
+    }
     if (slot.version == source._version() && slot.copy.scalar_type() == dtype) return slot.copy;
   }
   return std::nullopt;
