@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/StringUtil.h>
-#include <torch/csrc/autograd/function.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
@@ -35,20 +34,6 @@ TEST_F(Casting, CacheCastsEachWeightOncePerVersion) {
   at::linear(randn({2, 3}), w);
   EXPECT_EQ(cast_count() - before, 1 + 3);  // w once, each input once
   EXPECT_EQ(cache_size(), 1u);
-}
-
-// Node names reached from `root`'s graph (root included).
-std::vector<std::string> graph_node_names(const at::Tensor& root) {
-  std::vector<std::string> names;
-  std::vector<const torch::autograd::Node*> todo{root.grad_fn().get()};
-  while (!todo.empty()) {
-    const auto* n = todo.back();
-    todo.pop_back();
-    if (n == nullptr) continue;
-    names.push_back(n->name());
-    for (const auto& edge : n->next_edges()) todo.push_back(edge.function.get());
-  }
-  return names;
 }
 
 std::size_t count_named(const std::vector<std::string>& names, const std::string& part) {

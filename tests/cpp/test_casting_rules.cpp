@@ -7,10 +7,8 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/StringUtil.h>
-#include <torch/csrc/autograd/function.h>
 #include <torch/nn/functional/normalization.h>
 
-#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -127,14 +125,8 @@ TEST_F(Casting, CastsKeepTheGraphToTheirSource) {
   auto out = at::mm(x, w.t());
   EXPECT_EQ(out.scalar_type(), at::kHalf);
   ASSERT_TRUE(out.grad_fn());
-  std::vector<std::string> names;
-  std::function<void(const torch::autograd::Node*)> walk = [&](const torch::autograd::Node* n) {
-    if (!n) return;
-    names.push_back(n->name());
-    for (const auto& edge : n->next_edges()) walk(edge.function.get());
-  };
-  walk(out.grad_fn().get());
-  EXPECT_EQ(c10::Join(" ", names), "MmBackward0 TBackward0 torch::autograd::AccumulateGrad");
+  EXPECT_EQ(c10::Join(" ", testing::graph_node_names(out)),
+            "MmBackward0 TBackward0 torch::autograd::AccumulateGrad");
   const auto g = randn({2, 3});
   out.backward(g.to(at::kHalf));
   ASSERT_EQ(w.grad().scalar_type(), at::kFloat);

@@ -2,6 +2,7 @@
 
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <fstream>
 #include <map>
@@ -95,6 +96,19 @@ std::vector<std::string> top_level_ops(const std::function<void()>& fn) {
   } remove{handle};
   fn();
   return called;
+}
+
+std::vector<std::string> graph_node_names(const at::Tensor& root) {
+  std::vector<std::string> names;
+  std::vector<const torch::autograd::Node*> todo{root.grad_fn().get()};
+  while (!todo.empty()) {
+    const auto* n = todo.back();
+    todo.pop_back();
+    if (n == nullptr) continue;
+    names.push_back(n->name());
+    for (const auto& edge : n->next_edges()) todo.push_back(edge.function.get());
+  }
+  return names;
 }
 
 }  // namespace amp::testing

@@ -31,6 +31,9 @@ Tolerance tolerance(at::ScalarType dtype);
 // host code calling aten::_local_scalar_dense is one on a GPU).
 std::vector<std::string> top_level_ops(const std::function<void()>& fn);
 
+// The names of the autograd nodes reachable from `root`'s grad_fn, depth first, root first.
+std::vector<std::string> graph_node_names(const at::Tensor& root);
+
 // Options with verbosity 0: no properties report or overflow lines in the test output.
 inline Options quiet() {
   Options o;
