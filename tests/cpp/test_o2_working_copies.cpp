@@ -3,7 +3,10 @@
 // ops that make their own data (clone, to) stay fp32, and no_grad runs fp32.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -11,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "cache/cast_cache.h"
 #include "initialize_test.h"
 #include "optamp/amp.h"
 #include "test_util.h"
@@ -123,6 +127,111 @@ void expect_o2_working_copies_never_stale(at::Device device) {
 
 TEST_P(InitializeOnDevice, O2OneWorkingCopyPerParamReusedAndRefreshedPerStep) {
   expect_o2_working_copies_never_stale(GetParam());
+}
+
+// The address of the working copy ops see for `master` now (through a view, which is substituted),
+// without keeping the view: a reference held here would make the next refresh move the copy.
+const void* working_copy_address(const at::Tensor& master) {
+  return master.view(master.sizes()).const_data_ptr();
+}
+
+// Each step refreshes the copies the previous one used in place (one multi-tensor copy), so
+// they keep their storage from step to step: what a CUDA graph's replays need, and no allocation.
+TEST_P(InitializeOnDevice, O2WorkingCopiesKeepTheirStorageAcrossSteps) {
+  Net net = make_net_on(GetParam());
+  auto opt = make_optimizer(net, Opt::kSgd);
+  initialize(net, *opt, "O2", quiet());
+  const auto batches = batches_on(GetParam(), 3);
+  std::vector<const void*> first;
+  for (int step = 0; step < 4; ++step) {
+    const auto& b = batches[step % batches.size()];
+    opt->zero_grad();
+    auto out = net->forward(b.x, b.tag);
+    std::vector<const void*> now;
+    for (const auto& p : net->named_parameters()) {
+      if (!is_batchnorm_param(p.key())) now.push_back(working_copy_address(p.value()));
+    }
+    if (step == 0) first = now;
+    EXPECT_EQ(now, first) << "step " << step;
+    {
+      auto scaled = scale_loss(at::cross_entropy_loss(out, b.y), *opt);
+      scaled.backward();
+    }
+    EXPECT_EQ(detail::kept_cache_copies(), first.size());  // kept, awaiting the next refresh
+    opt->step();
+  }
+  expect_copies_are_rounded_masters(net, "after the kept copies' last refresh");
+}
+
+// A copy something still holds (here a graph kept with retain_graph) is not written by the
+// refresh: the holder keeps the values it was made with, the next forward gets new storage.
+TEST_F(Initialize, O2RefreshLeavesACopyAKeptGraphHoldsAlone) {
+  Net net = make_net();
+  auto opt = make_optimizer(net, Opt::kSgd);
+  initialize(net, *opt, "O2", quiet());
+  const auto batches = batches_on(at::kCPU, 2);
+  const auto& w = net->fc2->weight;
+  auto kept_loss = at::cross_entropy_loss(net->forward(batches[0].x, batches[0].tag), batches[0].y);
+  const void* before = working_copy_address(w);
+  kept_loss.backward({}, /*retain_graph=*/true);
+  const at::Tensor first_grad = w.grad().clone();
+  {  // a step: the weights change, the cast cache's copies go stale
+    auto scaled = scale_loss(
+        at::cross_entropy_loss(net->forward(batches[1].x, batches[1].tag), batches[1].y), *opt);
+    scaled.backward();
+  }
+  opt->step();
+  net->forward(batches[1].x, batches[1].tag);  // refreshes the copies
+  EXPECT_NE(working_copy_address(w), before) << "the kept graph's copy was written in place";
+  opt->zero_grad();
+  kept_loss.backward();  // the kept graph again: its copies still hold the first step's weights
+  EXPECT_TRUE(at::equal(w.grad(), first_grad));
+  expect_copies_are_rounded_masters(net, "after the refresh beside a kept graph");
+}
+
+// A step run on another stream than the one the copies were last written on: the previous
+// step's kernels there may still be reading them, so the refresh gives them new storage.
+TEST_F(Initialize, O2CopiesRefreshedOnAnotherStreamGetNewStorage_CUDA) {
+  OPTAMP_SKIP_UNLESS_VISIBLE(at::kCUDA);
+  Net net = make_net_on(at::kCUDA);
+  auto opt = make_optimizer(net, Opt::kSgd);
+  initialize(net, *opt, "O2", quiet());
+  const auto batches = batches_on(at::kCUDA, 2);
+  const auto& w = net->fc2->weight;
+  auto out = net->forward(batches[0].x, batches[0].tag);
+  const void* before = working_copy_address(w);
+  {
+    auto scaled = scale_loss(at::cross_entropy_loss(out, batches[0].y), *opt);
+    scaled.backward();
+  }
+  opt->step();
+  torch::cuda::synchronize();
+  const c10::Device device(at::kCUDA, 0);
+  c10::StreamGuard other(c10::impl::VirtualGuardImpl(at::kCUDA).getStreamFromGlobalPool(device));
+  net->forward(batches[1].x, batches[1].tag);
+  EXPECT_NE(working_copy_address(w), before);
+  expect_copies_are_rounded_masters(net, "after a refresh on another stream");
+}
+
+// A parameter frozen, then thawed, between steps: the refreshed copy sends it a gradient exactly
+// when it wants one.
+TEST_F(Initialize, O2RefreshFollowsAParameterFrozenAndThawedBetweenSteps) {
+  Net net = make_net();
+  auto opt = make_optimizer(net, Opt::kSgd);
+  initialize(net, *opt, "O2", quiet());
+  const auto batches = batches_on(at::kCPU, 3);
+  auto& w = net->fc2->weight;
+  for (int step = 0; step < 3; ++step) {
+    opt->zero_grad();
+    w.requires_grad_(step != 1);
+    const auto& b = batches[step];
+    {
+      auto scaled = scale_loss(at::cross_entropy_loss(net->forward(b.x, b.tag), b.y), *opt);
+      scaled.backward();
+    }
+    EXPECT_EQ(w.grad().defined(), step != 1) << "step " << step;
+    EXPECT_TRUE(net->fc1->weight.grad().defined()) << "step " << step;
+  }
 }
 
 TEST_F(Initialize, O2OwnDataOpsStayFp32AndViewsReuseTheCopy) {

@@ -1,5 +1,6 @@
 """O2/O5 substitution from Python: the key lives on the registered parameters, so only ops that
 take one are substituted, `module.to()` / `p.data = x` keep it, and backward never reaches it."""
+import pytest
 import torch
 from common_utils import tol
 
@@ -79,3 +80,31 @@ def test_backward_matches_o4_up_to_the_working_copies():
 def _clone(module):
     import copy
     return copy.deepcopy(module)
+
+
+@pytest.mark.parametrize("level,low", [("O2", torch.float16), ("O5", torch.bfloat16)])
+def test_working_copies_keep_their_storage_across_steps(level, low):
+    # Each step refreshes the copies the previous step used in place (one multi-tensor copy),
+    # so ops see the same storage every step (what a CUDA graph's replays need), holding the
+    # stepped masters rounded (torch's optimizers step in place, bumping the versions).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optamp.reset()
+    model, opt = optamp.initialize(model, opt, opt_level=level, verbosity=0)
+    try:
+        x = torch.randn(32, 8)
+        addresses = []
+        for _ in range(4):
+            opt.zero_grad(set_to_none=True)
+            out = model(x)
+            # a view is substituted: it shows the working copy the forward used
+            addresses.append([p.view(p.shape).data_ptr() for p in model.parameters()])
+            for p in model.parameters():
+                assert torch.equal(p.view(p.shape), p.detach().to(low))
+            with optamp.scale_loss(out.float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        assert all(a == addresses[0] for a in addresses), addresses
+    finally:
+        optamp.reset()

@@ -52,8 +52,12 @@ at::Tensor cast_for_autograd(const at::Tensor& source, c10::ScalarType dtype,
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     cast = source.to(dtype);
   }
-  torch::autograd::impl::set_gradient_edge(cast, torch::autograd::impl::gradient_edge(source));
+  give_gradient_edge(cast, source);
   return cast;
+}
+
+void give_gradient_edge(const at::Tensor& copy, const at::Tensor& source) {
+  torch::autograd::impl::set_gradient_edge(copy, torch::autograd::impl::gradient_edge(source));
 }
 
 }  // namespace amp::detail

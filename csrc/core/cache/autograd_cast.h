@@ -26,4 +26,7 @@ bool is_plain_for_autograd(const at::Tensor& t);
 at::Tensor cast_for_autograd(const at::Tensor& source, c10::ScalarType dtype,
                              bool records_autograd);
 
+// Gives `copy` (made below autograd) `source`'s gradient edge, as cast_for_autograd does.
+void give_gradient_edge(const at::Tensor& copy, const at::Tensor& source);
+
 }  // namespace amp::detail

@@ -14,7 +14,15 @@
 //
 // Entries made under no_grad have no autograd history and are never served to code that
 // records autograd, and vice versa: the grad mode is part of the key.
+//
+// Why copies are refreshed in place rather than cast again (invalidate_cache): a step casts the
+// same parameters as the step before. One multi-tensor copy into the copies' own storage costs a
+// few kernel launches on a GPU where a cast per parameter cost an allocation and a launch each
+// (host work that an eager GPU step waits on), and the copies keep their addresses from step to
+// step, as a CUDA graph's replays need.
 #include <ATen/core/Tensor.h>
+
+#include <cstddef>
 
 namespace amp::detail {
 
@@ -32,5 +40,14 @@ CastResult cast_through_cache(const at::Tensor& source, c10::ScalarType dtype,
 
 // Counts a cast performed outside the cache (the public counter is amp::cast_count()).
 void count_cast();
+
+// The weights may change (the end of a non-delayed scale_loss unscale, the outermost
+// amp::autocast exit): no entry is served again as it is. The copies a training forward used are
+// kept and refreshed in place, all at once, by the next use of any of them; the rest are dropped,
+// with this thread's companion copies. amp::clear_cache() drops everything.
+void invalidate_cache();
+
+// Copies kept for their refresh, current ones included (tests).
+std::size_t kept_cache_copies();
 
 }  // namespace amp::detail

@@ -5,6 +5,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "cache/cast_cache.h"
 #include "dispatch/cast_decision.h"
 #include "dispatch/registration.h"
 #include "dispatch/substitution.h"
@@ -35,7 +36,9 @@ void end_frame(std::uint64_t id, std::thread::id owner, const char* what) noexce
                  "and the thread follows the guards still open");
     }
     // Weights may be updated after the outermost region (and not through their version counter).
-    if (depth_before > 0 && detail::thread_cast_state().region_depth == 0) clear_cache();
+    if (depth_before > 0 && detail::thread_cast_state().region_depth == 0) {
+      detail::invalidate_cache();
+    }
   } catch (...) {
   }
 }
