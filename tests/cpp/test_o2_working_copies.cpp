@@ -3,13 +3,11 @@
 // ops that make their own data (clone, to) stay fp32, and no_grad runs fp32.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <c10/core/StreamGuard.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <gtest/gtest.h>
-#include <torch/cuda.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -129,93 +127,72 @@ TEST_P(InitializeOnDevice, O2OneWorkingCopyPerParamReusedAndRefreshedPerStep) {
   expect_o2_working_copies_never_stale(GetParam());
 }
 
-// The address of the working copy ops see for `master` now (through a view, which is substituted),
-// without keeping the view: a reference held here would make the next refresh move the copy.
-const void* working_copy_address(const at::Tensor& master) {
-  return master.view(master.sizes()).const_data_ptr();
-}
+// The working copy ops see for `master` now (through a view, which is substituted).
+at::Tensor working_copy(const at::Tensor& master) { return master.view(master.sizes()); }
 
-// Each step refreshes the copies the previous one used in place (one multi-tensor copy), so
-// they keep their storage from step to step: what a CUDA graph's replays need, and no allocation.
-TEST_P(InitializeOnDevice, O2WorkingCopiesKeepTheirStorageAcrossSteps) {
+// After the first step, a step's working copies are made together at the first use of any of
+// them: one block per device and dtype (batched_cast.h), one multi-tensor copy. Between steps
+// none is held: the optimizer step runs without them, as it did when each was cast on its own.
+TEST_P(InitializeOnDevice, O2WorkingCopiesAreMadeTogetherAndFreedBeforeTheStep) {
   Net net = make_net_on(GetParam());
   auto opt = make_optimizer(net, Opt::kSgd);
   initialize(net, *opt, "O2", quiet());
   const auto batches = batches_on(GetParam(), 3);
-  std::vector<const void*> first;
-  for (int step = 0; step < 4; ++step) {
+  std::size_t reduced_params = 0;
+  for (const auto& p : net->named_parameters()) reduced_params += !is_batchnorm_param(p.key());
+  for (int step = 0; step < 3; ++step) {
     const auto& b = batches[step % batches.size()];
     opt->zero_grad();
     auto out = net->forward(b.x, b.tag);
-    std::vector<const void*> now;
+    std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+    std::set<const c10::StorageImpl*> blocks;
     for (const auto& p : net->named_parameters()) {
-      if (!is_batchnorm_param(p.key())) now.push_back(working_copy_address(p.value()));
+      if (is_batchnorm_param(p.key())) continue;
+      const auto storage = working_copy(p.value()).storage();
+      storages.emplace_back(storage.getWeakStorageImpl());
+      blocks.insert(storage.unsafeGetStorageImpl());
     }
-    if (step == 0) first = now;
-    EXPECT_EQ(now, first) << "step " << step;
+    // The first step casts each on its own: no step before it said which to make together.
+    EXPECT_EQ(blocks.size(), step == 0 ? reduced_params : 1u) << "step " << step;
     {
       auto scaled = scale_loss(at::cross_entropy_loss(out, b.y), *opt);
       scaled.backward();
     }
-    EXPECT_EQ(detail::kept_cache_copies(), first.size());  // kept, awaiting the next refresh
+    out.reset();  // its graph saved some of the copies
+    for (const auto& storage : storages) EXPECT_TRUE(storage.expired()) << "step " << step;
+    EXPECT_EQ(detail::cache_entries_waiting_for_recast(), reduced_params);
     opt->step();
   }
-  expect_copies_are_rounded_masters(net, "after the kept copies' last refresh");
+  expect_copies_are_rounded_masters(net, "after the batched re-casts");
 }
 
-// A copy something still holds (here a graph kept with retain_graph) is not written by the
-// refresh: the holder keeps the values it was made with, the next forward gets new storage.
-TEST_F(Initialize, O2RefreshLeavesACopyAKeptGraphHoldsAlone) {
+// A copy something still holds (here a graph kept with retain_graph) keeps the values it was made
+// with: the next step's copies are new tensors.
+TEST_F(Initialize, O2ACopyAKeptGraphHoldsKeepsItsValues) {
   Net net = make_net();
   auto opt = make_optimizer(net, Opt::kSgd);
   initialize(net, *opt, "O2", quiet());
   const auto batches = batches_on(at::kCPU, 2);
   const auto& w = net->fc2->weight;
   auto kept_loss = at::cross_entropy_loss(net->forward(batches[0].x, batches[0].tag), batches[0].y);
-  const void* before = working_copy_address(w);
   kept_loss.backward({}, /*retain_graph=*/true);
   const at::Tensor first_grad = w.grad().clone();
-  {  // a step: the weights change, the cast cache's copies go stale
+  {  // a step: the weights change
     auto scaled = scale_loss(
         at::cross_entropy_loss(net->forward(batches[1].x, batches[1].tag), batches[1].y), *opt);
     scaled.backward();
   }
   opt->step();
-  net->forward(batches[1].x, batches[1].tag);  // refreshes the copies
-  EXPECT_NE(working_copy_address(w), before) << "the kept graph's copy was written in place";
+  net->forward(batches[1].x, batches[1].tag);  // the batched re-cast
   opt->zero_grad();
   kept_loss.backward();  // the kept graph again: its copies still hold the first step's weights
   EXPECT_TRUE(at::equal(w.grad(), first_grad));
-  expect_copies_are_rounded_masters(net, "after the refresh beside a kept graph");
+  expect_copies_are_rounded_masters(net, "after the re-cast beside a kept graph");
 }
 
-// A step run on another stream than the one the copies were last written on: the previous
-// step's kernels there may still be reading them, so the refresh gives them new storage.
-TEST_F(Initialize, O2CopiesRefreshedOnAnotherStreamGetNewStorage_CUDA) {
-  OPTAMP_SKIP_UNLESS_VISIBLE(at::kCUDA);
-  Net net = make_net_on(at::kCUDA);
-  auto opt = make_optimizer(net, Opt::kSgd);
-  initialize(net, *opt, "O2", quiet());
-  const auto batches = batches_on(at::kCUDA, 2);
-  const auto& w = net->fc2->weight;
-  auto out = net->forward(batches[0].x, batches[0].tag);
-  const void* before = working_copy_address(w);
-  {
-    auto scaled = scale_loss(at::cross_entropy_loss(out, batches[0].y), *opt);
-    scaled.backward();
-  }
-  opt->step();
-  torch::cuda::synchronize();
-  const c10::Device device(at::kCUDA, 0);
-  c10::StreamGuard other(c10::impl::VirtualGuardImpl(at::kCUDA).getStreamFromGlobalPool(device));
-  net->forward(batches[1].x, batches[1].tag);
-  EXPECT_NE(working_copy_address(w), before);
-  expect_copies_are_rounded_masters(net, "after a refresh on another stream");
-}
-
-// A parameter frozen, then thawed, between steps: the refreshed copy sends it a gradient exactly
+// A parameter frozen, then thawed, between steps: the re-cast copy sends it a gradient exactly
 // when it wants one.
-TEST_F(Initialize, O2RefreshFollowsAParameterFrozenAndThawedBetweenSteps) {
+TEST_F(Initialize, O2ReCastFollowsAParameterFrozenAndThawedBetweenSteps) {
   Net net = make_net();
   auto opt = make_optimizer(net, Opt::kSgd);
   initialize(net, *opt, "O2", quiet());

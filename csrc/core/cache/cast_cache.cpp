@@ -1,11 +1,5 @@
 #include "cache/cast_cache.h"
 
-#include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/ops/_foreach_copy.h>
-#include <ATen/ops/empty_strided.h>
-#include <c10/core/Stream.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <atomic>
@@ -14,9 +8,9 @@
 #include <vector>
 
 #include "cache/autograd_cast.h"
+#include "cache/batched_cast.h"
 #include "cache/companion_casts.h"
 #include "common/step_events.h"
-#include "dispatch/carried_state.h"
 #include "optamp/cast_cache.h"
 #include "optamp/policy.h"
 
@@ -46,57 +40,19 @@ struct Entry {
   // parameter) swaps the storage of the same TensorImpl without bumping its version, so the
   // version alone would serve a copy of the old data, on the old device.
   const c10::StorageImpl* storage;
-  at::Tensor cast;
-  c10::Stream stream;        // the copy was made or last refreshed on (see refresh_kept)
-  std::uint64_t generation;  // the cache generation the copy was made or refreshed in
-  bool kept;                 // outlives its generation, to be refreshed in place (see invalidate)
+  at::Tensor cast;           // undefined while the entry waits for its re-cast (see invalidate)
+  std::uint64_t generation;  // the cache generation the copy was made in
+  bool recast;               // re-cast with the others in the next generation (see invalidate)
   bool served_now;           // served (or made) in its generation
   bool hit_since_sweep;      // served from the cache since the last sweep
 };
 
-// Whether a copy may be kept across generations and refreshed in place: made under autograd (a
-// training forward: no_grad copies are dropped, so evaluation does not keep a second set alive),
-// with the source's layout (one elementwise copy refreshes it), and either borrowing the
-// source's edge or needing none. A copy with a ToCopyBackward node (a subclass, a tensor with a
-// forward-mode tangent) is made afresh.
-bool keepable(const at::Tensor& source, const at::Tensor& cast, bool records_autograd) {
-  if (!records_autograd || cast.is_same(source) || !is_plain_for_autograd(source)) return false;
-  return source.is_non_overlapping_and_dense() && cast.strides() == source.strides();
+// Whether a copy is re-cast in the batch of the next generation: made under autograd (a training
+// forward; copies made under no_grad are simply dropped) from a dense, plain source. A copy with
+// a ToCopyBackward node (a subclass, a tensor with a forward-mode tangent) is made afresh.
+bool batch_recast(const at::Tensor& source, bool records_autograd) {
+  return records_autograd && is_plain_for_autograd(source) && source.is_non_overlapping_and_dense();
 }
-
-// One multi-tensor copy per (device, source dtype, copy dtype): on CUDA a few launches for all
-// of a model's copies (torch's foreach copy converts dtypes on its fast path) instead of one
-// allocation and one launch per parameter.
-class RefreshBatch {
- public:
-  void add(at::Tensor source, const at::Tensor& destination) {
-    for (auto& group : groups_) {
-      if (group.sources.front().device() == source.device() &&
-          group.sources.front().scalar_type() == source.scalar_type() &&
-          group.destinations.front().scalar_type() == destination.scalar_type()) {
-        group.sources.push_back(std::move(source));
-        group.destinations.push_back(destination);
-        return;
-      }
-    }
-    groups_.push_back({{std::move(source)}, {destination}});
-  }
-
-  // Below autograd and optamp's keys: the copies are the cache's own business, and the sources
-  // (O2/O5 masters) would otherwise be substituted by their own stale copies.
-  void run() {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    c10::impl::ExcludeDispatchKeyGuard no_optamp_keys(
-        c10::DispatchKeySet({kCastKey, kSubstituteKey}));
-    for (auto& group : groups_) at::_foreach_copy_(group.destinations, group.sources);
-  }
-
- private:
-  struct Group {
-    std::vector<at::Tensor> sources, destinations;
-  };
-  std::vector<Group> groups_;
-};
 
 class CastCache {
  public:
@@ -105,8 +61,8 @@ class CastCache {
     std::vector<Entry> dropped;  // destroyed after the lock is released (see clear())
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = entries_.find(key);
-    if (it != entries_.end() && it->second.generation != generation_ && it->second.kept) {
-      refresh_kept(dtype, dropped);  // the first use after the weights may have changed
+    if (it != entries_.end() && it->second.generation != generation_ && it->second.recast) {
+      recast_previous_generation(dtype, dropped);  // the first use after the weights may change
       it = entries_.find(key);
     }
     if (it != entries_.end() && is_current(it->second, source)) {
@@ -116,24 +72,26 @@ class CastCache {
     }
     if (it != entries_.end()) dropped.push_back(std::move(it->second));  // stale
     at::Tensor cast = cast_for_autograd(source, dtype, key.grad_mode);
-    const bool kept = keepable(source, cast, key.grad_mode);
     entries_.insert_or_assign(
         key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()),
-                   source._version(), storage_of(source), cast, current_stream(source.device()),
-                   generation_, kept, true, false});
+                   source._version(), storage_of(source), cast, generation_,
+                   batch_recast(source, key.grad_mode), true, false});
     sweep_if_grown(dropped);
     return {cast, true};
   }
 
-  // The weights may change: no entry is served again as it is. Copies served in the ending
-  // generation are kept, to be refreshed in place by the next use of any of them (see
-  // refresh_kept); the rest are dropped.
+  // The weights may change: no copy is served again. Every copy is released (its memory is freed
+  // once the graphs that saved it are gone, as before an optimizer step it should be); the
+  // entries of the copies a training forward used in the ending generation stay, without their
+  // copy, so that the first use of any of them re-casts them all at once.
   void invalidate() {
-    std::vector<Entry> dropped;
+    std::vector<Entry> dropped;  // both destroyed after the lock is released
+    std::vector<at::Tensor> released;
     std::lock_guard<std::mutex> lock(mutex_);
     ++generation_;
     for (auto it = entries_.begin(); it != entries_.end();) {
-      if (it->second.kept && it->second.served_now) {
+      if (it->second.recast && it->second.served_now) {
+        released.push_back(std::move(it->second.cast));
         it->second.served_now = false;
         ++it;
       } else {
@@ -155,7 +113,7 @@ class CastCache {
     // deleters that must not re-enter the cache while it is locked.
   }
 
-  // Entries that would be served now (kept copies awaiting their refresh are not).
+  // Entries that would be served now (those waiting for their re-cast are not).
   std::size_t size() {
     std::lock_guard<std::mutex> lock(mutex_);
     std::size_t current = 0;
@@ -163,28 +121,16 @@ class CastCache {
     return current;
   }
 
-  std::size_t kept_copies() {
+  std::size_t waiting_for_recast() {
     std::lock_guard<std::mutex> lock(mutex_);
-    std::size_t kept = 0;
-    for (const auto& entry : entries_) kept += entry.second.kept;
-    return kept;
+    std::size_t waiting = 0;
+    for (const auto& entry : entries_) {
+      waiting += entry.second.recast && entry.second.generation != generation_;
+    }
+    return waiting;
   }
 
  private:
-  static c10::Stream current_stream(c10::Device device) {
-    if (!c10::impl::hasDeviceGuardImpl(device.type())) {
-      return c10::Stream(c10::Stream::DEFAULT, device);
-    }
-    return c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
-  }
-
-  // Whether the refresh may write `e`'s copy in place: nothing but the entry holds it, and the
-  // work queued on it so far was queued on the stream the refresh writes on (a step run on
-  // another stream could still be reading it).
-  static bool refreshable_in_place(const Entry& e, c10::Stream now) {
-    return e.cast.use_count() == 1 && e.cast.storage().use_count() == 1 && e.stream == now;
-  }
-
   static const c10::StorageImpl* storage_of(const at::Tensor& t) {
     return t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
   }
@@ -201,45 +147,37 @@ class CastCache {
            e.storage == storage_of(source);
   }
 
-  // Refreshes every kept `dtype` copy of an ended generation: the copies a step used are used
-  // again by the next, so they are all brought up to date in one batch (RefreshBatch), each into
-  // its own storage when nothing else holds it. That keeps the copies' addresses across steps (a
-  // step captured in a CUDA graph reads and writes the same ones) and makes no allocation. A copy
-  // someone still holds (a graph kept with retain_graph, a tensor a user kept) is left to them
-  // with its old values: its replacement gets new storage, as a fresh cast would. A copy whose
-  // source died, moved (set_data) or gained a forward-mode tangent is dropped, and cast afresh if
-  // it is used again.
-  void refresh_kept(c10::ScalarType dtype, std::vector<Entry>& dropped) {
-    RefreshBatch batch;
-    std::vector<std::pair<Entry*, at::Tensor>> refreshed;  // entry, source
+  // Re-casts the `dtype` copies the previous generation's training forwards used, all at once
+  // (BatchedCast): a step uses the copies the step before used, so the first use after the
+  // weights may have changed makes them all. The gradient edge is each source's as it is now (a
+  // parameter frozen or thawed since gets a gradient exactly when it wants one). Sources that
+  // died or are no longer plain and dense are dropped, and cast on their own if used again.
+  void recast_previous_generation(c10::ScalarType dtype, std::vector<Entry>& dropped) {
+    BatchedCast batch(dtype);
+    std::vector<std::pair<Entry*, at::Tensor>> recast;  // entry, its source
     for (auto it = entries_.begin(); it != entries_.end();) {
       Entry& e = it->second;
-      if (e.generation == generation_ || !e.kept || it->first.dtype != dtype) {
+      if (e.generation == generation_ || !e.recast || it->first.dtype != dtype) {
         ++it;
         continue;
       }
       at::Tensor source = lock_source(e);
-      if (!source.defined() || storage_of(source) != e.storage || !is_plain_for_autograd(source)) {
+      if (!source.defined() || !batch_recast(source, /*records_autograd=*/true)) {
         dropped.push_back(std::move(e));
         it = entries_.erase(it);
         continue;
       }
-      const c10::Stream now = current_stream(e.cast.device());
-      if (!refreshable_in_place(e, now)) {
-        at::AutoDispatchBelowADInplaceOrView below_autograd;
-        e.cast = at::empty_strided(e.cast.sizes(), e.cast.strides(), e.cast.options());
-        e.stream = now;
-      }
-      batch.add(source, e.cast);
-      refreshed.emplace_back(&e, std::move(source));
+      batch.add(source);
+      recast.emplace_back(&e, std::move(source));
       ++it;
     }
-    batch.run();
-    for (auto& [e, source] : refreshed) {
-      // The source's edge as it is now: a parameter frozen or thawed since gets no gradient, or
-      // gets one again.
-      if (source.requires_grad() || e->cast.requires_grad()) give_gradient_edge(e->cast, source);
+    std::vector<at::Tensor> copies = batch.run();
+    for (std::size_t i = 0; i < recast.size(); ++i) {
+      auto& [e, source] = recast[i];
+      if (source.requires_grad()) give_gradient_edge(copies[i], source);
+      e->cast = std::move(copies[i]);
       e->version = source._version();
+      e->storage = storage_of(source);
       e->generation = generation_;
       count_cast();
     }
@@ -308,7 +246,7 @@ void invalidate_cache() {
   drop_companions();  // this thread's: the other threads drop theirs at their step ends
 }
 
-std::size_t kept_cache_copies() { return cache().kept_copies(); }
+std::size_t cache_entries_waiting_for_recast() { return cache().waiting_for_recast(); }
 
 }  // namespace amp::detail
 

@@ -15,11 +15,10 @@
 // Entries made under no_grad have no autograd history and are never served to code that
 // records autograd, and vice versa: the grad mode is part of the key.
 //
-// Why copies are refreshed in place rather than cast again (invalidate_cache): a step casts the
-// same parameters as the step before. One multi-tensor copy into the copies' own storage costs a
-// few kernel launches on a GPU where a cast per parameter cost an allocation and a launch each
-// (host work that an eager GPU step waits on), and the copies keep their addresses from step to
-// step, as a CUDA graph's replays need.
+// Why the copies of a step are re-cast all at once (invalidate_cache): a step casts the same
+// parameters as the step before. One batch (batched_cast.h) costs a few kernel launches on a GPU
+// where a cast per parameter costs an allocation and a launch each: host work that an eager GPU
+// step of a small model waits on.
 #include <ATen/core/Tensor.h>
 
 #include <cstddef>
@@ -42,12 +41,12 @@ CastResult cast_through_cache(const at::Tensor& source, c10::ScalarType dtype,
 void count_cast();
 
 // The weights may change (the end of a non-delayed scale_loss unscale, the outermost
-// amp::autocast exit): no entry is served again as it is. The copies a training forward used are
-// kept and refreshed in place, all at once, by the next use of any of them; the rest are dropped,
-// with this thread's companion copies. amp::clear_cache() drops everything.
+// amp::autocast exit): every copy is released, with this thread's companion copies. The copies a
+// training forward used are re-cast all at once by the next use of any of them.
+// amp::clear_cache() also forgets which those were.
 void invalidate_cache();
 
-// Copies kept for their refresh, current ones included (tests).
-std::size_t kept_cache_copies();
+// Entries waiting for their re-cast (tests).
+std::size_t cache_entries_waiting_for_recast();
 
 }  // namespace amp::detail
