@@ -24,8 +24,6 @@ class BatchedCast {
   // history: the caller gives each the gradient edge it needs).
   std::vector<at::Tensor> run();
 
-  std::size_t size() const { return order_.size(); }
-
  private:
   struct Group {
     std::vector<at::Tensor> sources;
