@@ -166,6 +166,13 @@ TEST_P(InitializeOnDevice, O2WorkingCopiesAreMadeTogetherAndFreedBeforeTheStep) 
   expect_copies_are_rounded_masters(net, "after the batched re-casts");
 }
 
+// Forward, loss and a scale_loss guard's backward on `b`: the guard's end is the event after
+// which the cache's copies are made again.
+void scaled_backward(Net& net, torch::optim::Optimizer& opt, const Batch& b) {
+  auto scaled = scale_loss(at::cross_entropy_loss(net->forward(b.x, b.tag), b.y), opt);
+  scaled.backward();
+}
+
 // A copy something still holds (here a graph kept with retain_graph) keeps the values it was made
 // with: the next step's copies are new tensors.
 TEST_F(Initialize, O2ACopyAKeptGraphHoldsKeepsItsValues) {
@@ -177,12 +184,8 @@ TEST_F(Initialize, O2ACopyAKeptGraphHoldsKeepsItsValues) {
   auto kept_loss = at::cross_entropy_loss(net->forward(batches[0].x, batches[0].tag), batches[0].y);
   kept_loss.backward({}, /*retain_graph=*/true);
   const at::Tensor first_grad = w.grad().clone();
-  {  // a step: the weights change
-    auto scaled = scale_loss(
-        at::cross_entropy_loss(net->forward(batches[1].x, batches[1].tag), batches[1].y), *opt);
-    scaled.backward();
-  }
-  opt->step();
+  scaled_backward(net, *opt, batches[1]);
+  opt->step();                                 // the weights change
   net->forward(batches[1].x, batches[1].tag);  // the batched re-cast
   opt->zero_grad();
   kept_loss.backward();  // the kept graph again: its copies still hold the first step's weights
@@ -201,11 +204,7 @@ TEST_F(Initialize, O2ReCastFollowsAParameterFrozenAndThawedBetweenSteps) {
   for (int step = 0; step < 3; ++step) {
     opt->zero_grad();
     w.requires_grad_(step != 1);
-    const auto& b = batches[step];
-    {
-      auto scaled = scale_loss(at::cross_entropy_loss(net->forward(b.x, b.tag), b.y), *opt);
-      scaled.backward();
-    }
+    scaled_backward(net, *opt, batches[step]);
     EXPECT_EQ(w.grad().defined(), step != 1) << "step " << step;
     EXPECT_TRUE(net->fc1->weight.grad().defined()) << "step " << step;
   }
