@@ -6,6 +6,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
+#include <cstdint>
 #include <utility>
 
 #include "dispatch/carried_state.h"

@@ -12,7 +12,7 @@ namespace {
 
 struct Companion {
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> source;  // empty until offered
-  std::uint32_t version = 0;
+  std::int64_t version = 0;
   at::Tensor copy;
 };
 

@@ -155,11 +155,11 @@ std::optional<at::Tensor> CastKernel::cast_argument(const at::Tensor& t, const C
       !is_reduced_float(t.scalar_type())) {
     return std::nullopt;  // fp32 policy: only reduced inputs are widened
   }
-  if (verbosity() >= 2) log_cast_once(t.scalar_type(), p.target, name_);
+  log_cast(t.scalar_type(), p);
   return cast_through_cache(t, p.target).tensor;
 }
 
-void CastKernel::log_fused_cast(ScalarType from, const CallPlan& p) const {
+void CastKernel::log_cast(ScalarType from, const CallPlan& p) const {
   if (verbosity() >= 2) log_cast_once(from, p.target, name_);
 }
 

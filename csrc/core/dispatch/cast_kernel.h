@@ -54,8 +54,9 @@ class CastKernel final : public c10::OperatorKernel {
   bool plan_promotion(const PromoteWidth& width, CallPlan& plan) const;
   // one argument under a casting plan: the cast tensor, or nullopt to keep it.
   std::optional<at::Tensor> cast_argument(const at::Tensor& t, const CallPlan& plan) const;
-  // the verbosity-2 log line of a cast from `from` that a fused replacement made instead.
-  void log_fused_cast(c10::ScalarType from, const CallPlan& plan) const;
+  // the verbosity-2 log line of a cast from `from` to the plan's target (made by cast_argument,
+  // or by a fused replacement instead).
+  void log_cast(c10::ScalarType from, const CallPlan& plan) const;
   bool has_dtype_argument() const { return dtype_index_ >= 0; }
 
  private:

@@ -36,7 +36,7 @@ struct Fused<at::_ops::gelu> {
                                         const at::Tensor& self, c10::string_view approximate) {
     if (p.target != c10::ScalarType::Float) return std::nullopt;
     auto result = widened_gelu(self, approximate, records_autograd_now());
-    if (result) k.log_fused_cast(self.scalar_type(), p);
+    if (result) k.log_cast(self.scalar_type(), p);
     return result;
   }
 };
