@@ -26,7 +26,8 @@
 //               scale_loss's unscale and the outermost autocast exit do once the weights change.
 //   cnn_backward_accum, gpt_backward_accum  the same with the caches kept across iterations, as
 //               between the micro-batches of gradient accumulation (weights unchanged).
-//   gpt_step    a whole training step of that GPT: zero_grad, forward + loss, loss scaling,
+//   gpt_step    a whole training step of that GPT at d 8, seq 8, batch 1: zero_grad, forward +
+//   loss, loss scaling,
 //               backward, amp::FusedAdamW step (skipping on the device: no host read). optamp
 //               modes: scale_loss; native modes: autocast around forward + loss only, then
 //               torch.amp.GradScaler's work for a fused optimizer (scale, fused check/unscale,
@@ -46,15 +47,24 @@
 
 namespace {
 
+// gpt_backward's GPT: d 32, seq 16 (batch 2).
+constexpr bench::GPTOptions kBackwardGpt{64, 16, 2, 32, 2};
+// gpt_step's GPT: the same layers at d 8, seq 8 (batch 1), so small that the CPU's kernels (at
+// d 32 its fp16 matmuls were two thirds of a step's instructions, work a GPU does on the device)
+// leave what a step costs the host: dispatch, casting, autograd, the optimizer's bookkeeping.
+// benchmarks/step_icount.py uses the same sizes.
+constexpr bench::GPTOptions kStepGpt{64, 8, 2, 8, 2};
+constexpr std::int64_t kStepBatch = 1;
+
 struct Models : torch::nn::Module {
-  Models() {
+  explicit Models(const bench::GPTOptions& gpt_options) : gpt(gpt_options) {
     register_module("linear", linear);
     register_module("cnn", cnn);
     register_module("gpt", gpt);
   }
   torch::nn::Linear linear{8, 8};
   fashion_mnist::Net cnn;
-  bench::GPT gpt{bench::GPTOptions{64, 16, 2, 32, 2}};
+  bench::GPT gpt;
 };
 
 std::string g_case, g_mode;
@@ -197,14 +207,16 @@ int main(int argc, char** argv) {
   g_mode = argv[1];
   g_case = argv[2];
   const int n = std::atoi(argv[3]);
-  g_models = new Models();
+  const bool step_case = g_case == "gpt_step";
+  g_models = new Models(step_case ? kStepGpt : kBackwardGpt);
   g_a = at::randn({8, 8});
   g_a_bf16 = g_a.to(at::kBFloat16);
   g_b = at::randn({8, 8});
   g_b_bf16 = g_b.to(at::kBFloat16).requires_grad_();  // as a working copy: autograd records
   g_images = at::randn({8, 1, 28, 28});
   g_labels = at::randint(10, {8});
-  g_tokens = at::randint(64, {2, 16});
+  g_tokens = step_case ? at::randint(kStepGpt.vocab, {kStepBatch, kStepGpt.seq})
+                       : at::randint(kBackwardGpt.vocab, {2, kBackwardGpt.seq});
   initialize(argv[1]);
   for (int i = 0; i < 5; ++i) run<0>(1);  // warm caches and lazy initialization
   run<1>(n);

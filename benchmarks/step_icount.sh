@@ -32,7 +32,7 @@ for cfg in "${configs[@]}"; do
 
   else
     PYTHONHASHSEED=0 PYTHONPATH="$ROOT/python" valgrind --tool=callgrind --collect-atstart=no \
-      --toggle-collect=map_next --callgrind-out-file="$f" \
+      --toggle-collect=_operator_call --callgrind-out-file="$f" \
       "$PY" "$ROOT/benchmarks/step_icount.py" "$mode" "$n" >/dev/null 2>&1
   fi
   callgrind_annotate --inclusive=yes --threshold=100 "$f" >"$f.txt"

@@ -1,9 +1,13 @@
 """benchmarks/bench_train.py end to end on a tiny model: a subset of configurations runs, and the
 summary prints the targets whose configurations ran (and only those)."""
+import inspect
 import json
 import os
 import subprocess
 import sys
+
+import pytest
+import torch
 
 from common_utils import ROOT, env, load_script
 
@@ -63,3 +67,17 @@ def test_profile_differences_name_what_differs(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["kernels O1 vs native: +0.70 ms in all; +0.50 ms cast; +0.20 ms gelu",
                      "kernels O4 vs native_bf16: +0.50 ms in all; +0.50 ms gemm"]
+
+
+
+@pytest.mark.parametrize("mode", ["fp32", "native_fp16", "native_bf16", "O1", "O2", "O4", "O5"])
+def test_step_icount_steps_run_and_train(fresh, mode):
+    """benchmarks/step_icount.py's step (what benchmarks/step_icount.sh counts under callgrind)
+    runs in every mode and trains the model."""
+    step_icount = load_script("benchmarks/step_icount.py", siblings=("bench_models",))
+    step = step_icount.make_step(mode)
+    model = inspect.getclosurevars(step).nonlocals["model"]
+    before = [p.detach().clone() for p in model.parameters()]
+    step()
+    step()
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
