@@ -40,6 +40,11 @@ for cfg in "${configs[@]}"; do
     per_step=$(( ($(ir_of "$f.txt" "::run<2>(int)") - $(ir_of "$f.txt" "::run<1>(int)")) / n ))
   else  # only the n steps were collected
     per_step=$(( $(ir_of "$f.txt" "PROGRAM TOTALS") / n ))
+    if (( per_step < 100000 )); then  # nothing (or next to nothing) was collected
+      echo "step_icount: callgrind collected $per_step instructions per Python step: this" \
+        "Python's library shows no symbol _operator_call (stripped?), which marks the steps" >&2
+      exit 1
+    fi
   fi
   echo "instructions/step $side $mode: $per_step"
   if [[ -n "${OPTAMP_KEEP_CALLGRIND:-}" ]]; then
