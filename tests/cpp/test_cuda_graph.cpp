@@ -6,8 +6,6 @@
 // Python's twin: tests/python/test_device_skip.py::test_cuda_graph_replays_match_eager_steps_...
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
-#include <torch/nn/modules/normalization.h>
 
 #include <memory>
 #include <string>
@@ -20,24 +18,12 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include "mlp_model.h"
 #include "optamp/amp.h"
 #include "test_util.h"
 
 namespace amp {
 namespace {
-
-struct GraphedMlpImpl : torch::nn::Module {
-  torch::nn::Linear fc1{8, 16};
-  torch::nn::LayerNorm ln{torch::nn::LayerNormOptions({16})};
-  torch::nn::Linear fc2{16, 4};
-  GraphedMlpImpl() {
-    register_module("fc1", fc1);
-    register_module("ln", ln);
-    register_module("fc2", fc2);
-  }
-  at::Tensor forward(const at::Tensor& x) { return fc2(at::relu(ln(fc1(x)))); }
-};
-TORCH_MODULE(GraphedMlp);
 
 class CudaGraph : public ::testing::TestWithParam<const char*> {
  protected:
@@ -54,14 +40,14 @@ class CudaGraph : public ::testing::TestWithParam<const char*> {
 #if OPTAMP_TEST_CUDA_GRAPHS
 
 struct Training {
-  GraphedMlp model{nullptr};
+  testing::Mlp model{nullptr};
   std::unique_ptr<FusedAdamW> optimizer;
 };
 
 Training start(const char* level) {
   at::manual_seed(0);
   Training t;
-  t.model = GraphedMlp();
+  t.model = testing::Mlp();
   t.model->to(at::kCUDA);
   t.optimizer =
       std::make_unique<FusedAdamW>(t.model->parameters(), torch::optim::AdamWOptions(1e-2));

@@ -5,8 +5,6 @@
 // scaler accessors.
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
-#include <torch/nn/modules/normalization.h>
 #include <torch/serialize.h>
 
 #include <algorithm>
@@ -16,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "mlp_model.h"
 #include "ops/stream_capture.h"
 #include "optamp/amp.h"
 #include "optamp/core.h"
@@ -26,18 +25,7 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-struct MlpImpl : torch::nn::Module {
-  torch::nn::Linear fc1{8, 16};
-  torch::nn::LayerNorm ln{torch::nn::LayerNormOptions({16})};
-  torch::nn::Linear fc2{16, 4};
-  MlpImpl() {
-    register_module("fc1", fc1);
-    register_module("ln", ln);
-    register_module("fc2", fc2);
-  }
-  at::Tensor forward(const at::Tensor& x) { return fc2(at::relu(ln(fc1(x)))); }
-};
-TORCH_MODULE(Mlp);
+using testing::Mlp;
 
 at::Tensor batch(int i, const c10::Device& device) {
   at::manual_seed(100 + i);
