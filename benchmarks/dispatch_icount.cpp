@@ -26,12 +26,12 @@
 //               scale_loss's unscale and the outermost autocast exit do once the weights change.
 //   cnn_backward_accum, gpt_backward_accum  the same with the caches kept across iterations, as
 //               between the micro-batches of gradient accumulation (weights unchanged).
-//   gpt_step    a whole training step of that GPT at d 8, seq 8, batch 1: zero_grad, forward +
-//   loss, loss scaling,
-//               backward, amp::FusedAdamW step (skipping on the device: no host read). optamp
-//               modes: scale_loss; native modes: autocast around forward + loss only, then
-//               torch.amp.GradScaler's work for a fused optimizer (scale, fused check/unscale,
-//               found_inf handed to the optimizer, _amp_update_scale_), with the same optimizer.
+//   gpt_step    a whole training step of a GPT of the same layers at d 8, seq 8, batch 1:
+//               zero_grad, forward + loss, loss scaling, backward, amp::FusedAdamW step
+//               (skipping on the device: no host read). optamp modes: scale_loss; native
+//               modes: autocast around forward + loss only, then torch.amp.GradScaler's work for
+//               a fused optimizer (scale, fused check/unscale, found_inf handed to the
+//               optimizer, _amp_update_scale_), with the same optimizer.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/nn.h>

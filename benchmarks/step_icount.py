@@ -4,8 +4,9 @@
 A GPT-2-shaped model at tiny sizes (vocab 64, seq 8, 2 layers, d_model 8, 2 heads, batch 1) on
 the CPU, so small that its kernels cost almost nothing (at d_model 32 the CPU's fp16 matmuls were
 two thirds of a step's instructions: work a GPU does on the device), so what is counted is the
-host work a GPU step pays too: Python, dispatch, casting, loss scaling, autograd, the optimizer. One step is zero_grad,
-forward + loss, loss scaling, backward and a fused AdamW step (which skips on the device).
+host work a GPU step pays too: Python, dispatch, casting, loss scaling, autograd, the optimizer.
+One step is zero_grad, forward + loss, loss scaling, backward and a fused AdamW step (which
+skips on the device).
 
   fp32          no amp
   native_fp16   torch.autocast(float16) around forward + loss, torch.amp.GradScaler
