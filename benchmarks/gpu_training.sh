@@ -10,8 +10,8 @@
 # rounds, the range of the per-round ratios) and the target checks (ratios vs native AMP measured
 # in the same round). Then GPT-2 again with fused optimizers (--fused: native's GradScaler and
 # optamp both skip on the device, no sync per step), native measured twice (native_again: the
-# noise), and, in Python, the whole O2/O5 step captured in a CUDA graph, with each
-# configuration's GPU kernel time per step: {cpp,py}_gpt2_fused.{txt,jsonl}.
+# noise), and the whole O2/O5 step captured in a CUDA graph (O2_graph, O5_graph), with, in
+# Python, each configuration's GPU kernel time per step: {cpp,py}_gpt2_fused.{txt,jsonl}.
 # BENCH_RUNS picks and orders the runs (default "resnet50 gpt2 gpt2_fused"; also
 # resnet50_fused: ResNet-50 with an SGD that skips on the device).
 set -euo pipefail
@@ -47,9 +47,9 @@ for run in ${BENCH_RUNS:-resnet50 gpt2 gpt2_fused}; do
       [[ -n "${BENCH_CONFIGS:-}" ]] && cpp=(--configs "$BENCH_CONFIGS")
       py=("${cpp[@]}")
       ;;
-    gpt2_fused)  # no sync per step; in Python also the CUDA-graph-captured O2/O5 step
-      cpp=(--fused --configs "$FUSED_CONFIGS")
-      py=(--fused --configs "$FUSED_CONFIGS,O2_graph,O5_graph")
+    gpt2_fused)  # no sync per step; also the CUDA-graph-captured O2/O5 step
+      cpp=(--fused --configs "$FUSED_CONFIGS,O2_graph,O5_graph")
+      py=("${cpp[@]}")
       ;;
     resnet50_fused)  # SGD that skips on the device (C++ amp::FusedSGD, Python SGD(fused=True))
       cpp=(--fused --configs "$FUSED_CONFIGS")

@@ -12,6 +12,8 @@
 //   O0, O0_tf32       amp::initialize(..., "O0"), TF32 off / on (cuBLAS + cuDNN)
 //   O1 .. O5          amp::initialize(..., "On") + amp::scale_loss
 //   O1_torch .. O5_torch  the same with op_lists torch (torch.autocast's op lists)
+//   O2_graph, O5_graph    the O2/O5 step captured once in a CUDA graph (at::cuda::CUDAGraph,
+//                     docs/loss_scaling.md's recipe) and replayed: CUDA and --fused only
 //   native            at::autocast (fp16) around forward+loss + a hand-written dynamic loss scaler
 //                     doing what torch.amp.GradScaler does (fused unscale/check,
 //                     _amp_update_scale_, one found_inf.item() per step, step skipped on overflow;
@@ -37,8 +39,11 @@
 #include <torch/version.h>
 
 #ifdef OPTAMP_BENCH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 #include <algorithm>
@@ -169,6 +174,11 @@ inline bool is_optamp_config(const std::string& c) {
   return c.size() >= 2 && c[0] == 'O' && c[1] >= '0' && c[1] <= '5';
 }
 
+inline bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
 inline void set_tf32(bool on) {
   at::globalContext().setAllowTF32CuBLAS(on);
   at::globalContext().setAllowTF32CuDNN(on);
@@ -231,6 +241,31 @@ inline void use_an_fp16_eps(torch::optim::Optimizer& opt) {
   }
 }
 
+// O2_graph / O5_graph: `eager` warmed up on a side stream, captured once (its zero_grad runs
+// inside the capture, so backward makes the grads in the graph's memory and every replay writes
+// them again), and the returned step replays the graph.
+inline std::function<void()> captured(const std::function<void()>& eager,
+                                      const torch::Device& device, const HarnessArgs& a) {
+#ifdef OPTAMP_BENCH_CUDA
+  if (device.is_cuda() && a.fused) {
+    auto graph = std::make_shared<at::cuda::CUDAGraph>();
+    sync(device);
+    {
+      const c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool(false, device.index()));
+      for (int i = 0; i < 3; ++i) eager();
+      graph->capture_begin();
+      eager();
+      graph->capture_end();
+    }
+    sync(device);
+    return [graph] { graph->replay(); };
+  }
+#endif
+  (void)eager;
+  throw std::invalid_argument("a _graph configuration needs a CUDA device and --fused (got " +
+                              device.str() + (a.fused ? ", --fused)" : ", no --fused)"));
+}
+
 inline RunResult run_config(Workload& wl, const std::string& config, const torch::Device& device,
                             const HarnessArgs& a) {
   RunResult r;
@@ -249,9 +284,7 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
       amp::Options options;
       options.verbosity = 0;  // no properties report or overflow messages inside the timing
       // "O4_torch": the level with torch.autocast's op lists (op_lists="torch").
-      if (config.size() > 6 && config.compare(config.size() - 6, 6, "_torch") == 0) {
-        options.op_lists = amp::OpLists::kTorch;
-      }
+      if (ends_with(config, "_torch")) options.op_lists = amp::OpLists::kTorch;
       amp::initialize(std::vector<amp::ModulePtr>{wl.module()},
                       std::vector<torch::optim::Optimizer*>{&opt}, std::string_view(level),
                       options);
@@ -264,6 +297,7 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
         }
         opt.step();  // a no-op after an overflow (the guard or the fused kernel skips it)
       };
+      if (ends_with(config, "_graph")) step = captured(step, device, a);
     } else if (config == "native" || config == "native_again") {
       scaler = std::make_unique<HandScaler>(device);
       step = [&] {
@@ -325,6 +359,7 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
   } catch (const std::exception& e) {
     r.error = e.what();
   }
+  step = nullptr;  // a captured graph goes before the session and the model
   if (optamp) amp::reset();
   set_tf32(false);
   wl.destroy();
