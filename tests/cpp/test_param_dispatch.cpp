@@ -102,6 +102,33 @@ TEST_F(ParamDispatch, OpsWithoutARegisteredTensorNeverReachSubstitution) {
   EXPECT_EQ(at::mm(x, net->fc->weight).scalar_type(), at::kBFloat16);
 }
 
+TEST_F(ParamDispatch, FusedOptimizerStepsNeverReachSubstitution) {
+  // torch's fused steps write every list they take: substitution could not apply, and falling
+  // through spares boxing the lists of every parameter each step. The step still trains the
+  // fp32 masters.
+  init("O5");
+  FusedAdamW adamw(net->fc->parameters(), torch::optim::AdamWOptions(0.1));
+  FusedSGD sgd(net->ln->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const auto x = at::randn({8, 4});
+  auto backward = [&] { net->ln(net->fc(x)).to(at::kFloat).pow(2).mean().backward(); };
+  backward();
+  adamw.step();  // the first steps make the optimizers' state (zeros_like the parameters)
+  sgd.step();
+  backward();
+  const at::Tensor weight = net->fc->weight.detach().clone();
+  const at::Tensor gamma = net->ln->weight.detach().clone();
+  EXPECT_EQ(calls_during([&] {
+              adamw.step();
+              sgd.step();
+            }),
+            0u);
+  EXPECT_EQ(net->fc->weight.scalar_type(), at::kFloat);
+  EXPECT_FALSE(at::equal(net->fc->weight, weight));
+  EXPECT_FALSE(at::equal(net->ln->weight, gamma));
+  // An op that reads a parameter still gets its working copy.
+  EXPECT_GT(calls_during([&] { at::mm(x, net->fc->weight); }), 0u);
+}
+
 TEST_F(ParamDispatch, BackwardNeverReachesSubstitution) {
   init("O5");
   const auto x = at::randn({8, 4});

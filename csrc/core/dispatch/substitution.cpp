@@ -9,10 +9,13 @@
 #include <c10/core/GradMode.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <iterator>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "cache/cast_cache.h"
 #include "dispatch/cast_decision.h"
@@ -88,6 +91,18 @@ constexpr const char* kOwnDataOps[] = {
     "aten::equal",
 };
 
+// torch's fused optimizer steps write every tensor list they take (parameters, grads, states,
+// step counts); the tensors they only read are the scale and the overflow flag. Substitution
+// never applies to them, and falling through spares each step boxing its lists (6 lists of every
+// parameter for AdamW): the parameters carry the key, so without this the step would reach the
+// boxed fallback.
+constexpr const char* kOptimizerStepOps[] = {
+    "aten::_fused_adam_",
+    "aten::_fused_adamw_",
+    "aten::_fused_sgd_",
+    "aten::_fused_adagrad_",
+};
+
 // Whether a call holding `level` (its session's rules) substitutes, and in which dtype.
 bool substitution_active(const LevelRules& level, c10::ScalarType* dtype) {
   thread_cast_state();  // catches up with resets and frames ended on other threads
@@ -139,9 +154,13 @@ void ensure_substitution_registered() {
     static auto* kernels =
         new torch::Library(torch::Library::IMPL, "aten", kSubstituteKey, __FILE__, __LINE__);
     auto& dispatcher = c10::Dispatcher::singleton();
+    auto falls_through = [](const std::string& op) {
+      const auto named = [&op](const char* excluded) { return op == excluded; };
+      return std::any_of(std::begin(kOwnDataOps), std::end(kOwnDataOps), named) ||
+             std::any_of(std::begin(kOptimizerStepOps), std::end(kOptimizerStepOps), named);
+    };
     for (const auto& name : dispatcher.getAllOpNames()) {
-      for (const char* excluded : kOwnDataOps) {
-        if (name.name != excluded) continue;
+      if (falls_through(name.name)) {
         kernels->impl(qualified(name).c_str(), torch::CppFunction::makeFallthrough());
       }
     }
