@@ -129,6 +129,17 @@ TEST_F(ParamDispatch, FusedOptimizerStepsNeverReachSubstitution) {
   EXPECT_GT(calls_during([&] { at::mm(x, net->fc->weight); }), 0u);
 }
 
+TEST_F(ParamDispatch, LinearOnAThreeDimensionalInputTrainsItsBiasMaster) {
+  // LibTorch's Linear: matmul, then `output += bias` (an in-place add reading the parameter).
+  init("O5");
+  const auto out = net->fc(at::randn({2, 3, 4}));
+  EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+  out.to(at::kFloat).sum().backward();
+  ASSERT_TRUE(net->fc->bias.grad().defined());
+  EXPECT_EQ(net->fc->bias.grad().scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(net->fc->bias.grad(), at::full({4}, 6.0f)));  // 2 x 3 rows
+}
+
 TEST_F(ParamDispatch, BackwardNeverReachesSubstitution) {
   init("O5");
   const auto x = at::randn({8, 4});
@@ -164,6 +175,8 @@ TEST_F(ParamDispatch, UnboxedKernelsSeeTheSameWorkingCopiesAsTheFallback) {
   const auto xb = x.to(at::kBFloat16);
   EXPECT_TRUE(at::equal(at::add(xb, fc->weight.sum(0)), at::add(xb, w16.sum(0))));
   EXPECT_TRUE(at::equal(at::mul(xb, fc->bias), at::mul(xb, b16)));
+  at::Tensor in_place = xb.clone();  // written: its own; the bias it reads: the working copy
+  EXPECT_TRUE(at::equal(in_place.add_(fc->bias), xb.clone().add_(b16)));
   EXPECT_TRUE(at::equal(fc->weight.view({16}), w16.view({16})));
   EXPECT_TRUE(at::equal(fc->weight.reshape({2, 8}), w16.reshape({2, 8})));
   EXPECT_TRUE(at::equal(fc->weight.transpose(0, 1), w16.transpose(0, 1)));

@@ -52,6 +52,22 @@ struct Substituted<Op, Ret(Args...)> {
   }
 };
 
+// In-place ops: `self` is written, so it is the op's own and never substituted (as the fallback
+// skips written arguments); the arguments it reads are. LibTorch's Linear adds its bias this way
+// on inputs of more than two dimensions (`output += bias`).
+template <class Op, class Signature = typename Op::schema>
+struct SubstitutedInPlace;
+
+template <class Op, class... Rest>
+struct SubstitutedInPlace<Op, at::Tensor&(at::Tensor&, Rest...)> {
+  static at::Tensor& call(c10::DispatchKeySet keys, at::Tensor& self, Rest... rest) {
+    const SubstitutionCall call;
+    if (!call.active()) return Op::redispatch(below_substitution(keys), self, rest...);
+    auto working = [&call](const at::Tensor& t) { return call.working_copy(t); };
+    return Op::redispatch(below_substitution(keys), self, rewrite_tensor_arg(rest, working)...);
+  }
+};
+
 template <class Op>
 std::string op_name() {
   std::string name = Op::name;
@@ -81,6 +97,8 @@ void register_substitution_kernels(torch::Library& aten_on_key) {
                    at::_ops::div_Tensor, at::_ops::t, at::_ops::transpose_int, at::_ops::view,
                    at::_ops::reshape, at::_ops::permute, at::_ops::unsqueeze, at::_ops::expand>(
       aten_on_key);
+  aten_on_key.impl(op_name<at::_ops::add__Tensor>().c_str(),
+                   TORCH_FN(SubstitutedInPlace<at::_ops::add__Tensor>::call));
   aten_on_key.impl("aten::set_data", TORCH_FN(set_data_keeping_key));
 }
 
