@@ -93,15 +93,24 @@ struct HotOp {
 
 // The listed operators a transformer or CNN step calls most, forward and backward (the backward's
 // matmuls and adds come through here too, only to be passed on). None has a `dtype` argument
-// (those keep the boxed kernel, which handles it).
+// (those keep the boxed kernel, which handles it). native_layer_norm: where layer_norm is not
+// cast (O2/O5), the call it makes comes back through the key, once per layer norm.
 const HotOp kHotOps[] = {
-    HotOp::of<at::_ops::mm>(),         HotOp::of<at::_ops::addmm>(),
-    HotOp::of<at::_ops::bmm>(),        HotOp::of<at::_ops::baddbmm>(),
-    HotOp::of<at::_ops::matmul>(),     HotOp::of<at::_ops::linear>(),
-    HotOp::of<at::_ops::add_Tensor>(), HotOp::of<at::_ops::sub_Tensor>(),
-    HotOp::of<at::_ops::mul_Tensor>(), HotOp::of<at::_ops::div_Tensor>(),
-    HotOp::of<at::_ops::layer_norm>(), HotOp::of<at::_ops::gelu>(),
-    HotOp::of<at::_ops::conv2d>(),     HotOp::of<at::_ops::scaled_dot_product_attention>(),
+    HotOp::of<at::_ops::mm>(),
+    HotOp::of<at::_ops::addmm>(),
+    HotOp::of<at::_ops::bmm>(),
+    HotOp::of<at::_ops::baddbmm>(),
+    HotOp::of<at::_ops::matmul>(),
+    HotOp::of<at::_ops::linear>(),
+    HotOp::of<at::_ops::add_Tensor>(),
+    HotOp::of<at::_ops::sub_Tensor>(),
+    HotOp::of<at::_ops::mul_Tensor>(),
+    HotOp::of<at::_ops::div_Tensor>(),
+    HotOp::of<at::_ops::layer_norm>(),
+    HotOp::of<at::_ops::gelu>(),
+    HotOp::of<at::_ops::conv2d>(),
+    HotOp::of<at::_ops::scaled_dot_product_attention>(),
+    HotOp::of<at::_ops::native_layer_norm>(),
 };
 
 }  // namespace
