@@ -52,22 +52,6 @@ struct Substituted<Op, Ret(Args...)> {
   }
 };
 
-// In-place ops: `self` is written, so it is the op's own and never substituted (as the fallback
-// skips written arguments); the arguments it reads are. LibTorch's Linear adds its bias this way
-// on inputs of more than two dimensions (`output += bias`).
-template <class Op, class Signature = typename Op::schema>
-struct SubstitutedInPlace;
-
-template <class Op, class... Rest>
-struct SubstitutedInPlace<Op, at::Tensor&(at::Tensor&, Rest...)> {
-  static at::Tensor& call(c10::DispatchKeySet keys, at::Tensor& self, Rest... rest) {
-    const SubstitutionCall call;
-    if (!call.active()) return Op::redispatch(below_substitution(keys), self, rest...);
-    auto working = [&call](const at::Tensor& t) { return call.working_copy(t); };
-    return Op::redispatch(below_substitution(keys), self, rewrite_tensor_arg(rest, working)...);
-  }
-};
-
 template <class Op>
 std::string op_name() {
   std::string name = Op::name;
@@ -90,15 +74,14 @@ void set_data_keeping_key(c10::DispatchKeySet keys, at::Tensor& self, const at::
 }  // namespace
 
 void register_substitution_kernels(torch::Library& aten_on_key) {
+  // add_: LibTorch's Linear adds its bias in place on inputs of more than two dimensions.
   register_unboxed<at::_ops::linear, at::_ops::mm, at::_ops::addmm, at::_ops::matmul, at::_ops::bmm,
                    at::_ops::baddbmm, at::_ops::conv1d, at::_ops::conv2d, at::_ops::conv3d,
                    at::_ops::embedding, at::_ops::layer_norm, at::_ops::group_norm,
-                   at::_ops::add_Tensor, at::_ops::sub_Tensor, at::_ops::mul_Tensor,
-                   at::_ops::div_Tensor, at::_ops::t, at::_ops::transpose_int, at::_ops::view,
-                   at::_ops::reshape, at::_ops::permute, at::_ops::unsqueeze, at::_ops::expand>(
-      aten_on_key);
-  aten_on_key.impl(op_name<at::_ops::add__Tensor>().c_str(),
-                   TORCH_FN(SubstitutedInPlace<at::_ops::add__Tensor>::call));
+                   at::_ops::add_Tensor, at::_ops::add__Tensor, at::_ops::sub_Tensor,
+                   at::_ops::mul_Tensor, at::_ops::div_Tensor, at::_ops::t, at::_ops::transpose_int,
+                   at::_ops::view, at::_ops::reshape, at::_ops::permute, at::_ops::unsqueeze,
+                   at::_ops::expand>(aten_on_key);
   aten_on_key.impl("aten::set_data", TORCH_FN(set_data_keeping_key));
 }
 

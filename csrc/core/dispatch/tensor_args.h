@@ -41,6 +41,12 @@ at::Tensor rewrite_tensor_arg(const at::Tensor& t, Fn&& fn) {
   auto replaced = fn(t);
   return replaced ? std::move(*replaced) : t;
 }
+// A mutable tensor (`Tensor(a!)`: an in-place op's self, an out= argument) is the op's output:
+// handed on as it came, as the boxed kernels skip written arguments.
+template <typename Fn>
+at::Tensor& rewrite_tensor_arg(at::Tensor& t, Fn&& /*fn*/) {
+  return t;
+}
 template <typename Fn>
 std::optional<at::Tensor> rewrite_tensor_arg(const std::optional<at::Tensor>& t, Fn&& fn) {
   if (!t) return t;
