@@ -75,12 +75,6 @@ std::vector<at::Tensor> batches() {
   return out;
 }
 
-std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& ts) {
-  std::vector<at::Tensor> out;
-  for (const auto& t : ts) out.push_back(t.detach().clone());
-  return out;
-}
-
 TEST_P(CudaGraph, ReplaysMatchEagerStepsBitForBit) {
   const std::vector<at::Tensor> xs = batches();
   std::vector<at::Tensor> eager;
@@ -88,7 +82,7 @@ TEST_P(CudaGraph, ReplaysMatchEagerStepsBitForBit) {
   {
     Training t = start(GetParam());
     for (const auto& x : xs) train_step(t, x, /*zero_grad=*/true);
-    eager = snapshot(t.model->parameters());
+    eager = testing::snapshot(t.model->parameters());
     eager_scale = loss_scaler().scale_tensor().clone();
   }
   reset();
@@ -114,7 +108,7 @@ TEST_P(CudaGraph, ReplaysMatchEagerStepsBitForBit) {
     graph.replay();
   }
   c10::cuda::device_synchronize();
-  const std::vector<at::Tensor> replayed = snapshot(t.model->parameters());
+  const std::vector<at::Tensor> replayed = testing::snapshot(t.model->parameters());
   ASSERT_EQ(replayed.size(), eager.size());
   for (size_t i = 0; i < eager.size(); ++i) {
     EXPECT_TRUE(at::equal(replayed[i], eager[i])) << "parameter " << i;

@@ -25,7 +25,9 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+using testing::bit_equal;
 using testing::Mlp;
+using testing::snapshot;
 
 at::Tensor batch(int i, const c10::Device& device) {
   at::manual_seed(100 + i);
@@ -46,20 +48,6 @@ void train_step(Mlp& model, torch::optim::Optimizer& opt, int i, const c10::Devi
     if (poison) model->fc1->weight.grad()[0][0] = kInf;
   }
   opt.step();
-}
-
-std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& ts) {
-  std::vector<at::Tensor> out;
-  for (const auto& t : ts) out.push_back(t.detach().clone());
-  return out;
-}
-
-bool bit_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!at::equal(a[i], b[i])) return false;
-  }
-  return true;
 }
 
 // Every moment tensor of an Adam-family optimizer, in parameter order.

@@ -63,18 +63,6 @@ at::Tensor loss_of(TinyNet& net, int step, float bad, int which) {
   return loss + params[which].sum().to(at::kFloat) * bad;
 }
 
-std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& ts) {
-  std::vector<at::Tensor> out;
-  for (const auto& t : ts) out.push_back(t.detach().clone());
-  return out;
-}
-
-bool bitwise_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  for (size_t i = 0; i < a.size(); ++i)
-    if (!at::equal(a[i], b[i])) return false;
-  return a.size() == b.size();
-}
-
 bool all_finite(const std::vector<at::Tensor>& ts) {
   for (const auto& t : ts)
     if (!at::isfinite(t).all().item<bool>()) return false;
@@ -87,7 +75,9 @@ std::string serialized(const torch::optim::Optimizer& opt) {
   return out.str();
 }
 
+using testing::bit_equal;
 using testing::quiet;
+using testing::snapshot;
 
 class Robustness : public ::testing::Test {
  protected:
@@ -193,11 +183,11 @@ TEST_P(FaultInjection, ThousandStepsNeverCorruptWeightsOrAdamState) {
     opt.step();
     if (inject) {
       ++injected;
-      ASSERT_TRUE(bitwise_equal(snapshot(net->parameters()), before))
+      ASSERT_TRUE(bit_equal(snapshot(net->parameters()), before))
           << level << " step " << step << ": an injected overflow changed the weights";
       ASSERT_EQ(serialized(opt), state_before) << level << " step " << step;
     } else {
-      stepped += !bitwise_equal(snapshot(net->parameters()), before);
+      stepped += !bit_equal(snapshot(net->parameters()), before);
     }
     ASSERT_TRUE(all_finite(net->parameters())) << level << " step " << step;
   }
@@ -401,7 +391,7 @@ TEST_F(Robustness, ScaleLossRefusesAnOptimizerNotPassedToInitialize) {
                            "optimizer must be an optimizer passed to amp::initialize");
   OPTAMP_EXPECT_THROW_WITH(scale_loss(loss_of(net, 0, 1.0f, 0), {&opt, &stranger}), c10::ValueError,
                            "optimizers[1] must be an optimizer passed");
-  EXPECT_TRUE(bitwise_equal(snapshot(other->parameters()), before));
+  EXPECT_TRUE(bit_equal(snapshot(other->parameters()), before));
   {
     auto scaled = scale_loss(loss_of(net, 0, 1.0f, 0), opt);  // the initialized one still works
     scaled.backward();

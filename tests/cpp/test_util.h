@@ -34,6 +34,22 @@ std::vector<std::string> top_level_ops(const std::function<void()>& fn);
 // The names of the autograd nodes reachable from `root`'s grad_fn, depth first, root first.
 std::vector<std::string> graph_node_names(const at::Tensor& root);
 
+// Detached clones of `ts`, to compare with later (bit_equal).
+inline std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.detach().clone());
+  return out;
+}
+
+// Same count, and each pair equal bit for bit.
+inline bool bit_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!at::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
 // Options with verbosity 0: no properties report or overflow lines in the test output.
 inline Options quiet() {
   Options o;
