@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "mlp_model.h"
-#include "ops/stream_capture.h"
 #include "optamp/amp.h"
 #include "optamp/core.h"
+#include "simulated_capture.h"
 #include "test_util.h"
 
 namespace amp {
@@ -445,18 +445,9 @@ TEST_F(DeviceSkip, TheFloorErrorStillNamesTheParameters) {
 }
 
 // ---- steps captured into a CUDA graph ---------------------------------------------------
-// Capture is simulated on the CPU by a capture query that says "capturing" for every device: the
-// scaler's logic is the same for any device (the CUDA query only answers the question).
+// Capture is simulated on the CPU (simulated_capture.h).
 
-class SimulatedCapture {
- public:
-  SimulatedCapture()
-      : previous_(ops::detail::set_capture_query([](const c10::Device&) { return true; })) {}
-  ~SimulatedCapture() { ops::detail::set_capture_query(previous_); }
-
- private:
-  ops::detail::CaptureQuery previous_;
-};
+using testing::SimulatedCapture;
 
 TEST_F(DeviceSkip, ACapturedStepKeepsItsResultOnTheDevice) {
   Mlp model;

@@ -15,6 +15,7 @@
 #include "cache/cast_cache.h"
 #include "initialize_test.h"
 #include "optamp/amp.h"
+#include "simulated_capture.h"
 #include "test_util.h"
 
 namespace amp {
@@ -208,6 +209,78 @@ TEST_F(Initialize, O2ReCastFollowsAParameterFrozenAndThawedBetweenSteps) {
     EXPECT_EQ(w.grad().defined(), step != 1) << "step " << step;
     EXPECT_TRUE(net->fc1->weight.grad().defined()) << "step " << step;
   }
+}
+
+// The working copies ops see now, one per reduced parameter (held: their storages cannot be
+// freed and their addresses reused while the test compares them).
+std::vector<at::Tensor> working_copies(Net& net) {
+  std::vector<at::Tensor> copies;
+  for (const auto& p : net->named_parameters()) {
+    if (!is_batchnorm_param(p.key())) copies.push_back(working_copy(p.value()));
+  }
+  return copies;
+}
+
+// How many of `a`'s storages are among `b`'s.
+std::size_t shared_storages(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  std::set<const c10::StorageImpl*> in_b;
+  for (const auto& t : b) in_b.insert(t.storage().unsafeGetStorageImpl());
+  std::size_t shared = 0;
+  for (const auto& t : a) shared += in_b.count(t.storage().unsafeGetStorageImpl());
+  return shared;
+}
+
+// A CUDA graph reads what its capture used by address. A copy made before a capture is not served
+// inside it (the graph would keep reading it after the next step frees it: make_graphed_callables
+// captures a forward after eager warm-up forwards), and a copy made inside one holds nothing
+// until a replay, so it is not served outside. Capture simulated on the CPU (simulated_capture.h).
+TEST_F(Initialize, O2CopiesAreServedOnlyInTheCaptureTheyWereMadeIn) {
+  Net net = make_net();
+  auto opt = make_optimizer(net, Opt::kSgd);
+  initialize(net, *opt, "O2", quiet());
+  const auto batches = batches_on(at::kCPU, 1);
+  scaled_backward(net, *opt, batches[0]);
+  opt->step();
+  const auto eager = working_copies(net);  // the step's batched re-cast, outside a capture
+  const std::size_t n = eager.size();
+  EXPECT_EQ(shared_storages(working_copies(net), eager), n);  // served again outside
+  std::vector<at::Tensor> captured;
+  {
+    const testing::SimulatedCapture capture(7);
+    captured = working_copies(net);
+    EXPECT_EQ(shared_storages(captured, eager), 0u);
+    EXPECT_EQ(shared_storages(working_copies(net), captured), n);  // served again inside
+    expect_copies_are_rounded_masters(net, "inside the capture");
+  }
+  {
+    const testing::SimulatedCapture another(8);
+    EXPECT_EQ(shared_storages(working_copies(net), captured), 0u);
+  }
+  const auto after = working_copies(net);
+  EXPECT_EQ(shared_storages(after, captured), 0u);
+  EXPECT_EQ(shared_storages(after, eager), 0u);  // the capture replaced the eager entries
+  expect_copies_are_rounded_masters(net, "after the capture");
+}
+
+// The whole-step recipe: the step before the capture ends a generation, so the captured forward's
+// first use makes the batch inside the capture, and the next eager use makes its own.
+TEST_F(Initialize, O2TheFirstUseInACaptureMakesTheStepsBatchThere) {
+  Net net = make_net();
+  auto opt = make_optimizer(net, Opt::kSgd);
+  initialize(net, *opt, "O2", quiet());
+  const auto batches = batches_on(at::kCPU, 1);
+  scaled_backward(net, *opt, batches[0]);
+  opt->step();
+  std::vector<at::Tensor> captured;
+  {
+    const testing::SimulatedCapture capture(3);
+    captured = working_copies(net);
+  }
+  std::set<const c10::StorageImpl*> blocks;
+  for (const auto& c : captured) blocks.insert(c.storage().unsafeGetStorageImpl());
+  EXPECT_EQ(blocks.size(), 1u);  // one batch
+  EXPECT_EQ(shared_storages(working_copies(net), captured), 0u);
+  expect_copies_are_rounded_masters(net, "after the captured batch");
 }
 
 TEST_F(Initialize, O2OwnDataOpsStayFp32AndViewsReuseTheCopy) {

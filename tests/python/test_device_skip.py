@@ -300,3 +300,40 @@ def test_cuda_graph_replays_match_eager_steps_bit_for_bit(fresh, level):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager))
     assert torch.equal(optamp.loss_scaler().scale_tensor, eager_scale)
 
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_make_graphed_callables_trains_as_the_eager_model(fresh, level):
+    """``torch.cuda.make_graphed_callables`` captures the forward and backward after eager warm-up
+    passes of the same step, and the optimizer steps eagerly. The captured forward must make its
+    own working copies (a copy made by a warm-up pass would be baked into the graph and never
+    refreshed by a step: the replays would train stale weights) and the eager code after the
+    capture must not be served the capture's copies, which hold nothing until a replay.
+    Its CPU twin: ``Initialize.O2CopiesAreServedOnlyInTheCaptureTheyWereMadeIn`` (C++)."""
+    batches = [batch(i, "cuda") for i in range(6)]
+
+    def build():
+        torch.manual_seed(0)
+        model = Mlp().cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        return init(model, opt, opt_level=level)
+
+    def train(forward, opt):
+        for x in batches:
+            opt.zero_grad(set_to_none=True)
+            with optamp.scale_loss(forward(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+
+    model, opt = build()
+    train(model, opt)
+    eager = [p.detach().clone() for p in model.parameters()]
+    optamp.reset()
+
+    model, opt = build()
+    graphed = torch.cuda.make_graphed_callables(model, (batches[0].clone(),))
+    train(graphed, opt)
+    torch.cuda.synchronize()
+    for got, want in zip(model.parameters(), eager):
+        torch.testing.assert_close(got.detach(), want)
+

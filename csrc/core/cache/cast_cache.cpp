@@ -11,6 +11,7 @@
 #include "cache/batched_cast.h"
 #include "cache/companion_casts.h"
 #include "common/step_events.h"
+#include "ops/stream_capture.h"
 #include "optamp/cast_cache.h"
 #include "optamp/policy.h"
 
@@ -42,6 +43,7 @@ struct Entry {
   const c10::StorageImpl* storage;
   at::Tensor cast;           // undefined while the entry waits for its re-cast (see invalidate)
   std::uint64_t generation;  // the cache generation the copy was made in
+  std::uint64_t capture;     // the CUDA graph capture it was made in (0: none; see is_current)
   bool recast;               // re-cast with the others in the next generation (see invalidate)
   bool served_now;           // served (or made) in its generation
   bool hit_since_sweep;      // served from the cache since the last sweep
@@ -58,14 +60,16 @@ class CastCache {
  public:
   CastResult get(const at::Tensor& source, c10::ScalarType dtype) {
     const Key key{source.unsafeGetTensorImpl(), dtype, records_autograd_now()};
+    const std::uint64_t capture = ops::stream_capture_id(source.device());
     std::vector<Entry> dropped;  // destroyed after the lock is released (see clear())
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = entries_.find(key);
     if (it != entries_.end() && it->second.generation != generation_ && it->second.recast) {
-      recast_previous_generation(dtype, dropped);  // the first use after the weights may change
+      // The first use after the weights may change.
+      recast_previous_generation(dtype, source.device(), capture, dropped);
       it = entries_.find(key);
     }
-    if (it != entries_.end() && is_current(it->second, source)) {
+    if (it != entries_.end() && is_current(it->second, source, capture)) {
       it->second.hit_since_sweep = true;
       it->second.served_now = true;
       return {it->second.cast, false};
@@ -74,7 +78,7 @@ class CastCache {
     at::Tensor cast = cast_for_autograd(source, dtype, key.grad_mode);
     entries_.insert_or_assign(
         key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()),
-                   source._version(), storage_of(source), cast, generation_,
+                   source._version(), storage_of(source), cast, generation_, capture,
                    batch_recast(source, key.grad_mode), true, false});
     sweep_if_grown(dropped);
     return {cast, true};
@@ -142,9 +146,14 @@ class CastCache {
         c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim(impl.release()));
   }
 
-  bool is_current(const Entry& e, const at::Tensor& source) const {
-    return e.generation == generation_ && !e.source.expired() && e.version == source._version() &&
-           e.storage == storage_of(source);
+  // Why the capture is part of it: a CUDA graph reads the tensors its capture used by address.
+  // A copy made before the capture and served inside it would be baked into the graph, and freed
+  // at the next step while the replays still read it (torch.cuda.make_graphed_callables captures
+  // a forward after eager warm-up forwards of the same step); a copy made inside a capture holds
+  // nothing until the graph is replayed, so eager ops after the capture must not read it either.
+  bool is_current(const Entry& e, const at::Tensor& source, std::uint64_t capture) const {
+    return e.generation == generation_ && e.capture == capture && !e.source.expired() &&
+           e.version == source._version() && e.storage == storage_of(source);
   }
 
   // Re-casts the `dtype` copies the previous generation's training forwards used, all at once
@@ -152,7 +161,9 @@ class CastCache {
   // weights may have changed makes them all. The gradient edge is each source's as it is now (a
   // parameter frozen or thawed since gets a gradient exactly when it wants one). Sources that
   // died or are no longer plain and dense are dropped, and cast on their own if used again.
-  void recast_previous_generation(c10::ScalarType dtype, std::vector<Entry>& dropped) {
+  // `capture` is the capture on `device`, where the first use was.
+  void recast_previous_generation(c10::ScalarType dtype, const c10::Device& device,
+                                  std::uint64_t capture, std::vector<Entry>& dropped) {
     BatchedCast batch(dtype);
     std::vector<std::pair<Entry*, at::Tensor>> recast;  // entry, its source
     for (auto it = entries_.begin(); it != entries_.end();) {
@@ -179,6 +190,7 @@ class CastCache {
       e->version = source._version();
       e->storage = storage_of(source);
       e->generation = generation_;
+      e->capture = source.device() == device ? capture : ops::stream_capture_id(source.device());
       count_cast();
     }
   }

@@ -10,9 +10,9 @@ std::atomic<detail::CaptureQuery> query{nullptr};
 
 }  // namespace
 
-bool stream_is_capturing(const c10::Device& device) {
+std::uint64_t stream_capture_id(const c10::Device& device) {
   const detail::CaptureQuery q = query.load(std::memory_order_acquire);
-  return q != nullptr && q(device);
+  return q != nullptr ? q(device) : 0;
 }
 
 detail::CaptureQuery detail::set_capture_query(CaptureQuery q) {
