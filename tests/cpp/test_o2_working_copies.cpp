@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <set>
 #include <string>
 #include <utility>
@@ -230,17 +231,24 @@ std::size_t shared_storages(const std::vector<at::Tensor>& a, const std::vector<
   return shared;
 }
 
+// An O2 net after one step: from now on a step's copies are made together at the first use.
+struct O2AfterAStep {
+  Net net = make_net();
+  std::unique_ptr<torch::optim::Optimizer> opt = make_optimizer(net, Opt::kSgd);
+  O2AfterAStep() {
+    initialize(net, *opt, "O2", quiet());
+    scaled_backward(net, *opt, batches_on(at::kCPU, 1)[0]);
+    opt->step();
+  }
+};
+
 // A CUDA graph reads what its capture used by address. A copy made before a capture is not served
 // inside it (the graph would keep reading it after the next step frees it: make_graphed_callables
 // captures a forward after eager warm-up forwards), and a copy made inside one holds nothing
 // until a replay, so it is not served outside. Capture simulated on the CPU (simulated_capture.h).
 TEST_F(Initialize, O2CopiesAreServedOnlyInTheCaptureTheyWereMadeIn) {
-  Net net = make_net();
-  auto opt = make_optimizer(net, Opt::kSgd);
-  initialize(net, *opt, "O2", quiet());
-  const auto batches = batches_on(at::kCPU, 1);
-  scaled_backward(net, *opt, batches[0]);
-  opt->step();
+  const O2AfterAStep o2;
+  Net net = o2.net;
   const auto eager = working_copies(net);  // the step's batched re-cast, outside a capture
   const std::size_t n = eager.size();
   EXPECT_EQ(shared_storages(working_copies(net), eager), n);  // served again outside
@@ -265,12 +273,8 @@ TEST_F(Initialize, O2CopiesAreServedOnlyInTheCaptureTheyWereMadeIn) {
 // The whole-step recipe: the step before the capture ends a generation, so the captured forward's
 // first use makes the batch inside the capture, and the next eager use makes its own.
 TEST_F(Initialize, O2TheFirstUseInACaptureMakesTheStepsBatchThere) {
-  Net net = make_net();
-  auto opt = make_optimizer(net, Opt::kSgd);
-  initialize(net, *opt, "O2", quiet());
-  const auto batches = batches_on(at::kCPU, 1);
-  scaled_backward(net, *opt, batches[0]);
-  opt->step();
+  const O2AfterAStep o2;
+  Net net = o2.net;
   std::vector<at::Tensor> captured;
   {
     const testing::SimulatedCapture capture(3);
