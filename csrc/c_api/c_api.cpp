@@ -269,6 +269,8 @@ const char* optamp_status_name(optamp_status status) {
       return "OPTAMP_ERROR_RUNTIME";
     case OPTAMP_ERROR_NULL_ARGUMENT:
       return "OPTAMP_ERROR_NULL_ARGUMENT";
+    case OPTAMP_STATUS_MAX_ENUM:  // not a status (the header says why it is there)
+      break;
   }
   return "OPTAMP_ERROR_UNKNOWN";
 }

@@ -53,6 +53,9 @@ typedef enum optamp_status {
   OPTAMP_ERROR_INDEX = 3,         /* an index out of range (IndexError) */
   OPTAMP_ERROR_RUNTIME = 4,       /* any other failure (RuntimeError) */
   OPTAMP_ERROR_NULL_ARGUMENT = 5, /* a required pointer was NULL */
+  /* Not a status. It makes every int value a valid optamp_status in C++ (where a value beyond
+     the named ones is otherwise undefined: optamp_status_name takes any), and keeps it int-sized. */
+  OPTAMP_STATUS_MAX_ENUM = 0x7FFFFFFF
 } optamp_status;
 
 /* This thread's message of its last failing call, or "" after a successful one (or none yet).
@@ -72,6 +75,9 @@ typedef enum optamp_dtype {
   OPTAMP_DTYPE_FLOAT16 = 2,
   OPTAMP_DTYPE_BFLOAT16 = 3,
   OPTAMP_DTYPE_FLOAT64 = 4,
+  /* Not a dtype (refused as one). It makes every int a valid optamp_dtype in C++, so that a value
+     the library does not name is refused with OPTAMP_ERROR_VALUE, and keeps it int-sized. */
+  OPTAMP_DTYPE_MAX_ENUM = 0x7FFFFFFF
 } optamp_dtype;
 
 /* What a level resolved to (amp::Properties). Flags are 0/1; the optional flags are -1 for None. */

@@ -276,6 +276,7 @@ TEST_F(CApi, AbiVersionAndStatusNames) {
   EXPECT_STREQ(optamp_status_name(OPTAMP_OK), "OPTAMP_OK");
   EXPECT_STREQ(optamp_status_name(OPTAMP_ERROR_NULL_ARGUMENT), "OPTAMP_ERROR_NULL_ARGUMENT");
   EXPECT_STREQ(optamp_status_name(static_cast<optamp_status>(77)), "OPTAMP_ERROR_UNKNOWN");
+  EXPECT_STREQ(optamp_status_name(OPTAMP_STATUS_MAX_ENUM), "OPTAMP_ERROR_UNKNOWN");
 }
 
 TEST_F(CApi, OptionsTakePythonsSpellings) {
@@ -699,6 +700,8 @@ TEST_F(CApi, RegionsCastAndExitRestoresFp32) {
       << f.message;
   EXPECT_EQ(region, nullptr);
   EXPECT_EQ(failure(optamp_autocast_enter(1, static_cast<optamp_dtype>(9), &region)).status,
+            OPTAMP_ERROR_VALUE);
+  EXPECT_EQ(failure(optamp_autocast_enter(1, OPTAMP_DTYPE_MAX_ENUM, &region)).status,
             OPTAMP_ERROR_VALUE);
   EXPECT_NE(std::string(optamp_last_error()).find("dtype must be an optamp_dtype"),
             std::string::npos);
