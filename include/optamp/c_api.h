@@ -53,8 +53,8 @@ typedef enum optamp_status {
   OPTAMP_ERROR_INDEX = 3,         /* an index out of range (IndexError) */
   OPTAMP_ERROR_RUNTIME = 4,       /* any other failure (RuntimeError) */
   OPTAMP_ERROR_NULL_ARGUMENT = 5, /* a required pointer was NULL */
-  /* Not a status. It makes every int value a valid optamp_status in C++ (where a value beyond
-     the named ones is otherwise undefined: optamp_status_name takes any), and keeps it int-sized. */
+  /* Not a status. It makes every int a valid optamp_status in C++ (where a value beyond the
+     named ones is otherwise undefined: optamp_status_name takes any); keeps it int-sized. */
   OPTAMP_STATUS_MAX_ENUM = 0x7FFFFFFF
 } optamp_status;
 
