@@ -64,10 +64,15 @@ std::vector<at::Tensor> moments(const torch::optim::Optimizer& opt) {
   return out;
 }
 
+// The first parameter's step count. Adam's and AdamW's states are unrelated types: cast to the
+// one the optimizer made (a static_cast to the other is undefined; UBSan reports it).
 int64_t adam_step_count(const torch::optim::Optimizer& opt) {
   const auto& p = opt.param_groups()[0].params()[0];
-  return static_cast<const torch::optim::AdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()))
-      .step();
+  const auto& state = *opt.state().at(p.unsafeGetTensorImpl());
+  if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(&state)) {
+    return adamw->step();
+  }
+  return dynamic_cast<const torch::optim::AdamParamState&>(state).step();
 }
 
 std::string saved(const torch::optim::Optimizer& opt) {
