@@ -49,6 +49,7 @@ namespace {
 
 // gpt_backward's GPT: d 32, seq 16 (batch 2).
 constexpr bench::GPTOptions kBackwardGpt{64, 16, 2, 32, 2};
+constexpr std::int64_t kBackwardBatch = 2;
 // gpt_step's GPT: the same layers at d 8, seq 8 (batch 1), so small that the CPU's kernels (at
 // d 32 its fp16 matmuls were two thirds of a step's instructions, work a GPU does on the device)
 // leave what a step costs the host: dispatch, casting, autograd, the optimizer's bookkeeping.
@@ -216,7 +217,7 @@ int main(int argc, char** argv) {
   g_images = at::randn({8, 1, 28, 28});
   g_labels = at::randint(10, {8});
   g_tokens = step_case ? at::randint(kStepGpt.vocab, {kStepBatch, kStepGpt.seq})
-                       : at::randint(kBackwardGpt.vocab, {2, kBackwardGpt.seq});
+                       : at::randint(kBackwardGpt.vocab, {kBackwardBatch, kBackwardGpt.seq});
   initialize(argv[1]);
   for (int i = 0; i < 5; ++i) run<0>(1);  // warm caches and lazy initialization
   run<1>(n);

@@ -70,7 +70,6 @@ def test_profile_differences_name_what_differs(capsys):
                      "kernels O4 vs native_bf16: +0.50 ms in all; +0.50 ms gemm"]
 
 
-
 @pytest.mark.parametrize("mode", ["fp32", "native_fp16", "native_bf16", "O1", "O2", "O4", "O5"])
 def test_step_icount_steps_run_and_train(fresh, mode):
     """benchmarks/step_icount.py's step (what benchmarks/step_icount.sh counts under callgrind)
