@@ -4,10 +4,13 @@
 #       every library NEEDs the C++ runtime torch's own library NEEDs, and none defines
 #       libstdc++'s internals (what a static copy leaves behind).
 #   -DMODE=refused -DOPTAMP_SOURCE_DIR=<repo> -DOPTAMP_WORK_DIR=<scratch> -DOPTAMP_CXX=<compiler>
+#       [-DOPTAMP_CUDA=ON]
 #       configuring with -static-libstdc++ in the shared and module linker flags stops with the
 #       error that names the flags; a compiler that links the runtime statically by itself (a
 #       wrapper that appends the flag, as a site-built GCC does) stops with the error that names a
-#       compiler that does not, and scripts/common.sh then configures with that one.
+#       compiler that does not, and scripts/common.sh then configures with that one. With
+#       OPTAMP_CUDA, that compiler first on PATH (as the GPU machine's site-built GCC is) is not
+#       nvcc's host compiler either: its link directories would bring the static runtime back.
 find_program(READELF readelf REQUIRED)
 find_program(NM nm REQUIRED)
 include("${CMAKE_CURRENT_LIST_DIR}/OptampCxxRuntime.cmake")  # optamp_needed_cxx_runtimes
@@ -100,3 +103,39 @@ if(NOT used STREQUAL named OR said EQUAL -1)
 endif()
 file(REMOVE_RECURSE "${build}")
 message(STATUS "scripts/common.sh configured with ${named} instead of the static-runtime compiler")
+
+# The GPU machine's case: the static-runtime compiler is the g++ and c++ first on PATH, which nvcc
+# takes as its host compiler unless told otherwise. The CUDA host compiler must be the one the
+# refusal named as well (CMake puts the host compiler's link directories on liboptamp's link line).
+if(NOT OPTAMP_CUDA)
+  return()
+endif()
+set(site "${OPTAMP_WORK_DIR}/site-gcc/bin")
+file(MAKE_DIRECTORY "${site}")
+foreach(name g++ c++)
+  file(COPY_FILE "${wrapper}" "${site}/${name}")
+  file(CHMOD "${site}/${name}" PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE)
+endforeach()
+set(build "${OPTAMP_WORK_DIR}/script_repair_cuda")
+file(REMOVE_RECURSE "${build}")
+execute_process(
+  COMMAND ${CMAKE_COMMAND} -E env --unset=CXX --unset=CUDAHOSTCXX "PATH=${site}:$ENV{PATH}"
+          "OPTAMP_BUILD_DIR=${build}" "OPTAMP_PYTHON=${OPTAMP_PYTHON}"
+          "OPTAMP_CMAKE_ARGS=-DOPTAMP_BUILD_TESTS=OFF -DOPTAMP_BUILD_EXAMPLES=OFF -DOPTAMP_WITH_CUDA=ON"
+          bash -c "source '${OPTAMP_SOURCE_DIR}/scripts/common.sh' && optamp_configure"
+  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "with the static-runtime g++ first on PATH, scripts/common.sh did not "
+                      "configure:\n${out}")
+endif()
+file(GLOB detected "${build}/CMakeFiles/*/CMakeCUDACompiler.cmake")
+file(STRINGS "${detected}" host REGEX "^set\\(CMAKE_CUDA_HOST_COMPILER ")
+string(REGEX REPLACE "^[^\"]*\"([^\"]*)\".*" "\\1" host "${host}")
+file(STRINGS "${build}/CMakeCache.txt" used REGEX "^CMAKE_CXX_COMPILER:")
+string(REGEX REPLACE "^[^=]*=" "" used "${used}")
+if(NOT used STREQUAL named OR NOT host STREQUAL named)
+  message(FATAL_ERROR "with the static-runtime g++ first on PATH: expected ${named} as the C++ "
+                      "and the CUDA host compiler, got '${used}' and '${host}':\n${out}")
+endif()
+file(REMOVE_RECURSE "${build}" "${OPTAMP_WORK_DIR}/site-gcc")
+message(STATUS "with the static-runtime g++ first on PATH, C++ and CUDA host compiler: ${named}")

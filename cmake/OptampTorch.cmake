@@ -28,7 +28,18 @@ list(APPEND CMAKE_PREFIX_PATH "${OPTAMP_TORCH_CMAKE_PREFIX}")
 set(OPTAMP_HAVE_CUDA OFF)
 if(NOT OPTAMP_WITH_CUDA STREQUAL "OFF")
   include(CheckLanguage)
+  # The CUDA host compiler is the one named (-DCMAKE_CUDA_HOST_COMPILER, CUDAHOSTCXX), else the C++
+  # compiler, not nvcc's default (the first g++ on PATH). CMake puts the host compiler's link
+  # directories on liboptamp's link line: where that g++ is another toolchain whose directories
+  # hold only a static libstdc++.a (a site-built GCC), liboptamp got a static C++ runtime although
+  # the C++ compiler links it shared. And check_language(CUDA) replaces a host compiler named with
+  # -D by the one its scratch project found (unless nvcc is named too), so set it again after it.
+  optamp_chosen_cuda_host_compiler(_optamp_cuda_host)
   check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    unset(CMAKE_CUDA_HOST_COMPILER)  # the normal variable check_language leaves
+    set(CMAKE_CUDA_HOST_COMPILER "${_optamp_cuda_host}" CACHE FILEPATH "CUDA host compiler" FORCE)
+  endif()
   if(CMAKE_CUDA_COMPILER AND OPTAMP_TORCH_CUDA_VERSION)
     set(OPTAMP_HAVE_CUDA ON)
   elseif(OPTAMP_WITH_CUDA STREQUAL "ON")
@@ -45,6 +56,7 @@ if(OPTAMP_HAVE_CUDA)
     set(ENV{TORCH_CUDA_ARCH_LIST} "8.0;9.0")
   endif()
   enable_language(CUDA)
+  optamp_check_cuda_host_cxx_runtime()
   set(CMAKE_CUDA_STANDARD 17)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 endif()
