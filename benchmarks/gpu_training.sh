@@ -36,9 +36,9 @@ PY="$(optamp_python)"
 # A run that fails is reported and the others still run; the exit status says one failed.
 failed=0
 FUSED_CONFIGS=native,native_again,O1,O2,O4,O5,native_bf16
-# Each run is the C++ program and the Python script with the same configurations; the Python
-# run also profiles each configuration (GPU kernel time and kernels per step, and the kernels and
-# host operators that differ most from native's).
+# Each run is the C++ program and the Python script with the same configurations; both also
+# profile each configuration (GPU kernel time and kernels per step, and the kernels that differ
+# most from native's; Python also the host operators).
 for run in ${BENCH_RUNS:-resnet50 gpt2 gpt2_fused}; do
   model="${run%_fused}"
   case "$run" in
@@ -58,7 +58,8 @@ for run in ${BENCH_RUNS:-resnet50 gpt2 gpt2_fused}; do
     *) echo "gpu_training.sh: unknown run $run (resnet50, gpt2, gpt2_fused, resnet50_fused)" >&2
        exit 2 ;;
   esac
-  "$BUILD/benchmarks/training/bench_train_$model" "${cpp[@]}" --json "$OUTDIR/cpp_$run.jsonl" \
+  "$BUILD/benchmarks/training/bench_train_$model" "${cpp[@]}" --kernel-time \
+    --json "$OUTDIR/cpp_$run.jsonl" \
     "$@" 2>&1 | tee "$OUTDIR/cpp_$run.txt" || failed=1
   PYTHONPATH="$OPTAMP_ROOT/python" "$PY" "$OPTAMP_ROOT/benchmarks/bench_train.py" \
     --model "$model" "${py[@]}" --kernel-time --json "$OUTDIR/py_$run.jsonl" "$@" 2>&1 |

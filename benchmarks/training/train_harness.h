@@ -24,15 +24,16 @@
 //   native_bf16       at::autocast (bf16), no scaler
 //   native_again      native once more: the ratio native_again / native measured in the same
 //                     run is the benchmark's own noise, against which the other ratios are read
-// Peak memory: CUDA caching allocator peak allocated bytes during the timed steps; on CPU the RSS
-// high-water mark (process-wide: with several configurations in one process it is an upper bound
-// only; run one configuration per process with --configs X for a CPU memory comparison).
+// Peak memory: peak allocated bytes during the timed steps, the CUDA caching allocator's count on
+// CUDA, the same count by a wrapper over torch's CPU allocator on the CPU (CountingCpuAllocator).
 // Device->host syncs per step (CUDA only): counted over 3 extra steps with
 // c10::cuda sync-debug mode "warn" and a counting warning handler on the calling thread.
 
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
+#include <c10/core/CPUAllocator.h>
 #include <optamp/amp.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
 #include <torch/nn.h>
 #include <torch/optim.h>
@@ -55,9 +56,12 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace bench {
@@ -93,6 +97,8 @@ struct HarnessArgs {
                                    "O3",     "O4", "O5",      "native_bf16"};
   int warmup = 5, steps = 20, rounds = 3, threads = 0;
   bool fused = false;
+  bool kernel_time = false;  // after the rounds, profile_steps more steps of each under Kineto
+  int profile_steps = 5;
   std::string json;
 };
 
@@ -188,11 +194,81 @@ inline void sync(const torch::Device& d) {
   if (d.is_cuda()) torch::cuda::synchronize();
 }
 
+// CPU peak memory counted as the CUDA caching allocator counts it: bytes of live tensor storage,
+// highest since the last reset. The process's RSS high-water mark, used before, also held what
+// malloc kept after frees and could not be reset per configuration. Installed over torch's CPU
+// allocator at the first CPU configuration; storage made before that is not counted.
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  static CountingCpuAllocator& installed() {
+    static CountingCpuAllocator* const self = [] {
+      auto* counting = new CountingCpuAllocator(c10::GetCPUAllocator());
+      c10::SetAllocator(c10::DeviceType::CPU, counting, /*priority=*/1);
+      return counting;
+    }();
+    return *self;
+  }
+
+  // The data pointer is its own context, as torch's CPU allocator makes it, so that raw_allocate
+  // (oneDNN's bf16 kernels) works: the size and the base deleter are looked up by the pointer.
+  c10::DataPtr allocate(size_t bytes) override {
+    c10::DataPtr inner = base_->allocate(bytes);
+    const c10::Device device = inner.device();
+    const c10::DeleterFnPtr base_deleter = inner.get_deleter();
+    TORCH_CHECK(base_->is_simple_data_ptr(inner),
+                "CountingCpuAllocator: the CPU allocator it wraps returned a data pointer that is not "
+                "its own context");
+    void* data = inner.release_context();
+    const std::lock_guard<std::mutex> lock(mutex_);
+    held_[data] = {bytes, base_deleter};
+    live_ += static_cast<std::int64_t>(bytes);
+    peak_ = std::max(peak_, live_);
+    return {data, data, &release, device};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  void reset_peak() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    peak_ = live_;
+  }
+  double peak_mb() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return static_cast<double>(peak_) / (1 << 20);
+  }
+
+ private:
+  struct Held {
+    std::size_t bytes;
+    c10::DeleterFnPtr base_deleter;
+  };
+  explicit CountingCpuAllocator(c10::Allocator* base) : base_(base) {}
+  static void release(void* data) {
+    if (data == nullptr) return;
+    CountingCpuAllocator& self = installed();
+    c10::DeleterFnPtr base_deleter = nullptr;
+    {
+      const std::lock_guard<std::mutex> lock(self.mutex_);
+      const auto it = self.held_.find(data);
+      base_deleter = it->second.base_deleter;
+      self.live_ -= static_cast<std::int64_t>(it->second.bytes);
+      self.held_.erase(it);
+    }
+    if (base_deleter != nullptr) base_deleter(data);
+  }
+
+  c10::Allocator* const base_;
+  std::mutex mutex_;
+  std::unordered_map<void*, Held> held_;
+  std::int64_t live_ = 0, peak_ = 0;
+};
+
 inline void reset_peak(const torch::Device& d) {
 #ifdef OPTAMP_BENCH_CUDA
   if (d.is_cuda()) return c10::cuda::CUDACachingAllocator::resetPeakStats(d.index());
 #endif
-  std::ofstream("/proc/self/clear_refs") << "5";
+  CountingCpuAllocator::installed().reset_peak();
 }
 
 inline double peak_mb(const torch::Device& d) {
@@ -202,10 +278,7 @@ inline double peak_mb(const torch::Device& d) {
                c10::cuda::CUDACachingAllocator::getDeviceStats(d.index()).allocated_bytes[0].peak) /
            (1 << 20);
 #endif
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);)
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
-  return std::nan("");
+  return CountingCpuAllocator::installed().peak_mb();
 }
 
 #ifdef OPTAMP_BENCH_CUDA
@@ -226,7 +299,41 @@ struct RunResult {
   double median_ms = std::nan(""), peak_mb = std::nan(""), syncs_per_step = std::nan("");
   std::int64_t skipped = 0;
   std::string error;
+  // --kernel-time: device time per step of the profiled steps' kernels (CUDA), their number per
+  // step (operators per step on the CPU), and the time per step of each kernel name (CUDA) or
+  // operator name (CPU: inclusive, nested operators counted in each).
+  double kernel_ms = std::nan(""), events_per_step = std::nan("");
+  std::map<std::string, double> ms_by_name;
 };
+
+// `n` steps under the Kineto profiler (what torch.profiler records): on CUDA every device event
+// (kernels, copies, memsets, also those a CUDA graph replays), on the CPU every operator.
+inline void profile_steps(const std::function<void()>& step, const torch::Device& device, int n,
+                          RunResult& r) {
+  namespace impl = torch::profiler::impl;
+  namespace profiler = torch::autograd::profiler;
+  const impl::ProfilerConfig config(impl::ProfilerState::KINETO);
+  std::set<impl::ActivityType> activities{impl::ActivityType::CPU};
+  if (device.is_cuda()) activities.insert(impl::ActivityType::CUDA);
+  sync(device);
+  profiler::prepareProfiler(config, activities);
+  profiler::enableProfiler(config, activities);
+  for (int i = 0; i < n; ++i) step();
+  sync(device);
+  const auto result = profiler::disableProfiler();
+  const c10::DeviceType wanted = device.is_cuda() ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+  double total_ms = 0;
+  std::size_t events = 0;
+  for (const auto& e : result->events()) {
+    if (e.deviceType() != wanted) continue;
+    const double ms = static_cast<double>(e.durationNs()) / 1e6 / n;
+    r.ms_by_name[e.name()] += ms;
+    total_ms += ms;
+    ++events;
+  }
+  if (device.is_cuda()) r.kernel_ms = total_ms;  // CPU operators nest: their sum means nothing
+  r.events_per_step = static_cast<double>(events) / n;
+}
 
 // O3 steps fp16 parameters directly: Adam/AdamW's default eps=1e-8 underflows in fp16 and the
 // steps turn NaN (then skipped, which once made O3 look "1.82x native"). Raise eps to 1e-4, the
@@ -267,8 +374,9 @@ inline std::function<void()> captured(const std::function<void()>& eager,
 }
 
 inline RunResult run_config(Workload& wl, const std::string& config, const torch::Device& device,
-                            const HarnessArgs& a) {
+                            const HarnessArgs& a, bool profile = false) {
   RunResult r;
+  if (!device.is_cuda()) CountingCpuAllocator::installed();  // before the model: count it too
   torch::manual_seed(0);
   set_tf32(config == "O0_tf32");
   wl.set_fused(a.fused);
@@ -352,6 +460,7 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
       r.syncs_per_step = counter.count / 3.0;
     }
 #endif
+    if (profile) profile_steps(step, device, a.profile_steps, r);
   } catch (const c10::NotImplementedError& e) {
     r.error = std::string("unsupported: ") + e.what_without_backtrace();
   } catch (const c10::Error& e) {
@@ -373,13 +482,60 @@ inline std::string fmt(const char* f, double v) {
   return buf;
 }
 
+// --kernel-time: after the rounds, each configuration once more with its steps profiled, as the
+// Python benchmark's --kernel-time does: GPU kernel time per step beside the wall time, and per
+// optamp configuration the kernels (on the CPU: operators) whose time differs most from its native
+// reference's (native for fp16 levels, native_bf16 for O4/O5). Read differences, not absolutes:
+// the profiler's own cost is in the wall time of these steps.
+inline void profile_configs(Workload& wl, const torch::Device& device, const HarnessArgs& a,
+                            std::map<std::string, std::vector<RunResult>>& results) {
+  std::map<std::string, RunResult> profiled;
+  for (const auto& c : a.configs) {
+    RunResult r = run_config(wl, c, device, a, /*profile=*/true);
+    if (!r.error.empty()) continue;
+    if (device.is_cuda()) {
+      std::printf("profiled %-12s wall %.2f ms/step  GPU kernels %.2f ms/step  %.0f kernels/step\n",
+                  c.c_str(), r.median_ms, r.kernel_ms, r.events_per_step);
+    } else {
+      std::printf("profiled %-12s wall %.2f ms/step  %.0f operators/step\n", c.c_str(),
+                  r.median_ms, r.events_per_step);
+    }
+    for (auto& earlier : results[c]) earlier.kernel_ms = r.kernel_ms;
+    profiled.emplace(c, std::move(r));
+  }
+  const char* what = device.is_cuda() ? "kernels" : "operators";
+  for (const auto& [c, mine] : profiled) {
+    if (c.empty() || c[0] != 'O') continue;
+    const std::string ref = (c.rfind("O4", 0) == 0 || c.rfind("O5", 0) == 0) ? "native_bf16"
+                                                                              : "native";
+    const auto theirs = profiled.find(ref);
+    if (theirs == profiled.end()) continue;
+    std::map<std::string, double> diff;
+    for (const auto& [name, ms] : mine.ms_by_name) diff[name] += ms;
+    for (const auto& [name, ms] : theirs->second.ms_by_name) diff[name] -= ms;
+    std::vector<std::pair<std::string, double>> worst(diff.begin(), diff.end());
+    std::sort(worst.begin(), worst.end(),
+              [](const auto& x, const auto& y) { return std::abs(x.second) > std::abs(y.second); });
+    std::string line = std::string(what) + " " + c + " vs " + ref + ":";
+    if (device.is_cuda()) line += fmt(" %+.2f ms in all;", mine.kernel_ms - theirs->second.kernel_ms);
+    for (std::size_t i = 0; i < worst.size() && i < 6; ++i)
+      line += fmt(" %+.2f ms ", worst[i].second) + worst[i].first.substr(0, 70) + ";";
+    line.pop_back();
+    std::printf("%s\n", line.c_str());
+  }
+  std::fflush(stdout);
+}
+
 inline int harness_main(Workload& wl, int argc, char** argv) {
   HarnessArgs a;
   const std::string usage =
       "usage: " + wl.name() +
       " [--device cpu|cuda] [--configs native,O0,O0_tf32,O1,...,O5,native_bf16]\n"
       "         [--warmup N] [--steps N] [--rounds N] [--threads N] [--json FILE] [--small]\n"
-      "         [--fused]   (an optimizer that skips on the device: no sync per step)\n" +
+      "         [--fused]   (an optimizer that skips on the device: no sync per step)\n"
+      "         [--kernel-time [--profile-steps N]]   (after the rounds, N more steps of each\n"
+      "                      configuration under the profiler: GPU kernel time per step and the\n"
+      "                      kernels that differ most from native's; operators on the CPU)\n" +
       wl.usage();
   try {
     for (int i = 1; i < argc; ++i) {
@@ -394,6 +550,10 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
       }
       if (f == "--fused") {
         a.fused = true;
+        continue;
+      }
+      if (f == "--kernel-time") {
+        a.kernel_time = true;
         continue;
       }
       if (i + 1 >= argc) throw std::invalid_argument(f + " needs a value");
@@ -412,12 +572,14 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
         a.threads = std::stoi(v);
       else if (f == "--json")
         a.json = v;
+      else if (f == "--profile-steps")
+        a.profile_steps = std::stoi(v);
       else if (!wl.parse_flag(f, v))
         throw std::invalid_argument("unknown flag " + f);
     }
-    if (a.steps < 1 || a.rounds < 1 || a.warmup < 0 || a.configs.empty())
+    if (a.steps < 1 || a.rounds < 1 || a.warmup < 0 || a.profile_steps < 1 || a.configs.empty())
       throw std::invalid_argument(
-          "--steps >= 1, --rounds >= 1, --warmup >= 0, --configs non-empty");
+          "--steps >= 1, --rounds >= 1, --warmup >= 0, --profile-steps >= 1, --configs non-empty");
   } catch (const std::exception& e) {
     std::cerr << wl.name() << ": " << e.what() << "\n" << usage;
     return 2;
@@ -463,6 +625,8 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
       results[c].push_back(std::move(r));
     }
   }
+
+  if (a.kernel_time) profile_configs(wl, device, a, results);
 
   // Per round ratios (throughput = inverse time) against a reference, then their median and
   // range: configurations run adjacent in time, so a ratio is steadier than either time.
@@ -520,6 +684,11 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
   // op_lists "torch": native autocast's casts, so its step time should be native's (<= 1.02x).
   check("O1_torch throughput / native", ratio_to("O1_torch", "native"), 1.0 / 1.02);
   check("O4_torch throughput / native_bf16", ratio_to("O4_torch", "native_bf16"), 1.0 / 1.02);
+  for (const char* c : {"O2_graph", "O5_graph"}) {
+    // A captured step is as fast as the GPU allows when its wall time is its kernel time.
+    const std::string what = std::string(c) + " wall / GPU kernel time";
+    check(what.c_str(), med(c, &RunResult::median_ms) / med(c, &RunResult::kernel_ms), 1.05, false);
+  }
   if (device.is_cuda()) {
     check("O2 peak memory / native",
           med("O2", &RunResult::peak_mb) / med("native", &RunResult::peak_mb), 1.0, false);

@@ -9,6 +9,7 @@
 #include <c10/util/StringUtil.h>
 #include <torch/nn/functional/normalization.h>
 
+#include <algorithm>
 #include <string>
 #include <thread>
 #include <vector>
@@ -131,6 +132,32 @@ TEST_F(Casting, CastsKeepTheGraphToTheirSource) {
   out.backward(g.to(at::kHalf));
   ASSERT_EQ(w.grad().scalar_type(), at::kFloat);
   EXPECT_TRUE(at::equal(w.grad(), at::mm(g.to(at::kHalf).t(), x.to(at::kHalf)).to(at::kFloat)));
+}
+
+// An activation's cast (and a view of one's, as a loss casts logits.view(...)) keeps its
+// ToCopyBackward node: without it the engine converts the gradient inside the consumer's node,
+// beside that node's incoming gradient and saved tensors, and a large activation (logits cast to
+// fp32 for the loss) raised the backward's peak memory by the converted gradient's size.
+TEST_F(Casting, ActivationCastsRecordTheirOwnNode) {
+  enable("O1");
+  auto w = randn({3, 4}).requires_grad_();
+  auto x = randn({2, 4}).requires_grad_();
+  for (const bool through_a_view : {false, true}) {
+    SCOPED_TRACE(through_a_view ? "a view of an activation" : "an activation");
+    x.mutable_grad() = at::Tensor();
+    auto h = at::mul(x, 2.0);  // fp32, made by an op: not a leaf
+    if (through_a_view) h = h.view({4, 2}).view({2, 4});
+    auto out = at::mm(h, w.t());
+    EXPECT_EQ(out.scalar_type(), at::kHalf);
+    const auto names = testing::graph_node_names(out);
+    EXPECT_EQ(std::count(names.begin(), names.end(), "ToCopyBackward0"), 1)
+        << c10::Join(" ", names);
+    const auto g = randn({2, 3});
+    out.backward(g.to(at::kHalf));
+    ASSERT_EQ(x.grad().scalar_type(), at::kFloat);
+    const auto expected = at::mm(g.to(at::kHalf), w.to(at::kHalf)).to(at::kFloat) * 2;
+    EXPECT_TRUE(at::equal(x.grad(), expected));
+  }
 }
 
 TEST_F(Casting, CompositeOpsCastOnceAndDoNotRecurse) {
