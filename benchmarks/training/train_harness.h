@@ -215,9 +215,10 @@ class CountingCpuAllocator final : public c10::Allocator {
     c10::DataPtr inner = base_->allocate(bytes);
     const c10::Device device = inner.device();
     const c10::DeleterFnPtr base_deleter = inner.get_deleter();
-    TORCH_CHECK(base_->is_simple_data_ptr(inner),
-                "CountingCpuAllocator: the CPU allocator it wraps returned a data pointer that is not "
-                "its own context");
+    TORCH_CHECK(
+        base_->is_simple_data_ptr(inner),
+        "CountingCpuAllocator: the CPU allocator it wraps returned a data pointer that is not "
+        "its own context");
     void* data = inner.release_context();
     const std::lock_guard<std::mutex> lock(mutex_);
     held_[data] = {bytes, base_deleter};
@@ -497,8 +498,8 @@ inline void profile_configs(Workload& wl, const torch::Device& device, const Har
       std::printf("profiled %-12s wall %.2f ms/step  GPU kernels %.2f ms/step  %.0f kernels/step\n",
                   c.c_str(), r.median_ms, r.kernel_ms, r.events_per_step);
     } else {
-      std::printf("profiled %-12s wall %.2f ms/step  %.0f operators/step\n", c.c_str(),
-                  r.median_ms, r.events_per_step);
+      std::printf("profiled %-12s wall %.2f ms/step  %.0f operators/step\n", c.c_str(), r.median_ms,
+                  r.events_per_step);
     }
     for (auto& earlier : results[c]) earlier.kernel_ms = r.kernel_ms;
     profiled.emplace(c, std::move(r));
@@ -506,8 +507,8 @@ inline void profile_configs(Workload& wl, const torch::Device& device, const Har
   const char* what = device.is_cuda() ? "kernels" : "operators";
   for (const auto& [c, mine] : profiled) {
     if (c.empty() || c[0] != 'O') continue;
-    const std::string ref = (c.rfind("O4", 0) == 0 || c.rfind("O5", 0) == 0) ? "native_bf16"
-                                                                              : "native";
+    const std::string ref =
+        (c.rfind("O4", 0) == 0 || c.rfind("O5", 0) == 0) ? "native_bf16" : "native";
     const auto theirs = profiled.find(ref);
     if (theirs == profiled.end()) continue;
     std::map<std::string, double> diff;
@@ -517,7 +518,8 @@ inline void profile_configs(Workload& wl, const torch::Device& device, const Har
     std::sort(worst.begin(), worst.end(),
               [](const auto& x, const auto& y) { return std::abs(x.second) > std::abs(y.second); });
     std::string line = std::string(what) + " " + c + " vs " + ref + ":";
-    if (device.is_cuda()) line += fmt(" %+.2f ms in all;", mine.kernel_ms - theirs->second.kernel_ms);
+    if (device.is_cuda())
+      line += fmt(" %+.2f ms in all;", mine.kernel_ms - theirs->second.kernel_ms);
     for (std::size_t i = 0; i < worst.size() && i < 6; ++i)
       line += fmt(" %+.2f ms ", worst[i].second) + worst[i].first.substr(0, 70) + ";";
     line.pop_back();

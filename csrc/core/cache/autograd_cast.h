@@ -21,8 +21,9 @@ bool records_autograd_now();
 bool is_plain_for_autograd(const at::Tensor& t);
 
 // `source` as `dtype`. With `records_autograd` (a training forward, outside any kernel) and a
-// plain dense source that requires grad, the copy borrows the source's gradient edge and no node
-// is recorded; otherwise this is `source.to(dtype)`.
+// plain dense source that requires grad and is a leaf or a view of one (a parameter, `w.t()`),
+// the copy borrows the source's gradient edge and no node is recorded; otherwise (activations
+// included: autograd_cast.cpp says why) this is `source.to(dtype)`.
 at::Tensor cast_for_autograd(const at::Tensor& source, c10::ScalarType dtype,
                              bool records_autograd);
 
