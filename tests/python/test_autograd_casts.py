@@ -1,9 +1,11 @@
-"""Casts record no autograd node of their own (docs/casting.md, "Casts in the autograd graph"):
-a cast copy takes its source's gradient edge, and the engine converts the fp16/bf16 gradient
-on its way back. Checked here: no ToCopyBackward in a training step's graph at O1 and O2, the
-gradients equal those of explicit `.to()` casts, several uses of one cast sum in fp32, and the
-cases that keep the node (forward-mode AD) or need the converted gradient to stay differentiable
-(double backward) give what native autocast gives."""
+"""Parameters' casts record no autograd node of their own (docs/casting.md, "Casts in the
+autograd graph"): a cast copy takes its source's gradient edge, and the engine converts the
+fp16/bf16 gradient on its way back. Checked here: no ToCopyBackward for the parameters in a
+training step's graph at O1 and O2, the gradients equal those of explicit `.to()` casts, several
+uses of one cast sum in fp32, activations' casts keep their node (their converted gradient would
+otherwise be made beside the consumer's buffers), and the cases that keep the node (forward-mode
+AD) or need the converted gradient to stay differentiable (double backward) give what native
+autocast gives."""
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -35,6 +37,27 @@ def test_a_training_step_records_no_cast_nodes(fresh, level):
     assert names.count("AccumulateGrad") == 4, names
     F.cross_entropy(out, torch.tensor([0, 1, 2, 0, 1])).backward()
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("level", ["O1", "O4"])
+def test_an_activation_cast_keeps_its_node(fresh, level):
+    """An fp32 activation (here a view of one) going into a linear is cast by the kernel with a
+    ToCopyBackward of its own, as `.to()` would; the parameters' casts record none. Without it
+    the engine converts the activation's gradient inside the consumer's backward, beside that
+    node's buffers (the C++ GPT-2 benchmark's logits, cast for the loss: +393 MB of peak)."""
+    model = Mlp()
+    init(model, opt_level=level)
+    x = torch.randn(5, 4, requires_grad=True)
+    out = model.fc1((x * 2).view(5, 4))  # fp32 activation -> fp16/bf16 linear
+    assert out.dtype != torch.float32
+    names = _node_names(out)
+    assert names.count("ToCopyBackward0") == 1, names
+    assert names.index("ToCopyBackward0") < names.index("MulBackward0"), names
+    out.float().sum().backward()
+    low = out.dtype
+    expected = (torch.ones(5, model.fc1.out_features, dtype=low) @ model.fc1.weight.to(low)) * 2
+    assert x.grad.dtype == torch.float32
+    assert torch.equal(x.grad, expected.float()), (x.grad, expected)
 
 
 @pytest.mark.parametrize("level,low", [("O1", torch.float16), ("O2", torch.float16),
