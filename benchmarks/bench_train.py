@@ -14,6 +14,8 @@ same seed:
   O0 .. O5     model, opt = optamp.initialize(model, opt, opt_level=...);
                with optamp.scale_loss(loss, opt) as s: s.backward()      (O0_tf32: TF32 on)
   O1_torch ..  the same with op_lists="torch" (torch.autocast's own op lists)
+  O4_nocheck   a fixed-scale level (O0, O3, O4, O5) with overflow_check=False: Apex's behaviour
+               and native bf16's (no inf/NaN check, so no sync per step)
   O2_graph, O5_graph  O2/O5 with the whole step (forward, scale_loss, backward, fused AdamW/SGD
                step with capturable=True) captured once into a CUDA graph and replayed (CUDA only;
                docs/loss_scaling.md, "CUDA graphs")
@@ -156,8 +158,9 @@ def make_step(config, model, opt, loss_fn, dev):
         return graphed(step, dev)
     if config.startswith("O"):
         lists = "torch" if config.endswith("_torch") else "apex"
+        knobs = {"overflow_check": False} if config.endswith("_nocheck") else {}
         model, opt = optamp.initialize(model, opt, opt_level=config[:2], verbosity=0,
-                                       op_lists=lists)
+                                       op_lists=lists, **knobs)
 
         def step():
             opt.zero_grad(set_to_none=True)

@@ -12,6 +12,8 @@
 //   O0, O0_tf32       amp::initialize(..., "O0"), TF32 off / on (cuBLAS + cuDNN)
 //   O1 .. O5          amp::initialize(..., "On") + amp::scale_loss
 //   O1_torch .. O5_torch  the same with op_lists torch (torch.autocast's op lists)
+//   O0_nocheck, O3_nocheck .. O5_nocheck  a fixed-scale level with overflow_check=false (Apex's
+//                     behaviour and native bf16's: no inf/NaN check, so no sync per step)
 //   O2_graph, O5_graph    the O2/O5 step captured once in a CUDA graph (at::cuda::CUDAGraph,
 //                     docs/loss_scaling.md's recipe) and replayed: CUDA and --fused only
 //   native            at::autocast (fp16) around forward+loss + a hand-written dynamic loss scaler
@@ -394,6 +396,7 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
       options.verbosity = 0;  // no properties report or overflow messages inside the timing
       // "O4_torch": the level with torch.autocast's op lists (op_lists="torch").
       if (ends_with(config, "_torch")) options.op_lists = amp::OpLists::kTorch;
+      if (ends_with(config, "_nocheck")) options.overflow_check = false;
       amp::initialize(std::vector<amp::ModulePtr>{wl.module()},
                       std::vector<torch::optim::Optimizer*>{&opt}, std::string_view(level),
                       options);

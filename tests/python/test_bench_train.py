@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+import optamp
+
 from common_utils import ROOT, env, load_script
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_train.py")
@@ -56,6 +58,23 @@ def test_noise_row_and_ratio_ranges(tmp_path):
     noise = [line for line in proc.stdout.splitlines() if line.startswith("noise")]
     assert len(noise) == 1 and "native_again / native" in noise[0], proc.stdout
     assert "| native | " in proc.stdout and "1.000 (1.000-1.000)" in proc.stdout
+
+
+@pytest.mark.parametrize("config,checks", [("O4", True), ("O5_nocheck", False)])
+def test_nocheck_configuration_turns_the_fixed_scale_check_off(fresh, config, checks):
+    """O4_nocheck / O5_nocheck: overflow_check=False, what native bf16 (and Apex) do: no inf/NaN
+    check, so no host wait per step; plain O4/O5 checks and, with AdamW as it comes, waits once
+    per step (the sync the GPU run's O4/O5-vs-bf16 ratio pays)."""
+    import argparse
+    bench_train = load_script("benchmarks/bench_train.py", siblings=("bench_models",))
+    args = argparse.Namespace(model="gpt2", small=True, fused=False)
+    model, opt, loss_fn = bench_train.Workload(args, torch.device("cpu")).build()
+    step = bench_train.make_step(config, model, opt, loss_fn, torch.device("cpu"))
+    for _ in range(2):
+        step()
+    scaler = optamp.loss_scaler()
+    assert scaler.checks_overflow is checks
+    assert scaler.host_waits == (2 if checks else 0)
 
 
 def test_profile_differences_name_what_differs(capsys):
