@@ -139,24 +139,35 @@ function(optamp_check_cxx_runtime)
     "(-DOPTAMP_SKIP_CXX_RUNTIME_CHECK=ON skips this check.)")
 endfunction()
 
-# The CUDA host compiler to use: the one named (-DCMAKE_CUDA_HOST_COMPILER, CUDAHOSTCXX), else the
-# C++ compiler (cmake/OptampTorch.cmake says why not nvcc's default).
+# The CUDA host compiler to use: the one named (-DCMAKE_CUDA_HOST_COMPILER, CUDAHOSTCXX), else a
+# GCC C++ compiler (cmake/OptampTorch.cmake says why not nvcc's default), else "" (nvcc's default:
+# a Clang C++ compiler may be newer than nvcc supports as its host; the check below then guards
+# the runtime).
 function(optamp_chosen_cuda_host_compiler out_var)
   if(NOT "${CMAKE_CUDA_HOST_COMPILER}" STREQUAL "")
     set(${out_var} "${CMAKE_CUDA_HOST_COMPILER}" PARENT_SCOPE)
   elseif(NOT "$ENV{CUDAHOSTCXX}" STREQUAL "")
     set(${out_var} "$ENV{CUDAHOSTCXX}" PARENT_SCOPE)
-  else()
+  elseif(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
     set(${out_var} "${CMAKE_CXX_COMPILER}" PARENT_SCOPE)
+  else()
+    set(${out_var} "" PARENT_SCOPE)
   endif()
 endfunction()
 
 # A CUDA host compiler other than the C++ compiler must link the runtime shared as well: CMake puts
 # its link directories on liboptamp's link line, so a static libstdc++.a found there comes in.
+# With none named, nvcc's default is checked: the g++ first on PATH.
 function(optamp_check_cuda_host_cxx_runtime)
+  if(NOT CMAKE_SYSTEM_NAME STREQUAL "Linux" OR OPTAMP_SKIP_CXX_RUNTIME_CHECK OR NOT OPTAMP_READELF)
+    return()
+  endif()
   set(host "${CMAKE_CUDA_HOST_COMPILER}")
-  if(NOT CMAKE_SYSTEM_NAME STREQUAL "Linux" OR OPTAMP_SKIP_CXX_RUNTIME_CHECK OR NOT OPTAMP_READELF
-     OR host STREQUAL "" OR NOT IS_ABSOLUTE "${host}")
+  if(host STREQUAL "")
+    find_program(nvcc_default_host NAMES g++ NO_CACHE)
+    set(host "${nvcc_default_host}")
+  endif()
+  if(NOT host OR NOT IS_ABSOLUTE "${host}")
     return()
   endif()
   file(REAL_PATH "${host}" host_real)
@@ -168,13 +179,18 @@ function(optamp_check_cuda_host_cxx_runtime)
   if(runtimes MATCHES "^FAILED")
     message(WARNING "optamp: the C++ runtime probe did not link with the CUDA host compiler "
                     "${host}, so its runtime link was not checked: ${runtimes}")
-  elseif(NOT runtimes)
-    message(FATAL_ERROR
-      "optamp: the CUDA host compiler ${host} links the C++ runtime (libstdc++) statically into "
-      "shared libraries, and its link directories go onto liboptamp's link line, which would put "
-      "a static copy into liboptamp (torch uses the shared libstdc++.so.6; two copies in one "
-      "process crash). To fix it, configure with -DCMAKE_CUDA_HOST_COMPILER=${CMAKE_CXX_COMPILER} "
-      "(the C++ compiler, which links it shared), or name none (and unset CUDAHOSTCXX): optamp "
-      "then uses the C++ compiler. (-DOPTAMP_SKIP_CXX_RUNTIME_CHECK=ON skips this check.)")
+    return()
+  elseif(runtimes)
+    return()
   endif()
+  optamp_find_shared_runtime_compiler("${host}" other)
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" OR NOT other)
+    set(other "${CMAKE_CXX_COMPILER}")
+  endif()
+  message(FATAL_ERROR
+    "optamp: the CUDA host compiler ${host} links the C++ runtime (libstdc++) statically into "
+    "shared libraries, and its link directories go onto liboptamp's link line, which would put a "
+    "static copy into liboptamp (torch uses the shared libstdc++.so.6; two copies in one process "
+    "crash). To fix it, configure with -DCMAKE_CUDA_HOST_COMPILER=${other}, which links it shared. "
+    "(-DOPTAMP_SKIP_CXX_RUNTIME_CHECK=ON skips this check.)")
 endfunction()

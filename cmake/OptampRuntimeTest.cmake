@@ -137,5 +137,27 @@ if(NOT used STREQUAL named OR NOT host STREQUAL named)
   message(FATAL_ERROR "with the static-runtime g++ first on PATH: expected ${named} as the C++ "
                       "and the CUDA host compiler, got '${used}' and '${host}':\n${out}")
 endif()
-file(REMOVE_RECURSE "${build}" "${OPTAMP_WORK_DIR}/site-gcc")
+file(REMOVE_RECURSE "${build}")
 message(STATUS "with the static-runtime g++ first on PATH, C++ and CUDA host compiler: ${named}")
+
+# A Clang C++ compiler keeps nvcc's default host compiler (the g++ first on PATH): that one is
+# probed too, and refused when it links the runtime statically, naming one that does not.
+find_program(clangxx NAMES clang++ NO_CACHE)
+if(clangxx)
+  set(build "${OPTAMP_WORK_DIR}/clang_with_static_host")
+  file(REMOVE_RECURSE "${build}")
+  execute_process(
+    COMMAND ${CMAKE_COMMAND} -E env --unset=CUDAHOSTCXX "PATH=${site}:$ENV{PATH}"
+            ${CMAKE_COMMAND} -S "${OPTAMP_SOURCE_DIR}" -B "${build}"
+            -DCMAKE_CXX_COMPILER=${clangxx} -DPython3_EXECUTABLE=${OPTAMP_PYTHON}
+            -DOPTAMP_BUILD_TESTS=OFF -DOPTAMP_BUILD_EXAMPLES=OFF -DOPTAMP_WITH_CUDA=ON
+    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  string(REGEX REPLACE "[ \n]+" " " flat "${out}")
+  if(rc EQUAL 0 OR NOT flat MATCHES "the CUDA host compiler ${site}/g\\+\\+ links the C\\+\\+ runtime .*-DCMAKE_CUDA_HOST_COMPILER=/")
+    message(FATAL_ERROR "clang++ with the static-runtime g++ first on PATH: expected the CUDA host "
+                        "compiler's refusal, got exit ${rc}:\n${out}")
+  endif()
+  file(REMOVE_RECURSE "${build}")
+  message(STATUS "clang++ with the static-runtime g++ first on PATH: refused as expected")
+endif()
+file(REMOVE_RECURSE "${OPTAMP_WORK_DIR}/site-gcc")

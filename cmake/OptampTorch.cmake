@@ -29,14 +29,16 @@ set(OPTAMP_HAVE_CUDA OFF)
 if(NOT OPTAMP_WITH_CUDA STREQUAL "OFF")
   include(CheckLanguage)
   # The CUDA host compiler is the one named (-DCMAKE_CUDA_HOST_COMPILER, CUDAHOSTCXX), else the C++
-  # compiler, not nvcc's default (the first g++ on PATH). CMake puts the host compiler's link
-  # directories on liboptamp's link line: where that g++ is another toolchain whose directories
-  # hold only a static libstdc++.a (a site-built GCC), liboptamp got a static C++ runtime although
-  # the C++ compiler links it shared. And check_language(CUDA) replaces a host compiler named with
-  # -D by the one its scratch project found (unless nvcc is named too), so set it again after it.
+  # compiler when it is GCC, not nvcc's default (the first g++ on PATH). CMake puts the host
+  # compiler's link directories on liboptamp's link line: where that g++ is another toolchain
+  # whose directories hold only a static libstdc++.a (a site-built GCC), liboptamp got a static
+  # C++ runtime although the C++ compiler links it shared. (A Clang C++ compiler keeps nvcc's
+  # default, which may be the only host nvcc supports; the check after enable_language guards it.)
+  # And check_language(CUDA) replaces a host compiler named with -D by the one its scratch
+  # project found (unless nvcc is named too), so set it again after it.
   optamp_chosen_cuda_host_compiler(_optamp_cuda_host)
   check_language(CUDA)
-  if(CMAKE_CUDA_COMPILER)
+  if(CMAKE_CUDA_COMPILER AND NOT _optamp_cuda_host STREQUAL "")
     unset(CMAKE_CUDA_HOST_COMPILER)  # the normal variable check_language leaves
     set(CMAKE_CUDA_HOST_COMPILER "${_optamp_cuda_host}" CACHE FILEPATH "CUDA host compiler" FORCE)
   endif()
