@@ -61,6 +61,28 @@ function(configure_expecting_refusal name expect_regex)
   message(STATUS "${name}: refused as expected")
 endfunction()
 
+# scripts/common.sh's optamp_configure into `build`, with the environment entries given
+# (`cmake -E env` arguments); the test fails when it does not configure. Its output: `out_var`.
+function(configure_with_script build out_var)
+  file(REMOVE_RECURSE "${build}")
+  execute_process(
+    COMMAND ${CMAKE_COMMAND} -E env ${ARGN} "OPTAMP_BUILD_DIR=${build}"
+            "OPTAMP_PYTHON=${OPTAMP_PYTHON}"
+            bash -c "source '${OPTAMP_SOURCE_DIR}/scripts/common.sh' && optamp_configure"
+    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "scripts/common.sh did not configure (environment: ${ARGN}):\n${out}")
+  endif()
+  set(${out_var} "${out}" PARENT_SCOPE)
+endfunction()
+
+# The C++ compiler a configured build directory uses.
+function(cached_cxx_compiler build out_var)
+  file(STRINGS "${build}/CMakeCache.txt" used REGEX "^CMAKE_CXX_COMPILER:")
+  string(REGEX REPLACE "^[^=]*=" "" used "${used}")
+  set(${out_var} "${used}" PARENT_SCOPE)
+endfunction()
+
 configure_expecting_refusal(static_flags
   "links the C\\+\\+ runtime \\(libstdc\\+\\+\\) statically into SHARED and MODULE libraries.*remove -static-libstdc\\+\\+"
   -DCMAKE_CXX_COMPILER=${OPTAMP_CXX}
@@ -84,18 +106,9 @@ message(STATUS "static_compiler: the refusal names ${named}")
 
 # scripts/common.sh repairs it: it configures again with the compiler the refusal named.
 set(build "${OPTAMP_WORK_DIR}/script_repair")
-file(REMOVE_RECURSE "${build}")
-execute_process(
-  COMMAND ${CMAKE_COMMAND} -E env "CXX=${wrapper}" "OPTAMP_BUILD_DIR=${build}"
-          "OPTAMP_PYTHON=${OPTAMP_PYTHON}"
-          "OPTAMP_CMAKE_ARGS=-DOPTAMP_BUILD_TESTS=OFF -DOPTAMP_BUILD_EXAMPLES=OFF -DOPTAMP_WITH_CUDA=OFF"
-          bash -c "source '${OPTAMP_SOURCE_DIR}/scripts/common.sh' && optamp_configure"
-  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "scripts/common.sh did not configure with another compiler:\n${out}")
-endif()
-file(STRINGS "${build}/CMakeCache.txt" used REGEX "^CMAKE_CXX_COMPILER:")
-string(REGEX REPLACE "^[^=]*=" "" used "${used}")
+configure_with_script("${build}" out "CXX=${wrapper}"
+  "OPTAMP_CMAKE_ARGS=-DOPTAMP_BUILD_TESTS=OFF -DOPTAMP_BUILD_EXAMPLES=OFF -DOPTAMP_WITH_CUDA=OFF")
+cached_cxx_compiler("${build}" used)
 string(FIND "${out}" "configuring with ${named} instead" said)
 if(NOT used STREQUAL named OR said EQUAL -1)
   message(FATAL_ERROR "scripts/common.sh: expected a configure with ${named} (and a line saying "
@@ -117,22 +130,12 @@ foreach(name g++ c++)
   file(CHMOD "${site}/${name}" PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE)
 endforeach()
 set(build "${OPTAMP_WORK_DIR}/script_repair_cuda")
-file(REMOVE_RECURSE "${build}")
-execute_process(
-  COMMAND ${CMAKE_COMMAND} -E env --unset=CXX --unset=CUDAHOSTCXX "PATH=${site}:$ENV{PATH}"
-          "OPTAMP_BUILD_DIR=${build}" "OPTAMP_PYTHON=${OPTAMP_PYTHON}"
-          "OPTAMP_CMAKE_ARGS=-DOPTAMP_BUILD_TESTS=OFF -DOPTAMP_BUILD_EXAMPLES=OFF -DOPTAMP_WITH_CUDA=ON"
-          bash -c "source '${OPTAMP_SOURCE_DIR}/scripts/common.sh' && optamp_configure"
-  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "with the static-runtime g++ first on PATH, scripts/common.sh did not "
-                      "configure:\n${out}")
-endif()
+configure_with_script("${build}" out --unset=CXX --unset=CUDAHOSTCXX "PATH=${site}:$ENV{PATH}"
+  "OPTAMP_CMAKE_ARGS=-DOPTAMP_BUILD_TESTS=OFF -DOPTAMP_BUILD_EXAMPLES=OFF -DOPTAMP_WITH_CUDA=ON")
 file(GLOB detected "${build}/CMakeFiles/*/CMakeCUDACompiler.cmake")
 file(STRINGS "${detected}" host REGEX "^set\\(CMAKE_CUDA_HOST_COMPILER ")
 string(REGEX REPLACE "^[^\"]*\"([^\"]*)\".*" "\\1" host "${host}")
-file(STRINGS "${build}/CMakeCache.txt" used REGEX "^CMAKE_CXX_COMPILER:")
-string(REGEX REPLACE "^[^=]*=" "" used "${used}")
+cached_cxx_compiler("${build}" used)
 if(NOT used STREQUAL named OR NOT host STREQUAL named)
   message(FATAL_ERROR "with the static-runtime g++ first on PATH: expected ${named} as the C++ "
                       "and the CUDA host compiler, got '${used}' and '${host}':\n${out}")
@@ -144,20 +147,14 @@ message(STATUS "with the static-runtime g++ first on PATH, C++ and CUDA host com
 # probed too, and refused when it links the runtime statically, naming one that does not.
 find_program(clangxx NAMES clang++ NO_CACHE)
 if(clangxx)
-  set(build "${OPTAMP_WORK_DIR}/clang_with_static_host")
-  file(REMOVE_RECURSE "${build}")
-  execute_process(
-    COMMAND ${CMAKE_COMMAND} -E env --unset=CUDAHOSTCXX "PATH=${site}:$ENV{PATH}"
-            ${CMAKE_COMMAND} -S "${OPTAMP_SOURCE_DIR}" -B "${build}"
-            -DCMAKE_CXX_COMPILER=${clangxx} -DPython3_EXECUTABLE=${OPTAMP_PYTHON}
-            -DOPTAMP_BUILD_TESTS=OFF -DOPTAMP_BUILD_EXAMPLES=OFF -DOPTAMP_WITH_CUDA=ON
-    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
-  string(REGEX REPLACE "[ \n]+" " " flat "${out}")
-  if(rc EQUAL 0 OR NOT flat MATCHES "the CUDA host compiler ${site}/g\\+\\+ links the C\\+\\+ runtime .*-DCMAKE_CUDA_HOST_COMPILER=/")
-    message(FATAL_ERROR "clang++ with the static-runtime g++ first on PATH: expected the CUDA host "
-                        "compiler's refusal, got exit ${rc}:\n${out}")
-  endif()
-  file(REMOVE_RECURSE "${build}")
-  message(STATUS "clang++ with the static-runtime g++ first on PATH: refused as expected")
+  set(path "$ENV{PATH}")
+  set(ENV{PATH} "${site}:${path}")
+  unset(ENV{CUDAHOSTCXX})
+  configure_expecting_refusal(clang_with_static_host
+    "the CUDA host compiler ${site}/g\\+\\+ links the C\\+\\+ runtime .*-DCMAKE_CUDA_HOST_COMPILER=/"
+    -DCMAKE_CXX_COMPILER=${clangxx} -DPython3_EXECUTABLE=${OPTAMP_PYTHON}
+    -DOPTAMP_BUILD_TESTS=OFF -DOPTAMP_BUILD_EXAMPLES=OFF -DOPTAMP_WITH_CUDA=ON)
+  set(ENV{PATH} "${path}")
+  file(REMOVE_RECURSE "${OPTAMP_WORK_DIR}/clang_with_static_host")
 endif()
 file(REMOVE_RECURSE "${OPTAMP_WORK_DIR}/site-gcc")
