@@ -509,7 +509,7 @@ inline void profile_configs(Workload& wl, const torch::Device& device, const Har
   }
   const char* what = device.is_cuda() ? "kernels" : "operators";
   for (const auto& [c, mine] : profiled) {
-    if (c.empty() || c[0] != 'O') continue;
+    if (!is_optamp_config(c)) continue;
     const std::string ref =
         (c.rfind("O4", 0) == 0 || c.rfind("O5", 0) == 0) ? "native_bf16" : "native";
     const auto theirs = profiled.find(ref);
