@@ -132,6 +132,23 @@ TEST_P(InitializeOnDevice, O2OneWorkingCopyPerParamReusedAndRefreshedPerStep) {
 // The working copy ops see for `master` now (through a view, which is substituted).
 at::Tensor working_copy(const at::Tensor& master) { return master.view(master.sizes()); }
 
+// The working copies ops see now, one per reduced parameter (held: their storages cannot be
+// freed and their addresses reused while the test compares them).
+std::vector<at::Tensor> working_copies(Net& net) {
+  std::vector<at::Tensor> copies;
+  for (const auto& p : net->named_parameters()) {
+    if (!is_batchnorm_param(p.key())) copies.push_back(working_copy(p.value()));
+  }
+  return copies;
+}
+
+// The distinct storages (blocks) `copies` live in.
+std::set<const c10::StorageImpl*> storages_of(const std::vector<at::Tensor>& copies) {
+  std::set<const c10::StorageImpl*> blocks;
+  for (const auto& t : copies) blocks.insert(t.storage().unsafeGetStorageImpl());
+  return blocks;
+}
+
 // After the first step, a step's working copies are made together at the first use of any of
 // them: one block per device and dtype (batched_cast.h), one multi-tensor copy. Between steps
 // none is held: the optimizer step runs without them, as it did when each was cast on its own.
@@ -147,15 +164,12 @@ TEST_P(InitializeOnDevice, O2WorkingCopiesAreMadeTogetherAndFreedBeforeTheStep) 
     opt->zero_grad();
     auto out = net->forward(b.x, b.tag);
     std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
-    std::set<const c10::StorageImpl*> blocks;
-    for (const auto& p : net->named_parameters()) {
-      if (is_batchnorm_param(p.key())) continue;
-      const auto storage = working_copy(p.value()).storage();
-      storages.emplace_back(storage.getWeakStorageImpl());
-      blocks.insert(storage.unsafeGetStorageImpl());
+    {
+      const auto copies = working_copies(net);
+      for (const auto& c : copies) storages.emplace_back(c.storage().getWeakStorageImpl());
+      // The first step casts each on its own: no step before it said which to make together.
+      EXPECT_EQ(storages_of(copies).size(), step == 0 ? reduced_params : 1u) << "step " << step;
     }
-    // The first step casts each on its own: no step before it said which to make together.
-    EXPECT_EQ(blocks.size(), step == 0 ? reduced_params : 1u) << "step " << step;
     {
       auto scaled = scale_loss(at::cross_entropy_loss(out, b.y), *opt);
       scaled.backward();
@@ -212,20 +226,9 @@ TEST_F(Initialize, O2ReCastFollowsAParameterFrozenAndThawedBetweenSteps) {
   }
 }
 
-// The working copies ops see now, one per reduced parameter (held: their storages cannot be
-// freed and their addresses reused while the test compares them).
-std::vector<at::Tensor> working_copies(Net& net) {
-  std::vector<at::Tensor> copies;
-  for (const auto& p : net->named_parameters()) {
-    if (!is_batchnorm_param(p.key())) copies.push_back(working_copy(p.value()));
-  }
-  return copies;
-}
-
 // How many of `a`'s storages are among `b`'s.
 std::size_t shared_storages(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  std::set<const c10::StorageImpl*> in_b;
-  for (const auto& t : b) in_b.insert(t.storage().unsafeGetStorageImpl());
+  const auto in_b = storages_of(b);
   std::size_t shared = 0;
   for (const auto& t : a) shared += in_b.count(t.storage().unsafeGetStorageImpl());
   return shared;
@@ -280,9 +283,7 @@ TEST_F(Initialize, O2TheFirstUseInACaptureMakesTheStepsBatchThere) {
     const testing::SimulatedCapture capture(3);
     captured = working_copies(net);
   }
-  std::set<const c10::StorageImpl*> blocks;
-  for (const auto& c : captured) blocks.insert(c.storage().unsafeGetStorageImpl());
-  EXPECT_EQ(blocks.size(), 1u);  // one batch
+  EXPECT_EQ(storages_of(captured).size(), 1u);  // one batch
   EXPECT_EQ(shared_storages(working_copies(net), captured), 0u);
   expect_copies_are_rounded_masters(net, "after the captured batch");
 }
