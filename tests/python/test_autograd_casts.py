@@ -11,7 +11,10 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
-from common_utils import Mlp, init
+import optamp
+
+from common_utils import Mlp, init, tol
+from op_cases import CPU_AND_CUDA
 
 
 def _node_names(t):
@@ -185,3 +188,47 @@ def test_apex_fp32_gelu_is_one_op_with_the_cast_paths_gradients(fresh, level, lo
     F.cross_entropy(out, y).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def _log_softmax_input_dtypes(fn):
+    """The dtype of the first argument of every aten::log_softmax / aten::_log_softmax call."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        fn()
+    return [(e.name(), e.dtypes()[0]) for e in prof.profiler.kineto_results.events()
+            if e.name() in ("aten::log_softmax", "aten::_log_softmax")]
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+@pytest.mark.parametrize("level,low", [("O1", torch.float16), ("O2", torch.float16),
+                                       ("O4", torch.bfloat16), ("O5", torch.bfloat16)])
+def test_cross_entropy_reads_reduced_logits_without_a_widened_copy(fresh, level, low, device):
+    """Apex runs cross_entropy in fp32. Of fp16/bf16 logits optamp asks log_softmax for an fp32
+    result (as native autocast's decomposition does) instead of widening the logits first: on
+    CUDA, fp16 logits then go through one kernel each way with no fp32 copy of them. The values
+    and gradients are the cast path's (bit for bit on the CPU)."""
+    init(Mlp().to(device), opt_level=level)
+    logits = torch.randn(6, 10, device=device).to(low).requires_grad_()
+    reference = logits.detach().clone().requires_grad_()
+    y = torch.randint(10, (6,), device=device)
+    with optamp.disable_casts():
+        expected = F.cross_entropy(reference.float(), y)
+        expected.backward()
+    loss = None
+
+    def run():
+        nonlocal loss
+        loss = F.cross_entropy(logits, y)
+
+    calls = _log_softmax_input_dtypes(run)
+    low_name = {torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16"}[low]
+    assert calls[0] == ("aten::log_softmax", low_name), calls
+    if device == "cuda" and low == torch.float16:
+        assert ("aten::_log_softmax", low_name) in calls, calls  # read, not widened first
+    loss.backward()
+    assert loss.dtype == torch.float32 and logits.grad.dtype == low
+    if device == "cpu":
+        assert torch.equal(loss, expected) and torch.equal(logits.grad, reference.grad)
+    else:
+        torch.testing.assert_close(loss, expected, **tol(torch.float32))
+        torch.testing.assert_close(logits.grad, reference.grad, **tol(low))

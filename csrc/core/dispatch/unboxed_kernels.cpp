@@ -11,6 +11,8 @@
 #include <utility>
 
 #include "cache/autograd_cast.h"
+#include "cache/cast_cache.h"
+#include "common/dtypes.h"
 #include "dispatch/carried_state.h"
 #include "dispatch/tensor_args.h"
 #include "ops/widened_gelu.h"
@@ -38,6 +40,37 @@ struct Fused<at::_ops::gelu> {
     auto result = widened_gelu(self, approximate, records_autograd_now());
     if (result) k.log_cast(self.scalar_type(), p);
     return result;
+  }
+};
+
+// Apex's fp32 cross_entropy of fp16/bf16 logits without a widened copy of the logits: the loss
+// is log_softmax + nll_loss (torch's own decomposition for class-index targets), and log_softmax
+// is asked for an fp32 result of the reduced input, as native autocast asks it. On CUDA an fp16
+// input then takes one kernel that reads fp16 and writes fp32, whose backward writes the fp16
+// gradient: the cast path's fp32 copy of the logits (the largest activation of a language model)
+// and the narrowing of its gradient are not made. Elsewhere (bf16, the CPU) torch widens inside
+// log_softmax: the cast path's ops, bit for bit. Probability targets and label smoothing take the
+// cast path.
+template <>
+struct Fused<at::_ops::cross_entropy_loss> {
+  static std::optional<at::Tensor> call(const CastKernel& k, const CallPlan& p,
+                                        const at::Tensor& self, const at::Tensor& target,
+                                        const std::optional<at::Tensor>& weight, int64_t reduction,
+                                        const c10::SymInt& ignore_index, double label_smoothing) {
+    if (p.target != c10::ScalarType::Float || !is_reduced_float(self.scalar_type()) ||
+        self.dim() == 0 || target.is_floating_point() || label_smoothing != 0.0 ||
+        self.sym_sizes() == target.sym_sizes()) {
+      return std::nullopt;
+    }
+    std::optional<at::Tensor> cast_weight = weight;
+    if (weight) {
+      if (auto cast = k.cast_argument(*weight, p)) cast_weight = std::move(cast);
+    }
+    k.log_cast(self.scalar_type(), p);
+    count_cast();  // the widening of the logits, as the cast it replaces counted
+    const int64_t class_dim = self.dim() == 1 ? 0 : 1;
+    const auto log_probs = at::_ops::log_softmax_int::call(self, class_dim, c10::ScalarType::Float);
+    return at::_ops::nll_loss_nd::call(log_probs, target, cast_weight, reduction, ignore_index);
   }
 };
 
@@ -95,6 +128,7 @@ struct HotOp {
 // matmuls and adds come through here too, only to be passed on). None has a `dtype` argument
 // (those keep the boxed kernel, which handles it). native_layer_norm: where layer_norm is not
 // cast (O2/O5), the call it makes comes back through the key, once per layer norm.
+// cross_entropy_loss: for its fused replacement above.
 const HotOp kHotOps[] = {
     HotOp::of<at::_ops::mm>(),
     HotOp::of<at::_ops::addmm>(),
@@ -111,6 +145,7 @@ const HotOp kHotOps[] = {
     HotOp::of<at::_ops::conv2d>(),
     HotOp::of<at::_ops::scaled_dot_product_attention>(),
     HotOp::of<at::_ops::native_layer_norm>(),
+    HotOp::of<at::_ops::cross_entropy_loss>(),
 };
 
 }  // namespace

@@ -4,7 +4,7 @@
 // approximation (approximate="tanh"). The formulas and their order of operations are those of
 // torch's own fp32 GELU kernels, so the fused kernel gives an fp32 GELU of the widened input, as
 // the op it replaces (a cast to fp32, then torch's GELU) does. The CPU runs the op as those torch
-// ops themselves; tests/cpp/test_widened_gelu.cpp checks these functions against them.
+// ops themselves; tests/cpp/test_fused_casts.cpp checks these functions against them.
 #include <c10/macros/Macros.h>
 
 #include <cmath>

@@ -1,16 +1,24 @@
-// Apex's fp32 GELU through optamp::widened_gelu (ops/widened_gelu.h): the same values and
-// gradients as casting the input to fp32 and calling torch's GELU (bit for bit on the CPU, where
-// the op runs those torch ops; within fp32 rounding on CUDA, where one fused kernel does), one
-// node in the graph, and the reduced copy of the result handed to the next lower op.
+// Casts done by a fused replacement instead of a cast and the op (unboxed_kernels.cpp, Fused<Op>):
+// the cast path's values and gradients (bit for bit on the CPU; within the reduced dtype's
+// rounding on CUDA, where one kernel does the work), with fewer passes over the activation.
+//
+// Apex's fp32 GELU through optamp::widened_gelu (ops/widened_gelu.h): one node in the graph, and
+// the reduced copy of the result handed to the next lower op.
+// Apex's fp32 cross_entropy of reduced logits: log_softmax reads the reduced logits and writes
+// fp32 (one kernel on CUDA for fp16), as native autocast's decomposition does.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <ATen/record_function.h>
+
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "cache/companion_casts.h"
 #include "casting_test.h"
@@ -82,15 +90,16 @@ TEST(CompanionCasts, DroppedAtTheStepEventAndByClearCache) {
 
 using Param = std::tuple<at::DeviceType, const char*, at::ScalarType>;
 
-class WidenedGelu : public Casting, public ::testing::WithParamInterface<Param> {
+// The fixture of both: a device, and the reduced dtype at O1 (fp16) or O4 (bf16).
+class FusedCast : public Casting {
  protected:
-  void SetUp() override {
-    OPTAMP_SKIP_UNLESS_VISIBLE(device());
+  void set_up(at::DeviceType device, at::ScalarType low) {
+    device_ = device;
+    low_ = low;
     detail::drop_companions();
   }
-  at::DeviceType device() const { return std::get<0>(GetParam()); }
-  const char* approximate() const { return std::get<1>(GetParam()); }
-  at::ScalarType low() const { return std::get<2>(GetParam()); }
+  at::DeviceType device() const { return device_; }
+  at::ScalarType low() const { return low_; }
   const char* level() const { return low() == at::kHalf ? "O1" : "O4"; }
   at::Tensor leaf(at::IntArrayRef shape, at::ScalarType dtype) const {
     return at::randn(shape, at::TensorOptions().dtype(at::kFloat).device(device()))
@@ -114,6 +123,19 @@ class WidenedGelu : public Casting, public ::testing::WithParamInterface<Param> 
       EXPECT_TRUE(testing::all_close(got.to(at::kFloat).cpu(), w, tol)) << what;
     }
   }
+
+ private:
+  at::DeviceType device_ = at::kCPU;
+  at::ScalarType low_ = at::kHalf;
+};
+
+class WidenedGelu : public FusedCast, public ::testing::WithParamInterface<Param> {
+ protected:
+  void SetUp() override {
+    OPTAMP_SKIP_UNLESS_VISIBLE(std::get<0>(GetParam()));
+    set_up(std::get<0>(GetParam()), std::get<2>(GetParam()));
+  }
+  const char* approximate() const { return std::get<1>(GetParam()); }
 };
 
 // MLP-shaped: x (reduced) -> gelu -> linear(w) -> loss. The reference writes the casts out.
@@ -190,6 +212,153 @@ INSTANTIATE_TEST_SUITE_P(Levels, WidenedGelu,
                          [](const ::testing::TestParamInfo<Param>& info) {
                            return std::string(std::get<1>(info.param)) + "_" +
                                   (std::get<2>(info.param) == at::kHalf ? "fp16" : "bf16") +
+                                  testing::device_suffix(std::get<0>(info.param));
+                         });
+
+// ---- cross_entropy of fp16/bf16 logits ----
+
+// The dtype of the first argument of every `name` call that fn makes on this thread, nested calls
+// included.
+std::vector<at::ScalarType> first_input_dtypes(const std::string& name,
+                                               const std::function<void()>& fn) {
+  static thread_local std::vector<at::ScalarType>* sink = nullptr;
+  static thread_local const std::string* wanted = nullptr;
+  std::vector<at::ScalarType> seen;
+  sink = &seen;
+  wanted = &name;
+  auto enter = [](const at::RecordFunction& f) -> std::unique_ptr<at::ObserverContext> {
+    const auto inputs = f.inputs();
+    if (sink != nullptr && f.name() == *wanted && !inputs.empty() && inputs[0].isTensor()) {
+      sink->push_back(inputs[0].toTensor().scalar_type());
+    }
+    return nullptr;
+  };
+  const auto handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(enter).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+  fn();
+  at::removeCallback(handle);
+  sink = nullptr;
+  return seen;
+}
+
+using LossParam = std::tuple<at::DeviceType, at::ScalarType>;
+
+class CrossEntropy : public FusedCast, public ::testing::WithParamInterface<LossParam> {
+ protected:
+  void SetUp() override {
+    OPTAMP_SKIP_UNLESS_VISIBLE(std::get<0>(GetParam()));
+    set_up(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  }
+  // The levels whose rules run the loss in fp32 for this dtype: O1 and O2 (fp16), O4 and O5 (bf16).
+  std::vector<const char*> levels() const {
+    if (low() == at::kHalf) return {"O1", "O2"};
+    return {"O4", "O5"};
+  }
+  at::Tensor classes(at::IntArrayRef shape, int64_t count) const {
+    return at::randint(count, shape, at::TensorOptions().dtype(at::kLong).device(device()));
+  }
+  // The loss (and the logits' gradient) under `level` against the cast path written out: the
+  // logits widened to fp32, then torch's cross_entropy.
+  void expect_cast_paths(const char* level, const at::Tensor& logits,
+                         const std::function<at::Tensor(const at::Tensor&)>& loss_of,
+                         const std::string& what) {
+    const auto reference = logits.detach().clone().requires_grad_();
+    const auto want = loss_of(reference.to(at::kFloat));
+    want.sum().backward();
+    const auto input = logits.detach().clone().requires_grad_();
+    enable(level);
+    const auto got = loss_of(input);
+    got.sum().backward();
+    detail::activate_thread(false);
+    expect_same(got, want, what + " at " + level);
+    expect_same(input.grad(), reference.grad(), what + " gradient at " + level);
+  }
+};
+
+TEST_P(CrossEntropy, ValuesAndGradientsAreThoseOfTheCastPath) {
+  const auto logits = leaf({12, 10}, low());
+  auto target = classes({12}, 10);
+  target[3] = 7;
+  const auto weight = at::rand({10}, at::TensorOptions().device(device())) + 0.5;
+  for (const char* level : levels()) {
+    expect_cast_paths(
+        level, logits, [&](const at::Tensor& x) { return at::cross_entropy_loss(x, target); },
+        "mean");
+    expect_cast_paths(
+        level, logits,
+        [&](const at::Tensor& x) {
+          return at::cross_entropy_loss(x, target, weight, at::Reduction::Sum, 7);
+        },
+        "weighted sum, ignore_index");
+    const auto spatial = leaf({2, 5, 3, 4}, low());  // classes in dim 1
+    const auto spatial_target = classes({2, 3, 4}, 5);
+    expect_cast_paths(
+        level, spatial,
+        [&](const at::Tensor& x) {
+          return at::cross_entropy_loss(x, spatial_target, {}, at::Reduction::None);
+        },
+        "per element");
+    const auto one = leaf({6}, low());  // an unbatched input: classes in dim 0
+    const auto one_target = classes({}, 6);
+    expect_cast_paths(
+        level, one, [&](const at::Tensor& x) { return at::cross_entropy_loss(x, one_target); },
+        "unbatched");
+  }
+}
+
+// What the replacement saves: log_softmax reads the reduced logits (on CUDA with fp16, one kernel
+// writes fp32 from them) instead of a widened copy, counted as the cast it replaces.
+TEST_P(CrossEntropy, LogSoftmaxReadsTheReducedLogits) {
+  const auto logits = leaf({8, 10}, low());
+  const auto target = classes({8}, 10);
+  for (const char* level : levels()) {
+    enable(level);
+    at::Tensor loss;
+    const auto before = cast_count();
+    const auto dtypes = first_input_dtypes("aten::log_softmax",
+                                           [&] { loss = at::cross_entropy_loss(logits, target); });
+    EXPECT_EQ(cast_count() - before, 1) << level;
+    EXPECT_EQ(loss.scalar_type(), at::kFloat) << level;
+    EXPECT_EQ(dtypes, std::vector<at::ScalarType>{low()}) << level;
+    if (device() == at::kCUDA && low() == at::kHalf) {
+      const auto inner =
+          first_input_dtypes("aten::_log_softmax", [&] { at::cross_entropy_loss(logits, target); });
+      EXPECT_EQ(inner, std::vector<at::ScalarType>{at::kHalf}) << "no widened copy at " << level;
+    }
+  }
+}
+
+// Probability targets and label smoothing keep the cast: the same values, through a widened copy.
+TEST_P(CrossEntropy, ProbabilityTargetsAndLabelSmoothingTakeTheCastPath) {
+  const auto logits = leaf({8, 10}, low());
+  const auto target = classes({8}, 10);
+  const auto probabilities =
+      at::softmax(at::randn({8, 10}, at::TensorOptions().device(device())), 1);
+  for (const char* level : levels()) {
+    expect_cast_paths(
+        level, logits,
+        [&](const at::Tensor& x) {
+          return at::cross_entropy_loss(x, target, {}, at::Reduction::Mean, -100, 0.1);
+        },
+        "label smoothing");
+    expect_cast_paths(
+        level, logits,
+        [&](const at::Tensor& x) { return at::cross_entropy_loss(x, probabilities); },
+        "probabilities");
+    enable(level);
+    const auto dtypes = first_input_dtypes("aten::log_softmax",
+                                           [&] { at::cross_entropy_loss(logits, probabilities); });
+    ASSERT_FALSE(dtypes.empty());
+    EXPECT_EQ(dtypes.front(), at::kFloat) << level;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, CrossEntropy,
+                         ::testing::Combine(testing::kDevices,
+                                            ::testing::Values(at::kHalf, at::kBFloat16)),
+                         [](const ::testing::TestParamInfo<LossParam>& info) {
+                           return std::string(std::get<1>(info.param) == at::kHalf ? "fp16"
+                                                                                   : "bf16") +
                                   testing::device_suffix(std::get<0>(info.param));
                          });
 
