@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/StringUtil.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
@@ -14,6 +15,7 @@
 
 #include "casting_test.h"
 #include "common/step_events.h"
+#include "simulated_capture.h"
 #include "test_util.h"
 
 namespace amp {
@@ -80,6 +82,44 @@ TEST_F(Casting, CacheRefreshesAfterInPlaceUpdates) {
   EXPECT_EQ(cache_size(), 0u);
   auto third = at::linear(x, w);
   EXPECT_TRUE(at::equal(third, at::linear(x.to(at::kHalf), w.detach().to(at::kHalf))));
+}
+
+// A stale copy is released before its replacement is made, so the replacement does not take over
+// the parameter's grad accumulator through it: on CUDA that node keeps the stream it was made on,
+// and an eager copy replaced inside a graph capture would have the captured backward accumulate
+// on the default stream. A node something else holds (a live graph) is shared, as torch keeps one
+// accumulator per parameter.
+TEST_F(Casting, AStaleCopyIsReleasedBeforeItsReplacementIsMade) {
+  enable("O1");
+  auto w = randn({4, 3}).requires_grad_();
+  const auto x = randn({2, 3});
+  auto accumulator = [&w] {
+    return std::weak_ptr<torch::autograd::Node>(torch::autograd::impl::try_get_grad_accumulator(w));
+  };
+  at::linear(x, w);  // the cached copy alone holds w's accumulator
+  const auto eager = accumulator();
+  ASSERT_FALSE(eager.expired());
+  {
+    const SimulatedCapture capture(5);
+    at::linear(x, w);  // made eagerly: stale in the capture
+    EXPECT_TRUE(eager.expired()) << "the capture's copy took over the eager copy's accumulator";
+  }
+  const auto captured = accumulator();
+  ASSERT_FALSE(captured.expired());
+  at::linear(x, w);  // the capture's copy is stale outside it
+  EXPECT_TRUE(captured.expired());
+
+  const auto kept = at::linear(x, w);  // its graph holds the accumulator too
+  const auto shared = accumulator();
+  {
+    c10::NoGradGuard no_grad;
+    w.add_(1.0);  // stale by its version
+  }
+  const auto after = at::linear(x, w);
+  EXPECT_EQ(accumulator().lock(), shared.lock());
+  (kept.sum() + after.sum()).backward();
+  const auto g16 = at::ones({2, 4}, at::kHalf);
+  EXPECT_TRUE(at::equal(w.grad(), (at::mm(g16.t(), x.to(at::kHalf)) * 2).to(at::kFloat)));
 }
 
 TEST_F(Casting, CacheSeparatesNoGradFromGradEntries) {

@@ -251,11 +251,16 @@ def test_cuda_steps_with_a_fused_optimizer_never_sync(fresh, level, kind):
 
 
 @pytest.mark.needs_cuda
+@pytest.mark.parametrize("forward_before_capture", [False, True])
 @pytest.mark.parametrize("level", ["O2", "O5"])
-def test_cuda_graph_replays_match_eager_steps_bit_for_bit(fresh, level):
+def test_cuda_graph_replays_match_eager_steps_bit_for_bit(fresh, level, forward_before_capture):
     """The recipe of docs/loss_scaling.md ("CUDA graphs"): the whole step (forward, scale_loss,
     backward, fused step) captured once and replayed gives the eager run's parameters and scale,
-    bit for bit."""
+    bit for bit. With an eager forward on the default stream just before the capture, its cached
+    copies (which hold the parameters' grad accumulators, made on that stream) are released
+    before the capture makes its own: had the capture's copies taken those nodes over, the
+    captured backward would accumulate on the default stream (torch warns of an AccumulateGrad
+    node kept alive from before the iteration, and the capture breaks)."""
     batches = [batch(i, "cuda") for i in range(7)]
 
     def build():
@@ -290,13 +295,18 @@ def test_cuda_graph_replays_match_eager_steps_bit_for_bit(fresh, level):
             static_x.copy_(b)
             step()
     torch.cuda.current_stream().wait_stream(side)
+    if forward_before_capture:
+        model(static_x).float().sum()  # a forward with grad, never stepped: its copies stay cached
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(zero_grad=False)
-    for b in batches[3:]:
-        static_x.copy_(b)
-        graph.replay()
-    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.cuda.graph(graph):
+            step(zero_grad=False)
+        for b in batches[3:]:
+            static_x.copy_(b)
+            graph.replay()
+        torch.cuda.synchronize()
+    assert not [w for w in caught if "AccumulateGrad" in str(w.message)]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager))
     assert torch.equal(optamp.loss_scaler().scale_tensor, eager_scale)
 

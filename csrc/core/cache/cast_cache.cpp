@@ -62,12 +62,27 @@ class CastCache {
     const Key key{source.unsafeGetTensorImpl(), dtype, records_autograd_now()};
     const std::uint64_t capture = ops::stream_capture_id(source.device());
     std::vector<Entry> dropped;  // destroyed after the lock is released (see clear())
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
     auto it = entries_.find(key);
     if (it != entries_.end() && it->second.generation != generation_ && it->second.recast) {
       // The first use after the weights may change.
       recast_previous_generation(dtype, source.device(), capture, dropped);
       it = entries_.find(key);
+    }
+    if (it != entries_.end() && !is_current(it->second, source, capture)) {
+      // A stale copy is released before its replacement is made. It holds the source's grad
+      // accumulator as its gradient edge, and the new copy would take over that node, with the
+      // stream it was made on: an eager copy replaced inside a CUDA graph capture would have the
+      // captured backward accumulate on the default stream, which breaks the capture (torch
+      // warns of "an AccumulateGrad node created prior to the current iteration being kept
+      // alive"). Released, and held nowhere else, the node goes, and the new copy makes its own.
+      at::Tensor stale_copy = std::move(it->second.cast);
+      dropped.push_back(std::move(it->second));
+      entries_.erase(it);
+      lock.unlock();
+      stale_copy.reset();  // outside the lock (see clear())
+      lock.lock();
+      it = entries_.find(key);  // another thread may have cast it meanwhile
     }
     if (it != entries_.end() && is_current(it->second, source, capture)) {
       it->second.hit_since_sweep = true;
