@@ -5,7 +5,7 @@
 // Apex's fp32 GELU through optamp::widened_gelu (ops/widened_gelu.h): one node in the graph, and
 // the reduced copy of the result handed to the next lower op.
 // Apex's fp32 cross_entropy of reduced logits: log_softmax reads the reduced logits and writes
-// fp32 (one kernel on CUDA for fp16), as native autocast's decomposition does.
+// fp32 (one kernel on CUDA for fp16) instead of widening them first.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>

@@ -204,7 +204,7 @@ def _log_softmax_input_dtypes(fn):
                                        ("O4", torch.bfloat16), ("O5", torch.bfloat16)])
 def test_cross_entropy_reads_reduced_logits_without_a_widened_copy(fresh, level, low, device):
     """Apex runs cross_entropy in fp32. Of fp16/bf16 logits optamp asks log_softmax for an fp32
-    result (as native autocast's decomposition does) instead of widening the logits first: on
+    result instead of widening the logits first: on
     CUDA, fp16 logits then go through one kernel each way with no fp32 copy of them. The values
     and gradients are the cast path's (bit for bit on the CPU)."""
     init(Mlp().to(device), opt_level=level)

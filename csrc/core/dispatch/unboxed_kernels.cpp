@@ -45,12 +45,11 @@ struct Fused<at::_ops::gelu> {
 
 // Apex's fp32 cross_entropy of fp16/bf16 logits without a widened copy of the logits: the loss
 // is log_softmax + nll_loss (torch's own decomposition for class-index targets), and log_softmax
-// is asked for an fp32 result of the reduced input, as native autocast asks it. On CUDA an fp16
-// input then takes one kernel that reads fp16 and writes fp32, whose backward writes the fp16
-// gradient: the cast path's fp32 copy of the logits (the largest activation of a language model)
-// and the narrowing of its gradient are not made. Elsewhere (bf16, the CPU) torch widens inside
-// log_softmax: the cast path's ops, bit for bit. Probability targets and label smoothing take the
-// cast path.
+// is asked for an fp32 result of the reduced input. On CUDA an fp16 input then takes one kernel
+// that reads fp16 and writes fp32, whose backward writes the fp16 gradient: the cast path's fp32
+// copy of the logits (the largest activation of a language model) and the narrowing of its gradient
+// are not made. Elsewhere (bf16, the CPU) torch widens inside log_softmax: the cast path's ops, bit
+// for bit. Probability targets and label smoothing take the cast path.
 template <>
 struct Fused<at::_ops::cross_entropy_loss> {
   static std::optional<at::Tensor> call(const CastKernel& k, const CallPlan& p,
