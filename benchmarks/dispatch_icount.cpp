@@ -53,8 +53,13 @@ constexpr std::int64_t kBackwardBatch = 2;
 // gpt_step's GPT: the same layers at d 8, seq 8 (batch 1), so small that the CPU's kernels (at
 // d 32 its fp16 matmuls were two thirds of a step's instructions, work a GPU does on the device)
 // leave what a step costs the host: dispatch, casting, autograd, the optimizer's bookkeeping.
-// benchmarks/step_icount.py uses the same sizes.
-constexpr bench::GPTOptions kStepGpt{64, 8, 2, 8, 2};
+// benchmarks/step_icount.py uses the same sizes. Two layers unless STEP_ICOUNT_LAYERS says
+// otherwise (12: GPT-2 small's depth and its 148 parameters; the cast cache's bookkeeping
+// depends on how many tensors a step casts, not only on the ops per layer).
+bench::GPTOptions step_gpt() {
+  const char* layers = std::getenv("STEP_ICOUNT_LAYERS");
+  return {64, 8, layers != nullptr ? std::atoi(layers) : 2, 8, 2};
+}
 constexpr std::int64_t kStepBatch = 1;
 
 struct Models : torch::nn::Module {
@@ -209,14 +214,14 @@ int main(int argc, char** argv) {
   g_case = argv[2];
   const int n = std::atoi(argv[3]);
   const bool step_case = g_case == "gpt_step";
-  g_models = new Models(step_case ? kStepGpt : kBackwardGpt);
+  g_models = new Models(step_case ? step_gpt() : kBackwardGpt);
   g_a = at::randn({8, 8});
   g_a_bf16 = g_a.to(at::kBFloat16);
   g_b = at::randn({8, 8});
   g_b_bf16 = g_b.to(at::kBFloat16).requires_grad_();  // as a working copy: autograd records
   g_images = at::randn({8, 1, 28, 28});
   g_labels = at::randint(10, {8});
-  g_tokens = step_case ? at::randint(kStepGpt.vocab, {kStepBatch, kStepGpt.seq})
+  g_tokens = step_case ? at::randint(step_gpt().vocab, {kStepBatch, step_gpt().seq})
                        : at::randint(kBackwardGpt.vocab, {kBackwardBatch, kBackwardGpt.seq});
   initialize(argv[1]);
   for (int i = 0; i < 5; ++i) run<0>(1);  // warm caches and lazy initialization

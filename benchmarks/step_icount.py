@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Host instructions per training step, Python front: the twin of dispatch_icount's gpt_step.
 
-A GPT-2-shaped model at tiny sizes (vocab 64, seq 8, 2 layers, d_model 8, 2 heads, batch 1) on
-the CPU, so small that its kernels cost almost nothing (at d_model 32 the CPU's fp16 matmuls were
+A GPT-2-shaped model at tiny sizes (vocab 64, seq 8, 2 layers or STEP_ICOUNT_LAYERS, d_model 8,
+2 heads, batch 1) on the CPU, so small that its kernels cost almost nothing (at d_model 32 the CPU's fp16 matmuls were
 two thirds of a step's instructions: work a GPU does on the device), so what is counted is the
 host work a GPU step pays too: Python, dispatch, casting, loss scaling, autograd, the optimizer.
 One step is zero_grad, forward + loss, loss scaling, backward and a fused AdamW step (which
@@ -30,6 +30,7 @@ torch's and Python's start-up code iterate map objects too (importlib among them
 """
 import gc
 import operator
+import os
 import sys
 
 import torch
@@ -38,7 +39,9 @@ import torch.nn.functional as F
 from bench_models import GPT  # a sibling module: the script's directory is on sys.path
 
 MODES = ("fp32", "native_fp16", "native_bf16", "O1", "O2", "O4", "O5")
-SIZES = dict(vocab=64, seq=8, layers=2, d_model=8, heads=2)  # dispatch_icount's kStepGpt
+# dispatch_icount's gpt_step sizes; STEP_ICOUNT_LAYERS=12 for GPT-2 small's depth (148 parameters)
+SIZES = dict(vocab=64, seq=8, layers=int(os.environ.get("STEP_ICOUNT_LAYERS", "2")), d_model=8,
+             heads=2)
 BATCH = 1
 
 

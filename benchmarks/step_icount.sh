@@ -4,6 +4,7 @@
 #   bash benchmarks/step_icount.sh [side:mode ...]
 # C++ modes: noamp native_fp16 optamp_o1 optamp_o2 native optamp_o4 optamp_o5 (native = bf16);
 # Python modes: fp32 native_fp16 native_bf16 O1 O2 O4 O5. About a minute per mode on 2 cores.
+# STEP_ICOUNT_LAYERS=12: the model at GPT-2 small's depth (default 2 layers; about 5x the time).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/common.sh"
 BUILD="$(optamp_build_dir)"

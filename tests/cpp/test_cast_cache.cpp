@@ -10,9 +10,11 @@
 
 #include <algorithm>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "cache/cast_cache.h"
 #include "casting_test.h"
 #include "common/step_events.h"
 #include "simulated_capture.h"
@@ -211,6 +213,34 @@ TEST_F(Casting, CacheStaysBoundedOverManyIterations) {
   EXPECT_LE(peak, 200u);
   // Per iteration: x twice (not cacheable) and the fresh w; `kept` stays cached across sweeps.
   EXPECT_LE(cast_count() - casts_before, 3 * 1000 + 5);
+}
+
+// A model with more cached tensors than the first sweep's threshold (64) keeps them all, and its
+// copies are made together, in one block (batched_cast.h): from the second step on up to 256
+// tensors, from the third for 1000 (the first step keeps its first 256 through the sweeps, each
+// step after it twice as many more). Before, every step's sweeps dropped copies it had just made.
+TEST_F(Casting, ManyParametersStayCachedAndAreReCastTogether) {
+  enable("O1");
+  for (const auto& [params, first_whole_step] : {std::pair{200, 1}, std::pair{1000, 2}}) {
+    std::vector<at::Tensor> weights;
+    for (int i = 0; i < params; ++i) weights.push_back(randn({4, 3}).requires_grad_());
+    for (int step = 0; step < 4; ++step) {
+      std::vector<at::Tensor> copies;  // held through the step: freed blocks are reused
+      std::set<const c10::StorageImpl*> blocks;
+      for (const auto& w : weights) {
+        copies.push_back(detail::cast_through_cache(w, at::kHalf).tensor);
+        blocks.insert(copies.back().storage().unsafeGetStorageImpl());
+      }
+      if (step >= first_whole_step) {
+        EXPECT_EQ(cache_size(), static_cast<std::size_t>(params)) << params << " step " << step;
+        EXPECT_EQ(blocks.size(), 1u) << params << " step " << step;
+      }
+      copies.clear();
+      detail::notify_weights_may_change();  // the step
+    }
+    EXPECT_EQ(detail::cache_entries_waiting_for_recast(), static_cast<std::size_t>(params));
+    clear_cache();
+  }
 }
 
 TEST_F(Casting, RealOptimizerStepIsSeenByTheNextForward) {

@@ -329,7 +329,10 @@ def test_cache_stays_bounded_when_python_tensors_die(fresh):
         layer(x)
         if i % 10 == 0:
             peak = max(peak, optamp.cache_size())
-    assert peak <= 200, peak
+    # Without a step the first 256 entries are the generation's working set (kept: a step makes
+    # its copies before it uses any again); the sweeps that come at twice the map's size keep
+    # the rest within that.
+    assert peak <= 2 * 256 + 64, peak
 
 
 def test_cache_dropped_at_the_outermost_autocast_exit_only(fresh):

@@ -47,6 +47,7 @@ struct Entry {
   bool recast;               // re-cast with the others in the next generation (see invalidate)
   bool served_now;           // served (or made) in its generation
   bool hit_since_sweep;      // served from the cache since the last sweep
+  bool in_working_set;       // its generation's working set, kept by sweeps (see sweep_if_grown)
 };
 
 // Whether a copy is re-cast in the batch of the next generation: made under autograd (a training
@@ -91,10 +92,12 @@ class CastCache {
     }
     if (it != entries_.end()) dropped.push_back(std::move(it->second));  // stale
     at::Tensor cast = cast_for_autograd(source, dtype, key.grad_mode);
+    ++made_in_generation_;
+    const bool in_working_set = made_in_generation_ <= 2 * working_set_ + kWorkingSetFloor;
     entries_.insert_or_assign(
         key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()),
                    source._version(), storage_of(source), cast, generation_, capture,
-                   batch_recast(source, key.grad_mode), true, false});
+                   batch_recast(source, key.grad_mode), true, false, in_working_set});
     sweep_if_grown(dropped);
     return {cast, true};
   }
@@ -112,12 +115,15 @@ class CastCache {
       if (it->second.recast && it->second.served_now) {
         released.push_back(std::move(it->second.cast));
         it->second.served_now = false;
+        it->second.in_working_set = true;  // the next step's batch
         ++it;
       } else {
         dropped.push_back(std::move(it->second));
         it = entries_.erase(it);
       }
     }
+    working_set_ = entries_.size();
+    made_in_generation_ = 0;
   }
 
   void clear() {
@@ -126,6 +132,7 @@ class CastCache {
       std::lock_guard<std::mutex> lock(mutex_);
       dropped.swap(entries_);
       live_after_sweep_ = 0;
+      working_set_ = made_in_generation_ = 0;
       ++generation_;
     }
     // `dropped` releases the cached tensors here, outside the lock: freeing a tensor may run
@@ -212,15 +219,24 @@ class CastCache {
 
   // Once the map has doubled since the last sweep (amortized O(1) per insert), entries not served
   // since that sweep are dropped (a clock-style second chance), so the size stays within about
-  // twice the set of tensors that are actually reused.
+  // twice the set of tensors that are actually reused, except the working set: the entries the
+  // previous step used (its next batch) and the first 2 x that many + 256 made in this
+  // generation. Why: a step makes its copies before it serves any of them again, so a
+  // clock alone drops the copies a forward made early while that forward still inserts (the first
+  // sweep comes at the 64th entry) and a model with more cached tensors than that lost some every
+  // step, and with them their place in the next step's batch. The working set grows to a model's
+  // size within a few steps (one up to 256 tensors, 1000 in two); a loop that casts fresh tensors
+  // without a step keeps at most the first 256 besides what the clock keeps.
   // Why not "source expired": a cast made under autograd holds its source through
   // its grad accumulator (autograd_cast.h), so a dead parameter is never expired while its
   // entry lives, and from Python its preserved PyObject adds a reference too, so no reference count
-  // tells a dropped parameter from a live one. Dropping a live entry only costs one cast later.
+  // tells a dropped parameter from a live one. Dropping a live entry costs one cast later (and
+  // its place in one batch).
   void sweep_if_grown(std::vector<Entry>& dropped) {
     if (entries_.size() < 2 * live_after_sweep_ + 64) return;
     for (auto it = entries_.begin(); it != entries_.end();) {
-      if (it->second.hit_since_sweep && it->second.source.use_count() > 1) {
+      const Entry& e = it->second;
+      if ((e.hit_since_sweep || e.in_working_set) && e.source.use_count() > 1) {
         it->second.hit_since_sweep = false;
         ++it;
         continue;
@@ -235,6 +251,11 @@ class CastCache {
   std::unordered_map<Key, Entry, KeyHash> entries_;
   std::size_t live_after_sweep_ = 0;
   std::uint64_t generation_ = 0;
+  // The working set (sweep_if_grown): the entries the last generation ended with, and how many
+  // this generation has made; the first 2 x working_set_ + kWorkingSetFloor it makes belong to it.
+  static constexpr std::size_t kWorkingSetFloor = 256;
+  std::size_t working_set_ = 0;
+  std::size_t made_in_generation_ = 0;
 };
 
 CastCache& cache() {
