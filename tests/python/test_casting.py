@@ -318,6 +318,32 @@ def test_cache_and_counters(fresh):
     assert "aten::mm" in report and "skipped" in report
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_model_with_many_parameters_casts_them_in_one_batch(fresh, level):
+    """More cached tensors than the first sweep comes at (64): every copy stays cached through
+    the step, and from the second step on one batched copy makes them all, with no cast of a
+    parameter on its own. The sweeps once dropped copies a forward had just made, every step
+    (GPT-2 small's 148 parameters were cast one by one, the batch held a quarter of them)."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(50)])  # 100 parameters
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, opt_level=level)
+    x = torch.randn(2, 4)
+    for step in range(3):
+        opt.zero_grad()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    record_shapes=True) as prof:
+            loss = model(x).float().sum()
+        assert optamp.cache_size() == 100, step
+        names = [(e.name, e.input_shapes[0] if e.input_shapes else None) for e in prof.events()]
+        own_casts = [n for n in names if n[0] == "aten::_to_copy" and n[1] in ([4, 4], [4])]
+        batches = [n for n in names if n[0] == "aten::_foreach_copy_"]
+        if step > 0:
+            assert own_casts == [] and len(batches) == 1, (step, own_casts, len(batches))
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+
 def test_cache_stays_bounded_when_python_tensors_die(fresh):
     # A Python tensor that dies while the cache's cast (through its autograd graph) still holds
     # the TensorImpl keeps its PyObject alive: liveness can't be read off the C++ refcount alone.
