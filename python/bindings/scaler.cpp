@@ -36,6 +36,19 @@ struct PyScaledLoss {
 
 namespace {
 
+// The overflow flag the last Python reducer was handed, as the Python object it saw. A collective
+// backend may drop its own reference on a worker thread after the collective has returned (gloo's
+// run loop destroys the finished work there). Were that the last reference, the tensor's Python
+// object would be freed on that thread, which must take the GIL for it; while the interpreter
+// shuts down such a thread is ended instead, inside a destructor: std::terminate (a rank of the
+// two-process gloo test aborted so at exit, about once in 20 runs). Kept here until the next
+// reduction, optamp.reset() or the interpreter's exit (release_reduced_flag), the flag is freed on
+// the Python thread. Leaked: a static py::object would be destroyed after finalization.
+py::object& last_reduced_flag() {
+  static auto* flag = new py::object();
+  return *flag;
+}
+
 // A Python callable as a LossScaler::FoundInfReducer. The scaler may outlive the interpreter
 // (static registry), so the last reference is dropped under the GIL, or leaked after
 // finalization rather than released without one.
@@ -51,7 +64,9 @@ LossScaler::FoundInfReducer python_reducer(const py::object& fn) {
   });
   return [held](at::Tensor& found_inf) {
     py::gil_scoped_acquire gil;
-    (*held)(found_inf);
+    py::object flag = py::cast(found_inf);
+    (*held)(flag);
+    last_reduced_flag() = std::move(flag);
   };
 }
 
@@ -112,6 +127,10 @@ void bind_scaler(py::module_& m) {
       .def_property_readonly("has_found_inf_reducer", &LossScaler::has_found_inf_reducer);
   m.attr("FLOOR_SKIP_LIMIT") = LossScaler::kFloorSkipLimit;
   m.def("loss_scaler", &core::loss_scaler_ptr, py::arg("loss_id") = 0);
+  m.def(
+      "_release_reduced_flag", [] { last_reduced_flag() = py::object(); },
+      "Drops the overflow flag the last found_inf reducer was handed (kept until the next "
+      "reduction: see last_reduced_flag in bindings/scaler.cpp).");
 
   py::class_<PyScaledLoss>(m, "_ScaledLoss")
       .def_property_readonly("loss",

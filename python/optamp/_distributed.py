@@ -52,6 +52,8 @@ def set_process_group(process_group: Optional["ProcessGroup"], num_losses: int) 
     flag over the group."""
     global _initialize_group
     _initialize_group = process_group
+    if process_group is None:
+        _C._release_reduced_flag()
     if process_group is not None:
         for loss_id in range(num_losses):
             _C.loss_scaler(loss_id).set_found_inf_reducer(max_reducer(process_group))
@@ -80,3 +82,6 @@ def _drop_reducers() -> None:
     _initialize_group = None
     for loss_id in range(_C.num_loss_scalers()):
         _C.loss_scaler(loss_id).set_found_inf_reducer(None)
+    # The last flag a reducer was handed: a backend's worker thread may hold it too, and must not
+    # be the one to free its Python object while the interpreter shuts down (bindings/scaler.cpp).
+    _C._release_reduced_flag()

@@ -1,6 +1,7 @@
 """Loss scaling from Python: a differential test against torch.amp.GradScaler, the
 optamp.scale_loss context manager, the torch.ops.optamp kernels, errors and state_dict."""
 import math
+import weakref
 
 import pytest
 import torch
@@ -388,6 +389,28 @@ def test_enabled_false_returns_objects_untouched_and_scale_loss_scales_by_one():
         assert optamp.properties().enabled
     finally:
         optamp.reset()
+
+
+def test_the_flag_a_reducer_was_handed_is_kept_until_the_next_reduction_or_reset():
+    """A collective backend may drop its own reference to the flag on a worker thread after the
+    collective returned (gloo's run loop). Were it the last, that thread would have to take the
+    GIL to free the flag's Python object, and while the interpreter shuts down such a thread is
+    ended instead, inside a destructor: std::terminate. (A rank of test_ddp's model-parallel test
+    aborted so at exit, about once in 20 runs.) optamp keeps the flag until the next reduction,
+    reset() or the interpreter's exit, so it is freed on the Python thread."""
+    configure()
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handed = []
+    _C.loss_scaler().set_found_inf_reducer(lambda found_inf: handed.append(weakref.ref(found_inf)))
+    for _ in range(2):
+        with optamp.scale_loss(model(torch.ones(1, 2)).sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert handed[-1]() is not None, "the flag must outlive the step"
+    assert handed[0]() is None or handed[0]() is handed[1](), "released at the next reduction"
+    optamp.reset()
+    assert handed[1]() is None, "released by reset"
 
 
 def test_reducers_are_released_before_the_interpreter_exits():
