@@ -4,6 +4,7 @@
 // guard, out-of-range opt levels, meta models, and state dicts with many losses.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
@@ -19,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "cache/cast_cache.h"
 #include "ops/multi_tensor.h"
 #include "optamp/amp.h"
 #include "optamp/autocast.h"
@@ -438,6 +440,37 @@ TEST_F(Robustness, GuardsEndingOutOfOrderLeaveTheStateOfTheGuardsStillOpen) {
   EXPECT_FALSE(is_casting_enabled());
   a.reset();
   EXPECT_EQ(mm_dtype(), at::kHalf);
+}
+
+// Threads casting the same parameters through the cast cache while their versions move on (a
+// stale entry's copy is released with the cache unlocked, then the entry is looked up again):
+// every cast is the parameter's, and afterwards the cache serves each one's current copy. Run
+// under -DOPTAMP_SANITIZE=thread too.
+TEST_F(Robustness, ThreadsCastingSharedParametersThroughTheCacheWhileTheyGoStale) {
+  constexpr int kThreads = 4, kIterations = 2000, kParams = 8;
+  std::vector<at::Tensor> params;
+  for (int i = 0; i < kParams; ++i) params.push_back(at::randn({4, 3}).requires_grad_());
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kIterations; ++i) {
+        const at::Tensor& p = params[(i * 7 + t) % kParams];
+        if (i % 5 == t) torch::autograd::impl::bump_version(p);  // stale, with no data written
+        const auto copy = detail::cast_through_cache(p, at::kHalf).tensor;
+        if (copy.scalar_type() != at::kHalf || !at::equal(copy, p.detach().to(at::kHalf))) ++wrong;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(wrong.load(), 0);
+  for (const auto& p : params) {
+    const auto first = detail::cast_through_cache(p, at::kHalf);
+    const auto again = detail::cast_through_cache(p, at::kHalf);
+    EXPECT_FALSE(again.performed_cast);
+    EXPECT_TRUE(again.tensor.is_same(first.tensor));
+  }
+  clear_cache();
 }
 
 TEST_F(Robustness, GuardEndedOnAnotherThreadFreesItsOwnThread) {
