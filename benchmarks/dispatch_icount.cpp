@@ -214,15 +214,15 @@ int main(int argc, char** argv) {
   g_case = argv[2];
   const int n = std::atoi(argv[3]);
   const bool step_case = g_case == "gpt_step";
-  g_models = new Models(step_case ? step_gpt() : kBackwardGpt);
+  const bench::GPTOptions gpt = step_case ? step_gpt() : kBackwardGpt;
+  g_models = new Models(gpt);
   g_a = at::randn({8, 8});
   g_a_bf16 = g_a.to(at::kBFloat16);
   g_b = at::randn({8, 8});
   g_b_bf16 = g_b.to(at::kBFloat16).requires_grad_();  // as a working copy: autograd records
   g_images = at::randn({8, 1, 28, 28});
   g_labels = at::randint(10, {8});
-  g_tokens = step_case ? at::randint(step_gpt().vocab, {kStepBatch, step_gpt().seq})
-                       : at::randint(kBackwardGpt.vocab, {kBackwardBatch, kBackwardGpt.seq});
+  g_tokens = at::randint(gpt.vocab, {step_case ? kStepBatch : kBackwardBatch, gpt.seq});
   initialize(argv[1]);
   for (int i = 0; i < 5; ++i) run<0>(1);  // warm caches and lazy initialization
   run<1>(n);

@@ -54,9 +54,9 @@ def set_process_group(process_group: Optional["ProcessGroup"], num_losses: int) 
     _initialize_group = process_group
     if process_group is None:
         _C._release_reduced_flag()
-    if process_group is not None:
-        for loss_id in range(num_losses):
-            _C.loss_scaler(loss_id).set_found_inf_reducer(max_reducer(process_group))
+        return
+    for loss_id in range(num_losses):
+        _C.loss_scaler(loss_id).set_found_inf_reducer(max_reducer(process_group))
 
 
 @contextlib.contextmanager

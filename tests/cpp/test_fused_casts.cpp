@@ -12,8 +12,6 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 
-#include <ATen/record_function.h>
-
 #include <algorithm>
 #include <functional>
 #include <string>
@@ -217,30 +215,6 @@ INSTANTIATE_TEST_SUITE_P(Levels, WidenedGelu,
 
 // ---- cross_entropy of fp16/bf16 logits ----
 
-// The dtype of the first argument of every `name` call that fn makes on this thread, nested calls
-// included.
-std::vector<at::ScalarType> first_input_dtypes(const std::string& name,
-                                               const std::function<void()>& fn) {
-  static thread_local std::vector<at::ScalarType>* sink = nullptr;
-  static thread_local const std::string* wanted = nullptr;
-  std::vector<at::ScalarType> seen;
-  sink = &seen;
-  wanted = &name;
-  auto enter = [](const at::RecordFunction& f) -> std::unique_ptr<at::ObserverContext> {
-    const auto inputs = f.inputs();
-    if (sink != nullptr && f.name() == *wanted && !inputs.empty() && inputs[0].isTensor()) {
-      sink->push_back(inputs[0].toTensor().scalar_type());
-    }
-    return nullptr;
-  };
-  const auto handle = at::addThreadLocalCallback(
-      at::RecordFunctionCallback(enter).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
-  fn();
-  at::removeCallback(handle);
-  sink = nullptr;
-  return seen;
-}
-
 using LossParam = std::tuple<at::DeviceType, at::ScalarType>;
 
 class CrossEntropy : public FusedCast, public ::testing::WithParamInterface<LossParam> {
@@ -315,14 +289,14 @@ TEST_P(CrossEntropy, LogSoftmaxReadsTheReducedLogits) {
     enable(level);
     at::Tensor loss;
     const auto before = cast_count();
-    const auto dtypes = first_input_dtypes("aten::log_softmax",
-                                           [&] { loss = at::cross_entropy_loss(logits, target); });
+    const auto dtypes = testing::first_input_dtypes(
+        "aten::log_softmax", [&] { loss = at::cross_entropy_loss(logits, target); });
     EXPECT_EQ(cast_count() - before, 1) << level;
     EXPECT_EQ(loss.scalar_type(), at::kFloat) << level;
     EXPECT_EQ(dtypes, std::vector<at::ScalarType>{low()}) << level;
     if (device() == at::kCUDA && low() == at::kHalf) {
-      const auto inner =
-          first_input_dtypes("aten::_log_softmax", [&] { at::cross_entropy_loss(logits, target); });
+      const auto inner = testing::first_input_dtypes(
+          "aten::_log_softmax", [&] { at::cross_entropy_loss(logits, target); });
       EXPECT_EQ(inner, std::vector<at::ScalarType>{at::kHalf}) << "no widened copy at " << level;
     }
   }
@@ -346,8 +320,8 @@ TEST_P(CrossEntropy, ProbabilityTargetsAndLabelSmoothingTakeTheCastPath) {
         [&](const at::Tensor& x) { return at::cross_entropy_loss(x, probabilities); },
         "probabilities");
     enable(level);
-    const auto dtypes = first_input_dtypes("aten::log_softmax",
-                                           [&] { at::cross_entropy_loss(logits, probabilities); });
+    const auto dtypes = testing::first_input_dtypes(
+        "aten::log_softmax", [&] { at::cross_entropy_loss(logits, probabilities); });
     ASSERT_FALSE(dtypes.empty());
     EXPECT_EQ(dtypes.front(), at::kFloat) << level;
   }

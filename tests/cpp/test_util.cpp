@@ -65,6 +65,15 @@ Tolerance tolerance(at::ScalarType dtype) {
 
 namespace {
 
+// Runs fn with `callback` observing this thread's operator calls; removed however fn ends.
+void observing_ops(at::RecordFunctionCallback callback, const std::function<void()>& fn) {
+  struct Remove {
+    at::CallbackHandle handle;
+    ~Remove() { at::removeCallback(handle); }
+  } remove{at::addThreadLocalCallback(callback.scopes({at::RecordScope::FUNCTION}))};
+  fn();
+}
+
 thread_local std::vector<std::string>* top_level_sink = nullptr;
 thread_local int call_depth = 0;
 
@@ -79,23 +88,36 @@ std::unique_ptr<at::ObserverContext> enter_op(const at::RecordFunction& fn) {
 }
 void leave_op(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) { --call_depth; }
 
+thread_local std::vector<at::ScalarType>* dtype_sink = nullptr;
+thread_local const std::string* dtype_op = nullptr;
+
+std::unique_ptr<at::ObserverContext> record_first_input_dtype(const at::RecordFunction& fn) {
+  const auto inputs = fn.inputs();
+  if (dtype_sink != nullptr && fn.name() == *dtype_op && !inputs.empty() && inputs[0].isTensor()) {
+    dtype_sink->push_back(inputs[0].toTensor().scalar_type());
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 std::vector<std::string> top_level_ops(const std::function<void()>& fn) {
   std::vector<std::string> called;
   top_level_sink = &called;
   call_depth = 0;
-  const auto handle = at::addThreadLocalCallback(
-      at::RecordFunctionCallback(&enter_op, &leave_op).scopes({at::RecordScope::FUNCTION}));
-  struct Remove {
-    at::CallbackHandle handle;
-    ~Remove() {
-      at::removeCallback(handle);
-      top_level_sink = nullptr;
-    }
-  } remove{handle};
-  fn();
+  observing_ops(at::RecordFunctionCallback(&enter_op, &leave_op), fn);
+  top_level_sink = nullptr;
   return called;
+}
+
+std::vector<at::ScalarType> first_input_dtypes(const std::string& name,
+                                               const std::function<void()>& fn) {
+  std::vector<at::ScalarType> seen;
+  dtype_sink = &seen;
+  dtype_op = &name;
+  observing_ops(at::RecordFunctionCallback(&record_first_input_dtype).needsInputs(true), fn);
+  dtype_sink = nullptr;
+  return seen;
 }
 
 std::vector<std::string> graph_node_names(const at::Tensor& root) {

@@ -31,6 +31,11 @@ Tolerance tolerance(at::ScalarType dtype);
 // host code calling aten::_local_scalar_dense is one on a GPU).
 std::vector<std::string> top_level_ops(const std::function<void()>& fn);
 
+// The dtype of the first argument of every `name` call ("aten::log_softmax") that fn makes on
+// this thread, nested calls included.
+std::vector<at::ScalarType> first_input_dtypes(const std::string& name,
+                                               const std::function<void()>& fn);
+
 // The names of the autograd nodes reachable from `root`'s grad_fn, depth first, root first.
 std::vector<std::string> graph_node_names(const at::Tensor& root);
 

@@ -70,7 +70,7 @@ class CastCache {
       recast_previous_generation(dtype, source.device(), capture, dropped);
       it = entries_.find(key);
     }
-    if (it != entries_.end() && !is_current(it->second, source, capture)) {
+    while (it != entries_.end() && !is_current(it->second, source, capture)) {
       // A stale copy is released before its replacement is made. It holds the source's grad
       // accumulator as its gradient edge, and the new copy would take over that node, with the
       // stream it was made on: an eager copy replaced inside a CUDA graph capture would have the
@@ -85,12 +85,11 @@ class CastCache {
       lock.lock();
       it = entries_.find(key);  // another thread may have cast it meanwhile
     }
-    if (it != entries_.end() && is_current(it->second, source, capture)) {
+    if (it != entries_.end()) {
       it->second.hit_since_sweep = true;
       it->second.served_now = true;
       return {it->second.cast, false};
     }
-    if (it != entries_.end()) dropped.push_back(std::move(it->second));  // stale
     at::Tensor cast = cast_for_autograd(source, dtype, key.grad_mode);
     ++made_in_generation_;
     const bool in_working_set = made_in_generation_ <= 2 * working_set_ + kWorkingSetFloor;
