@@ -36,16 +36,23 @@ struct PyScaledLoss {
 
 namespace {
 
-// The overflow flag the last Python reducer was handed, as the Python object it saw. A collective
-// backend may drop its own reference on a worker thread after the collective has returned (gloo's
-// run loop destroys the finished work there). Were that the last reference, the tensor's Python
-// object would be freed on that thread, which must take the GIL for it; while the interpreter
-// shuts down such a thread is ended instead, inside a destructor: std::terminate (a rank of the
-// two-process gloo test aborted so at exit, about once in 20 runs). Kept here until the next
-// reduction, optamp.reset() or the interpreter's exit (release_reduced_flag), the flag is freed on
-// the Python thread. Leaked: a static py::object would be destroyed after finalization.
-py::object& last_reduced_flag() {
-  static auto* flag = new py::object();
+// The overflow flag the last Python reducer was handed: its Python object and a C++ reference.
+// A collective backend may drop its own reference on a worker thread after the collective has
+// returned (gloo's run loop destroys the finished work there). In torch 2.11 a tensor with a
+// Python object keeps that object alive while any C++ reference besides the object's own exists,
+// and the C++ reference that brings the count back to one releases the object, taking the GIL
+// (c10/util/intrusive_ptr.h). Were the backend's reference that one, its thread would take the
+// GIL, and while the interpreter shuts down such a thread is ended instead, inside a destructor:
+// std::terminate (a rank of the two-process gloo test aborted so at exit, about once in 10 runs).
+// Held here, the backend's never is. Replaced at the next reduction and released by
+// optamp.reset() (on the Python thread, with the GIL), never at exit: the last one is left to the
+// process. Leaked: a static would be destroyed after finalization.
+struct ReducedFlag {
+  py::object object;
+  at::Tensor tensor;
+};
+ReducedFlag& last_reduced_flag() {
+  static auto* flag = new ReducedFlag();
   return *flag;
 }
 
@@ -66,7 +73,7 @@ LossScaler::FoundInfReducer python_reducer(const py::object& fn) {
     py::gil_scoped_acquire gil;
     py::object flag = py::cast(found_inf);
     (*held)(flag);
-    last_reduced_flag() = std::move(flag);
+    last_reduced_flag() = ReducedFlag{std::move(flag), found_inf};
   };
 }
 
@@ -128,7 +135,7 @@ void bind_scaler(py::module_& m) {
   m.attr("FLOOR_SKIP_LIMIT") = LossScaler::kFloorSkipLimit;
   m.def("loss_scaler", &core::loss_scaler_ptr, py::arg("loss_id") = 0);
   m.def(
-      "_release_reduced_flag", [] { last_reduced_flag() = py::object(); },
+      "_release_reduced_flag", [] { last_reduced_flag() = ReducedFlag{}; },
       "Drops the overflow flag the last found_inf reducer was handed (kept until the next "
       "reduction: see last_reduced_flag in bindings/scaler.cpp).");
 

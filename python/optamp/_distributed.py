@@ -82,6 +82,8 @@ def _drop_reducers() -> None:
     _initialize_group = None
     for loss_id in range(_C.num_loss_scalers()):
         _C.loss_scaler(loss_id).set_found_inf_reducer(None)
-    # The last flag a reducer was handed: a backend's worker thread may hold it too, and must not
-    # be the one to free its Python object while the interpreter shuts down (bindings/scaler.cpp).
-    _C._release_reduced_flag()
+    # The last flag a reducer was handed stays held (not released here): a backend's worker thread
+    # may still hold the finished collective that read it (gloo's run loop drops it after the
+    # collective has returned), and if the flag were released now that thread's drop would be
+    # the last, freeing the tensor's Python object while the interpreter shuts down: std::terminate
+    # (bindings/scaler.cpp). One small tensor is left to the process's exit.
