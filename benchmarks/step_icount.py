@@ -27,6 +27,19 @@ torch's and Python's start-up code iterate map objects too (importlib among them
 23.3M measured). operator.call (Python >= 3.11) appears in neither.
 
 (benchmarks/step_icount.sh does that for every mode.)
+
+An instruction count hardly sees what a GPU step pays per kernel launch (on the CPU a cast of its
+own costs about its share of a batch), so the same step also counts launches:
+
+  python benchmarks/step_icount.py --launches O2 native_fp16 ...
+
+prints, per mode, the operators of one step (after warm-up) that would each launch device work:
+the leaves of torch.profiler's operator tree, a multi-tensor (_foreach_*, _fused_*) or optamp
+operator counted once with what it calls (on a GPU one launch, or a few, where the CPU loops over
+its tensors), allocations (empty*) and operators that only make views or read metadata left out;
+split into the backward (under the autograd engine), the optimizer step and the rest (forward,
+loss, scaling). optamp's gradient conversions are made a bucket at a time there, as on a GPU
+(on the CPU each is made on its own by default: no launch to save).
 """
 import gc
 import operator
@@ -84,9 +97,76 @@ def make_step(mode):
     return step
 
 
+# Operators that make no device work of their own: allocations, views, metadata.
+NO_LAUNCH = {
+    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::as_strided", "aten::view",
+    "aten::_reshape_alias", "aten::reshape", "aten::t", "aten::transpose", "aten::permute",
+    "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::slice", "aten::select",
+    "aten::detach", "aten::alias", "aten::lift_fresh", "aten::resize_", "aten::_unsafe_view",
+    "aten::unflatten", "aten::split", "aten::chunk", "aten::narrow", "aten::expand_as",
+    "aten::view_as", "aten::split_with_sizes", "aten::unbind", "aten::numpy_T", "aten::result_type",
+    "aten::set_", "aten::is_nonzero", "aten::size", "aten::stride", "aten::resolve_conj",
+    "aten::resolve_neg", "aten::to", "aten::contiguous", "aten::_has_compatible_shallow_copy_type",
+}
+
+
+def _is_batched(name):
+    return name.startswith(("aten::_foreach_", "aten::_fused_", "aten::_amp_", "optamp::"))
+
+
+def count_launches(step):
+    """Per part of one step: the operators that would each launch device work (docstring)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    counts = {"forward, loss, scaling": 0, "backward": 0, "optimizer step": 0}
+
+    def part_of(event):
+        while event is not None:
+            if event.name.startswith("autograd::engine::evaluate_function"):
+                return "backward"
+            if event.name.startswith("Optimizer.step"):
+                return "optimizer step"
+            event = event.cpu_parent
+        return "forward, loss, scaling"
+
+    def batched_above(event):
+        parent = event.cpu_parent
+        while parent is not None:
+            if _is_batched(parent.name):
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    for e in prof.events():
+        if not e.name.startswith(("aten::", "optamp::")) or e.name in NO_LAUNCH or batched_above(e):
+            continue
+        ops_below = [c for c in e.cpu_children if c.name.startswith(("aten::", "optamp::"))]
+        if _is_batched(e.name) or all(c.name in NO_LAUNCH for c in ops_below):
+            counts[part_of(e)] += 1
+    return counts
+
+
+def print_launches(modes):
+    torch.set_num_threads(1)
+    for mode in modes:
+        if mode not in ("fp32", "native_fp16", "native_bf16"):
+            import optamp
+            optamp.reset()  # one initialize per process otherwise
+            optamp._C._set_gradient_buckets_on_cpu(True)  # what a GPU's step does
+        step = make_step(mode)
+        for _ in range(5):
+            step()
+        counts = count_launches(step)
+        parts = ", ".join(f"{k} {v}" for k, v in counts.items())
+        print(f"{mode}: {sum(counts.values())} launches per step ({parts})", flush=True)
+
+
 def main():
+    if len(sys.argv) >= 3 and sys.argv[1] == "--launches" and set(sys.argv[2:]) <= set(MODES):
+        return print_launches(sys.argv[2:])
     if len(sys.argv) != 3 or sys.argv[1] not in MODES:
-        sys.exit(f"usage: step_icount.py <{'|'.join(MODES)}> <n>")
+        sys.exit(f"usage: step_icount.py <{'|'.join(MODES)}> <n>\n"
+                 f"       step_icount.py --launches <mode> [<mode> ...]")
     n = int(sys.argv[2])
     if not hasattr(operator, "call"):
         sys.exit("step_icount.py needs Python >= 3.11 (operator.call marks the measured steps)")

@@ -33,3 +33,12 @@ def fresh():
     optamp.reset()
     yield
     optamp.reset()
+
+
+@pytest.fixture
+def cpu_buckets():
+    """Gradients of CPU parameters' batched copies converted a bucket at a time, as a GPU's are
+    (off on the CPU by default: no launch to save there)."""
+    previous = optamp._C._set_gradient_buckets_on_cpu(True)
+    yield
+    optamp._C._set_gradient_buckets_on_cpu(previous)

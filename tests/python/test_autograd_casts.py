@@ -84,9 +84,11 @@ def test_gradients_equal_explicit_casts_bit_for_bit(fresh, level, low):
         assert torch.equal(p.grad, q.grad), name
 
 
-def test_a_cast_used_twice_sums_its_gradients_in_fp32(fresh):
+def test_a_cast_used_twice_sums_its_gradients_in_fp32(fresh, cpu_buckets):
     """A tied weight: each use's fp16 gradient is converted, then they are summed in fp32 (where
-    ToCopyBackward summed in fp16): the grad equals the sum of two untied copies' grads."""
+    ToCopyBackward summed in fp16): the grad equals the sum of two untied copies' grads. At every
+    step: from the second, the first use's gradient is converted in its bucket, the second's on
+    its own (a copy's uses would otherwise meet in fp16 before the bucket)."""
 
     class Tied(torch.nn.Module):
         def __init__(self, untied=False):
@@ -102,10 +104,16 @@ def test_a_cast_used_twice_sums_its_gradients_in_fp32(fresh):
     untied.w.data.copy_(tied.w.data)
     untied.w2.data.copy_(tied.w.data)
     x = torch.randn(3, 6)
-    init(torch.nn.ModuleList([tied, untied]), opt_level="O1")
-    tied(x).float().pow(2).sum().backward()
-    untied(x).float().pow(2).sum().backward()
-    assert torch.equal(tied.w.grad, untied.w.grad + untied.w2.grad)
+    both = torch.nn.ModuleList([tied, untied])
+    opt = torch.optim.SGD(both.parameters(), lr=0.0)
+    both, opt = init(both, opt, opt_level="O1", loss_scale=1.0)  # no overflow, no skipped step
+    for step in range(3):
+        opt.zero_grad()
+        loss = tied(x).float().pow(2).sum() + untied(x).float().pow(2).sum()
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        assert torch.equal(tied.w.grad, untied.w.grad + untied.w2.grad), step
+        opt.step()
 
 
 def test_forward_mode_ad_keeps_its_tangent_through_a_cast(fresh):

@@ -319,11 +319,12 @@ def test_cache_and_counters(fresh):
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_a_model_with_many_parameters_casts_them_in_one_batch(fresh, level):
+def test_a_model_with_many_parameters_casts_them_in_one_batch(fresh, cpu_buckets, level):
     """More cached tensors than the first sweep comes at (64): every copy stays cached through
     the step, and from the second step on one batched copy makes them all, with no cast of a
     parameter on its own. The sweeps once dropped copies a forward had just made, every step
-    (GPT-2 small's 148 parameters were cast one by one, the batch held a quarter of them)."""
+    (GPT-2 small's 148 parameters were cast one by one, the batch held a quarter of them).
+    The backward converts their gradients together too (as on a GPU): no parameter's on its own."""
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(50)])  # 100 parameters
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = init(model, opt, opt_level=level)
@@ -339,8 +340,17 @@ def test_a_model_with_many_parameters_casts_them_in_one_batch(fresh, level):
         batches = [n for n in names if n[0] == "aten::_foreach_copy_"]
         if step > 0:
             assert own_casts == [] and len(batches) == 1, (step, own_casts, len(batches))
-        with optamp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    record_shapes=True) as prof:
+            with optamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        names = [(e.name, e.input_shapes[0] if e.input_shapes else None) for e in prof.events()]
+        conversions = [n for n in names if n[0] == "aten::_to_copy" and n[1] in ([4, 4], [4])]
+        batches = [n for n in names if n[0] == "aten::_foreach_copy_"]
+        if step > 0:
+            assert conversions == [] and len(batches) == 1, (step, conversions, len(batches))
+        else:
+            assert len(conversions) == 100 and batches == [], (len(conversions), len(batches))
         opt.step()
 
 

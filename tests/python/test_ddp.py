@@ -2,7 +2,9 @@
 run where GPUs are visible).
 
 One rank injects inf into its loss at one step; DDP averages gradients, so both ranks see the
-non-finite values, skip that step and end with identical parameters."""
+non-finite values, skip that step and end with identical parameters. DDP's gradients are
+converted one by one, as they arrive (its reducer hooks every parameter's grad accumulator): no
+bucket of conversions would delay its all-reduce."""
 import datetime
 import os
 import socket
@@ -56,17 +58,20 @@ def _worker(rank, world, port, level, out_dir, backend="gloo"):
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
         model.to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        optamp._C._set_gradient_buckets_on_cpu(True)  # as on a GPU: DDP must still have none
         # Apex's order: initialize first, then wrap in DDP.
         model, opt = optamp.initialize(model, opt, opt_level=level, verbosity=0)
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[rank] if device.type == "cuda" else None)
         gen = torch.Generator().manual_seed(100 + rank)  # different data per rank
-        skipped = []
+        skipped, buckets = [], 0
         for step in range(STEPS):
             x, y = torch.randn(4, 4, generator=gen), torch.randint(0, 3, (4,), generator=gen)
             x, y = x.to(device), y.to(device)
             opt.zero_grad()
-            loss = F.cross_entropy(ddp(x), y)
+            out = ddp(x)
+            buckets += _graph_node_names(out).count("ConvertGradientsBackward")
+            loss = F.cross_entropy(out, y)
             if step == BAD_STEP and rank == 1:
                 loss = loss * float("inf")
             with optamp.scale_loss(loss, opt) as scaled:
@@ -75,7 +80,7 @@ def _worker(rank, world, port, level, out_dir, backend="gloo"):
             if optamp.loss_scaler().last_step_skipped:
                 skipped.append(step)
         torch.save({"params": [p.detach().cpu() for p in model.parameters()], "skipped": skipped,
-                    "scale": optamp.loss_scaler().loss_scale()},
+                    "scale": optamp.loss_scaler().loss_scale(), "buckets": buckets},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -164,9 +169,22 @@ def test_a_summed_fp16_output_overflows_at_the_initial_scale_with_or_without_a_g
         dist.destroy_process_group()
 
 
+def _graph_node_names(t):
+    names, todo, seen = [], [t.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(node.name())
+        todo.extend(n for n, _ in node.next_functions)
+    return names
+
+
 def _expect_ranks_agree(tmp_path):
     r0 = torch.load(tmp_path / "rank0.pt")
     r1 = torch.load(tmp_path / "rank1.pt")
+    assert r0.get("buckets", 0) == r1.get("buckets", 0) == 0
     assert r0["skipped"] == r1["skipped"] == [BAD_STEP]
     assert r0["scale"] == r1["scale"] == 2.0**15
     for a, b in zip(r0["params"], r1["params"]):

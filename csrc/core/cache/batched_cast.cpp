@@ -23,18 +23,17 @@ std::int64_t aligned(std::int64_t elements, std::int64_t element_size) {
   return (elements + per_boundary - 1) / per_boundary * per_boundary;
 }
 
-// A tensor over `block`'s storage with these sizes and strides, made directly (as_strided would
-// go through the dispatcher once per copy for the same result: no autograd view, no checks
-// needed for a layout this file computed).
-at::Tensor part_of(const at::Tensor& block, c10::IntArrayRef sizes, c10::IntArrayRef strides,
-                   std::int64_t offset) {
-  auto part = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(block.storage()),
-                                                       block.key_set(), block.dtype());
+}  // namespace
+
+// Made directly: as_strided would go through the dispatcher once per copy for the same result (no
+// autograd view, and no checks needed for a layout the caller computed).
+at::Tensor tensor_over(const at::Tensor& owner, c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                       std::int64_t offset) {
+  auto part = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(owner.storage()),
+                                                       owner.key_set(), owner.dtype());
   part.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
   return part;
 }
-
-}  // namespace
 
 void BatchedCast::add(at::Tensor source) {
   TORCH_INTERNAL_ASSERT(source.is_non_overlapping_and_dense());
@@ -66,7 +65,7 @@ std::vector<at::Tensor> BatchedCast::run() {
     std::int64_t offset = 0;
     for (const auto& s : group.sources) {
       // Dense and non-overlapping: the copy spans numel elements whatever its strides.
-      destinations.push_back(part_of(block, s.sizes(), s.strides(), offset));
+      destinations.push_back(tensor_over(block, s.sizes(), s.strides(), offset));
       offset += aligned(s.numel(), element_size);
     }
     at::_foreach_copy_(destinations, group.sources);

@@ -8,6 +8,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 namespace amp::detail {
@@ -33,5 +34,9 @@ class BatchedCast {
   std::vector<Group> groups_;
   std::vector<std::size_t> order_;  // the group of each source, in adding order
 };
+
+// A new tensor over `owner`'s storage with these sizes, strides and offset (no autograd history).
+at::Tensor tensor_over(const at::Tensor& owner, c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                       std::int64_t offset);
 
 }  // namespace amp::detail

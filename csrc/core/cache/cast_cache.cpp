@@ -2,6 +2,7 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
@@ -10,6 +11,7 @@
 #include "cache/autograd_cast.h"
 #include "cache/batched_cast.h"
 #include "cache/companion_casts.h"
+#include "cache/gradient_buckets.h"
 #include "common/step_events.h"
 #include "ops/stream_capture.h"
 #include "optamp/cast_cache.h"
@@ -48,6 +50,9 @@ struct Entry {
   bool served_now;           // served (or made) in its generation
   bool hit_since_sweep;      // served from the cache since the last sweep
   bool in_working_set;       // its generation's working set, kept by sweeps (see sweep_if_grown)
+  std::uint64_t order;       // when its generation first served it (the next batch's order)
+  bool bucketed;             // its copy's gradient goes through a bucket (gradient_buckets.h)
+  at::Tensor own_edge;       // a bucketed copy's alias for its later uses (alias_with_own_edge)
 };
 
 // Whether a copy is re-cast in the batch of the next generation: made under autograd (a training
@@ -85,18 +90,15 @@ class CastCache {
       lock.lock();
       it = entries_.find(key);  // another thread may have cast it meanwhile
     }
-    if (it != entries_.end()) {
-      it->second.hit_since_sweep = true;
-      it->second.served_now = true;
-      return {it->second.cast, false};
-    }
+    if (it != entries_.end()) return {serve(it->second, source), false};
     at::Tensor cast = cast_for_autograd(source, dtype, key.grad_mode);
     ++made_in_generation_;
     const bool in_working_set = made_in_generation_ <= 2 * working_set_ + kWorkingSetFloor;
     entries_.insert_or_assign(
         key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()),
                    source._version(), storage_of(source), cast, generation_, capture,
-                   batch_recast(source, key.grad_mode), true, false, in_working_set});
+                   batch_recast(source, key.grad_mode), true, false, in_working_set,
+                   next_order_++, /*bucketed=*/false, /*own_edge=*/{}});
     sweep_if_grown(dropped);
     return {cast, true};
   }
@@ -113,6 +115,8 @@ class CastCache {
     for (auto it = entries_.begin(); it != entries_.end();) {
       if (it->second.recast && it->second.served_now) {
         released.push_back(std::move(it->second.cast));
+        released.push_back(std::move(it->second.own_edge));
+        it->second.bucketed = false;
         it->second.served_now = false;
         it->second.in_working_set = true;  // the next step's batch
         ++it;
@@ -160,6 +164,20 @@ class CastCache {
     return t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
   }
 
+  // The copy a use gets: the first use in a generation takes the entry's copy (and sets the order
+  // of the next batch), a later use of a bucketed copy its alias (alias_with_own_edge says why).
+  at::Tensor serve(Entry& e, const at::Tensor& source) {
+    e.hit_since_sweep = true;
+    if (!e.served_now) {
+      e.served_now = true;
+      e.order = next_order_++;
+      return e.cast;
+    }
+    if (!e.bucketed) return e.cast;
+    if (!e.own_edge.defined()) e.own_edge = alias_with_own_edge(e.cast, source);
+    return e.own_edge;
+  }
+
   static at::Tensor lock_source(const Entry& e) {
     auto impl = e.source.lock();
     if (!impl) return {};
@@ -180,12 +198,12 @@ class CastCache {
   // Re-casts the `dtype` copies the previous generation's training forwards used, all at once
   // (BatchedCast): a step uses the copies the step before used, so the first use after the
   // weights may have changed makes them all. The gradient edge is each source's as it is now (a
-  // parameter frozen or thawed since gets a gradient exactly when it wants one). Sources that
-  // died or are no longer plain and dense are dropped, and cast on their own if used again.
-  // `capture` is the capture on `device`, where the first use was.
+  // parameter frozen or thawed since gets a gradient exactly when it wants one), through a bucket
+  // of gradient conversions where it may (gradient_buckets.h). Sources that died or are no longer
+  // plain and dense are dropped, and cast on their own if used again. `capture` is the capture on
+  // `device`, where the first use was.
   void recast_previous_generation(c10::ScalarType dtype, const c10::Device& device,
                                   std::uint64_t capture, std::vector<Entry>& dropped) {
-    BatchedCast batch(dtype);
     std::vector<std::pair<Entry*, at::Tensor>> recast;  // entry, its source
     for (auto it = entries_.begin(); it != entries_.end();) {
       Entry& e = it->second;
@@ -199,14 +217,24 @@ class CastCache {
         it = entries_.erase(it);
         continue;
       }
-      batch.add(source);
       recast.emplace_back(&e, std::move(source));
       ++it;
     }
+    // In the order the last generation first used them: the gradient buckets' order.
+    std::sort(recast.begin(), recast.end(),
+              [](const auto& a, const auto& b) { return a.first->order < b.first->order; });
+    BatchedCast batch(dtype);
+    for (const auto& r : recast) batch.add(r.second);
     std::vector<at::Tensor> copies = batch.run();
+    GradientBuckets buckets;
     for (std::size_t i = 0; i < recast.size(); ++i) {
       auto& [e, source] = recast[i];
-      if (source.requires_grad()) give_gradient_edge(copies[i], source);
+      e->bucketed = GradientBuckets::admits(source);
+      if (e->bucketed) {
+        buckets.add(copies[i], source);
+      } else if (source.requires_grad()) {
+        give_gradient_edge(copies[i], source);
+      }
       e->cast = std::move(copies[i]);
       e->version = source._version();
       e->storage = storage_of(source);
@@ -250,6 +278,7 @@ class CastCache {
   std::unordered_map<Key, Entry, KeyHash> entries_;
   std::size_t live_after_sweep_ = 0;
   std::uint64_t generation_ = 0;
+  std::uint64_t next_order_ = 0;  // Entry::order
   // The working set (sweep_if_grown): the entries the last generation ended with, and how many
   // this generation has made; the first 2 x working_set_ + kWorkingSetFloor it makes belong to it.
   static constexpr std::size_t kWorkingSetFloor = 256;
