@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cache/cast_cache.h"
+#include "common/step_events.h"
 #include "ops/multi_tensor.h"
 #include "optamp/amp.h"
 #include "optamp/autocast.h"
@@ -470,6 +471,43 @@ TEST_F(Robustness, ThreadsCastingSharedParametersThroughTheCacheWhileTheyGoStale
     EXPECT_FALSE(again.performed_cast);
     EXPECT_TRUE(again.tensor.is_same(first.tensor));
   }
+  clear_cache();
+}
+
+// Threads training on shared parameters through the cache's gradient buckets (on for CPU tensors
+// here, as on a GPU): each step's first use of a copy sends its gradient through the bucket, the
+// other threads' uses through their aliases, so backward passes run one bucket node at once and
+// accumulate into the same parameters, while steps (recasts that make new buckets) come from any
+// thread. Every gradient is a one: the sums are exact whatever the order. Run under
+// -DOPTAMP_SANITIZE=thread too.
+TEST_F(Robustness, ThreadsTrainingSharedParametersThroughGradientBuckets) {
+  constexpr int kThreads = 4, kIterations = 200, kParams = 8;
+  const bool was_on = detail::set_gradient_buckets_on_cpu(true);
+  std::vector<at::Tensor> params;
+  for (int i = 0; i < kParams; ++i) params.push_back(at::randn({4, 3}).requires_grad_());
+  auto train = [&] {
+    at::Tensor loss = at::zeros({});
+    for (const auto& p : params) {
+      loss = loss + detail::cast_through_cache(p, at::kHalf).tensor.to(at::kFloat).sum();
+    }
+    loss.backward();
+  };
+  train();  // the first step makes the copies the next ones batch
+  detail::notify_weights_may_change();
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kIterations; ++i) {
+        train();
+        if (i % 50 == t) detail::notify_weights_may_change();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& p : params) {
+    EXPECT_TRUE(at::equal(p.grad(), at::full_like(p, 1 + kThreads * kIterations)));
+  }
+  detail::set_gradient_buckets_on_cpu(was_on);
   clear_cache();
 }
 
