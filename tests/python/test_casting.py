@@ -318,17 +318,18 @@ def test_cache_and_counters(fresh):
     assert "aten::mm" in report and "skipped" in report
 
 
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_a_model_with_many_parameters_casts_them_in_one_batch(fresh, cpu_buckets, level):
+def test_a_model_with_many_parameters_casts_them_in_one_batch(fresh, cpu_buckets, level, device):
     """More cached tensors than the first sweep comes at (64): every copy stays cached through
     the step, and from the second step on one batched copy makes them all, with no cast of a
     parameter on its own. The sweeps once dropped copies a forward had just made, every step
     (GPT-2 small's 148 parameters were cast one by one, the batch held a quarter of them).
     The backward converts their gradients together too (as on a GPU): no parameter's on its own."""
-    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(50)])  # 100 parameters
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(50)]).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # 100 parameters
     model, opt = init(model, opt, opt_level=level)
-    x = torch.randn(2, 4)
+    x = torch.randn(2, 4, device=device)
     for step in range(3):
         opt.zero_grad()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
