@@ -24,7 +24,6 @@ OPTAMP_API std::size_t cache_size();
 // Number of tensor casts optamp performed (cache hits excluded), for tests and diagnostics.
 OPTAMP_API std::int64_t cast_count();
 
-namespace detail {
 // Converts the gradients of CPU parameters' batched copies a bucket at a time too, as a GPU's are
 // (docs/casting.md, "Casts in the autograd graph"); returns the previous setting. Off by default:
 // the CPU converts a gradient without a kernel launch, so there a bucket only costs its node and
@@ -32,6 +31,5 @@ namespace detail {
 // For tests, which check on the CPU what a GPU step does, and for counting a GPU step's launches
 // on the CPU (benchmarks/step_icount.py --launches).
 OPTAMP_API bool set_gradient_buckets_on_cpu(bool enabled);
-}  // namespace detail
 
 }  // namespace amp

@@ -235,8 +235,7 @@ void bind_frontend(py::module_& m) {
   m.def("cast_count", &amp::cast_count);
   m.def("clear_cache", &amp::clear_cache);
   m.def("cache_size", &amp::cache_size);
-  m.def("_set_gradient_buckets_on_cpu", &amp::detail::set_gradient_buckets_on_cpu,
-        py::arg("enabled"),
+  m.def("_set_gradient_buckets_on_cpu", &amp::set_gradient_buckets_on_cpu, py::arg("enabled"),
         "Tests and benchmarks: convert CPU gradients a bucket at a time, as a GPU's are; returns "
         "the previous setting.");
 }

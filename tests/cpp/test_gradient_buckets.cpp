@@ -58,9 +58,9 @@ std::size_t half_to_copies(const std::function<void()>& fn) {
 // Buckets on for CPU tensors (a GPU's default) while a test runs.
 class CpuBuckets : public Casting {
  protected:
-  void SetUp() override { detail::set_gradient_buckets_on_cpu(true); }
+  void SetUp() override { set_gradient_buckets_on_cpu(true); }
   void TearDown() override {
-    detail::set_gradient_buckets_on_cpu(false);
+    set_gradient_buckets_on_cpu(false);
     Casting::TearDown();
   }
 };
@@ -215,9 +215,9 @@ TEST_F(GradientBucketsTest, HookedGradientsKeepTheirOwnConversion) {
   accumulator->add_post_hook(std::make_unique<CountingPostHook>(&accumulator_hook_calls));
   EXPECT_FALSE(detail::GradientBuckets::admits(weights[1]));
   EXPECT_TRUE(detail::GradientBuckets::admits(weights[3]));
-  detail::set_gradient_buckets_on_cpu(false);
+  set_gradient_buckets_on_cpu(false);
   EXPECT_FALSE(detail::GradientBuckets::admits(weights[3])) << "off for the CPU by default";
-  detail::set_gradient_buckets_on_cpu(true);
+  set_gradient_buckets_on_cpu(true);
   EXPECT_FALSE(detail::GradientBuckets::admits(weights[2]));
   for (int step = 0; step < 3; ++step) {
     const at::Tensor loss = forward();

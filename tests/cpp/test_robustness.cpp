@@ -482,7 +482,7 @@ TEST_F(Robustness, ThreadsCastingSharedParametersThroughTheCacheWhileTheyGoStale
 // -DOPTAMP_SANITIZE=thread too.
 TEST_F(Robustness, ThreadsTrainingSharedParametersThroughGradientBuckets) {
   constexpr int kThreads = 4, kIterations = 200, kParams = 8;
-  const bool was_on = detail::set_gradient_buckets_on_cpu(true);
+  const bool was_on = set_gradient_buckets_on_cpu(true);
   std::vector<at::Tensor> params;
   for (int i = 0; i < kParams; ++i) params.push_back(at::randn({4, 3}).requires_grad_());
   auto train = [&] {
@@ -507,7 +507,7 @@ TEST_F(Robustness, ThreadsTrainingSharedParametersThroughGradientBuckets) {
   for (const auto& p : params) {
     EXPECT_TRUE(at::equal(p.grad(), at::full_like(p, 1 + kThreads * kIterations)));
   }
-  detail::set_gradient_buckets_on_cpu(was_on);
+  set_gradient_buckets_on_cpu(was_on);
   clear_cache();
 }
 

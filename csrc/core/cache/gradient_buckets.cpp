@@ -107,8 +107,6 @@ std::atomic<bool> g_cpu_buckets{false};
 
 }  // namespace
 
-bool set_gradient_buckets_on_cpu(bool enabled) { return g_cpu_buckets.exchange(enabled); }
-
 // Which gradients keep their own conversion: those a hook wants when they are computed, not when
 // their bucket completes. DDP's reducer (a post hook on each grad accumulator: its bucketed
 // all-reduce starts as the gradients arrive and overlaps the rest of the backward), FSDP-style
@@ -159,3 +157,7 @@ at::Tensor alias_with_own_edge(const at::Tensor& copy, const at::Tensor& source)
 }
 
 }  // namespace amp::detail
+
+namespace amp {
+bool set_gradient_buckets_on_cpu(bool enabled) { return detail::g_cpu_buckets.exchange(enabled); }
+}  // namespace amp
