@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <set>
 #include <string>
@@ -50,9 +51,27 @@ std::vector<std::vector<const c10::TensorImpl*>> buckets_of(const at::Tensor& ro
   return buckets;
 }
 
+// The aten::_to_copy calls of an fp16 tensor that fn makes, on any thread: the engine runs a
+// CUDA backward on its device thread, where a thread-local callback would see nothing.
+std::atomic<int> g_half_to_copies{0};
+std::unique_ptr<at::ObserverContext> count_half_to_copy(const at::RecordFunction& fn) {
+  const auto inputs = fn.inputs();
+  if (fn.name() == std::string("aten::_to_copy") && !inputs.empty() && inputs[0].isTensor() &&
+      inputs[0].toTensor().scalar_type() == at::kHalf) {
+    ++g_half_to_copies;
+  }
+  return nullptr;
+}
 std::size_t half_to_copies(const std::function<void()>& fn) {
-  const auto dtypes = first_input_dtypes("aten::_to_copy", fn);
-  return std::count(dtypes.begin(), dtypes.end(), at::kHalf);
+  g_half_to_copies = 0;
+  struct Remove {
+    at::CallbackHandle handle;
+    ~Remove() { at::removeCallback(handle); }
+  } remove{at::addGlobalCallback(at::RecordFunctionCallback(&count_half_to_copy)
+                                     .needsInputs(true)
+                                     .scopes({at::RecordScope::FUNCTION}))};
+  fn();
+  return static_cast<std::size_t>(g_half_to_copies.load());
 }
 
 // Buckets on for CPU tensors (a GPU's default) while a test runs.
