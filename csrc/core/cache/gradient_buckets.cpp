@@ -35,7 +35,6 @@ struct ConvertGradientsBackward final : torch::autograd::Node {
   ConvertGradientsBackward() : Node(/*sequence_nr=*/UINT64_MAX) {}
 
   std::vector<c10::ScalarType> dtypes;  // per output: its source's dtype
-  c10::Device device{c10::kCPU};        // every copy's
 
   variable_list apply(variable_list&& grads) override {
     variable_list converted(grads.size());
@@ -127,11 +126,11 @@ bool GradientBuckets::admits(const at::Tensor& source) {
 void GradientBuckets::add(const at::Tensor& copy, const at::Tensor& source) {
   const std::int64_t bytes = copy.numel() * static_cast<std::int64_t>(copy.element_size());
   auto* bucket = static_cast<ConvertGradientsBackward*>(bucket_.get());
-  if (bucket == nullptr || bucket->device != copy.device() ||
+  // One device per bucket: every input's is its first input's.
+  if (bucket == nullptr || bucket->input_metadata(0).device() != copy.device() ||
       (bucket_bytes_ > 0 && bucket_bytes_ + bytes > kBucketBytes)) {
     auto fresh = std::shared_ptr<ConvertGradientsBackward>(new ConvertGradientsBackward(),
                                                            torch::autograd::deleteNode);
-    fresh->device = copy.device();
     bucket = fresh.get();
     bucket_ = std::move(fresh);
     bucket_bytes_ = 0;
