@@ -4,7 +4,6 @@
 // and their byte bound, and what must keep its own conversion keeps it (gradient hooks, a second
 // use in a step).
 #include <ATen/ATen.h>
-#include <ATen/record_function.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
@@ -12,7 +11,6 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <atomic>
 #include <memory>
 #include <set>
 #include <string>
@@ -51,27 +49,9 @@ std::vector<std::vector<const c10::TensorImpl*>> buckets_of(const at::Tensor& ro
   return buckets;
 }
 
-// The aten::_to_copy calls of an fp16 tensor that fn makes, on any thread: the engine runs a
-// CUDA backward on its device thread, where a thread-local callback would see nothing.
-std::atomic<int> g_half_to_copies{0};
-std::unique_ptr<at::ObserverContext> count_half_to_copy(const at::RecordFunction& fn) {
-  const auto inputs = fn.inputs();
-  if (fn.name() == std::string("aten::_to_copy") && !inputs.empty() && inputs[0].isTensor() &&
-      inputs[0].toTensor().scalar_type() == at::kHalf) {
-    ++g_half_to_copies;
-  }
-  return nullptr;
-}
 std::size_t half_to_copies(const std::function<void()>& fn) {
-  g_half_to_copies = 0;
-  struct Remove {
-    at::CallbackHandle handle;
-    ~Remove() { at::removeCallback(handle); }
-  } remove{at::addGlobalCallback(at::RecordFunctionCallback(&count_half_to_copy)
-                                     .needsInputs(true)
-                                     .scopes({at::RecordScope::FUNCTION}))};
-  fn();
-  return static_cast<std::size_t>(g_half_to_copies.load());
+  const auto dtypes = first_input_dtypes("aten::_to_copy", fn);
+  return std::count(dtypes.begin(), dtypes.end(), at::kHalf);
 }
 
 // Buckets on for CPU tensors (a GPU's default) while a test runs.
@@ -322,18 +302,7 @@ TEST_F(CpuBuckets, BucketsFollowTheForwardsOrderAndRunDuringTheBackward) {
   }
   EXPECT_EQ(next, used.size());
 
-  std::vector<std::string> ran;
-  static std::vector<std::string>* sink = nullptr;
-  sink = &ran;
-  auto handle = at::addThreadLocalCallback(
-      at::RecordFunctionCallback([](const at::RecordFunction& fn)
-                                     -> std::unique_ptr<at::ObserverContext> {
-        sink->push_back(fn.name());
-        return nullptr;
-      }).scopes({at::RecordScope::BACKWARD_FUNCTION}));
-  loss.backward();
-  at::removeCallback(handle);
-  sink = nullptr;
+  const std::vector<std::string> ran = backward_nodes_run([&] { loss.backward(); });
   const auto first_bucket = std::find_if(ran.begin(), ran.end(), [](const std::string& s) {
     return s.find("ConvertGradientsBackward") != std::string::npos;
   });

@@ -6,6 +6,7 @@
 
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <sstream>
 
 namespace amp::testing {
@@ -65,12 +66,15 @@ Tolerance tolerance(at::ScalarType dtype) {
 
 namespace {
 
-// Runs fn with `callback` observing this thread's operator calls; removed however fn ends.
-void observing_ops(at::RecordFunctionCallback callback, const std::function<void()>& fn) {
+// Runs fn with `callback` observing operator calls (or what `scope` names) on this thread, or on
+// every thread (the engine runs a CUDA backward on its device thread); removed however fn ends.
+void observing(at::RecordFunctionCallback callback, const std::function<void()>& fn,
+               at::RecordScope scope = at::RecordScope::FUNCTION, bool every_thread = false) {
+  callback.scopes({scope});
   struct Remove {
     at::CallbackHandle handle;
     ~Remove() { at::removeCallback(handle); }
-  } remove{at::addThreadLocalCallback(callback.scopes({at::RecordScope::FUNCTION}))};
+  } remove{every_thread ? at::addGlobalCallback(callback) : at::addThreadLocalCallback(callback)};
   fn();
 }
 
@@ -88,14 +92,24 @@ std::unique_ptr<at::ObserverContext> enter_op(const at::RecordFunction& fn) {
 }
 void leave_op(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) { --call_depth; }
 
-thread_local std::vector<at::ScalarType>* dtype_sink = nullptr;
-thread_local const std::string* dtype_op = nullptr;
+// Written from whichever thread runs the observed call (see observing), under sink_mutex.
+std::mutex sink_mutex;
+std::vector<at::ScalarType>* dtype_sink = nullptr;
+const std::string* dtype_op = nullptr;
+std::vector<std::string>* node_sink = nullptr;
 
 std::unique_ptr<at::ObserverContext> record_first_input_dtype(const at::RecordFunction& fn) {
   const auto inputs = fn.inputs();
+  std::lock_guard<std::mutex> lock(sink_mutex);
   if (dtype_sink != nullptr && fn.name() == *dtype_op && !inputs.empty() && inputs[0].isTensor()) {
     dtype_sink->push_back(inputs[0].toTensor().scalar_type());
   }
+  return nullptr;
+}
+
+std::unique_ptr<at::ObserverContext> record_node_name(const at::RecordFunction& fn) {
+  std::lock_guard<std::mutex> lock(sink_mutex);
+  if (node_sink != nullptr) node_sink->push_back(fn.name());
   return nullptr;
 }
 
@@ -105,7 +119,7 @@ std::vector<std::string> top_level_ops(const std::function<void()>& fn) {
   std::vector<std::string> called;
   top_level_sink = &called;
   call_depth = 0;
-  observing_ops(at::RecordFunctionCallback(&enter_op, &leave_op), fn);
+  observing(at::RecordFunctionCallback(&enter_op, &leave_op), fn);
   top_level_sink = nullptr;
   return called;
 }
@@ -115,9 +129,19 @@ std::vector<at::ScalarType> first_input_dtypes(const std::string& name,
   std::vector<at::ScalarType> seen;
   dtype_sink = &seen;
   dtype_op = &name;
-  observing_ops(at::RecordFunctionCallback(&record_first_input_dtype).needsInputs(true), fn);
+  observing(at::RecordFunctionCallback(&record_first_input_dtype).needsInputs(true), fn,
+            at::RecordScope::FUNCTION, /*every_thread=*/true);
   dtype_sink = nullptr;
   return seen;
+}
+
+std::vector<std::string> backward_nodes_run(const std::function<void()>& fn) {
+  std::vector<std::string> ran;
+  node_sink = &ran;
+  observing(at::RecordFunctionCallback(&record_node_name), fn, at::RecordScope::BACKWARD_FUNCTION,
+            /*every_thread=*/true);
+  node_sink = nullptr;
+  return ran;
 }
 
 std::vector<std::string> graph_node_names(const at::Tensor& root) {

@@ -31,10 +31,14 @@ Tolerance tolerance(at::ScalarType dtype);
 // host code calling aten::_local_scalar_dense is one on a GPU).
 std::vector<std::string> top_level_ops(const std::function<void()>& fn);
 
-// The dtype of the first argument of every `name` call ("aten::log_softmax") that fn makes on
-// this thread, nested calls included.
+// The dtype of the first argument of every `name` call ("aten::log_softmax") that fn makes,
+// nested calls included, on any thread (a CUDA backward runs on the engine's device thread).
 std::vector<at::ScalarType> first_input_dtypes(const std::string& name,
                                                const std::function<void()>& fn);
+
+// The autograd nodes the engine runs during fn, in order, as the profiler names them
+// ("autograd::engine::evaluate_function: MmBackward0"), on any thread.
+std::vector<std::string> backward_nodes_run(const std::function<void()>& fn);
 
 // The names of the autograd nodes reachable from `root`'s grad_fn, depth first, root first.
 std::vector<std::string> graph_node_names(const at::Tensor& root);
