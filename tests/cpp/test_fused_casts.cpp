@@ -5,7 +5,8 @@
 // Apex's fp32 GELU through optamp::widened_gelu (ops/widened_gelu.h): one node in the graph, and
 // the reduced copy of the result handed to the next lower op.
 // Apex's fp32 cross_entropy of reduced logits: log_softmax reads the reduced logits and writes
-// fp32 (one kernel on CUDA for fp16) instead of widening them first.
+// fp32 instead of widening them first (torch's kernel for fp16 on CUDA, optamp's
+// widened_log_softmax (ops/widened_log_softmax.h) for bf16 and on the CPU).
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
@@ -13,7 +14,9 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -22,6 +25,7 @@
 #include "casting_test.h"
 #include "common/step_events.h"
 #include "ops/gelu_math.h"
+#include "ops/log_softmax_math.h"
 #include "optamp/autocast.h"
 #include "test_util.h"
 
@@ -47,6 +51,53 @@ TEST(GeluMath, MatchesTorchsFp32Gelu) {
     EXPECT_TRUE(testing::all_close(y, at::gelu(x, approximate), {1e-5, 1e-5})) << approximate;
     EXPECT_TRUE(testing::all_close(dx, at::gelu_backward(g, x, approximate), {1e-5, 1e-5}))
         << approximate;
+  }
+}
+
+// The CUDA kernel's row math: each of `threads` lanes gathers a strided part of the row, the parts
+// merge pairwise as the warp shuffles and the block's second round merge them. Rows with the
+// values torch treats specially are among them.
+TEST(LogSoftmaxMath, MergedPartsMatchTorchsFp32LogSoftmax) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const int64_t cols = 300;
+  auto x = at::randn({8, cols}) * 8;
+  x[1] = x[1] + 1e4;                                      // large values: the maximum matters
+  x[2].index_put_({at::indexing::Slice(0, 200)}, -kInf);  // masked entries (the first lanes')
+  x[3] = -kInf;                                           // a row of only -inf: NaN
+  x[4][7] = kInf;                                         // +inf: NaN row
+  x[5][250] = std::numeric_limits<float>::quiet_NaN();
+  x[6][0] = -kInf;
+  const auto g = at::randn({8, cols});
+  const auto want = at::_log_softmax(x, 1, false);
+  const auto want_grad = at::_log_softmax_backward_data(g, want, 1, at::kFloat);
+  auto got = at::empty_like(x);
+  auto got_grad = at::empty_like(x);
+  for (const int threads : {1, 32, 96, 1024}) {
+    for (int64_t r = 0; r < x.size(0); ++r) {
+      std::vector<ops::detail::RowLogSumExp> parts(threads, ops::detail::RowLogSumExp::empty());
+      std::vector<float> grad_parts(threads, 0.0f);
+      for (int64_t i = 0; i < cols; ++i) {
+        parts[i % threads].add(x[r][i].item<float>());
+        grad_parts[i % threads] += g[r][i].item<float>();
+      }
+      for (int width = 1; width < threads; width *= 2) {  // a tree, as the shuffles merge
+        for (int lane = 0; lane + width < threads; lane += 2 * width) {
+          parts[lane].merge(parts[lane + width]);
+          grad_parts[lane] += grad_parts[lane + width];
+        }
+      }
+      const auto row = parts[0];
+      const float log_sum = std::log(row.sum);
+      for (int64_t i = 0; i < cols; ++i) {
+        got[r][i] = ops::detail::log_softmax_math(x[r][i].item<float>(), row.max, log_sum);
+        got_grad[r][i] = ops::detail::log_softmax_backward_math(
+            g[r][i].item<float>(), want[r][i].item<float>(), grad_parts[0]);
+      }
+    }
+    const std::string with = std::to_string(threads) + " lanes";
+    EXPECT_TRUE(at::equal(got.isnan(), want.isnan())) << with;
+    EXPECT_TRUE(at::allclose(got, want, 1e-6, 1e-5, /*equal_nan=*/true)) << with;
+    EXPECT_TRUE(at::allclose(got_grad, want_grad, 1e-6, 1e-5, /*equal_nan=*/true)) << with;
   }
 }
 
@@ -272,6 +323,16 @@ TEST_P(CrossEntropy, ValuesAndGradientsAreThoseOfTheCastPath) {
           return at::cross_entropy_loss(x, spatial_target, {}, at::Reduction::None);
         },
         "per element");
+    const auto wide = leaf({3, 50257}, low());  // GPT-2's vocabulary: a row of many strides
+    const auto wide_target = classes({3}, 50257);
+    expect_cast_paths(
+        level, wide, [&](const at::Tensor& x) { return at::cross_entropy_loss(x, wide_target); },
+        "GPT-2 rows");
+    const auto odd = leaf({5, 33}, low());  // a row one past a warp
+    const auto odd_target = classes({5}, 33);
+    expect_cast_paths(
+        level, odd, [&](const at::Tensor& x) { return at::cross_entropy_loss(x, odd_target); },
+        "33 classes");
     const auto one = leaf({6}, low());  // an unbatched input: classes in dim 0
     const auto one_target = classes({}, 6);
     expect_cast_paths(
@@ -280,25 +341,61 @@ TEST_P(CrossEntropy, ValuesAndGradientsAreThoseOfTheCastPath) {
   }
 }
 
-// What the replacement saves: log_softmax reads the reduced logits (on CUDA with fp16, one kernel
-// writes fp32 from them) instead of a widened copy, counted as the cast it replaces.
+// What the replacement saves: log_softmax reads the reduced logits (torch's fp16-to-fp32 kernel
+// for fp16 on CUDA, optamp::widened_log_softmax otherwise) instead of a widened copy, counted as
+// the cast it replaces. On CUDA nothing widens the logits at all.
 TEST_P(CrossEntropy, LogSoftmaxReadsTheReducedLogits) {
   const auto logits = leaf({8, 10}, low());
   const auto target = classes({8}, 10);
+  const bool torchs_kernel = device() == at::kCUDA && low() == at::kHalf;
   for (const char* level : levels()) {
     enable(level);
     at::Tensor loss;
     const auto before = cast_count();
     const auto dtypes = testing::first_input_dtypes(
-        "aten::log_softmax", [&] { loss = at::cross_entropy_loss(logits, target); });
+        torchs_kernel ? "aten::log_softmax" : "optamp::widened_log_softmax",
+        [&] { loss = at::cross_entropy_loss(logits, target); });
     EXPECT_EQ(cast_count() - before, 1) << level;
     EXPECT_EQ(loss.scalar_type(), at::kFloat) << level;
     EXPECT_EQ(dtypes, std::vector<at::ScalarType>{low()}) << level;
-    if (device() == at::kCUDA && low() == at::kHalf) {
-      const auto inner = testing::first_input_dtypes(
-          "aten::_log_softmax", [&] { at::cross_entropy_loss(logits, target); });
-      EXPECT_EQ(inner, std::vector<at::ScalarType>{at::kHalf}) << "no widened copy at " << level;
+    const auto nodes = testing::graph_node_names(loss);
+    EXPECT_EQ(std::count(nodes.begin(), nodes.end(), "WidenedLogSoftmaxBackward"),
+              torchs_kernel ? 0 : 1)
+        << level;
+    if (device() == at::kCUDA) {
+      std::vector<at::ScalarType> inner, copies;
+      const auto watch = [&] {
+        inner = testing::first_input_dtypes("aten::_log_softmax", [&] {
+          copies = testing::first_input_dtypes(
+              "aten::_to_copy", [&] { at::cross_entropy_loss(logits, target).backward(); });
+        });
+      };
+      watch();
+      EXPECT_TRUE(copies.empty()) << "no widened copy, no narrowed gradient at " << level;
+      EXPECT_EQ(inner, torchs_kernel ? std::vector<at::ScalarType>{at::kHalf}
+                                     : std::vector<at::ScalarType>{})
+          << level;
     }
+  }
+}
+
+// A gradient penalty through the loss (create_graph): the node records torch's differentiable
+// ops, so the second backward reaches the logits as the cast path's does.
+TEST_P(CrossEntropy, DoubleBackwardIsCloseToTheCastPaths) {
+  const auto logits = leaf({6, 9}, low());
+  const auto target = classes({6}, 9);
+  for (const char* level : levels()) {
+    const auto x = logits.detach().clone().requires_grad_();
+    const auto xr = logits.detach().clone().requires_grad_();
+    auto penalty = [&](const at::Tensor& loss, const at::Tensor& input) {
+      const auto g = torch::autograd::grad({loss}, {input}, {}, true, true)[0];
+      g.to(at::kFloat).pow(2).sum().backward();
+    };
+    enable(level);
+    penalty(at::cross_entropy_loss(xr.to(at::kFloat), target), xr);
+    penalty(at::cross_entropy_loss(x, target), x);
+    detail::activate_thread(false);
+    expect_same(x.grad(), xr.grad(), std::string("x.grad at ") + level, /*exact=*/false);
   }
 }
 

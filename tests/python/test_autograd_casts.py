@@ -199,22 +199,26 @@ def test_apex_fp32_gelu_is_one_op_with_the_cast_paths_gradients(fresh, level, lo
 
 
 def _log_softmax_input_dtypes(fn):
-    """The dtype of the first argument of every aten::log_softmax / aten::_log_softmax call."""
+    """The dtype of the first argument of every log_softmax call: torch's (aten::log_softmax,
+    aten::_log_softmax) and optamp's (optamp::widened_log_softmax), and of every aten::_to_copy."""
+    names = ("aten::log_softmax", "aten::_log_softmax", "optamp::widened_log_softmax",
+             "aten::_to_copy")
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         fn()
     return [(e.name(), e.dtypes()[0]) for e in prof.profiler.kineto_results.events()
-            if e.name() in ("aten::log_softmax", "aten::_log_softmax")]
+            if e.name() in names]
 
 
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
 @pytest.mark.parametrize("level,low", [("O1", torch.float16), ("O2", torch.float16),
                                        ("O4", torch.bfloat16), ("O5", torch.bfloat16)])
 def test_cross_entropy_reads_reduced_logits_without_a_widened_copy(fresh, level, low, device):
-    """Apex runs cross_entropy in fp32. Of fp16/bf16 logits optamp asks log_softmax for an fp32
-    result instead of widening the logits first: on
-    CUDA, fp16 logits then go through one kernel each way with no fp32 copy of them. The values
-    and gradients are the cast path's (bit for bit on the CPU)."""
+    """Apex runs cross_entropy in fp32. Of fp16/bf16 logits optamp's log_softmax reads the
+    reduced logits and writes fp32, its backward writes the reduced gradient: torch's kernel for
+    fp16 on CUDA, optamp.widened_log_softmax otherwise (on CUDA one kernel each way, on the CPU
+    the cast path's ops). On CUDA no fp32 copy of the logits is made. The values and gradients
+    are the cast path's (bit for bit on the CPU)."""
     init(Mlp().to(device), opt_level=level)
     logits = torch.randn(6, 10, device=device).to(low).requires_grad_()
     reference = logits.detach().clone().requires_grad_()
@@ -227,13 +231,17 @@ def test_cross_entropy_reads_reduced_logits_without_a_widened_copy(fresh, level,
     def run():
         nonlocal loss
         loss = F.cross_entropy(logits, y)
+        loss.backward()
 
     calls = _log_softmax_input_dtypes(run)
     low_name = {torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16"}[low]
-    assert calls[0] == ("aten::log_softmax", low_name), calls
-    if device == "cuda" and low == torch.float16:
-        assert ("aten::_log_softmax", low_name) in calls, calls  # read, not widened first
-    loss.backward()
+    torchs_kernel = device == "cuda" and low == torch.float16
+    first = "aten::log_softmax" if torchs_kernel else "optamp::widened_log_softmax"
+    assert calls[0] == (first, low_name), calls
+    if device == "cuda":  # read, not widened first; the gradient is not narrowed either
+        assert not [c for c in calls if c[0] == "aten::_to_copy"], calls
+        inner = [c for c in calls if c[0] == "aten::_log_softmax"]
+        assert inner == ([("aten::_log_softmax", low_name)] if torchs_kernel else []), calls
     assert loss.dtype == torch.float32 and logits.grad.dtype == low
     if device == "cpu":
         assert torch.equal(loss, expected) and torch.equal(logits.grad, reference.grad)

@@ -16,6 +16,7 @@
 #include "dispatch/carried_state.h"
 #include "dispatch/tensor_args.h"
 #include "ops/widened_gelu.h"
+#include "ops/widened_log_softmax.h"
 
 namespace amp::detail {
 namespace {
@@ -45,11 +46,13 @@ struct Fused<at::_ops::gelu> {
 
 // Apex's fp32 cross_entropy of fp16/bf16 logits without a widened copy of the logits: the loss
 // is log_softmax + nll_loss (torch's own decomposition for class-index targets), and log_softmax
-// is asked for an fp32 result of the reduced input. On CUDA an fp16 input then takes one kernel
-// that reads fp16 and writes fp32, whose backward writes the fp16 gradient: the cast path's fp32
-// copy of the logits (the largest activation of a language model) and the narrowing of its gradient
-// are not made. Elsewhere (bf16, the CPU) torch widens inside log_softmax: the cast path's ops, bit
-// for bit. Probability targets and label smoothing take the cast path.
+// reads the reduced logits and writes fp32, its backward writes the reduced gradient: the cast
+// path's fp32 copy of the logits (the largest activation of a language model) and the narrowing of
+// its gradient are not made. fp16 on CUDA takes torch's own kernel for that (log_softmax asked for
+// an fp32 result); bf16, which torch's kernel refuses, and the CPU take optamp::widened_log_softmax
+// (ops/widened_log_softmax.h) where the classes are the last dimension (a [N, C] or [C] input; on
+// the CPU the cast path's ops, bit for bit); other inputs let torch widen inside log_softmax.
+// Probability targets and label smoothing take the cast path.
 template <>
 struct Fused<at::_ops::cross_entropy_loss> {
   static std::optional<at::Tensor> call(const CastKernel& k, const CallPlan& p,
@@ -68,8 +71,14 @@ struct Fused<at::_ops::cross_entropy_loss> {
     k.log_cast(self.scalar_type(), p);
     count_cast();  // the widening of the logits, as the cast it replaces counted
     const int64_t class_dim = self.dim() == 1 ? 0 : 1;
-    const auto log_probs = at::_ops::log_softmax_int::call(self, class_dim, c10::ScalarType::Float);
-    return at::_ops::nll_loss_nd::call(log_probs, target, cast_weight, reduction, ignore_index);
+    std::optional<at::Tensor> log_probs;
+    if (!(self.is_cuda() && self.scalar_type() == c10::ScalarType::Half)) {
+      log_probs = widened_log_softmax(self, class_dim, records_autograd_now());
+    }
+    if (!log_probs) {
+      log_probs = at::_ops::log_softmax_int::call(self, class_dim, c10::ScalarType::Float);
+    }
+    return at::_ops::nll_loss_nd::call(*log_probs, target, cast_weight, reduction, ignore_index);
   }
 };
 

@@ -1,0 +1,158 @@
+// CUDA kernels of optamp::widened_log_softmax and its backward (ops/widened_log_softmax.h): one
+// block per row of a contiguous [rows, cols] tensor, the class dimension last. The forward reads
+// the reduced row twice (its log-sum-exp, then the result; a GPT-2 row, 100 KB, is mostly still
+// in L2 the second time) and writes fp32; the backward reads the gradient twice and the result
+// once and writes the reduced gradient. The row math is ops/log_softmax_math.h's.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/core/WrapDimMinimal.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "ops/log_softmax_math.h"
+
+namespace amp::ops::detail {
+namespace {
+
+constexpr int kMaxThreads = 1024;
+constexpr int kWarp = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ float shuffle_xor(float v, int offset) { return __shfl_xor_sync(kFullMask, v, offset); }
+__device__ RowLogSumExp shuffle_xor(RowLogSumExp v, int offset) {
+  return {shuffle_xor(v.max, offset), shuffle_xor(v.sum, offset)};
+}
+__device__ void merge_into(float& into, float part) { into += part; }
+__device__ void merge_into(RowLogSumExp& into, const RowLogSumExp& part) { into.merge(part); }
+__device__ float empty_like_part(float) { return 0.0f; }
+__device__ RowLogSumExp empty_like_part(const RowLogSumExp&) { return RowLogSumExp::empty(); }
+
+// Every thread's part merged, returned to every thread. `shared` holds one part per warp.
+// blockDim.x is a multiple of the warp size, at most kMaxThreads.
+template <typename Part>
+__device__ Part block_merge(Part part, Part* shared) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) merge_into(part, shuffle_xor(part, offset));
+  const int lane = threadIdx.x % kWarp;
+  const int warp = threadIdx.x / kWarp;
+  if (lane == 0) shared[warp] = part;
+  __syncthreads();
+  if (warp == 0) {
+    part = lane < static_cast<int>(blockDim.x / kWarp) ? shared[lane] : empty_like_part(part);
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+      merge_into(part, shuffle_xor(part, offset));
+    }
+    if (lane == 0) shared[0] = part;
+  }
+  __syncthreads();
+  return shared[0];
+}
+
+template <typename scalar_t>
+__global__ void widened_log_softmax_kernel(const scalar_t* __restrict__ input,
+                                           float* __restrict__ output, int64_t cols) {
+  __shared__ RowLogSumExp parts[kMaxThreads / kWarp];
+  const scalar_t* x = input + static_cast<int64_t>(blockIdx.x) * cols;
+  float* y = output + static_cast<int64_t>(blockIdx.x) * cols;
+  RowLogSumExp part = RowLogSumExp::empty();
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) part.add(static_cast<float>(x[i]));
+  const RowLogSumExp row = block_merge(part, parts);
+  const float log_sum = ::logf(row.sum);
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+    y[i] = log_softmax_math(static_cast<float>(x[i]), row.max, log_sum);
+  }
+}
+
+template <typename scalar_t>
+__global__ void widened_log_softmax_backward_kernel(const float* __restrict__ grad,
+                                                    const float* __restrict__ output,
+                                                    scalar_t* __restrict__ grad_input,
+                                                    int64_t cols) {
+  __shared__ float parts[kMaxThreads / kWarp];
+  const int64_t offset = static_cast<int64_t>(blockIdx.x) * cols;
+  float part = 0.0f;
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) part += grad[offset + i];
+  const float grad_sum = block_merge(part, parts);
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+    grad_input[offset + i] = static_cast<scalar_t>(
+        log_softmax_backward_math(grad[offset + i], output[offset + i], grad_sum));
+  }
+}
+
+// The launch shape of a [rows, cols] tensor whose last dimension is `dim`: a block per row, a
+// multiple of the warp size threads, no more than the row needs.
+struct RowLaunch {
+  int64_t rows, cols;
+  int threads;
+};
+
+RowLaunch row_launch(const at::Tensor& t, int64_t dim, const char* what) {
+  TORCH_CHECK_VALUE(t.dim() >= 1 && t.dim() <= 2, what, ": expected a 1-D or 2-D tensor, got ",
+                    t.dim(), "-D");
+  TORCH_CHECK_VALUE(c10::maybe_wrap_dim(dim, t.dim()) == t.dim() - 1, what,
+                    ": dim must be the last dimension (", t.dim() - 1, "), got ", dim);
+  const int64_t cols = t.size(-1);
+  const int64_t rows = cols == 0 ? 0 : t.numel() / cols;
+  TORCH_CHECK_VALUE(rows <= std::numeric_limits<int>::max(), what, ": at most ",
+                    std::numeric_limits<int>::max(), " rows, got ", rows);
+  const int64_t threads = std::min<int64_t>(kMaxThreads, (cols + kWarp - 1) / kWarp * kWarp);
+  return {rows, cols, static_cast<int>(std::max<int64_t>(threads, kWarp))};
+}
+
+at::Tensor widened_log_softmax_cuda(const at::Tensor& self, int64_t dim) {
+  TORCH_CHECK_VALUE(self.scalar_type() == at::kHalf || self.scalar_type() == at::kBFloat16,
+                    "widened_log_softmax: self must be float16 or bfloat16, got ",
+                    self.scalar_type());
+  const RowLaunch launch = row_launch(self, dim, "widened_log_softmax");
+  const c10::cuda::CUDAGuard device_guard(self.device());  // launches go to the current device
+  const at::Tensor input = self.contiguous();
+  at::Tensor output = at::empty(input.sizes(), input.options().dtype(at::kFloat));
+  if (launch.rows == 0) return output;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(input.scalar_type(), "widened_log_softmax", [&] {
+    widened_log_softmax_kernel<scalar_t><<<launch.rows, launch.threads, 0, stream>>>(
+        input.const_data_ptr<scalar_t>(), output.mutable_data_ptr<float>(), launch.cols);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return output;
+}
+
+at::Tensor widened_log_softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& output,
+                                             int64_t dim, at::ScalarType input_dtype) {
+  TORCH_CHECK_VALUE(grad.scalar_type() == at::kFloat && output.scalar_type() == at::kFloat,
+                    "widened_log_softmax_backward: grad and output must be float32, got ",
+                    grad.scalar_type(), " and ", output.scalar_type());
+  TORCH_CHECK_VALUE(grad.sizes() == output.sizes(),
+                    "widened_log_softmax_backward: grad must have output's shape ", output.sizes(),
+                    ", got ", grad.sizes());
+  TORCH_CHECK_VALUE(input_dtype == at::kHalf || input_dtype == at::kBFloat16,
+                    "widened_log_softmax_backward: input_dtype must be float16 or bfloat16, got ",
+                    input_dtype);
+  const RowLaunch launch = row_launch(output, dim, "widened_log_softmax_backward");
+  const c10::cuda::CUDAGuard device_guard(output.device());
+  const at::Tensor g = grad.contiguous();
+  const at::Tensor out = output.contiguous();
+  at::Tensor grad_input = at::empty(out.sizes(), out.options().dtype(input_dtype));
+  if (launch.rows == 0) return grad_input;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(input_dtype, "widened_log_softmax_backward", [&] {
+    widened_log_softmax_backward_kernel<scalar_t><<<launch.rows, launch.threads, 0, stream>>>(
+        g.const_data_ptr<float>(), out.const_data_ptr<float>(),
+        grad_input.mutable_data_ptr<scalar_t>(), launch.cols);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return grad_input;
+}
+
+}  // namespace
+}  // namespace amp::ops::detail
+
+TORCH_LIBRARY_IMPL(optamp, CUDA, m) {
+  m.impl("widened_log_softmax", &amp::ops::detail::widened_log_softmax_cuda);
+  m.impl("widened_log_softmax_backward", &amp::ops::detail::widened_log_softmax_backward_cuda);
+}

@@ -1,0 +1,62 @@
+#pragma once
+// The row math of optamp::widened_log_softmax and its backward on CUDA (ops/widened_log_softmax.h
+// says what the op is for), in fp32: a row's log-sum-exp gathered in one pass (a running maximum
+// and the sum of exp(x - maximum), rescaled when the maximum grows, so parts of a row gathered by
+// different threads merge in any order), and torch's formulas for the result and the gradient:
+// out = (x - max) - log(sum), grad_in = grad - exp(out) * sum(grad). Non-finite inputs give what
+// torch's fp32 log_softmax gives: a NaN or a +inf in the row makes the whole row NaN, -inf
+// entries contribute nothing (a row of only -inf is NaN). The CPU runs the op as torch's own ops;
+// tests/cpp/test_fused_casts.cpp checks these functions against them.
+#include <c10/macros/Macros.h>
+
+#include <cmath>
+#include <limits>
+
+namespace amp::ops::detail {
+
+// A part of a row. An aggregate without initializers: CUDA kernels keep parts in __shared__
+// arrays, which admit no constructor.
+struct RowLogSumExp {
+  float max;
+  float sum;  // of exp(x - max) over the elements seen
+
+  // The part of no element.
+  C10_HOST_DEVICE static RowLogSumExp empty() {
+    return {-std::numeric_limits<float>::infinity(), 0.0f};
+  }
+  // One element as a part of its own.
+  C10_HOST_DEVICE static RowLogSumExp of(float x) {
+    constexpr float kInf = std::numeric_limits<float>::infinity();
+    if (x == -kInf) return empty();  // exp(-inf) = 0
+    if (x != x || x == kInf) {       // torch's row turns NaN
+      return {-kInf, std::numeric_limits<float>::quiet_NaN()};
+    }
+    return {x, 1.0f};
+  }
+
+  // Both parts rescaled to the larger maximum. A part whose maximum is the new one keeps its sum
+  // as it is (no exp(-inf - -inf) = NaN for two empty parts); NaN sums stay NaN.
+  C10_HOST_DEVICE void merge(const RowLogSumExp& other) {
+    const float top = other.max > max ? other.max : max;
+    const float mine = max == top ? sum : sum * ::expf(max - top);
+    const float theirs = other.max == top ? other.sum : other.sum * ::expf(other.max - top);
+    max = top;
+    sum = mine + theirs;
+  }
+
+  C10_HOST_DEVICE void add(float x) { merge(of(x)); }
+};
+
+// log_softmax of an element `x` of a row whose parts merged into `row`, given log(row.sum) (one
+// logarithm per row, as torch's kernels take it).
+C10_HOST_DEVICE inline float log_softmax_math(float x, float row_max, float log_sum) {
+  return (x - row_max) - log_sum;
+}
+
+// The gradient of log_softmax's input at one element, from the gradient `grad` of its result
+// `out` and the row's sum of gradients.
+C10_HOST_DEVICE inline float log_softmax_backward_math(float grad, float out, float grad_sum) {
+  return grad - ::expf(out) * grad_sum;
+}
+
+}  // namespace amp::ops::detail
