@@ -13,6 +13,8 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "cache/autograd_cast.h"
@@ -23,18 +25,59 @@ namespace {
 
 using torch::autograd::variable_list;
 
-// The cast path's ops: widen, then torch's fp32 log_softmax.
+// The CPU kernels run the cast path's torch ops a block of rows at a time: each row's values are
+// those ops' (torch's CPU kernels compute a row on its own, whatever rows come with it), while
+// the fp32 intermediates the whole tensor would need at once are a block's. Unblocked, the
+// backward held the incoming gradient, the saved result and an fp32 gradient of the logits' size
+// together before narrowing it, one reduced gradient more than the cast path's two nodes hold
+// (GPT-2's logits: 3 x 785 MB + 393 MB). A block is at most 32 MiB of fp32 and at most an
+// eighth of the rows, so it stays well under that gradient at any size.
+int64_t rows_per_block(int64_t rows, int64_t cols) {
+  constexpr int64_t kBlockBytes = int64_t{32} << 20;
+  const int64_t by_bytes = kBlockBytes / (4 * std::max<int64_t>(cols, 1));
+  return std::max<int64_t>(1, std::min(by_bytes, (rows + 7) / 8));
+}
+
+// The cast path's ops: widen, then torch's fp32 log_softmax. The classes are the last dimension
+// of a 1-D or 2-D tensor (widened_log_softmax() admits no other).
 at::Tensor widened_log_softmax_cpu(const at::Tensor& self, int64_t dim) {
-  return at::_log_softmax(self.to(at::kFloat), dim, /*half_to_float=*/false);
+  const at::Tensor input = self.dim() == 1 ? self.unsqueeze(0).contiguous() : self.contiguous();
+  at::Tensor output = at::empty(input.sizes(), input.options().dtype(at::kFloat));
+  const int64_t rows = input.size(0), step = rows_per_block(rows, input.size(1));
+  for (int64_t first = 0; first < rows; first += step) {
+    const int64_t n = std::min(step, rows - first);
+    auto out = output.narrow(0, first, n);
+    at::_log_softmax_out(out, input.narrow(0, first, n).to(at::kFloat), 1, false);
+  }
+  return self.dim() == 1 ? output.squeeze(0) : output;
 }
 
 // The cast path's backward as torch's own (differentiable) ops: fp32 log_softmax backward, then
-// the narrowing to the input's dtype. The CPU kernel of optamp::widened_log_softmax_backward, and
-// every device's backward under create_graph.
+// the narrowing to the input's dtype. Every device's backward under create_graph.
 at::Tensor widened_log_softmax_backward_by_torch_ops(const at::Tensor& grad,
                                                      const at::Tensor& output, int64_t dim,
                                                      at::ScalarType input_dtype) {
   return at::_log_softmax_backward_data(grad, output, dim, at::kFloat).to(input_dtype);
+}
+
+// The same ops, a block of rows at a time (the CPU kernel of widened_log_softmax_backward).
+at::Tensor widened_log_softmax_backward_cpu(const at::Tensor& grad, const at::Tensor& output,
+                                            int64_t dim, at::ScalarType input_dtype) {
+  auto rows_of = [](const at::Tensor& t) {
+    return t.dim() == 1 ? t.unsqueeze(0).contiguous() : t.contiguous();
+  };
+  const at::Tensor g = rows_of(grad), out = rows_of(output);
+  at::Tensor grad_input = at::empty(out.sizes(), out.options().dtype(input_dtype));
+  const int64_t rows = out.size(0), step = rows_per_block(rows, out.size(1));
+  at::Tensor wide = at::empty({std::min(step, rows), out.size(1)}, out.options());
+  for (int64_t first = 0; first < rows; first += step) {
+    const int64_t n = std::min(step, rows - first);
+    auto block = wide.narrow(0, 0, n);
+    at::_log_softmax_backward_data_out(block, g.narrow(0, first, n), out.narrow(0, first, n), 1,
+                                       at::kFloat);
+    grad_input.narrow(0, first, n).copy_(block);
+  }
+  return output.dim() == 1 ? grad_input.squeeze(0) : grad_input;
 }
 
 // Backward of optamp::widened_log_softmax: the gradient of the fp32 result in, the gradient of
@@ -101,5 +144,5 @@ TORCH_LIBRARY_FRAGMENT(optamp, m) {
 
 TORCH_LIBRARY_IMPL(optamp, CPU, m) {
   m.impl("widened_log_softmax", &amp::detail::widened_log_softmax_cpu);
-  m.impl("widened_log_softmax_backward", &amp::detail::widened_log_softmax_backward_by_torch_ops);
+  m.impl("widened_log_softmax_backward", &amp::detail::widened_log_softmax_backward_cpu);
 }
