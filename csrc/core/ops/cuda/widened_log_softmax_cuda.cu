@@ -1,5 +1,7 @@
 // CUDA kernels of optamp::widened_log_softmax and its backward (ops/widened_log_softmax.h): one
-// block per row of a contiguous [rows, cols] tensor, the class dimension last. The forward reads
+// block per row of a contiguous [rows, cols] tensor, the class dimension last; thread t takes the
+// row's elements t, t + blockDim.x, ... in that order (tests/cpp/test_fused_casts.cpp's
+// LogSoftmaxMath test merges a row's parts the same way). The forward reads
 // the reduced row twice (its log-sum-exp, then the result; a GPT-2 row, 100 KB, is mostly still
 // in L2 the second time) and writes fp32; the backward reads the gradient twice and the result
 // once and writes the reduced gradient. The row math is ops/log_softmax_math.h's.
@@ -53,20 +55,47 @@ __device__ Part block_merge(Part part, Part* shared) {
   return shared[0];
 }
 
+// Calls use(i, load(i)) for the elements i = threadIdx.x + k * blockDim.x of a row of `cols`, in
+// ascending order, issuing kIlp loads before using any: one 2-byte load at a time per thread
+// would leave too few bytes in flight to keep the memory busy.
+constexpr int kIlp = 8;
+
+template <typename Load, typename Use>
+__device__ void for_each_of_thread(int64_t cols, Load load, Use use) {
+  using Value = decltype(load(int64_t{0}));
+  const int64_t threads = blockDim.x;
+  for (int64_t base = threadIdx.x; base < cols; base += threads * kIlp) {
+    Value values[kIlp];
+#pragma unroll
+    for (int k = 0; k < kIlp; ++k) {
+      if (base + k * threads < cols) values[k] = load(base + k * threads);
+    }
+#pragma unroll
+    for (int k = 0; k < kIlp; ++k) {
+      if (base + k * threads < cols) use(base + k * threads, values[k]);
+    }
+  }
+}
+
 template <typename scalar_t>
 __global__ void widened_log_softmax_kernel(const scalar_t* __restrict__ input,
                                            float* __restrict__ output, int64_t cols) {
   __shared__ RowLogSumExp parts[kMaxThreads / kWarp];
   const scalar_t* x = input + static_cast<int64_t>(blockIdx.x) * cols;
   float* y = output + static_cast<int64_t>(blockIdx.x) * cols;
+  const auto load = [x](int64_t i) { return static_cast<float>(x[i]); };
   RowLogSumExp part = RowLogSumExp::empty();
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) part.add(static_cast<float>(x[i]));
+  for_each_of_thread(cols, load, [&part](int64_t, float v) { part.add(v); });
   const RowLogSumExp row = block_merge(part, parts);
   const float log_sum = ::logf(row.sum);
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-    y[i] = log_softmax_math(static_cast<float>(x[i]), row.max, log_sum);
-  }
+  for_each_of_thread(cols, load, [y, &row, log_sum](int64_t i, float v) {
+    y[i] = log_softmax_math(v, row.max, log_sum);
+  });
 }
+
+struct GradAndResult {
+  float grad, out;
+};
 
 template <typename scalar_t>
 __global__ void widened_log_softmax_backward_kernel(const float* __restrict__ grad,
@@ -75,13 +104,21 @@ __global__ void widened_log_softmax_backward_kernel(const float* __restrict__ gr
                                                     int64_t cols) {
   __shared__ float parts[kMaxThreads / kWarp];
   const int64_t offset = static_cast<int64_t>(blockIdx.x) * cols;
+  const float* g = grad + offset;
+  const float* out = output + offset;
+  scalar_t* gi = grad_input + offset;
   float part = 0.0f;
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) part += grad[offset + i];
+  for_each_of_thread(
+      cols, [g](int64_t i) { return g[i]; }, [&part](int64_t, float v) { part += v; });
   const float grad_sum = block_merge(part, parts);
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-    grad_input[offset + i] = static_cast<scalar_t>(
-        log_softmax_backward_math(grad[offset + i], output[offset + i], grad_sum));
-  }
+  for_each_of_thread(
+      cols,
+      [g, out](int64_t i) {
+        return GradAndResult{g[i], out[i]};
+      },
+      [gi, grad_sum](int64_t i, GradAndResult v) {
+        gi[i] = static_cast<scalar_t>(log_softmax_backward_math(v.grad, v.out, grad_sum));
+      });
 }
 
 // The launch shape of a [rows, cols] tensor whose last dimension is `dim`: a block per row, a
