@@ -105,12 +105,17 @@ struct WidenedLogSoftmaxBackward final : torch::autograd::Node {
 
 }  // namespace
 
+// The CUDA kernels give each row a block: for rows of fewer classes (a classifier's 10 or 1000)
+// torch's kernels, which give a short row a warp or less, are faster even after widening, and
+// such logits are small next to the model's activations.
+constexpr int64_t kMinCudaClasses = 1024;
+
 std::optional<at::Tensor> widened_log_softmax(const at::Tensor& x, int64_t dim,
                                               bool records_autograd) {
   const auto device = x.device().type();
   if (!is_reduced_float(x.scalar_type()) || (device != c10::kCPU && device != c10::kCUDA) ||
       x.dim() < 1 || x.dim() > 2 || c10::maybe_wrap_dim(dim, x.dim()) != x.dim() - 1 ||
-      !is_plain_for_autograd(x)) {
+      (device == c10::kCUDA && x.size(-1) < kMinCudaClasses) || !is_plain_for_autograd(x)) {
     return std::nullopt;
   }
   static const auto op = c10::Dispatcher::singleton()
