@@ -8,6 +8,7 @@
 // fp32 instead of widening them first (torch's kernel for fp16 on CUDA, optamp's
 // widened_log_softmax (ops/widened_log_softmax.h) for bf16 and on the CPU).
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -399,6 +400,38 @@ TEST_P(CrossEntropy, DoubleBackwardIsCloseToTheCastPaths) {
     detail::activate_thread(false);
     expect_same(x.grad(), xr.grad(), std::string("x.grad at ") + level, /*exact=*/false);
   }
+}
+
+// The ops themselves (torch.ops.optamp.widened_log_softmax and its backward, callable by anyone)
+// refuse what their kernels cannot compute, naming the argument.
+TEST_P(CrossEntropy, TheOpsRefuseArgumentsTheyCannotCompute) {
+  static const auto forward = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("optamp::widened_log_softmax", "")
+                                  .typed<at::Tensor(const at::Tensor&, int64_t)>();
+  static const auto backward =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("optamp::widened_log_softmax_backward", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, at::ScalarType)>();
+  const auto on = at::TensorOptions().device(device());
+  const auto x = at::randn({4, 6}, on).to(low());
+  OPTAMP_EXPECT_THROW_WITH(forward.call(x.to(at::kFloat), 1), c10::ValueError,
+                           "self must be float16 or bfloat16, got Float");
+  OPTAMP_EXPECT_THROW_WITH(forward.call(x.view({2, 2, 6}), 2), c10::ValueError,
+                           "self must be a 1-D or 2-D tensor, got 3-D");
+  OPTAMP_EXPECT_THROW_WITH(forward.call(x, 0), c10::ValueError,
+                           "dim must be the last dimension of self (1 or -1), got 0");
+  const auto out = forward.call(x, -1);
+  EXPECT_TRUE(at::allclose(out, at::log_softmax(x.to(at::kFloat), 1), 1e-5, 1e-5));
+  const auto g = at::randn({4, 6}, on);
+  OPTAMP_EXPECT_THROW_WITH(backward.call(g.to(low()), out, 1, low()), c10::ValueError,
+                           "grad and output must be float32");
+  OPTAMP_EXPECT_THROW_WITH(backward.call(g.view({6, 4}), out, 1, low()), c10::ValueError,
+                           "grad must have output's shape [4, 6], got [6, 4]");
+  OPTAMP_EXPECT_THROW_WITH(backward.call(g, out, 1, at::kFloat), c10::ValueError,
+                           "input_dtype must be float16 or bfloat16, got Float");
+  OPTAMP_EXPECT_THROW_WITH(backward.call(g, out, 0, low()), c10::ValueError,
+                           "dim must be the last dimension of output (1 or -1), got 0");
+  EXPECT_EQ(backward.call(g, out, 1, low()).scalar_type(), low());
 }
 
 // Probability targets and label smoothing keep the cast: the same values, through a widened copy.

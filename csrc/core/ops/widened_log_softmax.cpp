@@ -25,6 +25,42 @@ namespace {
 
 using torch::autograd::variable_list;
 
+SoftmaxRows checked_rows(const at::Tensor& t, int64_t dim, const char* op, const char* arg) {
+  TORCH_CHECK_VALUE(t.dim() == 1 || t.dim() == 2, op, ": ", arg,
+                    " must be a 1-D or 2-D tensor, got ", t.dim(), "-D");
+  TORCH_CHECK_VALUE(dim >= -t.dim() && dim < t.dim() && (dim + t.dim()) % t.dim() == t.dim() - 1,
+                    op, ": dim must be the last dimension of ", arg, " (", t.dim() - 1,
+                    " or -1), got ", dim);
+  const int64_t cols = t.size(-1);
+  return {cols == 0 ? 0 : t.numel() / cols, cols};
+}
+
+bool is_reduced(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+}  // namespace
+
+SoftmaxRows checked_forward_rows(const at::Tensor& self, int64_t dim) {
+  TORCH_CHECK_VALUE(is_reduced(self.scalar_type()),
+                    "widened_log_softmax: self must be float16 or bfloat16, got ",
+                    self.scalar_type());
+  return checked_rows(self, dim, "widened_log_softmax", "self");
+}
+
+SoftmaxRows checked_backward_rows(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
+                                  at::ScalarType input_dtype) {
+  constexpr const char* op = "widened_log_softmax_backward";
+  TORCH_CHECK_VALUE(grad.scalar_type() == at::kFloat && output.scalar_type() == at::kFloat, op,
+                    ": grad and output must be float32, got ", grad.scalar_type(), " and ",
+                    output.scalar_type());
+  TORCH_CHECK_VALUE(grad.sizes() == output.sizes(), op, ": grad must have output's shape ",
+                    output.sizes(), ", got ", grad.sizes());
+  TORCH_CHECK_VALUE(is_reduced(input_dtype), op, ": input_dtype must be float16 or bfloat16, got ",
+                    input_dtype);
+  return checked_rows(output, dim, op, "output");
+}
+
+namespace {
+
 // The CPU kernels run the cast path's torch ops a block of rows at a time: each row's values are
 // those ops' (torch's CPU kernels compute a row on its own, whatever rows come with it), while
 // the fp32 intermediates the whole tensor would need at once are a block's. Unblocked, the
@@ -41,15 +77,16 @@ int64_t rows_per_block(int64_t rows, int64_t cols) {
 // The cast path's ops: widen, then torch's fp32 log_softmax. The classes are the last dimension
 // of a 1-D or 2-D tensor (widened_log_softmax() admits no other).
 at::Tensor widened_log_softmax_cpu(const at::Tensor& self, int64_t dim) {
-  const at::Tensor input = self.dim() == 1 ? self.unsqueeze(0).contiguous() : self.contiguous();
-  at::Tensor output = at::empty(input.sizes(), input.options().dtype(at::kFloat));
-  const int64_t rows = input.size(0), step = rows_per_block(rows, input.size(1));
+  const auto [rows, cols] = checked_forward_rows(self, dim);
+  const at::Tensor input = self.reshape({rows, cols}).contiguous();
+  at::Tensor output = at::empty({rows, cols}, input.options().dtype(at::kFloat));
+  const int64_t step = rows_per_block(rows, cols);
   for (int64_t first = 0; first < rows; first += step) {
     const int64_t n = std::min(step, rows - first);
     auto out = output.narrow(0, first, n);
     at::_log_softmax_out(out, input.narrow(0, first, n).to(at::kFloat), 1, false);
   }
-  return self.dim() == 1 ? output.squeeze(0) : output;
+  return output.view(self.sizes());
 }
 
 // The cast path's backward as torch's own (differentiable) ops: fp32 log_softmax backward, then
@@ -63,13 +100,12 @@ at::Tensor widened_log_softmax_backward_by_torch_ops(const at::Tensor& grad,
 // The same ops, a block of rows at a time (the CPU kernel of widened_log_softmax_backward).
 at::Tensor widened_log_softmax_backward_cpu(const at::Tensor& grad, const at::Tensor& output,
                                             int64_t dim, at::ScalarType input_dtype) {
-  auto rows_of = [](const at::Tensor& t) {
-    return t.dim() == 1 ? t.unsqueeze(0).contiguous() : t.contiguous();
-  };
-  const at::Tensor g = rows_of(grad), out = rows_of(output);
-  at::Tensor grad_input = at::empty(out.sizes(), out.options().dtype(input_dtype));
-  const int64_t rows = out.size(0), step = rows_per_block(rows, out.size(1));
-  at::Tensor wide = at::empty({std::min(step, rows), out.size(1)}, out.options());
+  const auto [rows, cols] = checked_backward_rows(grad, output, dim, input_dtype);
+  const at::Tensor g = grad.reshape({rows, cols}).contiguous();
+  const at::Tensor out = output.reshape({rows, cols}).contiguous();
+  at::Tensor grad_input = at::empty({rows, cols}, out.options().dtype(input_dtype));
+  const int64_t step = rows_per_block(rows, cols);
+  at::Tensor wide = at::empty({std::min(step, rows), cols}, out.options());
   for (int64_t first = 0; first < rows; first += step) {
     const int64_t n = std::min(step, rows - first);
     auto block = wide.narrow(0, 0, n);
@@ -77,7 +113,7 @@ at::Tensor widened_log_softmax_backward_cpu(const at::Tensor& grad, const at::Te
                                        at::kFloat);
     grad_input.narrow(0, first, n).copy_(block);
   }
-  return output.dim() == 1 ? grad_input.squeeze(0) : grad_input;
+  return grad_input.view(output.sizes());
 }
 
 // Backward of optamp::widened_log_softmax: the gradient of the fp32 result in, the gradient of

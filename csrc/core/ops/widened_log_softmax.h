@@ -29,4 +29,14 @@ namespace amp::detail {
 std::optional<at::Tensor> widened_log_softmax(const at::Tensor& x, int64_t dim,
                                               bool records_autograd);
 
+// The rows the kernels (CPU and CUDA) see: `t` as [rows, cols], its last dimension `dim` the
+// classes. The checks of the ops' arguments, each a ValueError naming the argument, what was
+// expected and what was given.
+struct SoftmaxRows {
+  int64_t rows, cols;
+};
+SoftmaxRows checked_forward_rows(const at::Tensor& self, int64_t dim);
+SoftmaxRows checked_backward_rows(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
+                                  at::ScalarType input_dtype);
+
 }  // namespace amp::detail

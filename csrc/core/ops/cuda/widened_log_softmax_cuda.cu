@@ -8,7 +8,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/core/WrapDimMinimal.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -18,6 +17,7 @@
 #include <limits>
 
 #include "ops/log_softmax_math.h"
+#include "ops/widened_log_softmax.h"
 
 namespace amp::ops::detail {
 namespace {
@@ -121,31 +121,21 @@ __global__ void widened_log_softmax_backward_kernel(const float* __restrict__ gr
       });
 }
 
-// The launch shape of a [rows, cols] tensor whose last dimension is `dim`: a block per row, a
-// multiple of the warp size threads, no more than the row needs.
+// A block per row of `rows`, a multiple of the warp size threads, no more than the row needs.
 struct RowLaunch {
   int64_t rows, cols;
   int threads;
 };
 
-RowLaunch row_launch(const at::Tensor& t, int64_t dim, const char* what) {
-  TORCH_CHECK_VALUE(t.dim() >= 1 && t.dim() <= 2, what, ": expected a 1-D or 2-D tensor, got ",
-                    t.dim(), "-D");
-  TORCH_CHECK_VALUE(c10::maybe_wrap_dim(dim, t.dim()) == t.dim() - 1, what,
-                    ": dim must be the last dimension (", t.dim() - 1, "), got ", dim);
-  const int64_t cols = t.size(-1);
-  const int64_t rows = cols == 0 ? 0 : t.numel() / cols;
-  TORCH_CHECK_VALUE(rows <= std::numeric_limits<int>::max(), what, ": at most ",
-                    std::numeric_limits<int>::max(), " rows, got ", rows);
-  const int64_t threads = std::min<int64_t>(kMaxThreads, (cols + kWarp - 1) / kWarp * kWarp);
-  return {rows, cols, static_cast<int>(std::max<int64_t>(threads, kWarp))};
+RowLaunch row_launch(amp::detail::SoftmaxRows rows) {
+  TORCH_CHECK_VALUE(rows.rows <= std::numeric_limits<int>::max(), "widened_log_softmax: at most ",
+                    std::numeric_limits<int>::max(), " rows, got ", rows.rows);
+  const int64_t threads = std::min<int64_t>(kMaxThreads, (rows.cols + kWarp - 1) / kWarp * kWarp);
+  return {rows.rows, rows.cols, static_cast<int>(std::max<int64_t>(threads, kWarp))};
 }
 
 at::Tensor widened_log_softmax_cuda(const at::Tensor& self, int64_t dim) {
-  TORCH_CHECK_VALUE(self.scalar_type() == at::kHalf || self.scalar_type() == at::kBFloat16,
-                    "widened_log_softmax: self must be float16 or bfloat16, got ",
-                    self.scalar_type());
-  const RowLaunch launch = row_launch(self, dim, "widened_log_softmax");
+  const RowLaunch launch = row_launch(amp::detail::checked_forward_rows(self, dim));
   const c10::cuda::CUDAGuard device_guard(self.device());  // launches go to the current device
   const at::Tensor input = self.contiguous();
   at::Tensor output = at::empty(input.sizes(), input.options().dtype(at::kFloat));
@@ -161,16 +151,8 @@ at::Tensor widened_log_softmax_cuda(const at::Tensor& self, int64_t dim) {
 
 at::Tensor widened_log_softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& output,
                                              int64_t dim, at::ScalarType input_dtype) {
-  TORCH_CHECK_VALUE(grad.scalar_type() == at::kFloat && output.scalar_type() == at::kFloat,
-                    "widened_log_softmax_backward: grad and output must be float32, got ",
-                    grad.scalar_type(), " and ", output.scalar_type());
-  TORCH_CHECK_VALUE(grad.sizes() == output.sizes(),
-                    "widened_log_softmax_backward: grad must have output's shape ", output.sizes(),
-                    ", got ", grad.sizes());
-  TORCH_CHECK_VALUE(input_dtype == at::kHalf || input_dtype == at::kBFloat16,
-                    "widened_log_softmax_backward: input_dtype must be float16 or bfloat16, got ",
-                    input_dtype);
-  const RowLaunch launch = row_launch(output, dim, "widened_log_softmax_backward");
+  const RowLaunch launch =
+      row_launch(amp::detail::checked_backward_rows(grad, output, dim, input_dtype));
   const c10::cuda::CUDAGuard device_guard(output.device());
   const at::Tensor g = grad.contiguous();
   const at::Tensor out = output.contiguous();
