@@ -35,12 +35,10 @@ SoftmaxRows checked_rows(const at::Tensor& t, int64_t dim, const char* op, const
   return {cols == 0 ? 0 : t.numel() / cols, cols};
 }
 
-bool is_reduced(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
-
 }  // namespace
 
 SoftmaxRows checked_forward_rows(const at::Tensor& self, int64_t dim) {
-  TORCH_CHECK_VALUE(is_reduced(self.scalar_type()),
+  TORCH_CHECK_VALUE(is_reduced_float(self.scalar_type()),
                     "widened_log_softmax: self must be float16 or bfloat16, got ",
                     self.scalar_type());
   return checked_rows(self, dim, "widened_log_softmax", "self");
@@ -54,8 +52,8 @@ SoftmaxRows checked_backward_rows(const at::Tensor& grad, const at::Tensor& outp
                     output.scalar_type());
   TORCH_CHECK_VALUE(grad.sizes() == output.sizes(), op, ": grad must have output's shape ",
                     output.sizes(), ", got ", grad.sizes());
-  TORCH_CHECK_VALUE(is_reduced(input_dtype), op, ": input_dtype must be float16 or bfloat16, got ",
-                    input_dtype);
+  TORCH_CHECK_VALUE(is_reduced_float(input_dtype), op,
+                    ": input_dtype must be float16 or bfloat16, got ", input_dtype);
   return checked_rows(output, dim, op, "output");
 }
 
