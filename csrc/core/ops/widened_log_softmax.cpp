@@ -64,12 +64,14 @@ namespace {
 // the fp32 intermediates the whole tensor would need at once are a block's. Unblocked, the
 // backward held the incoming gradient, the saved result and an fp32 gradient of the logits' size
 // together before narrowing it, one reduced gradient more than the cast path's two nodes hold
-// (GPT-2's logits: 3 x 785 MB + 393 MB). A block is at most 32 MiB of fp32 and at most an
-// eighth of the rows, so it stays well under that gradient at any size.
+// (GPT-2's logits: 3 x 785 MB + 393 MB). A block is at most 32 MiB of fp32 and at most an eighth
+// of the rows, so it stays well under that gradient at any size that matters; a tensor of under
+// 1 MiB of fp32 (a classifier's batch of logits) is one block, its few ops not multiplied.
 int64_t rows_per_block(int64_t rows, int64_t cols) {
-  constexpr int64_t kBlockBytes = int64_t{32} << 20;
-  const int64_t by_bytes = kBlockBytes / (4 * std::max<int64_t>(cols, 1));
-  return std::max<int64_t>(1, std::min(by_bytes, (rows + 7) / 8));
+  const int64_t row_bytes = 4 * std::max<int64_t>(cols, 1);
+  const int64_t most = std::max<int64_t>(1, (int64_t{32} << 20) / row_bytes);
+  const int64_t least = std::max<int64_t>(1, (int64_t{1} << 20) / row_bytes);
+  return std::min(most, std::max(least, (rows + 7) / 8));
 }
 
 // The cast path's ops: widen, then torch's fp32 log_softmax. The classes are the last dimension
