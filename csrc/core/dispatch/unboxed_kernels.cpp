@@ -51,7 +51,8 @@ struct Fused<at::_ops::gelu> {
 // its gradient are not made. fp16 on CUDA takes torch's own kernel for that (log_softmax asked for
 // an fp32 result); bf16, which torch's kernel refuses, and the CPU take optamp::widened_log_softmax
 // (ops/widened_log_softmax.h) where the classes are the last dimension (a [N, C] or [C] input; on
-// the CPU the cast path's ops, bit for bit); other inputs let torch widen inside log_softmax.
+// CUDA 1024 classes or more; on the CPU the cast path's ops, bit for bit); other inputs let torch
+// widen inside log_softmax.
 // Probability targets and label smoothing take the cast path.
 template <>
 struct Fused<at::_ops::cross_entropy_loss> {
