@@ -9,6 +9,7 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -617,7 +618,9 @@ TEST_F(ScaleLossTest, AGuardOutlivesReconfiguration) {
   EXPECT_TRUE(all_equal(grads(m.params()), expected));
 }
 
-int g_notified = 0;
+// Listeners stay registered for the process (step_events.h): later tests' threads call this one
+// too (Robustness.* under --gtest_repeat), so the count is atomic.
+std::atomic<int> g_notified{0};
 void count_notification() { ++g_notified; }
 
 TEST_F(ScaleLossTest, NotifiesWeightsMayChangeAfterEachNonDelayedUnscaleOnly) {
@@ -630,14 +633,14 @@ TEST_F(ScaleLossTest, NotifiesWeightsMayChangeAfterEachNonDelayedUnscaleOnly) {
     auto s = scale_loss(m.loss(batch(0)), opt, {0, /*delay_unscale=*/true});
     s.backward();
   }
-  EXPECT_EQ(g_notified, 0);
+  EXPECT_EQ(g_notified.load(), 0);
   {
     auto s = scale_loss(m.loss(batch(1)), opt);
     s.backward();
   }
-  EXPECT_EQ(g_notified, 1);
+  EXPECT_EQ(g_notified.load(), 1);
   overflowing_step(m, opt, 2);
-  EXPECT_EQ(g_notified, 2);
+  EXPECT_EQ(g_notified.load(), 2);
 }
 
 TEST_F(ScaleLossTest, StateDictRoundTripsBitExactThroughTorchSave) {
