@@ -77,9 +77,11 @@ __device__ void for_each_of_thread(int64_t cols, Load load, Use use) {
   }
 }
 
+// __launch_bounds__: a block of kMaxThreads must fit an SM's registers (64 per thread at 1024).
 template <typename scalar_t>
-__global__ void widened_log_softmax_kernel(const scalar_t* __restrict__ input,
-                                           float* __restrict__ output, int64_t cols) {
+__global__ void __launch_bounds__(kMaxThreads)
+    widened_log_softmax_kernel(const scalar_t* __restrict__ input, float* __restrict__ output,
+                               int64_t cols) {
   __shared__ RowLogSumExp parts[kMaxThreads / kWarp];
   const scalar_t* x = input + static_cast<int64_t>(blockIdx.x) * cols;
   float* y = output + static_cast<int64_t>(blockIdx.x) * cols;
@@ -98,10 +100,10 @@ struct GradAndResult {
 };
 
 template <typename scalar_t>
-__global__ void widened_log_softmax_backward_kernel(const float* __restrict__ grad,
-                                                    const float* __restrict__ output,
-                                                    scalar_t* __restrict__ grad_input,
-                                                    int64_t cols) {
+__global__ void __launch_bounds__(kMaxThreads)
+    widened_log_softmax_backward_kernel(const float* __restrict__ grad,
+                                        const float* __restrict__ output,
+                                        scalar_t* __restrict__ grad_input, int64_t cols) {
   __shared__ float parts[kMaxThreads / kWarp];
   const int64_t offset = static_cast<int64_t>(blockIdx.x) * cols;
   const float* g = grad + offset;
