@@ -48,11 +48,10 @@ struct Fused<at::_ops::gelu> {
 // is log_softmax + nll_loss (torch's own decomposition for class-index targets), and log_softmax
 // reads the reduced logits and writes fp32, its backward writes the reduced gradient: the cast
 // path's fp32 copy of the logits (the largest activation of a language model) and the narrowing of
-// its gradient are not made. fp16 on CUDA takes torch's own kernel for that (log_softmax asked for
-// an fp32 result); bf16, which torch's kernel refuses, and the CPU take optamp::widened_log_softmax
-// (ops/widened_log_softmax.h) where the classes are the last dimension (a [N, C] or [C] input; on
-// CUDA 1024 classes or more; on the CPU the cast path's ops, bit for bit); other inputs let torch
-// widen inside log_softmax.
+// its gradient are not made. optamp::widened_log_softmax (ops/widened_log_softmax.h says where it
+// applies) does that for CUDA's bf16, which torch's kernel refuses, and runs the cast path's ops
+// on the CPU; elsewhere log_softmax is asked for an fp32 result (on CUDA torch reads fp16 so;
+// otherwise it widens inside log_softmax).
 // Probability targets and label smoothing take the cast path.
 template <>
 struct Fused<at::_ops::cross_entropy_loss> {
@@ -72,10 +71,8 @@ struct Fused<at::_ops::cross_entropy_loss> {
     k.log_cast(self.scalar_type(), p);
     count_cast();  // the widening of the logits, as the cast it replaces counted
     const int64_t class_dim = self.dim() == 1 ? 0 : 1;
-    std::optional<at::Tensor> log_probs;
-    if (!(self.is_cuda() && self.scalar_type() == c10::ScalarType::Half)) {
-      log_probs = widened_log_softmax(self, class_dim, records_autograd_now());
-    }
+    std::optional<at::Tensor> log_probs =
+        widened_log_softmax(self, class_dim, records_autograd_now());
     if (!log_probs) {
       log_probs = at::_ops::log_softmax_int::call(self, class_dim, c10::ScalarType::Float);
     }

@@ -141,17 +141,23 @@ struct WidenedLogSoftmaxBackward final : torch::autograd::Node {
 
 }  // namespace
 
-// The CUDA kernels give each row a block: for rows of fewer classes (a classifier's 10 or 1000)
-// torch's kernels, which give a short row a warp or less, are faster even after widening, and
-// such logits are small next to the model's activations.
+// Where torch's own kernels serve better on CUDA, the op declines: fp16, which torch's
+// log_softmax reads and writes fp32 in one kernel when asked for an fp32 result (bit for bit what
+// native autocast computes); and rows of fewer classes than kMinCudaClasses (a classifier's 10 or
+// 1000), where torch's kernels give a short row a warp or less and beat a block per row even
+// after widening, on logits that are small next to the model's activations.
 constexpr int64_t kMinCudaClasses = 1024;
+
+bool torch_serves_better(const at::Tensor& x) {
+  return x.is_cuda() && (x.scalar_type() == at::kHalf || x.size(-1) < kMinCudaClasses);
+}
 
 std::optional<at::Tensor> widened_log_softmax(const at::Tensor& x, int64_t dim,
                                               bool records_autograd) {
   const auto device = x.device().type();
   if (!is_reduced_float(x.scalar_type()) || (device != c10::kCPU && device != c10::kCUDA) ||
       x.dim() < 1 || x.dim() > 2 || c10::maybe_wrap_dim(dim, x.dim()) != x.dim() - 1 ||
-      (device == c10::kCUDA && x.size(-1) < kMinCudaClasses) || !is_plain_for_autograd(x)) {
+      torch_serves_better(x) || !is_plain_for_autograd(x)) {
     return std::nullopt;
   }
   static const auto op = c10::Dispatcher::singleton()

@@ -23,9 +23,9 @@
 namespace amp::detail {
 
 // log_softmax(x.float(), dim) for a reduced `x` when the op applies (CPU or CUDA, 1-D or 2-D with
-// `dim` the last dimension, on CUDA at least 1024 classes, a plain tensor), recording autograd
-// when `records_autograd` and `x` requires grad; std::nullopt otherwise (the caller asks torch's
-// log_softmax for an fp32 result).
+// `dim` the last dimension, on CUDA bf16 with at least 1024 classes, a plain tensor), recording
+// autograd when `records_autograd` and `x` requires grad; std::nullopt otherwise (the caller asks
+// torch's log_softmax for an fp32 result, which on CUDA reads fp16 without widening it first).
 std::optional<at::Tensor> widened_log_softmax(const at::Tensor& x, int64_t dim,
                                               bool records_autograd);
 
