@@ -1,6 +1,6 @@
 """What several test modules share (fixtures are in conftest.py, the casting cases in
 op_cases.py): small models, a quiet initialize, the tolerance table of tests/tolerances.txt,
-where the A/B trainers are, and load_script (a script of examples/ or benchmarks/ as a module,
+the names of a tensor's autograd graph, where the A/B trainers are, and load_script (a script of examples/ or benchmarks/ as a module,
 without editing sys.path)."""
 import importlib.util
 import os
@@ -65,6 +65,23 @@ _DTYPE_ROWS = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float
 def tol(key):
     """torch.testing.assert_close kwargs for a dtype or a row name such as "train_float16"."""
     return dict(TOLERANCES[_DTYPE_ROWS.get(key, key) if not isinstance(key, str) else key])
+
+
+# ---- autograd graphs -------------------------------------------------------------------------
+
+
+def graph_node_names(t):
+    """The names of the distinct autograd nodes reachable from `t`'s grad_fn, depth first, without
+    a C++ namespace ("AccumulateGrad", not "torch::autograd::AccumulateGrad")."""
+    names, todo, seen = [], [t.grad_fn], {}  # seen keeps the wrappers alive: ids stay unique
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        names.append(node.name().split("::")[-1])
+        todo.extend(fn for fn, _ in node.next_functions)
+    return names
 
 
 # ---- the A/B trainers (examples/) ------------------------------------------------------------

@@ -13,20 +13,8 @@ import torch.nn.functional as F
 
 import optamp
 
-from common_utils import Mlp, init, tol
+from common_utils import Mlp, graph_node_names, init, tol
 from op_cases import CPU_AND_CUDA
-
-
-def _node_names(t):
-    names, todo, seen = [], [t.grad_fn], {}  # seen keeps the wrappers alive: ids stay unique
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
-        names.append(node.name().split("::")[-1])  # "torch::autograd::AccumulateGrad" too
-        todo.extend(fn for fn, _ in node.next_functions)
-    return names
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
@@ -34,7 +22,7 @@ def test_a_training_step_records_no_cast_nodes(fresh, level):
     model = Mlp()
     init(model, opt_level=level)
     out = model(torch.randn(5, 4))
-    names = _node_names(out)  # the model's graph (the loss's log_softmax(dtype=) casts itself)
+    names = graph_node_names(out)  # the model's graph (the loss's log_softmax(dtype=) casts itself)
     # At O2/O5 the model boundary casts the output to fp32 with a plain `.to()`, as Apex does.
     assert names.count("ToCopyBackward0") == (level in ("O2", "O5")), names
     assert names.count("AccumulateGrad") == 4, names
@@ -53,7 +41,7 @@ def test_an_activation_cast_keeps_its_node(fresh, level):
     x = torch.randn(5, 4, requires_grad=True)
     out = model.fc1((x * 2).view(5, 4))  # fp32 activation -> fp16/bf16 linear
     assert out.dtype != torch.float32
-    names = _node_names(out)
+    names = graph_node_names(out)
     assert names.count("ToCopyBackward0") == 1, names
     assert names.index("ToCopyBackward0") < names.index("MulBackward0"), names
     out.float().sum().backward()
@@ -190,7 +178,7 @@ def test_apex_fp32_gelu_is_one_op_with_the_cast_paths_gradients(fresh, level, lo
     F.cross_entropy(reference(x, cast=low).float(), y).backward()
     init(model, opt_level=level)
     out = model(x)
-    names = _node_names(out)
+    names = graph_node_names(out)
     assert "WidenedGeluBackward" in names and "GeluBackward0" not in names, names
     assert "ToCopyBackward0" not in names, names
     F.cross_entropy(out, y).backward()

@@ -48,6 +48,7 @@ def _init(rank, world, port, backend="gloo"):
 def _worker(rank, world, port, level, out_dir, backend="gloo"):
     """gloo: CPU. nccl: one GPU per rank (cuda:rank), DDP with device_ids."""
     import optamp
+    from common_utils import graph_node_names
 
     _init(rank, world, port, backend)
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
@@ -70,7 +71,7 @@ def _worker(rank, world, port, level, out_dir, backend="gloo"):
             x, y = x.to(device), y.to(device)
             opt.zero_grad()
             out = ddp(x)
-            buckets += _graph_node_names(out).count("ConvertGradientsBackward")
+            buckets += graph_node_names(out).count("ConvertGradientsBackward")
             loss = F.cross_entropy(out, y)
             if step == BAD_STEP and rank == 1:
                 loss = loss * float("inf")
@@ -167,18 +168,6 @@ def test_a_summed_fp16_output_overflows_at_the_initial_scale_with_or_without_a_g
     finally:
         optamp.reset()
         dist.destroy_process_group()
-
-
-def _graph_node_names(t):
-    names, todo, seen = [], [t.grad_fn], set()
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(node.name())
-        todo.extend(n for n, _ in node.next_functions)
-    return names
 
 
 def _expect_ranks_agree(tmp_path):
