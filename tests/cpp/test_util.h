@@ -33,6 +33,7 @@ std::vector<std::string> top_level_ops(const std::function<void()>& fn);
 
 // The dtype of the first argument of every `name` call ("aten::log_softmax") that fn makes,
 // nested calls included, on any thread (a CUDA backward runs on the engine's device thread).
+// One at a time: a first_input_dtypes inside fn would leave the outer one's result empty.
 std::vector<at::ScalarType> first_input_dtypes(const std::string& name,
                                                const std::function<void()>& fn);
 
