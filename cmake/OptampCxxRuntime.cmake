@@ -187,10 +187,15 @@ function(optamp_check_cuda_host_cxx_runtime)
   if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" OR NOT other)
     set(other "${CMAKE_CXX_COMPILER}")
   endif()
+  if(other STREQUAL CMAKE_CXX_COMPILER)
+    # scripts/common.sh configures again with it (as C++ compiler too: the same one).
+    file(WRITE "${CMAKE_BINARY_DIR}/optamp_cxx_runtime_fix.txt" "${other}\n")
+  endif()
   message(FATAL_ERROR
-    "optamp: the CUDA host compiler ${host} links the C++ runtime (libstdc++) statically into "
-    "shared libraries, and its link directories go onto liboptamp's link line, which would put a "
-    "static copy into liboptamp (torch uses the shared libstdc++.so.6; two copies in one process "
-    "crash). To fix it, configure with -DCMAKE_CUDA_HOST_COMPILER=${other}, which links it shared. "
-    "(-DOPTAMP_SKIP_CXX_RUNTIME_CHECK=ON skips this check.)")
+    "optamp: the CUDA host compiler ${host} (-DCMAKE_CUDA_HOST_COMPILER, else CUDAHOSTCXX, else "
+    "the g++ first on PATH) links the C++ runtime (libstdc++) "
+    "statically into shared libraries, and its link directories go onto liboptamp's link line, "
+    "which would put a static copy into liboptamp (torch uses the shared libstdc++.so.6; two "
+    "copies in one process crash). To fix it, configure with -DCMAKE_CUDA_HOST_COMPILER=${other}, "
+    "which links it shared. (-DOPTAMP_SKIP_CXX_RUNTIME_CHECK=ON skips this check.)")
 endfunction()

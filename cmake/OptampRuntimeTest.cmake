@@ -129,19 +129,31 @@ foreach(name g++ c++)
   file(COPY_FILE "${wrapper}" "${site}/${name}")
   file(CHMOD "${site}/${name}" PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE)
 endforeach()
-set(build "${OPTAMP_WORK_DIR}/script_repair_cuda")
-configure_with_script("${build}" out --unset=CXX --unset=CUDAHOSTCXX "PATH=${site}:$ENV{PATH}"
-  "OPTAMP_CMAKE_ARGS=-DOPTAMP_BUILD_TESTS=OFF -DOPTAMP_BUILD_EXAMPLES=OFF -DOPTAMP_WITH_CUDA=ON")
-file(GLOB detected "${build}/CMakeFiles/*/CMakeCUDACompiler.cmake")
-file(STRINGS "${detected}" host REGEX "^set\\(CMAKE_CUDA_HOST_COMPILER ")
-string(REGEX REPLACE "^[^\"]*\"([^\"]*)\".*" "\\1" host "${host}")
-cached_cxx_compiler("${build}" used)
-if(NOT used STREQUAL named OR NOT host STREQUAL named)
-  message(FATAL_ERROR "with the static-runtime g++ first on PATH: expected ${named} as the C++ "
-                      "and the CUDA host compiler, got '${used}' and '${host}':\n${out}")
-endif()
-file(REMOVE_RECURSE "${build}")
-message(STATUS "with the static-runtime g++ first on PATH, C++ and CUDA host compiler: ${named}")
+# scripts/common.sh with the environment entries given must configure with `named` as the C++ and
+# the CUDA host compiler (as CMake's CUDA detection recorded it).
+function(expect_repaired_cuda_host name)
+  set(build "${OPTAMP_WORK_DIR}/${name}")
+  configure_with_script("${build}" out ${ARGN}
+    "OPTAMP_CMAKE_ARGS=-DOPTAMP_BUILD_TESTS=OFF -DOPTAMP_BUILD_EXAMPLES=OFF -DOPTAMP_WITH_CUDA=ON")
+  file(GLOB detected "${build}/CMakeFiles/*/CMakeCUDACompiler.cmake")
+  file(STRINGS "${detected}" host REGEX "^set\\(CMAKE_CUDA_HOST_COMPILER ")
+  string(REGEX REPLACE "^[^\"]*\"([^\"]*)\".*" "\\1" host "${host}")
+  cached_cxx_compiler("${build}" used)
+  if(NOT used STREQUAL named OR NOT host STREQUAL named)
+    message(FATAL_ERROR "${name} (${ARGN}): expected ${named} as the C++ and the CUDA host "
+                        "compiler, got '${used}' and '${host}':\n${out}")
+  endif()
+  file(REMOVE_RECURSE "${build}")
+  message(STATUS "${name}: C++ and CUDA host compiler ${named}")
+endfunction()
+expect_repaired_cuda_host(script_repair_cuda --unset=CXX --unset=CUDAHOSTCXX "PATH=${site}:$ENV{PATH}")
+# The GPU machine also exports CUDAHOSTCXX naming that g++ (its fourth run), which CMake's detection
+# takes over -DCMAKE_CUDA_HOST_COMPILER unless the configure overrides it.
+expect_repaired_cuda_host(script_repair_cudahostcxx --unset=CXX "CUDAHOSTCXX=${site}/g++"
+  "PATH=${site}:$ENV{PATH}")
+# The C++ compiler links the runtime shared; only CUDAHOSTCXX names a static one.
+expect_repaired_cuda_host(script_repair_cudahostcxx_only "CXX=${named}" "CUDAHOSTCXX=${site}/g++"
+  "PATH=${site}:$ENV{PATH}")
 
 # A Clang C++ compiler keeps nvcc's default host compiler (the g++ first on PATH): that one is
 # probed too, and refused when it links the runtime statically, naming one that does not.
@@ -151,7 +163,7 @@ if(clangxx)
   set(ENV{PATH} "${site}:${path}")
   unset(ENV{CUDAHOSTCXX})
   configure_expecting_refusal(clang_with_static_host
-    "the CUDA host compiler ${site}/g\\+\\+ links the C\\+\\+ runtime .*-DCMAKE_CUDA_HOST_COMPILER=/"
+    "the CUDA host compiler ${site}/g\\+\\+ .*links the C\\+\\+ runtime .*-DCMAKE_CUDA_HOST_COMPILER=/"
     -DCMAKE_CXX_COMPILER=${clangxx} -DPython3_EXECUTABLE=${OPTAMP_PYTHON}
     -DOPTAMP_BUILD_TESTS=OFF -DOPTAMP_BUILD_EXAMPLES=OFF -DOPTAMP_WITH_CUDA=ON)
   set(ENV{PATH} "${path}")

@@ -36,7 +36,13 @@ if(NOT OPTAMP_WITH_CUDA STREQUAL "OFF")
   # default, which may be the only host nvcc supports; the check after enable_language guards it.)
   # And check_language(CUDA) replaces a host compiler named with -D by the one its scratch
   # project found (unless nvcc is named too), so set it again after it.
+  # CMake's own detection takes CUDAHOSTCXX over -DCMAKE_CUDA_HOST_COMPILER (the GPU machine
+  # exports CUDAHOSTCXX=/opt/gcc/bin/g++, a static-runtime g++), so the environment carries the
+  # choice, into check_language's scratch project as well.
   optamp_chosen_cuda_host_compiler(_optamp_cuda_host)
+  if(NOT _optamp_cuda_host STREQUAL "")
+    set(ENV{CUDAHOSTCXX} "${_optamp_cuda_host}")
+  endif()
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER AND NOT _optamp_cuda_host STREQUAL "")
     unset(CMAKE_CUDA_HOST_COMPILER)  # the normal variable check_language leaves

@@ -23,7 +23,7 @@ optamp_build_dir() { echo "${OPTAMP_BUILD_DIR:-$OPTAMP_ROOT/build}"; }
 # Configures the build directory once. When CMake refuses the compiler because it links libstdc++
 # statically into shared libraries (cmake/OptampCxxRuntime.cmake: torch's libraries use the shared
 # one, and two copies in one process crash), it names a system compiler that links it shared:
-# configure again with that one, and say so.
+# configure again with that one (as C++ and CUDA host compiler), and say so.
 optamp_configure() {
   local build fix configure
   build="$(optamp_build_dir)"
@@ -35,8 +35,8 @@ optamp_configure() {
   "${configure[@]}" ${OPTAMP_CMAKE_ARGS:-} && return 0
   fix="$(cat "$build/optamp_cxx_runtime_fix.txt" 2>/dev/null || true)"
   [[ -n "$fix" ]] || return 1
-  echo "optamp: the default C++ compiler links libstdc++ statically into shared libraries;" \
-       "configuring with $fix instead (set CXX to choose another)" >&2
+  echo "optamp: the default C++ compiler (or CUDA host compiler) links libstdc++ statically into" \
+       "shared libraries; configuring with $fix instead (set CXX to choose another)" >&2
   rm -rf "$build/CMakeCache.txt" "$build/CMakeFiles"
   # shellcheck disable=SC2086
   "${configure[@]}" -DCMAKE_CXX_COMPILER="$fix" -DCMAKE_CUDA_HOST_COMPILER="$fix" \
