@@ -269,6 +269,7 @@ def run_config(wl, config, args, dev, kernel_time=False):
             if "eps" in group:
                 group["eps"] = max(group["eps"], 1e-4)
     res = dict(config=config)
+    step = None
     try:
         step = make_step(config, model, opt, loss_fn, dev)
         for _ in range(args.warmup):
@@ -298,8 +299,12 @@ def run_config(wl, config, args, dev, kernel_time=False):
         if config.startswith("O"):
             optamp.reset()
         set_tf32(False)
-        del model, opt, loss_fn
+        del step, model, opt, loss_fn  # a captured graph first
         if dev.type == "cuda":
+            # torch keeps a cuBLAS workspace per stream for the life of the process (64 MiB on an
+            # H200), and each _graph configuration warms up on a stream of its own: without this
+            # every later configuration's peak carried them (+128 MB per round in the fourth run).
+            torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
     return res
 

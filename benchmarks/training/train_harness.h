@@ -42,6 +42,7 @@
 #include <torch/version.h>
 
 #ifdef OPTAMP_BENCH_CUDA
+#include <ATen/cuda/CUDAContextLight.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -476,6 +477,12 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
   if (optamp) amp::reset();
   set_tf32(false);
   wl.destroy();
+#ifdef OPTAMP_BENCH_CUDA
+  // torch keeps a cuBLAS workspace per stream for the life of the process (64 MiB on an H200), and
+  // each _graph configuration warms up on a pool stream of its own: without this every later
+  // configuration's peak carried them (+128 MB per round in the fourth GPU run).
+  if (device.is_cuda()) at::cuda::clearCublasWorkspaces();
+#endif
   return r;
 }
 

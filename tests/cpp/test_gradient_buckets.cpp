@@ -19,12 +19,14 @@
 #include "cache/gradient_buckets.h"
 #include "casting_test.h"
 #include "common/step_events.h"
+#include "simulated_capture.h"
 #include "test_util.h"
 
 namespace amp {
 namespace {
 
 using namespace amp::testing;  // NOLINT: the casting fixtures
+using testing::SimulatedCapture;
 using torch::autograd::Node;
 
 // The distinct ConvertGradientsBackward nodes reachable from `root`, each as the parameters its
@@ -152,6 +154,41 @@ TEST_F(GradientBucketsTest, FromTheSecondStepNoGradientIsConvertedOnItsOwn_CUDA)
   OPTAMP_SKIP_WITHOUT_CUDA();
   move_to(at::kCUDA);
   expect_no_gradient_converted_on_its_own_from_the_second_step();
+}
+
+// An eager forward right before a CUDA graph capture (the fourth GPU run's failure, O2 with a
+// forward that was never stepped): its batched copies share bucket nodes, which hold their
+// parameters' grad accumulators, made on the eager stream. The capture's copies must make
+// accumulators of their own, or the captured backward accumulates on that stream, which CUDA
+// refuses inside a capture. Releasing one stale copy at a time left its bucket (and the
+// accumulators) alive through the bucket's other copies; every copy from outside the capture goes
+// at its first use inside it.
+TEST_F(GradientBucketsTest, ACaptureAfterAnEagerForwardMakesNewAccumulators) {
+  enable("O1");
+  forward().backward();
+  grads_and_reset();
+  detail::notify_weights_may_change();
+  std::vector<at::Tensor> expected;
+  {
+    const at::Tensor eager_loss = forward();  // the step's batch, bucketed; never stepped
+    ASSERT_EQ(buckets_of(eager_loss).size(), 1u);
+    eager_loss.backward();  // its graph goes; the cached copies still hold the bucket
+    expected = grads_and_reset();
+  }
+  std::vector<std::weak_ptr<Node>> eager;
+  for (const auto& p : params()) {
+    eager.emplace_back(torch::autograd::impl::try_get_grad_accumulator(p));
+    ASSERT_FALSE(eager.back().expired());
+  }
+  {
+    const SimulatedCapture capture(4);
+    const at::Tensor captured_loss = forward();
+    for (std::size_t i = 0; i < eager.size(); ++i) {
+      EXPECT_TRUE(eager[i].expired()) << "parameter " << i << " kept the eager accumulator";
+    }
+    captured_loss.backward();
+  }
+  EXPECT_TRUE(bit_equal(grads_and_reset(), expected));
 }
 
 TEST_F(GradientBucketsTest, MicroBatchesAndASecondUseConvertEachUseOnItsOwnAndSumInFp32) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <iterator>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -82,11 +83,17 @@ class CastCache {
       // captured backward accumulate on the default stream, which breaks the capture (torch
       // warns of "an AccumulateGrad node created prior to the current iteration being kept
       // alive"). Released, and held nowhere else, the node goes, and the new copy makes its own.
-      at::Tensor stale_copy = std::move(it->second.cast);
-      dropped.push_back(std::move(it->second));
-      entries_.erase(it);
+      // A copy from another capture (or from outside one) goes with every other such copy: the
+      // copies of a batch share their bucket's node (gradient_buckets.h), which holds all their
+      // sources' accumulators, so one released alone would leave the node to the rest.
+      std::vector<at::Tensor> stale;
+      if (it->second.capture != capture) {
+        drop_copies_of_other_captures(capture, stale, dropped);
+      } else {
+        drop(it, stale, dropped);
+      }
       lock.unlock();
-      stale_copy.reset();  // outside the lock (see clear())
+      stale.clear();  // outside the lock (see clear())
       lock.lock();
       it = entries_.find(key);  // another thread may have cast it meanwhile
     }
@@ -95,10 +102,10 @@ class CastCache {
     ++made_in_generation_;
     const bool in_working_set = made_in_generation_ <= 2 * working_set_ + kWorkingSetFloor;
     entries_.insert_or_assign(
-        key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()),
-                   source._version(), storage_of(source), cast, generation_, capture,
-                   batch_recast(source, key.grad_mode), true, false, in_working_set,
-                   next_order_++, /*bucketed=*/false, /*own_edge=*/{}});
+        key,
+        Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()), source._version(),
+              storage_of(source), cast, generation_, capture, batch_recast(source, key.grad_mode),
+              true, false, in_working_set, next_order_++, /*bucketed=*/false, /*own_edge=*/{}});
     sweep_if_grown(dropped);
     return {cast, true};
   }
@@ -176,6 +183,27 @@ class CastCache {
     if (!e.bucketed) return e.cast;
     if (!e.own_edge.defined()) e.own_edge = alias_with_own_edge(e.cast, source);
     return e.own_edge;
+  }
+
+  using EntryIt = std::unordered_map<Key, Entry, KeyHash>::iterator;
+
+  // Erases an entry; its copy and its alias go to `stale` (released by the caller, unlocked,
+  // before it makes a replacement), the rest of it to `dropped`. Returns the next entry.
+  EntryIt drop(EntryIt it, std::vector<at::Tensor>& stale, std::vector<Entry>& dropped) {
+    stale.push_back(std::move(it->second.cast));
+    stale.push_back(std::move(it->second.own_edge));
+    dropped.push_back(std::move(it->second));
+    return entries_.erase(it);
+  }
+
+  // Drops every entry holding a copy made outside `capture` (see get).
+  void drop_copies_of_other_captures(std::uint64_t capture, std::vector<at::Tensor>& stale,
+                                     std::vector<Entry>& dropped) {
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      const Entry& e = it->second;
+      const bool holds_a_copy = e.cast.defined() || e.own_edge.defined();
+      it = holds_a_copy && e.capture != capture ? drop(it, stale, dropped) : std::next(it);
+    }
   }
 
   static at::Tensor lock_source(const Entry& e) {
