@@ -20,6 +20,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cache/companion_casts.h"
@@ -55,8 +56,9 @@ TEST(GeluMath, MatchesTorchsFp32Gelu) {
   }
 }
 
-// The CUDA kernel's row math: each of `threads` lanes gathers a strided part of the row, the parts
-// merge pairwise as the warp shuffles and the block's second round merge them. Rows with the
+// The CUDA kernel's row math: each of `threads` lanes gathers its part of the row as the kernels'
+// 16-byte loads split it, the parts merge pairwise as the warp shuffles and the block's second
+// round merge them. Rows with the
 // values torch treats specially are among them.
 TEST(LogSoftmaxMath, MergedPartsMatchTorchsFp32LogSoftmax) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -73,13 +75,18 @@ TEST(LogSoftmaxMath, MergedPartsMatchTorchsFp32LogSoftmax) {
   const auto want_grad = at::_log_softmax_backward_data(g, want, 1, at::kFloat);
   auto got = at::empty_like(x);
   auto got_grad = at::empty_like(x);
-  for (const int threads : {1, 32, 96, 1024}) {
+  // The CUDA kernels' lanes (ops::detail::RowPacks): bf16 logits 8 to a 16-byte pack, fp32
+  // gradients 4, the row starting `shift` elements past a 16-byte boundary.
+  for (const auto& [threads, shift] :
+       std::vector<std::pair<int, int>>{{32, 0}, {32, 3}, {96, 7}, {96, 1}, {1024, 5}}) {
+    const ops::detail::RowPacks logits(cols, shift, 8);
+    const ops::detail::RowPacks grads(cols, shift % 4, 4);
     for (int64_t r = 0; r < x.size(0); ++r) {
       std::vector<ops::detail::RowLogSumExp> parts(threads, ops::detail::RowLogSumExp::empty());
       std::vector<float> grad_parts(threads, 0.0f);
       for (int64_t i = 0; i < cols; ++i) {
-        parts[i % threads].add(x[r][i].item<float>());
-        grad_parts[i % threads] += g[r][i].item<float>();
+        parts[logits.lane_of(i, threads, 8)].add(x[r][i].item<float>());
+        grad_parts[grads.lane_of(i, threads, 4)] += g[r][i].item<float>();
       }
       for (int width = 1; width < threads; width *= 2) {  // a tree, as the shuffles merge
         for (int lane = 0; lane + width < threads; lane += 2 * width) {
@@ -95,7 +102,7 @@ TEST(LogSoftmaxMath, MergedPartsMatchTorchsFp32LogSoftmax) {
             g[r][i].item<float>(), want[r][i].item<float>(), grad_parts[0]);
       }
     }
-    const std::string with = std::to_string(threads) + " lanes";
+    const std::string with = std::to_string(threads) + " lanes, shift " + std::to_string(shift);
     EXPECT_TRUE(at::equal(got.isnan(), want.isnan())) << with;
     EXPECT_TRUE(at::allclose(got, want, 1e-6, 1e-5, /*equal_nan=*/true)) << with;
     EXPECT_TRUE(at::allclose(got_grad, want_grad, 1e-6, 1e-5, /*equal_nan=*/true)) << with;

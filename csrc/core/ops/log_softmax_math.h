@@ -10,6 +10,7 @@
 #include <c10/macros/Macros.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 namespace amp::ops::detail {
@@ -45,6 +46,28 @@ struct RowLogSumExp {
   }
 
   C10_HOST_DEVICE void add(float x) { merge(of(x)); }
+};
+
+// How a reduction pass splits a row of `cols` elements among `threads` lanes when it loads 16
+// bytes (`vec` elements) at a time: the `head` elements before the first 16-byte boundary (the row
+// starts `shift` elements past one; a GPT-2 row of 50257 bf16 elements rarely starts on one) one
+// per lane, then `packs` aligned packs of `vec`, pack q to lane q % threads, then the rest of the
+// row one element per lane. Each lane merges its elements in ascending order. The CUDA kernels
+// use the bounds; tests/cpp/test_fused_casts.cpp merges a row's parts on the CPU by lane_of.
+struct RowPacks {
+  int64_t head, packs, tail_start;
+
+  C10_HOST_DEVICE RowPacks(int64_t cols, int64_t shift, int64_t vec)
+      : head(shift == 0 ? 0 : (vec - shift < cols ? vec - shift : cols)),
+        packs((cols - head) / vec),
+        tail_start(head + packs * vec) {}
+
+  // The lane that merges element i (threads >= vec: a head or a tail is shorter than a pack).
+  C10_HOST_DEVICE int64_t lane_of(int64_t i, int64_t threads, int64_t vec) const {
+    if (i < head) return i;
+    if (i >= tail_start) return i - tail_start;
+    return ((i - head) / vec) % threads;
+  }
 };
 
 // log_softmax of an element `x` of a row whose parts merged into `row`, given log(row.sum) (one
