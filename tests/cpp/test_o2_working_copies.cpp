@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -16,6 +18,7 @@
 #include "cache/cast_cache.h"
 #include "initialize_test.h"
 #include "optamp/amp.h"
+#include "optamp/fused_optimizers.h"
 #include "simulated_capture.h"
 #include "test_util.h"
 
@@ -286,6 +289,47 @@ TEST_F(Initialize, O2TheFirstUseInACaptureMakesTheStepsBatchThere) {
   EXPECT_EQ(storages_of(captured).size(), 1u);  // one batch
   EXPECT_EQ(shared_storages(working_copies(net), captured), 0u);
   expect_copies_are_rounded_masters(net, "after the captured batch");
+}
+
+// docs/loss_scaling.md's capture recipe with an eager forward just before the capture (the Python
+// test_cuda_graph_replays_match_eager_steps_bit_for_bit[...-True], which failed at O2 on the fourth
+// GPU run): that forward makes the step's batch, whose copies share their gradient buckets' nodes
+// (buckets on, as on a GPU), and the nodes hold the parameters' grad accumulators, made on the
+// eager stream. Inside the capture none of those accumulators may live on, or the captured
+// backward accumulates on the eager stream (CUDA refuses it during a capture).
+TEST_F(Initialize, ACaptureAfterAnEagerForwardMakesItsOwnAccumulators) {
+  for (const char* level : {"O2", "O5"}) {
+    SCOPED_TRACE(level);
+    set_gradient_buckets_on_cpu(true);
+    Net net = make_net();
+    // A capture needs an optimizer that skips on the device (no host sync in the step).
+    auto opt = std::make_unique<FusedSGD>(net->parameters(), torch::optim::SGDOptions(0.05));
+    initialize(net, *opt, level, quiet());
+    const auto batches = batches_on(at::kCPU, 2);
+    scaled_backward(net, *opt, batches[0]);
+    opt->step();
+    opt->zero_grad();
+    net->forward(batches[1].x, batches[1].tag);  // never stepped: its copies stay cached
+    std::vector<std::weak_ptr<torch::autograd::Node>> eager;
+    for (const auto& p : net->parameters()) {
+      std::weak_ptr<torch::autograd::Node> acc(torch::autograd::impl::try_get_grad_accumulator(p));
+      if (!acc.expired()) eager.push_back(acc);  // held by a cached copy
+    }
+    EXPECT_GE(eager.size(), 4u);
+    {
+      const testing::SimulatedCapture capture(11);
+      const at::Tensor logits = net->forward(batches[1].x, batches[1].tag);
+      for (std::size_t i = 0; i < eager.size(); ++i) {
+        EXPECT_TRUE(eager[i].expired())
+            << "an eager accumulator lived on in the capture (" << i << ")";
+      }
+      auto scaled = scale_loss(at::cross_entropy_loss(logits, batches[1].y), *opt);
+      scaled.backward();
+    }
+    opt->step();
+    set_gradient_buckets_on_cpu(false);
+    reset();
+  }
 }
 
 TEST_F(Initialize, O2OwnDataOpsStayFp32AndViewsReuseTheCopy) {
