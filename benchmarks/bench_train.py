@@ -301,9 +301,10 @@ def run_config(wl, config, args, dev, kernel_time=False):
         set_tf32(False)
         del step, model, opt, loss_fn  # a captured graph first
         if dev.type == "cuda":
-            # torch keeps a cuBLAS workspace per stream for the life of the process (64 MiB on an
-            # H200), and each _graph configuration warms up on a stream of its own: without this
-            # every later configuration's peak carried them (+128 MB per round in the fourth run).
+            # torch keeps a cuBLAS workspace per stream for the life of the process (64 MiB a
+            # stream on the H200, judging by the growth), and each _graph configuration warms up
+            # on a stream of its own: without this every later configuration's peak carried
+            # them (+128 MB per round in the fourth GPU run).
             torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
     return res

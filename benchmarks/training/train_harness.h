@@ -478,9 +478,10 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
   set_tf32(false);
   wl.destroy();
 #ifdef OPTAMP_BENCH_CUDA
-  // torch keeps a cuBLAS workspace per stream for the life of the process (64 MiB on an H200), and
-  // each _graph configuration warms up on a pool stream of its own: without this every later
-  // configuration's peak carried them (+128 MB per round in the fourth GPU run).
+  // torch keeps a cuBLAS workspace per stream for the life of the process (64 MiB a stream on the
+  // H200, judging by the growth), and each _graph configuration warms up on a pool stream of its
+  // own: without this every later configuration's peak carried them (+128 MB per round in the
+  // fourth GPU run).
   if (device.is_cuda()) at::cuda::clearCublasWorkspaces();
 #endif
   return r;
