@@ -38,7 +38,7 @@ failed=0
 FUSED_CONFIGS=native,native_again,O1,O2,O4,O5,native_bf16
 # Each run is the C++ program and the Python script with the same configurations; both also
 # profile each configuration (GPU kernel time and kernels per step, and the kernels that differ
-# most from native's; Python also the host operators).
+# most from native's, then the host operators' self time).
 for run in ${BENCH_RUNS:-resnet50 gpt2 gpt2_fused}; do
   model="${run%_fused}"
   case "$run" in

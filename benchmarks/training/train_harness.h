@@ -64,6 +64,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -299,6 +300,13 @@ class SyncCounter : public c10::WarningHandler {
 };
 #endif
 
+inline std::string fmt(const char* f, double v) {
+  if (!std::isfinite(v)) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), f, v);
+  return buf;
+}
+
 struct RunResult {
   double median_ms = std::nan(""), peak_mb = std::nan(""), syncs_per_step = std::nan("");
   std::int64_t skipped = 0;
@@ -308,7 +316,35 @@ struct RunResult {
   // operator name (CPU: inclusive, nested operators counted in each).
   double kernel_ms = std::nan(""), events_per_step = std::nan("");
   std::map<std::string, double> ms_by_name;
+  // And the host: each operator's self time per step (its time less its nested operators'; the
+  // profiler's own cost included, so read differences), as Python's kernel_profile reports it.
+  std::map<std::string, double> host_ms_by_name;
 };
+
+// Self time per name of nested host events: on each thread an event's duration less that of the
+// events directly inside it (intervals that nest, as RecordFunction scopes do).
+struct HostEvent {
+  std::uint64_t thread, start, end;
+  std::string name;
+};
+
+inline std::map<std::string, double> self_ms_by_name(std::vector<HostEvent> events, int steps) {
+  std::sort(events.begin(), events.end(), [](const HostEvent& a, const HostEvent& b) {
+    return std::tie(a.thread, a.start, b.end) < std::tie(b.thread, b.start, a.end);
+  });
+  std::map<std::string, double> self;
+  std::vector<const HostEvent*> open;  // the enclosing events of the current one, innermost last
+  for (const auto& e : events) {
+    while (!open.empty() && (open.back()->thread != e.thread || open.back()->end <= e.start)) {
+      open.pop_back();
+    }
+    const double ms = static_cast<double>(e.end - e.start) / 1e6 / steps;
+    self[e.name] += ms;
+    if (!open.empty()) self[open.back()->name] -= ms;
+    open.push_back(&e);
+  }
+  return self;
+}
 
 // `n` steps under the Kineto profiler (what torch.profiler records): on CUDA every device event
 // (kernels, copies, memsets, also those a CUDA graph replays), on the CPU every operator.
@@ -328,7 +364,14 @@ inline void profile_steps(const std::function<void()>& step, const torch::Device
   const c10::DeviceType wanted = device.is_cuda() ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
   double total_ms = 0;
   std::size_t events = 0;
+  std::vector<HostEvent> host;
   for (const auto& e : result->events()) {
+    // Operators only (libkineto::ActivityType::CPU_OP, 0): the CUDA runtime's calls are recorded
+    // with other thread ids, so they would not nest inside the operators that made them.
+    if (e.deviceType() == c10::DeviceType::CPU && e.activityType() == 0 &&
+        e.endNs() >= e.startNs()) {
+      host.push_back({e.startThreadId(), e.startNs(), e.endNs(), e.name()});
+    }
     if (e.deviceType() != wanted) continue;
     const double ms = static_cast<double>(e.durationNs()) / 1e6 / n;
     r.ms_by_name[e.name()] += ms;
@@ -337,6 +380,35 @@ inline void profile_steps(const std::function<void()>& step, const torch::Device
   }
   if (device.is_cuda()) r.kernel_ms = total_ms;  // CPU operators nest: their sum means nothing
   r.events_per_step = static_cast<double>(events) / n;
+  r.host_ms_by_name = self_ms_by_name(std::move(host), n);
+}
+
+// One line per optamp configuration in `profiled`: the six names of `by_name` whose time per step
+// differs most from its native reference's (native_bf16 for O4/O5), after the sum of all of them.
+inline void print_profile_differences(const std::map<std::string, RunResult>& profiled,
+                                      const std::string& what,
+                                      std::map<std::string, double> RunResult::*by_name,
+                                      bool with_total) {
+  for (const auto& [c, mine] : profiled) {
+    if (!is_optamp_config(c)) continue;
+    const std::string ref =
+        (c.rfind("O4", 0) == 0 || c.rfind("O5", 0) == 0) ? "native_bf16" : "native";
+    const auto theirs = profiled.find(ref);
+    if (theirs == profiled.end()) continue;
+    std::map<std::string, double> diff;
+    double total = 0;
+    for (const auto& [name, ms] : mine.*by_name) diff[name] += ms, total += ms;
+    for (const auto& [name, ms] : theirs->second.*by_name) diff[name] -= ms, total -= ms;
+    std::vector<std::pair<std::string, double>> worst(diff.begin(), diff.end());
+    std::sort(worst.begin(), worst.end(),
+              [](const auto& x, const auto& y) { return std::abs(x.second) > std::abs(y.second); });
+    std::string line = what + " " + c + " vs " + ref + ":";
+    if (with_total) line += fmt(" %+.2f ms in all;", total);
+    for (std::size_t i = 0; i < worst.size() && i < 6; ++i)
+      line += fmt(" %+.2f ms ", worst[i].second) + worst[i].first.substr(0, 70) + ";";
+    line.pop_back();
+    std::printf("%s\n", line.c_str());
+  }
 }
 
 // O3 steps fp16 parameters directly: Adam/AdamW's default eps=1e-8 underflows in fp16 and the
@@ -487,13 +559,6 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
   return r;
 }
 
-inline std::string fmt(const char* f, double v) {
-  if (!std::isfinite(v)) return "-";
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), f, v);
-  return buf;
-}
-
 // --kernel-time: after the rounds, each configuration once more with its steps profiled, as the
 // Python benchmark's --kernel-time does: GPU kernel time per step beside the wall time, and per
 // optamp configuration the kernels (on the CPU: operators) whose time differs most from its native
@@ -515,27 +580,12 @@ inline void profile_configs(Workload& wl, const torch::Device& device, const Har
     for (auto& earlier : results[c]) earlier.kernel_ms = r.kernel_ms;
     profiled.emplace(c, std::move(r));
   }
+  // Per optamp configuration, the names whose time per step differs most from its native
+  // reference's: the kernels (CUDA; inclusive operators on the CPU), then the host operators' self
+  // time ("host": where a host-bound step's time goes).
   const char* what = device.is_cuda() ? "kernels" : "operators";
-  for (const auto& [c, mine] : profiled) {
-    if (!is_optamp_config(c)) continue;
-    const std::string ref =
-        (c.rfind("O4", 0) == 0 || c.rfind("O5", 0) == 0) ? "native_bf16" : "native";
-    const auto theirs = profiled.find(ref);
-    if (theirs == profiled.end()) continue;
-    std::map<std::string, double> diff;
-    for (const auto& [name, ms] : mine.ms_by_name) diff[name] += ms;
-    for (const auto& [name, ms] : theirs->second.ms_by_name) diff[name] -= ms;
-    std::vector<std::pair<std::string, double>> worst(diff.begin(), diff.end());
-    std::sort(worst.begin(), worst.end(),
-              [](const auto& x, const auto& y) { return std::abs(x.second) > std::abs(y.second); });
-    std::string line = std::string(what) + " " + c + " vs " + ref + ":";
-    if (device.is_cuda())
-      line += fmt(" %+.2f ms in all;", mine.kernel_ms - theirs->second.kernel_ms);
-    for (std::size_t i = 0; i < worst.size() && i < 6; ++i)
-      line += fmt(" %+.2f ms ", worst[i].second) + worst[i].first.substr(0, 70) + ";";
-    line.pop_back();
-    std::printf("%s\n", line.c_str());
-  }
+  print_profile_differences(profiled, what, &RunResult::ms_by_name, device.is_cuda());
+  print_profile_differences(profiled, "host", &RunResult::host_ms_by_name, /*with_total=*/true);
   std::fflush(stdout);
 }
 
