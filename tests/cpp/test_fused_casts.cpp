@@ -56,6 +56,40 @@ TEST(GeluMath, MatchesTorchsFp32Gelu) {
   }
 }
 
+// How the CUDA kernels' 16-byte loads split a row (ops::detail::RowPacks): the head, the packs
+// and the tail cover the row once, in order; the packs start on a 16-byte boundary; every element
+// goes to a lane of the block, the head's and the tail's one per lane.
+TEST(LogSoftmaxMath, RowPacksCoverARowOnceFromA16ByteBoundary) {
+  for (const int64_t vec : {4, 8}) {
+    for (int64_t shift = 0; shift < vec; ++shift) {
+      for (const int64_t cols : {1, 3, 7, 8, 9, 33, 300, 50257}) {
+        const ops::detail::RowPacks split(cols, shift, vec);
+        const std::string at = "vec " + std::to_string(vec) + ", shift " + std::to_string(shift) +
+                               ", cols " + std::to_string(cols);
+        EXPECT_GE(split.head, 0) << at;
+        EXPECT_LT(split.head, vec) << at;
+        EXPECT_EQ(split.tail_start, split.head + split.packs * vec) << at;
+        EXPECT_LE(split.tail_start, cols) << at;
+        EXPECT_LT(cols - split.tail_start, vec) << at;
+        if (split.packs > 0) EXPECT_EQ((shift + split.head) % vec, 0) << at;
+        if (split.head < cols) EXPECT_EQ(split.head, shift == 0 ? 0 : vec - shift) << at;
+        for (const int64_t threads : {32, 512}) {
+          std::vector<int64_t> per_lane(threads, 0);
+          for (int64_t i = 0; i < cols; ++i) {
+            const int64_t lane = split.lane_of(i, threads, vec);
+            ASSERT_GE(lane, 0) << at;
+            ASSERT_LT(lane, threads) << at;
+            ++per_lane[lane];
+          }
+          // Lane 0 takes pack 0, so at most ceil(packs / threads) packs plus a head and a tail.
+          const int64_t most = (split.packs + threads - 1) / threads * vec + 2;
+          EXPECT_LE(*std::max_element(per_lane.begin(), per_lane.end()), most) << at;
+        }
+      }
+    }
+  }
+}
+
 // The CUDA kernel's row math: each of `threads` lanes gathers its part of the row as the kernels'
 // 16-byte loads split it, the parts merge pairwise as the warp shuffles and the block's second
 // round merge them. Rows with the
