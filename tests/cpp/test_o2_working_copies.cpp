@@ -298,9 +298,12 @@ TEST_F(Initialize, O2TheFirstUseInACaptureMakesTheStepsBatchThere) {
 // eager stream. Inside the capture none of those accumulators may live on, or the captured
 // backward accumulates on the eager stream (CUDA refuses it during a capture).
 TEST_F(Initialize, ACaptureAfterAnEagerForwardMakesItsOwnAccumulators) {
+  struct CpuBucketsOn {  // a GPU's default, for this test only (also when it fails midway)
+    CpuBucketsOn() { set_gradient_buckets_on_cpu(true); }
+    ~CpuBucketsOn() { set_gradient_buckets_on_cpu(false); }
+  } const buckets_on;
   for (const char* level : {"O2", "O5"}) {
     SCOPED_TRACE(level);
-    set_gradient_buckets_on_cpu(true);
     Net net = make_net();
     // A capture needs an optimizer that skips on the device (no host sync in the step).
     auto opt = std::make_unique<FusedSGD>(net->parameters(), torch::optim::SGDOptions(0.05));
@@ -327,7 +330,6 @@ TEST_F(Initialize, ACaptureAfterAnEagerForwardMakesItsOwnAccumulators) {
       scaled.backward();
     }
     opt->step();
-    set_gradient_buckets_on_cpu(false);
     reset();
   }
 }
