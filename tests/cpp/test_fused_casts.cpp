@@ -453,8 +453,10 @@ TEST_P(CrossEntropy, TheOpsRefuseArgumentsTheyCannotCompute) {
   const auto x = at::randn({4, 6}, on).to(low());
   OPTAMP_EXPECT_THROW_WITH(forward.call(x.to(at::kFloat), 1), c10::ValueError,
                            "self must be float16 or bfloat16, got Float");
-  OPTAMP_EXPECT_THROW_WITH(forward.call(x.view({2, 2, 6}), 2), c10::ValueError,
-                           "self must be a 1-D or 2-D tensor, got 3-D");
+  OPTAMP_EXPECT_THROW_WITH(forward.call(x.select(0, 0).select(0, 0), 0), c10::ValueError,
+                           "self must have at least one dimension, got 0-D");
+  OPTAMP_EXPECT_THROW_WITH(forward.call(x.view({2, 2, 6}), 1), c10::ValueError,
+                           "dim must be the last dimension of self (2 or -1), got 1");
   OPTAMP_EXPECT_THROW_WITH(forward.call(x, 0), c10::ValueError,
                            "dim must be the last dimension of self (1 or -1), got 0");
   const auto out = forward.call(x, -1);
@@ -469,6 +471,45 @@ TEST_P(CrossEntropy, TheOpsRefuseArgumentsTheyCannotCompute) {
   OPTAMP_EXPECT_THROW_WITH(backward.call(g, out, 0, low()), c10::ValueError,
                            "dim must be the last dimension of output (1 or -1), got 0");
   EXPECT_EQ(backward.call(g, out, 1, low()).scalar_type(), low());
+}
+
+// log_softmax called on its own (F.log_softmax of a language model's [batch, tokens, vocab]
+// logits, then nll_loss or a KL term): Apex's fp32 rule asks for an fp32 result, which the op
+// computes from the reduced logits (on CUDA from 1024 classes, bf16; fp16 keeps torch's kernel)
+// with the values and gradients of the cast path. A dtype the caller chose is left alone, and a
+// dimension other than the last takes torch's path.
+TEST_P(CrossEntropy, LogSoftmaxOfTheLastDimensionReadsTheReducedInput) {
+  const auto x = leaf({2, 3, 1100}, low());
+  const bool torchs_kernel = device() == at::kCUDA && low() == at::kHalf;
+  for (const char* level : levels()) {
+    const auto xr = x.detach().clone().requires_grad_();
+    enable(level);
+    at::Tensor y;
+    const auto dtypes = testing::first_input_dtypes(
+        torchs_kernel ? "aten::_log_softmax" : "optamp::widened_log_softmax",
+        [&] { y = at::log_softmax(x, -1); });
+    EXPECT_EQ(dtypes, std::vector<at::ScalarType>{low()}) << level;
+    EXPECT_EQ(y.scalar_type(), at::kFloat) << level;
+    const auto nodes = testing::graph_node_names(y);
+    EXPECT_EQ(std::count(nodes.begin(), nodes.end(), "WidenedLogSoftmaxBackward"),
+              torchs_kernel ? 0 : 1)
+        << level;
+    const auto yr = at::log_softmax(xr.to(at::kFloat), -1);  // the cast path, by hand
+    const bool exact = device() == at::kCPU;                 // the CPU runs the cast path's own ops
+    expect_same(y.detach(), yr.detach(), std::string("log_softmax at ") + level, exact);
+    const auto g = at::randn(y.sizes(), y.options());
+    y.backward(g);
+    yr.backward(g);
+    expect_same(x.grad(), xr.grad(), std::string("x.grad at ") + level, exact);
+    x.mutable_grad().reset();
+
+    // The caller's dtype, and another dimension: torch's own path, as before.
+    const auto own = testing::first_input_dtypes("optamp::widened_log_softmax", [&] {
+      EXPECT_EQ(at::log_softmax(x, -1, at::kFloat).scalar_type(), at::kFloat);
+      EXPECT_EQ(at::log_softmax(x, 1).scalar_type(), at::kFloat);
+    });
+    EXPECT_TRUE(own.empty()) << level;
+  }
 }
 
 // Probability targets and label smoothing keep the cast: the same values, through a widened copy.

@@ -10,10 +10,12 @@
 #include <optional>
 #include <unordered_set>
 
+#include "cache/autograd_cast.h"
 #include "cache/cast_cache.h"
 #include "common/dtypes.h"
 #include "dispatch/cast_decision.h"
 #include "dispatch/tensor_args.h"
+#include "ops/widened_log_softmax.h"
 
 namespace amp::detail {
 namespace {
@@ -43,6 +45,35 @@ void log_cast_once(ScalarType from, ScalarType to, const std::string& op) {
 template <typename Slots, typename Fn>
 void rewrite_tensors(const Slots& slots, torch::jit::Stack& stack, std::size_t base, Fn&& fn) {
   for (const auto& slot : slots) rewrite_tensors_in(stack[base + slot.index], fn);
+}
+
+// Ops with a dtype argument whose fp32 result a replacement computes straight from the reduced
+// input, where the boxed kernel would otherwise ask the op for dtype=float32 (which, for bf16 on
+// CUDA and on the CPU, widens the input into a copy first): the fp32 list's log_softmax of a
+// language model's logits ([batch, tokens, vocab]) as optamp's own op (ops/widened_log_softmax.h,
+// the cross_entropy replacement's). A replacement returns nullopt where it does not apply.
+using Fp32Replacement = std::optional<at::Tensor> (*)(const torch::jit::Stack&, std::size_t base);
+
+std::optional<at::Tensor> log_softmax_from_reduced(const torch::jit::Stack& stack,
+                                                   std::size_t base) {
+  // log_softmax.int(Tensor self, int dim, ScalarType? dtype)
+  return widened_log_softmax(stack[base].toTensor(), stack[base + 1].toInt(),
+                             records_autograd_now());
+}
+
+struct Fp32ReplacementRow {
+  const char* name;  // "aten::<name>.<overload>"
+  Fp32Replacement replacement;
+};
+constexpr Fp32ReplacementRow kFp32Replacements[] = {
+    {"aten::log_softmax.int", &log_softmax_from_reduced},
+};
+
+Fp32Replacement fp32_replacement_of(const std::string& name) {
+  for (const auto& row : kFp32Replacements) {
+    if (name == row.name) return row.replacement;
+  }
+  return nullptr;
 }
 
 }  // namespace
@@ -78,6 +109,7 @@ CastKernel::CastKernel(const c10::FunctionSchema& schema)
   for (auto& p : policies_) p.store(kUnlisted);
   promotes_natively_ = promotes_natively(schema.name().c_str(), schema.overload_name().c_str());
   if (!schema.overload_name().empty()) name_ += "." + schema.overload_name();
+  fp32_replacement_ = fp32_replacement_of(name_);
   const auto& args = schema.arguments();
   for (std::size_t i = 0; i < args.size(); ++i) {
     const auto& arg = args[i];
@@ -207,6 +239,13 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
       any_reduced = any_reduced || (t.defined() && is_reduced_float(t.scalar_type()));
       return std::nullopt;
     });
+    if (any_reduced && fp32_replacement_ != nullptr) {
+      if (auto result = fp32_replacement_(*stack, base)) {  // no cast: none to log or count
+        torch::jit::drop(*stack, num_arguments_);
+        torch::jit::push(*stack, *std::move(result));
+        return;
+      }
+    }
     if (any_reduced) (*stack)[base + dtype_index_] = c10::IValue(ScalarType::Float);
     op.redispatchBoxed(below, stack);
     return;

@@ -71,7 +71,10 @@ class CastKernel final : public c10::OperatorKernel {
   std::atomic<const char*> banned_message_{nullptr};
   std::vector<Slot> slots_;  // read-only tensor arguments (written ones are never cast)
   std::size_t num_arguments_;
-  int dtype_index_ = -1;            // the op's `ScalarType? dtype` argument, if any
+  int dtype_index_ = -1;  // the op's `ScalarType? dtype` argument, if any
+  // For an op with a dtype argument: computes its fp32 result from reduced inputs without a
+  // widened copy, where it applies (cast_kernel.cpp's kFp32Replacements); else nullptr.
+  std::optional<at::Tensor> (*fp32_replacement_)(const torch::jit::Stack&, std::size_t) = nullptr;
   bool promotes_natively_ = false;  // see promotes_natively() (policy_table.h)
   std::string name_;
 };

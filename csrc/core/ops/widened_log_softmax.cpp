@@ -26,8 +26,8 @@ namespace {
 using torch::autograd::variable_list;
 
 SoftmaxRows checked_rows(const at::Tensor& t, int64_t dim, const char* op, const char* arg) {
-  TORCH_CHECK_VALUE(t.dim() == 1 || t.dim() == 2, op, ": ", arg,
-                    " must be a 1-D or 2-D tensor, got ", t.dim(), "-D");
+  TORCH_CHECK_VALUE(t.dim() >= 1, op, ": ", arg, " must have at least one dimension, got ", t.dim(),
+                    "-D");
   TORCH_CHECK_VALUE(dim >= -t.dim() && dim < t.dim() && (dim + t.dim()) % t.dim() == t.dim() - 1,
                     op, ": dim must be the last dimension of ", arg, " (", t.dim() - 1,
                     " or -1), got ", dim);
@@ -75,7 +75,7 @@ int64_t rows_per_block(int64_t rows, int64_t cols) {
 }
 
 // The cast path's ops: widen, then torch's fp32 log_softmax. The classes are the last dimension
-// of a 1-D or 2-D tensor (widened_log_softmax() admits no other).
+// (widened_log_softmax() admits no other), so the rows are every other index.
 at::Tensor widened_log_softmax_cpu(const at::Tensor& self, int64_t dim) {
   const auto [rows, cols] = checked_forward_rows(self, dim);
   const at::Tensor input = self.reshape({rows, cols}).contiguous();
@@ -156,8 +156,8 @@ std::optional<at::Tensor> widened_log_softmax(const at::Tensor& x, int64_t dim,
                                               bool records_autograd) {
   const auto device = x.device().type();
   if (!is_reduced_float(x.scalar_type()) || (device != c10::kCPU && device != c10::kCUDA) ||
-      x.dim() < 1 || x.dim() > 2 || c10::maybe_wrap_dim(dim, x.dim()) != x.dim() - 1 ||
-      torch_serves_better(x) || !is_plain_for_autograd(x)) {
+      x.dim() < 1 || c10::maybe_wrap_dim(dim, x.dim()) != x.dim() - 1 || torch_serves_better(x) ||
+      !is_plain_for_autograd(x)) {
     return std::nullopt;
   }
   static const auto op = c10::Dispatcher::singleton()

@@ -22,16 +22,16 @@
 
 namespace amp::detail {
 
-// log_softmax(x.float(), dim) for a reduced `x` when the op applies (CPU or CUDA, 1-D or 2-D with
-// `dim` the last dimension, on CUDA bf16 with at least 1024 classes, a plain tensor), recording
+// log_softmax(x.float(), dim) for a reduced `x` when the op applies (CPU or CUDA, `dim` the last
+// dimension, on CUDA bf16 with at least 1024 classes, a plain tensor), recording
 // autograd when `records_autograd` and `x` requires grad; std::nullopt otherwise (the caller asks
 // torch's log_softmax for an fp32 result, which on CUDA reads fp16 without widening it first).
 std::optional<at::Tensor> widened_log_softmax(const at::Tensor& x, int64_t dim,
                                               bool records_autograd);
 
 // The rows the kernels (CPU and CUDA) see: `t` as [rows, cols], its last dimension `dim` the
-// classes. The checks of the ops' arguments, each a ValueError naming the argument, what was
-// expected and what was given.
+// classes (a [batch, tokens, vocab] tensor is batch x tokens rows). The checks of the ops'
+// arguments, each a ValueError naming the argument, what was expected and what was given.
 struct SoftmaxRows {
   int64_t rows, cols;
 };
