@@ -237,3 +237,39 @@ def test_cross_entropy_reads_reduced_logits_without_a_widened_copy(fresh, level,
     else:
         torch.testing.assert_close(loss, expected, **tol(torch.float32))
         torch.testing.assert_close(logits.grad, reference.grad, **tol(low))
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+@pytest.mark.parametrize("level,low", [("O1", torch.float16), ("O4", torch.bfloat16)])
+def test_log_softmax_of_reduced_logits_without_a_widened_copy(fresh, level, low, device):
+    """F.log_softmax of a language model's [batch, tokens, vocab] logits, as a KL term or a
+    hand-written nll_loss takes them: Apex's fp32 rule is computed from the reduced logits (the
+    cross_entropy replacement's op; torch's kernel for fp16 on CUDA), with the cast path's values
+    and gradients (bit for bit on the CPU). A dtype the caller names is left alone."""
+    init(Mlp().to(device), opt_level=level)
+    logits = torch.randn(2, 3, 1100, device=device).to(low).requires_grad_()
+    reference = logits.detach().clone().requires_grad_()
+    grad = torch.randn(2, 3, 1100, device=device)
+    with optamp.disable_casts():
+        expected = F.log_softmax(reference.float(), dim=-1)
+        expected.backward(grad)
+    out = None
+
+    def run():
+        nonlocal out
+        out = F.log_softmax(logits, dim=-1)
+        out.backward(grad)
+
+    calls = _log_softmax_input_dtypes(run)
+    low_name = {torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16"}[low]
+    torchs_kernel = device == "cuda" and low == torch.float16
+    assert ("optamp::widened_log_softmax", low_name) in calls or torchs_kernel, calls
+    if device == "cuda":
+        assert not [c for c in calls if c[0] == "aten::_to_copy"], calls
+    assert out.dtype == torch.float32 and logits.grad.dtype == low
+    if device == "cpu":
+        assert torch.equal(out, expected) and torch.equal(logits.grad, reference.grad)
+    else:
+        torch.testing.assert_close(out, expected, **tol(torch.float32))
+        torch.testing.assert_close(logits.grad, reference.grad, **tol(low))
+    assert F.log_softmax(logits, dim=-1, dtype=torch.float64).dtype == torch.float64
