@@ -198,6 +198,18 @@ def _log_softmax_input_dtypes(fn):
             if e.name() in names]
 
 
+def _expect_the_cast_paths(result, expected, logits, reference, device):
+    """An fp32 result and the reduced logits' gradient, as the cast path (`expected`, computed
+    from `reference`) has them: bit for bit on the CPU (the same ops), within each dtype's
+    tolerance on CUDA (other kernels)."""
+    assert result.dtype == torch.float32 and logits.grad.dtype == logits.dtype
+    if device == "cpu":
+        assert torch.equal(result, expected) and torch.equal(logits.grad, reference.grad)
+    else:
+        torch.testing.assert_close(result, expected, **tol(torch.float32))
+        torch.testing.assert_close(logits.grad, reference.grad, **tol(logits.dtype))
+
+
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
 @pytest.mark.parametrize("level,low", [("O1", torch.float16), ("O2", torch.float16),
                                        ("O4", torch.bfloat16), ("O5", torch.bfloat16)])
@@ -231,12 +243,7 @@ def test_cross_entropy_reads_reduced_logits_without_a_widened_copy(fresh, level,
         assert not [c for c in calls if c[0] == "aten::_to_copy"], calls
         inner = [c for c in calls if c[0] == "aten::_log_softmax"]
         assert inner == ([("aten::_log_softmax", low_name)] if torchs_kernel else []), calls
-    assert loss.dtype == torch.float32 and logits.grad.dtype == low
-    if device == "cpu":
-        assert torch.equal(loss, expected) and torch.equal(logits.grad, reference.grad)
-    else:
-        torch.testing.assert_close(loss, expected, **tol(torch.float32))
-        torch.testing.assert_close(logits.grad, reference.grad, **tol(low))
+    _expect_the_cast_paths(loss, expected, logits, reference, device)
 
 
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
@@ -266,10 +273,5 @@ def test_log_softmax_of_reduced_logits_without_a_widened_copy(fresh, level, low,
     assert ("optamp::widened_log_softmax", low_name) in calls or torchs_kernel, calls
     if device == "cuda":
         assert not [c for c in calls if c[0] == "aten::_to_copy"], calls
-    assert out.dtype == torch.float32 and logits.grad.dtype == low
-    if device == "cpu":
-        assert torch.equal(out, expected) and torch.equal(logits.grad, reference.grad)
-    else:
-        torch.testing.assert_close(out, expected, **tol(torch.float32))
-        torch.testing.assert_close(logits.grad, reference.grad, **tol(low))
+    _expect_the_cast_paths(out, expected, logits, reference, device)
     assert F.log_softmax(logits, dim=-1, dtype=torch.float64).dtype == torch.float64
