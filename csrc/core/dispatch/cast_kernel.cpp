@@ -52,7 +52,6 @@ void rewrite_tensors(const Slots& slots, torch::jit::Stack& stack, std::size_t b
 // CUDA and on the CPU, widens the input into a copy first): the fp32 list's log_softmax of a
 // language model's logits ([batch, tokens, vocab]) as optamp's own op (ops/widened_log_softmax.h,
 // the cross_entropy replacement's). A replacement returns nullopt where it does not apply.
-using Fp32Replacement = std::optional<at::Tensor> (*)(const torch::jit::Stack&, std::size_t base);
 
 std::optional<at::Tensor> log_softmax_from_reduced(const torch::jit::Stack& stack,
                                                    std::size_t base) {

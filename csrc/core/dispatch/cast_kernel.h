@@ -31,6 +31,11 @@ struct CallPlan {
   c10::ScalarType target = c10::ScalarType::Undefined;  // lower: the level's; fp32: Float
 };
 
+// For an op with a dtype argument: computes its fp32 result from the reduced inputs at
+// stack[base...] without a widened copy, or nullopt where it does not apply (cast_kernel.cpp's
+// kFp32Replacements).
+using Fp32Replacement = std::optional<at::Tensor> (*)(const torch::jit::Stack&, std::size_t base);
+
 class CastKernel final : public c10::OperatorKernel {
  public:
   // Listed in no table until set_policy.
@@ -71,11 +76,9 @@ class CastKernel final : public c10::OperatorKernel {
   std::atomic<const char*> banned_message_{nullptr};
   std::vector<Slot> slots_;  // read-only tensor arguments (written ones are never cast)
   std::size_t num_arguments_;
-  int dtype_index_ = -1;  // the op's `ScalarType? dtype` argument, if any
-  // For an op with a dtype argument: computes its fp32 result from reduced inputs without a
-  // widened copy, where it applies (cast_kernel.cpp's kFp32Replacements); else nullptr.
-  std::optional<at::Tensor> (*fp32_replacement_)(const torch::jit::Stack&, std::size_t) = nullptr;
-  bool promotes_natively_ = false;  // see promotes_natively() (policy_table.h)
+  int dtype_index_ = -1;                        // the op's `ScalarType? dtype` argument, if any
+  Fp32Replacement fp32_replacement_ = nullptr;  // the op's row in kFp32Replacements, if any
+  bool promotes_natively_ = false;              // see promotes_natively() (policy_table.h)
   std::string name_;
 };
 
