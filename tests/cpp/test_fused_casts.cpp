@@ -512,6 +512,43 @@ TEST_P(CrossEntropy, LogSoftmaxOfTheLastDimensionReadsTheReducedInput) {
   }
 }
 
+// The ops on rows that start anywhere in their storage: the CUDA kernels move four elements per
+// load and store where the fp32 array's row starts on a 16-byte boundary, and element by element
+// where another array of the same row does not (a tensor at an odd offset into its storage). Each
+// array at each offset, rows of GPT-2's odd length and of a warp and a few elements.
+TEST_P(CrossEntropy, TheOpsTakeRowsAtAnyOffsetIntoTheirStorage) {
+  static const auto forward = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("optamp::widened_log_softmax", "")
+                                  .typed<at::Tensor(const at::Tensor&, int64_t)>();
+  static const auto backward =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("optamp::widened_log_softmax_backward", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, at::ScalarType)>();
+  const auto on = at::TensorOptions().device(device());
+  // `t`'s values in a tensor that starts `offset` elements into its storage.
+  const auto at_offset = [&](const at::Tensor& t, int64_t offset) {
+    auto storage = at::empty({t.numel() + offset}, t.options());
+    auto view = storage.narrow(0, offset, t.numel()).view(t.sizes());
+    view.copy_(t);
+    EXPECT_TRUE(view.is_contiguous());
+    return view;
+  };
+  for (const int64_t cols : {int64_t{50257}, int64_t{37}}) {
+    const auto x = (at::randn({3, cols}, on) * 4).to(low());
+    const auto want = at::log_softmax(x.to(at::kFloat), 1);
+    const auto g = at::randn({3, cols}, on);
+    const auto want_grad = at::_log_softmax_backward_data(g, want, 1, at::kFloat).to(low());
+    for (const int64_t offset : {0, 1, 2, 3, 5}) {
+      const std::string at = "cols " + std::to_string(cols) + ", offset " + std::to_string(offset);
+      EXPECT_TRUE(at::allclose(forward.call(at_offset(x, offset), 1), want, 1e-5, 1e-5)) << at;
+      expect_same(backward.call(at_offset(g, offset), want, 1, low()), want_grad, "grad at " + at,
+                  /*exact=*/false);
+      expect_same(backward.call(g, at_offset(want, offset), 1, low()), want_grad, "output at " + at,
+                  /*exact=*/false);
+    }
+  }
+}
+
 // Probability targets and label smoothing keep the cast: the same values, through a widened copy.
 TEST_P(CrossEntropy, ProbabilityTargetsAndLabelSmoothingTakeTheCastPath) {
   const auto logits = leaf({8, 10}, low());

@@ -1,13 +1,14 @@
 // CUDA kernels of optamp::widened_log_softmax and its backward (ops/widened_log_softmax.h): one
 // block per row of a contiguous [rows, cols] tensor, the class dimension last. Each kernel makes
 // two passes over a row: a reduction (the forward's log-sum-exp, the backward's sum of gradients)
-// that loads 16 bytes per load where the row allows (RowPacks in ops/log_softmax_math.h says which
-// lane takes which element; tests/cpp/test_fused_casts.cpp's LogSoftmaxMath test merges a row's
-// parts in that order), then the elementwise pass, thread t taking elements t, t + blockDim.x, ...
-// so that the stores coalesce (the fp32 result's rows start where the reduced input's do not, so
-// one pack per thread would scatter them). The forward reads the reduced row twice (a GPT-2 row,
-// 100 KB, is mostly still in L2 the second time) and writes fp32; the backward reads the gradient
-// twice and the result once and writes the reduced gradient. The row math is
+// that loads 16 bytes per load where the row allows, then the elementwise pass, four elements per
+// load and store (16 bytes of fp32, 8 of the reduced dtype), split by the fp32 array's 16-byte
+// boundaries: a row starts at different offsets into a 16-byte pack in its fp32 and its reduced
+// array (GPT-2's 50257 classes are odd), and the fp32 side moves twice the bytes. RowPacks
+// (ops/log_softmax_math.h) says which lane takes which element; tests/cpp/test_fused_casts.cpp's
+// LogSoftmaxMath tests merge a row's parts in that order. The forward reads the reduced row twice
+// (a GPT-2 row, 100 KB, is mostly still in L2 the second time) and writes fp32; the backward reads
+// the gradient twice and the result once and writes the reduced gradient. The row math is
 // ops/log_softmax_math.h's.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -63,65 +64,123 @@ __device__ Part block_merge(Part part, Part* shared) {
   return shared[0];
 }
 
-// Calls use(i, load(i)) for the elements i = threadIdx.x + k * blockDim.x of a row of `cols`, in
-// ascending order, issuing kIlp loads before using any: one 2-byte load at a time per thread
-// would leave too few bytes in flight to keep the memory busy.
-constexpr int kIlp = 8;
+// A pack of N elements of T, loaded or stored with one instruction where its address allows.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
 
-template <typename Load, typename Use>
-__device__ void for_each_of_thread(int64_t cols, Load load, Use use) {
-  using Value = decltype(load(int64_t{0}));
-  const int64_t threads = blockDim.x;
-  for (int64_t base = threadIdx.x; base < cols; base += threads * kIlp) {
-    Value values[kIlp];
-#pragma unroll
-    for (int k = 0; k < kIlp; ++k) {
-      if (base + k * threads < cols) values[k] = load(base + k * threads);
-    }
-#pragma unroll
-    for (int k = 0; k < kIlp; ++k) {
-      if (base + k * threads < cols) use(base + k * threads, values[k]);
-    }
-  }
+// A pack's bytes as one of CUDA's vector types, loaded with one instruction (__ldg: the stores
+// written in PTX below keep nvcc from proving by itself that the inputs are read-only).
+template <int kBytes>
+struct RawPack;
+template <>
+struct RawPack<8> {
+  using type = uint2;
+};
+template <>
+struct RawPack<16> {
+  using type = uint4;
+};
+
+__device__ bool aligned_to(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-// Calls use(value) for the elements of `row` (`cols` of them) that RowPacks gives this thread, in
-// ascending order, loading kPacksInFlight 16-byte packs before using any. Measured on an H200
-// (GPT-2's 4096 x 50257 bf16 logits): with 2-byte loads (for_each_of_thread) the forward took 0.86
-// ms per step where torch's own fp16-to-fp32 kernel, whose reductions load 16 bytes at a time,
-// takes 0.51 ms.
-constexpr int kPacksInFlight = 4;
+// `aligned` is the same for every pack of a row (the block's), so the branch does not diverge.
+template <typename T, int N>
+__device__ Pack<T, N> load_pack(const T* p, bool aligned) {
+  Pack<T, N> pack;
+  if (aligned) {
+    using Raw = typename RawPack<sizeof(pack)>::type;
+    const Raw raw = __ldg(reinterpret_cast<const Raw*>(p));  // read-only: the .nc path
+    memcpy(&pack, &raw, sizeof(pack));
+    return pack;
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) pack.v[j] = p[j];
+  return pack;
+}
 
+// Stores of four elements in one instruction, written in PTX: nvcc split a float4 or uint2 store
+// into 4-byte stores when the address was a row's pointer plus a computed head (checked in the
+// PTX of these kernels), and the stores are half of the elementwise passes' bytes.
+__device__ void store_quad(float* p, const Pack<float, 4>& q, bool aligned) {
+  if (aligned) {
+    asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(q.v[0]), "f"(q.v[1]),
+                 "f"(q.v[2]), "f"(q.v[3]));
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) p[j] = q.v[j];
+}
+
+template <typename T>  // c10::Half, c10::BFloat16: their bits in `x`
+__device__ void store_quad(T* p, const Pack<T, 4>& q, bool aligned) {
+  static_assert(sizeof(T) == 2, "a 2-byte floating-point type");
+  if (aligned) {
+    const auto pair = [](T low, T high) { return low.x | (static_cast<uint32_t>(high.x) << 16); };
+    asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(pair(q.v[0], q.v[1])),
+                 "r"(pair(q.v[2], q.v[3])));
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) p[j] = q.v[j];
+}
+
+// The row's element count in the pack that `p` starts in: RowPacks' shift for packs of `bytes`.
+template <typename T>
+__device__ int64_t shift_of(const T* p, size_t bytes) {
+  return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p) % bytes / sizeof(T));
+}
+
+// Walks this thread's share of a row split by `split` (RowPacks, packs of kVec): one(i) for each
+// of its head and tail elements, and for its packs, starting at element i, load(i) for
+// kInFlight packs before use(i, loaded) for any of them: one load at a time per thread would leave
+// too few bytes in flight to keep the memory busy. Ascending order within a thread.
+template <int kVec, int kInFlight, typename One, typename Load, typename Use>
+__device__ void for_each_pack(const RowPacks& split, int64_t cols, One one, Load load, Use use) {
+  using Loaded = decltype(load(int64_t{0}));
+  const int64_t threads = blockDim.x;
+  if (threadIdx.x < split.head) one(static_cast<int64_t>(threadIdx.x));
+  for (int64_t base = threadIdx.x; base < split.packs; base += threads * kInFlight) {
+    Loaded loaded[kInFlight];
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      if (base + k * threads < split.packs)
+        loaded[k] = load(split.head + (base + k * threads) * kVec);
+    }
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      if (base + k * threads < split.packs)
+        use(split.head + (base + k * threads) * kVec, loaded[k]);
+    }
+  }
+  if (split.tail_start + threadIdx.x < cols) one(split.tail_start + threadIdx.x);
+}
+
+// The reductions: calls use(value) for the elements of `row` that RowPacks gives this thread when
+// it loads 16 bytes at a time. Measured on an H200 (GPT-2's 4096 x 50257 bf16 logits): with
+// 2-byte loads the forward took 0.86 ms per step where torch's own fp16-to-fp32 kernel, whose
+// reductions load 16 bytes at a time, takes 0.51 ms.
 template <typename scalar_t, typename Use>
-__device__ void for_each_packed(const scalar_t* row, int64_t cols, Use use) {
+__device__ void for_each_of_row(const scalar_t* row, int64_t cols, Use use) {
   constexpr int kVec = 16 / sizeof(scalar_t);
-  struct alignas(16) Pack {
-    scalar_t v[kVec];
-  };
-  const int64_t shift = static_cast<int64_t>(reinterpret_cast<uintptr_t>(row) % 16) /
-                        static_cast<int64_t>(sizeof(scalar_t));
-  const RowPacks split(cols, shift, kVec);
-  const int64_t threads = blockDim.x;
-  if (threadIdx.x < split.head) use(static_cast<float>(row[threadIdx.x]));
-  const Pack* packs = reinterpret_cast<const Pack*>(row + split.head);
-  for (int64_t base = threadIdx.x; base < split.packs; base += threads * kPacksInFlight) {
-    Pack loaded[kPacksInFlight];
+  const RowPacks split(cols, shift_of(row, 16), kVec);
+  for_each_pack<kVec, 4>(
+      split, cols, [row, &use](int64_t i) { use(static_cast<float>(row[i])); },
+      [row](int64_t i) { return load_pack<scalar_t, kVec>(row + i, true); },
+      [&use](int64_t, const Pack<scalar_t, kVec>& pack) {
 #pragma unroll
-    for (int k = 0; k < kPacksInFlight; ++k) {
-      if (base + k * threads < split.packs) loaded[k] = packs[base + k * threads];
-    }
-#pragma unroll
-    for (int k = 0; k < kPacksInFlight; ++k) {
-      if (base + k * threads < split.packs) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) use(static_cast<float>(loaded[k].v[j]));
-      }
-    }
-  }
-  if (split.tail_start + threadIdx.x < cols) {
-    use(static_cast<float>(row[split.tail_start + threadIdx.x]));
-  }
+        for (int j = 0; j < kVec; ++j) use(static_cast<float>(pack.v[j]));
+      });
 }
+
+// The elementwise passes take four elements at a time: 16 bytes of the fp32 arrays (their packs
+// decide the split), 8 of the reduced one, whose four elements start on an 8-byte boundary
+// wherever the fp32 ones start on a 16-byte one, unless a tensor starts at an odd offset into its
+// storage (then its packs load and store element by element: `aligned` false).
+constexpr int kQuad = 4;
 
 // __launch_bounds__: kBlocksPerSm blocks of kMaxThreads must fit an SM's registers (64 a thread).
 template <typename scalar_t>
@@ -131,18 +190,29 @@ __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)
   __shared__ RowLogSumExp parts[kMaxThreads / kWarp];
   const scalar_t* x = input + static_cast<int64_t>(blockIdx.x) * cols;
   float* y = output + static_cast<int64_t>(blockIdx.x) * cols;
-  const auto load = [x](int64_t i) { return static_cast<float>(x[i]); };
   RowLogSumExp part = RowLogSumExp::empty();
-  for_each_packed(x, cols, [&part](float v) { part.add(v); });
+  for_each_of_row(x, cols, [&part](float v) { part.add(v); });
   const RowLogSumExp row = block_merge(part, parts);
+  const float row_max = row.max;
   const float log_sum = ::logf(row.sum);
-  for_each_of_thread(cols, load, [y, &row, log_sum](int64_t i, float v) {
-    y[i] = log_softmax_math(v, row.max, log_sum);
-  });
+  const RowPacks split(cols, shift_of(y, 16), kQuad);
+  const bool x_aligned = aligned_to(x + split.head, sizeof(scalar_t) * kQuad);
+  for_each_pack<kQuad, 4>(
+      split, cols,
+      [=](int64_t i) { y[i] = log_softmax_math(static_cast<float>(x[i]), row_max, log_sum); },
+      [=](int64_t i) { return load_pack<scalar_t, kQuad>(x + i, x_aligned); },
+      [=](int64_t i, const Pack<scalar_t, kQuad>& in) {
+        Pack<float, kQuad> out;
+#pragma unroll
+        for (int j = 0; j < kQuad; ++j) {
+          out.v[j] = log_softmax_math(static_cast<float>(in.v[j]), row_max, log_sum);
+        }
+        store_quad(y + i, out, true);
+      });
 }
 
 struct GradAndResult {
-  float grad, out;
+  Pack<float, kQuad> grad, out;
 };
 
 template <typename scalar_t>
@@ -156,15 +226,29 @@ __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)
   const float* out = output + offset;
   scalar_t* gi = grad_input + offset;
   float part = 0.0f;
-  for_each_packed(g, cols, [&part](float v) { part += v; });
+  for_each_of_row(g, cols, [&part](float v) { part += v; });
   const float grad_sum = block_merge(part, parts);
-  for_each_of_thread(
-      cols,
-      [g, out](int64_t i) {
-        return GradAndResult{g[i], out[i]};
+  const RowPacks split(cols, shift_of(g, 16), kQuad);
+  const bool out_aligned = aligned_to(out + split.head, 16);
+  const bool gi_aligned = aligned_to(gi + split.head, sizeof(scalar_t) * kQuad);
+  // Two packs of each array in flight: 16 floats a thread, within the 64 registers.
+  for_each_pack<kQuad, 2>(
+      split, cols,
+      [=](int64_t i) {
+        gi[i] = static_cast<scalar_t>(log_softmax_backward_math(g[i], out[i], grad_sum));
       },
-      [gi, grad_sum](int64_t i, GradAndResult v) {
-        gi[i] = static_cast<scalar_t>(log_softmax_backward_math(v.grad, v.out, grad_sum));
+      [=](int64_t i) {
+        return GradAndResult{load_pack<float, kQuad>(g + i, true),
+                             load_pack<float, kQuad>(out + i, out_aligned)};
+      },
+      [=](int64_t i, const GradAndResult& in) {
+        Pack<scalar_t, kQuad> result;
+#pragma unroll
+        for (int j = 0; j < kQuad; ++j) {
+          result.v[j] =
+              static_cast<scalar_t>(log_softmax_backward_math(in.grad.v[j], in.out.v[j], grad_sum));
+        }
+        store_quad(gi + i, result, gi_aligned);
       });
 }
 
