@@ -27,7 +27,7 @@
 #include "casting_test.h"
 #include "common/step_events.h"
 #include "ops/gelu_math.h"
-#include "ops/log_softmax_math.h"
+#include "ops/softmax_math.h"
 #include "optamp/autocast.h"
 #include "test_util.h"
 
@@ -59,7 +59,7 @@ TEST(GeluMath, MatchesTorchsFp32Gelu) {
 // How the CUDA kernels' 16-byte loads split a row (ops::detail::RowPacks): the head, the packs
 // and the tail cover the row once, in order; the packs start on a 16-byte boundary; every element
 // goes to a lane of the block, the head's and the tail's one per lane.
-TEST(LogSoftmaxMath, RowPacksCoverARowOnceFromA16ByteBoundary) {
+TEST(SoftmaxMath, RowPacksCoverARowOnceFromA16ByteBoundary) {
   for (const int64_t vec : {4, 8}) {
     for (int64_t shift = 0; shift < vec; ++shift) {
       for (const int64_t cols : {1, 3, 7, 8, 9, 33, 300, 50257}) {
@@ -90,11 +90,11 @@ TEST(LogSoftmaxMath, RowPacksCoverARowOnceFromA16ByteBoundary) {
   }
 }
 
-// The CUDA kernel's row math: each of `threads` lanes gathers its part of the row as the kernels'
-// 16-byte loads split it, the parts merge pairwise as the warp shuffles and the block's second
-// round merge them. Rows with the
-// values torch treats specially are among them.
-TEST(LogSoftmaxMath, MergedPartsMatchTorchsFp32LogSoftmax) {
+// The CUDA kernels' row math, log_softmax's and softmax's: each of `threads` lanes gathers its part
+// of the row as the kernels' 16-byte loads split it, the parts merge pairwise as the warp shuffles
+// and the block's second round merge them. Rows with the values torch treats specially are among
+// them.
+TEST(SoftmaxMath, MergedPartsMatchTorchsFp32Kernels) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const int64_t cols = 300;
   auto x = at::randn({8, cols}) * 8;
@@ -107,8 +107,12 @@ TEST(LogSoftmaxMath, MergedPartsMatchTorchsFp32LogSoftmax) {
   const auto g = at::randn({8, cols});
   const auto want = at::_log_softmax(x, 1, false);
   const auto want_grad = at::_log_softmax_backward_data(g, want, 1, at::kFloat);
+  const auto want_soft = at::_softmax(x, 1, false);
+  const auto want_soft_grad = at::_softmax_backward_data(g, want_soft, 1, at::kFloat);
   auto got = at::empty_like(x);
   auto got_grad = at::empty_like(x);
+  auto got_soft = at::empty_like(x);
+  auto got_soft_grad = at::empty_like(x);
   // The CUDA kernels' lanes (ops::detail::RowPacks): bf16 logits 8 to a 16-byte pack, fp32
   // gradients 4, the row starting `shift` elements past a 16-byte boundary.
   for (const auto& [threads, shift] :
@@ -118,14 +122,18 @@ TEST(LogSoftmaxMath, MergedPartsMatchTorchsFp32LogSoftmax) {
     for (int64_t r = 0; r < x.size(0); ++r) {
       std::vector<ops::detail::RowLogSumExp> parts(threads, ops::detail::RowLogSumExp::empty());
       std::vector<float> grad_parts(threads, 0.0f);
+      std::vector<float> dot_parts(threads, 0.0f);  // softmax's: grad * out
       for (int64_t i = 0; i < cols; ++i) {
         parts[logits.lane_of(i, threads, 8)].add(x[r][i].item<float>());
         grad_parts[grads.lane_of(i, threads, 4)] += g[r][i].item<float>();
+        dot_parts[grads.lane_of(i, threads, 4)] +=
+            g[r][i].item<float>() * want_soft[r][i].item<float>();
       }
       for (int width = 1; width < threads; width *= 2) {  // a tree, as the shuffles merge
         for (int lane = 0; lane + width < threads; lane += 2 * width) {
           parts[lane].merge(parts[lane + width]);
           grad_parts[lane] += grad_parts[lane + width];
+          dot_parts[lane] += dot_parts[lane + width];
         }
       }
       const auto row = parts[0];
@@ -134,12 +142,20 @@ TEST(LogSoftmaxMath, MergedPartsMatchTorchsFp32LogSoftmax) {
         got[r][i] = ops::detail::log_softmax_math(x[r][i].item<float>(), row.max, log_sum);
         got_grad[r][i] = ops::detail::log_softmax_backward_math(
             g[r][i].item<float>(), want[r][i].item<float>(), grad_parts[0]);
+        got_soft[r][i] = ops::detail::softmax_math(x[r][i].item<float>(), row.max, row.sum);
+        got_soft_grad[r][i] = ops::detail::softmax_backward_math(
+            g[r][i].item<float>(), want_soft[r][i].item<float>(), dot_parts[0]);
       }
     }
     const std::string with = std::to_string(threads) + " lanes, shift " + std::to_string(shift);
     EXPECT_TRUE(at::equal(got.isnan(), want.isnan())) << with;
     EXPECT_TRUE(at::allclose(got, want, 1e-6, 1e-5, /*equal_nan=*/true)) << with;
     EXPECT_TRUE(at::allclose(got_grad, want_grad, 1e-6, 1e-5, /*equal_nan=*/true)) << with;
+    EXPECT_TRUE(at::equal(got_soft.isnan(), want_soft.isnan())) << "softmax, " << with;
+    EXPECT_TRUE(at::allclose(got_soft, want_soft, 1e-6, 1e-7, /*equal_nan=*/true))
+        << "softmax, " << with;
+    EXPECT_TRUE(at::allclose(got_soft_grad, want_soft_grad, 1e-5, 1e-7, /*equal_nan=*/true))
+        << "softmax, " << with;
   }
 }
 
@@ -439,76 +455,119 @@ TEST_P(CrossEntropy, DoubleBackwardIsCloseToTheCastPaths) {
   }
 }
 
-// The ops themselves (torch.ops.optamp.widened_log_softmax and its backward, callable by anyone)
-// refuse what their kernels cannot compute, naming the argument.
-TEST_P(CrossEntropy, TheOpsRefuseArgumentsTheyCannotCompute) {
-  static const auto forward = c10::Dispatcher::singleton()
-                                  .findSchemaOrThrow("optamp::widened_log_softmax", "")
-                                  .typed<at::Tensor(const at::Tensor&, int64_t)>();
-  static const auto backward =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("optamp::widened_log_softmax_backward", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, at::ScalarType)>();
-  const auto on = at::TensorOptions().device(device());
-  const auto x = at::randn({4, 6}, on).to(low());
-  OPTAMP_EXPECT_THROW_WITH(forward.call(x.to(at::kFloat), 1), c10::ValueError,
-                           "self must be float16 or bfloat16, got Float");
-  OPTAMP_EXPECT_THROW_WITH(forward.call(x.select(0, 0).select(0, 0), 0), c10::ValueError,
-                           "self must have at least one dimension, got 0-D");
-  OPTAMP_EXPECT_THROW_WITH(forward.call(x.view({2, 2, 6}), 1), c10::ValueError,
-                           "dim must be the last dimension of self (2 or -1), got 1");
-  OPTAMP_EXPECT_THROW_WITH(forward.call(x, 0), c10::ValueError,
-                           "dim must be the last dimension of self (1 or -1), got 0");
-  const auto out = forward.call(x, -1);
-  EXPECT_TRUE(at::allclose(out, at::log_softmax(x.to(at::kFloat), 1), 1e-5, 1e-5));
-  const auto g = at::randn({4, 6}, on);
-  OPTAMP_EXPECT_THROW_WITH(backward.call(g.to(low()), out, 1, low()), c10::ValueError,
-                           "grad and output must be float32");
-  OPTAMP_EXPECT_THROW_WITH(backward.call(g.view({6, 4}), out, 1, low()), c10::ValueError,
-                           "grad must have output's shape [4, 6], got [6, 4]");
-  OPTAMP_EXPECT_THROW_WITH(backward.call(g, out, 1, at::kFloat), c10::ValueError,
-                           "input_dtype must be float16 or bfloat16, got Float");
-  OPTAMP_EXPECT_THROW_WITH(backward.call(g, out, 0, low()), c10::ValueError,
-                           "dim must be the last dimension of output (1 or -1), got 0");
-  EXPECT_EQ(backward.call(g, out, 1, low()).scalar_type(), low());
+// The two ops of the fp32 list optamp computes from the reduced input (ops/widened_softmax.h),
+// what they replace, and torch's fp32 ops the tests compare them with.
+struct WidenedKind {
+  const char* op;        // optamp::<op> and optamp::<op>_backward
+  const char* torch_op;  // the aten op torch's own reduced-to-fp32 kernel (fp16 on CUDA) is
+  const char* node;      // the op's autograd node
+  at::Tensor (*call)(const at::Tensor&, int64_t, std::optional<at::ScalarType>);  // at::softmax
+  at::Tensor (*fp32)(const at::Tensor&, int64_t, bool);                           // at::_softmax
+  at::Tensor (*fp32_backward)(const at::Tensor&, const at::Tensor&, int64_t, at::ScalarType);
+
+  using Forward = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t)>;
+  using Backward = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                       int64_t, at::ScalarType)>;
+  Forward forward_op() const {
+    return c10::Dispatcher::singleton()
+        .findSchemaOrThrow((std::string("optamp::") + op).c_str(), "")
+        .typed<at::Tensor(const at::Tensor&, int64_t)>();
+  }
+  Backward backward_op() const {
+    return c10::Dispatcher::singleton()
+        .findSchemaOrThrow((std::string("optamp::") + op + "_backward").c_str(), "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, at::ScalarType)>();
+  }
+};
+
+const std::vector<WidenedKind>& widened_kinds() {
+  static const std::vector<WidenedKind> kinds = {
+      {"widened_log_softmax", "aten::_log_softmax", "WidenedLogSoftmaxBackward",
+       [](const at::Tensor& x, int64_t dim, std::optional<at::ScalarType> dtype) {
+         return at::log_softmax(x, dim, dtype);
+       },
+       [](const at::Tensor& x, int64_t dim, bool h2f) { return at::_log_softmax(x, dim, h2f); },
+       &at::_log_softmax_backward_data},
+      {"widened_softmax", "aten::_softmax", "WidenedSoftmaxBackward",
+       [](const at::Tensor& x, int64_t dim, std::optional<at::ScalarType> dtype) {
+         return at::softmax(x, dim, dtype);
+       },
+       [](const at::Tensor& x, int64_t dim, bool h2f) { return at::_softmax(x, dim, h2f); },
+       &at::_softmax_backward_data},
+  };
+  return kinds;
 }
 
-// log_softmax called on its own (F.log_softmax of a language model's [batch, tokens, vocab]
-// logits, then nll_loss or a KL term): Apex's fp32 rule asks for an fp32 result, which the op
-// computes from the reduced logits (on CUDA from 1024 classes, bf16; fp16 keeps torch's kernel)
-// with the values and gradients of the cast path. A dtype the caller chose is left alone, and a
-// dimension other than the last takes torch's path.
-TEST_P(CrossEntropy, LogSoftmaxOfTheLastDimensionReadsTheReducedInput) {
+// The ops themselves (torch.ops.optamp.widened_log_softmax, widened_softmax and their backwards,
+// callable by anyone) refuse what their kernels cannot compute, naming the op and the argument.
+TEST_P(CrossEntropy, TheOpsRefuseArgumentsTheyCannotCompute) {
+  for (const auto& kind : widened_kinds()) {
+    const auto forward = kind.forward_op();
+    const auto backward = kind.backward_op();
+    const std::string op = kind.op;
+    const auto on = at::TensorOptions().device(device());
+    const auto x = at::randn({4, 6}, on).to(low());
+    OPTAMP_EXPECT_THROW_WITH(forward.call(x.to(at::kFloat), 1), c10::ValueError,
+                             op + ": self must be float16 or bfloat16, got Float");
+    OPTAMP_EXPECT_THROW_WITH(forward.call(x.select(0, 0).select(0, 0), 0), c10::ValueError,
+                             "self must have at least one dimension, got 0-D");
+    OPTAMP_EXPECT_THROW_WITH(forward.call(x.view({2, 2, 6}), 1), c10::ValueError,
+                             "dim must be the last dimension of self (2 or -1), got 1");
+    OPTAMP_EXPECT_THROW_WITH(forward.call(x, 0), c10::ValueError,
+                             "dim must be the last dimension of self (1 or -1), got 0");
+    const auto out = forward.call(x, -1);
+    EXPECT_TRUE(at::allclose(out, kind.fp32(x.to(at::kFloat), 1, false), 1e-5, 1e-5)) << op;
+    const auto g = at::randn({4, 6}, on);
+    OPTAMP_EXPECT_THROW_WITH(backward.call(g.to(low()), out, 1, low()), c10::ValueError,
+                             op + "_backward: grad and output must be float32");
+    OPTAMP_EXPECT_THROW_WITH(backward.call(g.view({6, 4}), out, 1, low()), c10::ValueError,
+                             "grad must have output's shape [4, 6], got [6, 4]");
+    OPTAMP_EXPECT_THROW_WITH(backward.call(g, out, 1, at::kFloat), c10::ValueError,
+                             "input_dtype must be float16 or bfloat16, got Float");
+    OPTAMP_EXPECT_THROW_WITH(backward.call(g, out, 0, low()), c10::ValueError,
+                             "dim must be the last dimension of output (1 or -1), got 0");
+    EXPECT_EQ(backward.call(g, out, 1, low()).scalar_type(), low()) << op;
+  }
+}
+
+// log_softmax and softmax called on their own (F.log_softmax of a language model's [batch,
+// tokens, vocab] logits, then nll_loss or a KL term; attention written out, scores.softmax(-1)):
+// Apex's fp32 rule asks for an fp32 result, which the op computes from the reduced input (on CUDA
+// from 1024 classes, bf16; fp16 keeps torch's kernel) with the values and gradients of the cast
+// path. A dtype the caller chose is left alone, and a dimension other than the last takes torch's
+// path.
+TEST_P(CrossEntropy, SoftmaxesOfTheLastDimensionReadTheReducedInput) {
   const auto x = leaf({2, 3, 1100}, low());
   const bool torchs_kernel = device() == at::kCUDA && low() == at::kHalf;
-  for (const char* level : levels()) {
-    const auto xr = x.detach().clone().requires_grad_();
-    enable(level);
-    at::Tensor y;
-    const auto dtypes = testing::first_input_dtypes(
-        torchs_kernel ? "aten::_log_softmax" : "optamp::widened_log_softmax",
-        [&] { y = at::log_softmax(x, -1); });
-    EXPECT_EQ(dtypes, std::vector<at::ScalarType>{low()}) << level;
-    EXPECT_EQ(y.scalar_type(), at::kFloat) << level;
-    const auto nodes = testing::graph_node_names(y);
-    EXPECT_EQ(std::count(nodes.begin(), nodes.end(), "WidenedLogSoftmaxBackward"),
-              torchs_kernel ? 0 : 1)
-        << level;
-    const auto yr = at::log_softmax(xr.to(at::kFloat), -1);  // the cast path, by hand
-    const bool exact = device() == at::kCPU;                 // the CPU runs the cast path's own ops
-    expect_same(y.detach(), yr.detach(), std::string("log_softmax at ") + level, exact);
-    const auto g = at::randn(y.sizes(), y.options());
-    y.backward(g);
-    yr.backward(g);
-    expect_same(x.grad(), xr.grad(), std::string("x.grad at ") + level, exact);
-    x.mutable_grad().reset();
+  for (const auto& kind : widened_kinds()) {
+    for (const char* level : levels()) {
+      const std::string at = std::string(kind.op) + " at " + level;
+      const auto xr = x.detach().clone().requires_grad_();
+      enable(level);
+      at::Tensor y;
+      const auto dtypes = testing::first_input_dtypes(
+          torchs_kernel ? kind.torch_op : std::string("optamp::") + kind.op,
+          [&] { y = kind.call(x, -1, std::nullopt); });
+      EXPECT_EQ(dtypes, std::vector<at::ScalarType>{low()}) << at;
+      EXPECT_EQ(y.scalar_type(), at::kFloat) << at;
+      const auto nodes = testing::graph_node_names(y);
+      EXPECT_EQ(std::count(nodes.begin(), nodes.end(), kind.node), torchs_kernel ? 0 : 1) << at;
+      const auto yr = kind.call(xr.to(at::kFloat), -1, std::nullopt);  // the cast path, by hand
+      const bool exact = device() == at::kCPU;  // the CPU runs the cast path's own ops
+      expect_same(y.detach(), yr.detach(), "result of " + at, exact);
+      const auto g = at::randn(y.sizes(), y.options());
+      y.backward(g);
+      yr.backward(g);
+      expect_same(x.grad(), xr.grad(), "x.grad of " + at, exact);
+      x.mutable_grad().reset();
 
-    // The caller's dtype, and another dimension: torch's own path, as before.
-    const auto own = testing::first_input_dtypes("optamp::widened_log_softmax", [&] {
-      EXPECT_EQ(at::log_softmax(x, -1, at::kFloat).scalar_type(), at::kFloat);
-      EXPECT_EQ(at::log_softmax(x, 1).scalar_type(), at::kFloat);
-    });
-    EXPECT_TRUE(own.empty()) << level;
+      // The caller's dtype, and another dimension: torch's own path, as before.
+      const auto own = testing::first_input_dtypes(std::string("optamp::") + kind.op, [&] {
+        EXPECT_EQ(kind.call(x, -1, at::kFloat).scalar_type(), at::kFloat);
+        EXPECT_EQ(kind.call(x, 1, std::nullopt).scalar_type(), at::kFloat);
+      });
+      EXPECT_TRUE(own.empty()) << at;
+    }
   }
 }
 
@@ -517,13 +576,6 @@ TEST_P(CrossEntropy, LogSoftmaxOfTheLastDimensionReadsTheReducedInput) {
 // where another array of the same row does not (a tensor at an odd offset into its storage). Each
 // array at each offset, rows of GPT-2's odd length and of a warp and a few elements.
 TEST_P(CrossEntropy, TheOpsTakeRowsAtAnyOffsetIntoTheirStorage) {
-  static const auto forward = c10::Dispatcher::singleton()
-                                  .findSchemaOrThrow("optamp::widened_log_softmax", "")
-                                  .typed<at::Tensor(const at::Tensor&, int64_t)>();
-  static const auto backward =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("optamp::widened_log_softmax_backward", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, at::ScalarType)>();
   const auto on = at::TensorOptions().device(device());
   // `t`'s values in a tensor that starts `offset` elements into its storage.
   const auto at_offset = [&](const at::Tensor& t, int64_t offset) {
@@ -533,18 +585,23 @@ TEST_P(CrossEntropy, TheOpsTakeRowsAtAnyOffsetIntoTheirStorage) {
     EXPECT_TRUE(view.is_contiguous());
     return view;
   };
-  for (const int64_t cols : {int64_t{50257}, int64_t{37}}) {
-    const auto x = (at::randn({3, cols}, on) * 4).to(low());
-    const auto want = at::log_softmax(x.to(at::kFloat), 1);
-    const auto g = at::randn({3, cols}, on);
-    const auto want_grad = at::_log_softmax_backward_data(g, want, 1, at::kFloat).to(low());
-    for (const int64_t offset : {0, 1, 2, 3, 5}) {
-      const std::string at = "cols " + std::to_string(cols) + ", offset " + std::to_string(offset);
-      EXPECT_TRUE(at::allclose(forward.call(at_offset(x, offset), 1), want, 1e-5, 1e-5)) << at;
-      expect_same(backward.call(at_offset(g, offset), want, 1, low()), want_grad, "grad at " + at,
-                  /*exact=*/false);
-      expect_same(backward.call(g, at_offset(want, offset), 1, low()), want_grad, "output at " + at,
-                  /*exact=*/false);
+  for (const auto& kind : widened_kinds()) {
+    const auto forward = kind.forward_op();
+    const auto backward = kind.backward_op();
+    for (const int64_t cols : {int64_t{50257}, int64_t{37}}) {
+      const auto x = (at::randn({3, cols}, on) * 4).to(low());
+      const auto want = kind.fp32(x.to(at::kFloat), 1, false);
+      const auto g = at::randn({3, cols}, on);
+      const auto want_grad = kind.fp32_backward(g, want, 1, at::kFloat).to(low());
+      for (const int64_t offset : {0, 1, 2, 3, 5}) {
+        const std::string at = std::string(kind.op) + ", cols " + std::to_string(cols) +
+                               ", offset " + std::to_string(offset);
+        EXPECT_TRUE(at::allclose(forward.call(at_offset(x, offset), 1), want, 1e-5, 1e-6)) << at;
+        expect_same(backward.call(at_offset(g, offset), want, 1, low()), want_grad, "grad at " + at,
+                    /*exact=*/false);
+        expect_same(backward.call(g, at_offset(want, offset), 1, low()), want_grad,
+                    "output at " + at, /*exact=*/false);
+      }
     }
   }
 }

@@ -186,11 +186,12 @@ def test_apex_fp32_gelu_is_one_op_with_the_cast_paths_gradients(fresh, level, lo
         assert torch.equal(p.grad, q.grad), name
 
 
-def _log_softmax_input_dtypes(fn):
-    """The dtype of the first argument of every log_softmax call: torch's (aten::log_softmax,
-    aten::_log_softmax) and optamp's (optamp::widened_log_softmax), and of every aten::_to_copy."""
+def _softmax_input_dtypes(fn):
+    """The dtype of the first argument of every softmax and log_softmax call: torch's
+    (aten::softmax, aten::_softmax, ...) and optamp's (optamp::widened_log_softmax,
+    optamp::widened_softmax), and of every aten::_to_copy."""
     names = ("aten::log_softmax", "aten::_log_softmax", "optamp::widened_log_softmax",
-             "aten::_to_copy")
+             "aten::softmax", "aten::_softmax", "optamp::widened_softmax", "aten::_to_copy")
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         fn()
@@ -234,7 +235,7 @@ def test_cross_entropy_reads_reduced_logits_without_a_widened_copy(fresh, level,
         loss = F.cross_entropy(logits, y)
         loss.backward()
 
-    calls = _log_softmax_input_dtypes(run)
+    calls = _softmax_input_dtypes(run)
     low_name = {torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16"}[low]
     torchs_kernel = device == "cuda" and low == torch.float16
     first = "aten::log_softmax" if torchs_kernel else "optamp::widened_log_softmax"
@@ -248,30 +249,33 @@ def test_cross_entropy_reads_reduced_logits_without_a_widened_copy(fresh, level,
 
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
 @pytest.mark.parametrize("level,low", [("O1", torch.float16), ("O4", torch.bfloat16)])
-def test_log_softmax_of_reduced_logits_without_a_widened_copy(fresh, level, low, device):
-    """F.log_softmax of a language model's [batch, tokens, vocab] logits, as a KL term or a
-    hand-written nll_loss takes them: Apex's fp32 rule is computed from the reduced logits (the
-    cross_entropy replacement's op; torch's kernel for fp16 on CUDA), with the cast path's values
-    and gradients (bit for bit on the CPU). A dtype the caller names is left alone."""
+@pytest.mark.parametrize("fn,op", [(F.log_softmax, "optamp::widened_log_softmax"),
+                                   (F.softmax, "optamp::widened_softmax")])
+def test_softmaxes_of_reduced_input_without_a_widened_copy(fresh, level, low, device, fn, op):
+    """F.log_softmax of a language model's [batch, tokens, vocab] logits (a KL term, a
+    hand-written nll_loss) and F.softmax of the last dimension (attention written out): Apex's
+    fp32 rule is computed from the reduced input (optamp's ops; torch's kernel for fp16 on CUDA),
+    with the cast path's values and gradients (bit for bit on the CPU). A dtype the caller names
+    is left alone."""
     init(Mlp().to(device), opt_level=level)
     logits = torch.randn(2, 3, 1100, device=device).to(low).requires_grad_()
     reference = logits.detach().clone().requires_grad_()
     grad = torch.randn(2, 3, 1100, device=device)
     with optamp.disable_casts():
-        expected = F.log_softmax(reference.float(), dim=-1)
+        expected = fn(reference.float(), dim=-1)
         expected.backward(grad)
     out = None
 
     def run():
         nonlocal out
-        out = F.log_softmax(logits, dim=-1)
+        out = fn(logits, dim=-1)
         out.backward(grad)
 
-    calls = _log_softmax_input_dtypes(run)
+    calls = _softmax_input_dtypes(run)
     low_name = {torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16"}[low]
     torchs_kernel = device == "cuda" and low == torch.float16
-    assert ("optamp::widened_log_softmax", low_name) in calls or torchs_kernel, calls
+    assert (op, low_name) in calls or torchs_kernel, calls
     if device == "cuda":
         assert not [c for c in calls if c[0] == "aten::_to_copy"], calls
     _expect_the_cast_paths(out, expected, logits, reference, device)
-    assert F.log_softmax(logits, dim=-1, dtype=torch.float64).dtype == torch.float64
+    assert fn(logits, dim=-1, dtype=torch.float64).dtype == torch.float64

@@ -15,7 +15,7 @@
 #include "common/dtypes.h"
 #include "dispatch/cast_decision.h"
 #include "dispatch/tensor_args.h"
-#include "ops/widened_log_softmax.h"
+#include "ops/widened_softmax.h"
 
 namespace amp::detail {
 namespace {
@@ -49,15 +49,19 @@ void rewrite_tensors(const Slots& slots, torch::jit::Stack& stack, std::size_t b
 
 // Ops with a dtype argument whose fp32 result a replacement computes straight from the reduced
 // input, where the boxed kernel would otherwise ask the op for dtype=float32 (which, for bf16 on
-// CUDA and on the CPU, widens the input into a copy first): the fp32 list's log_softmax of a
-// language model's logits ([batch, tokens, vocab]) as optamp's own op (ops/widened_log_softmax.h,
-// the cross_entropy replacement's). A replacement returns nullopt where it does not apply.
+// CUDA and on the CPU, widens the input into a copy first): the fp32 list's log_softmax (a
+// language model's logits, [batch, tokens, vocab]) and softmax (attention scores written out,
+// [batch, heads, tokens, keys]) as optamp's own ops (ops/widened_softmax.h; log_softmax's is the
+// cross_entropy replacement's). A replacement returns nullopt where it does not apply.
 
+// log_softmax.int(Tensor self, int dim, ScalarType? dtype), softmax.int(the same)
 std::optional<at::Tensor> log_softmax_from_reduced(const torch::jit::Stack& stack,
                                                    std::size_t base) {
-  // log_softmax.int(Tensor self, int dim, ScalarType? dtype)
   return widened_log_softmax(stack[base].toTensor(), stack[base + 1].toInt(),
                              records_autograd_now());
+}
+std::optional<at::Tensor> softmax_from_reduced(const torch::jit::Stack& stack, std::size_t base) {
+  return widened_softmax(stack[base].toTensor(), stack[base + 1].toInt(), records_autograd_now());
 }
 
 struct Fp32ReplacementRow {
@@ -66,6 +70,7 @@ struct Fp32ReplacementRow {
 };
 constexpr Fp32ReplacementRow kFp32Replacements[] = {
     {"aten::log_softmax.int", &log_softmax_from_reduced},
+    {"aten::softmax.int", &softmax_from_reduced},
 };
 
 Fp32Replacement fp32_replacement_of(const std::string& name) {

@@ -16,7 +16,7 @@
 #include "dispatch/carried_state.h"
 #include "dispatch/tensor_args.h"
 #include "ops/widened_gelu.h"
-#include "ops/widened_log_softmax.h"
+#include "ops/widened_softmax.h"
 
 namespace amp::detail {
 namespace {
@@ -48,7 +48,7 @@ struct Fused<at::_ops::gelu> {
 // is log_softmax + nll_loss (torch's own decomposition for class-index targets), and log_softmax
 // reads the reduced logits and writes fp32, its backward writes the reduced gradient: the cast
 // path's fp32 copy of the logits (the largest activation of a language model) and the narrowing of
-// its gradient are not made. optamp::widened_log_softmax (ops/widened_log_softmax.h says where it
+// its gradient are not made. optamp::widened_log_softmax (ops/widened_softmax.h says where it
 // applies) does that for CUDA's bf16, which torch's kernel refuses, and runs the cast path's ops
 // on the CPU; elsewhere log_softmax is asked for an fp32 result (on CUDA torch reads fp16 so;
 // otherwise it widens inside log_softmax).

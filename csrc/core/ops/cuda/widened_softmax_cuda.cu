@@ -1,15 +1,16 @@
-// CUDA kernels of optamp::widened_log_softmax and its backward (ops/widened_log_softmax.h): one
-// block per row of a contiguous [rows, cols] tensor, the class dimension last. Each kernel makes
-// two passes over a row: a reduction (the forward's log-sum-exp, the backward's sum of gradients)
-// that loads 16 bytes per load where the row allows, then the elementwise pass, four elements per
-// load and store (16 bytes of fp32, 8 of the reduced dtype), split by the fp32 array's 16-byte
-// boundaries: a row starts at different offsets into a 16-byte pack in its fp32 and its reduced
-// array (GPT-2's 50257 classes are odd), and the fp32 side moves twice the bytes. RowPacks
-// (ops/log_softmax_math.h) says which lane takes which element; tests/cpp/test_fused_casts.cpp's
-// LogSoftmaxMath tests merge a row's parts in that order. The forward reads the reduced row twice
-// (a GPT-2 row, 100 KB, is mostly still in L2 the second time) and writes fp32; the backward reads
-// the gradient twice and the result once and writes the reduced gradient. The row math is
-// ops/log_softmax_math.h's.
+// CUDA kernels of optamp::widened_log_softmax, optamp::widened_softmax and their backwards
+// (ops/widened_softmax.h): one block per row of a contiguous [rows, cols] tensor, the class
+// dimension last, one template over the kind. Each kernel makes two passes over a row: a
+// reduction (the forward's log-sum-exp; the backward's sum of the gradient, or of the gradient
+// times the result for softmax) that loads 16 bytes per load where the row allows, then the
+// elementwise pass, four elements per load and store (16 bytes of fp32, 8 of the reduced dtype),
+// split by the fp32 array's 16-byte boundaries: a row starts at different offsets into a 16-byte
+// pack in its fp32 and its reduced array (GPT-2's 50257 classes are odd), and the fp32 side moves
+// twice the bytes. RowPacks (ops/softmax_math.h) says which lane takes which element;
+// tests/cpp/test_fused_casts.cpp's SoftmaxMath tests merge a row's parts in that order. The
+// forward reads the reduced row twice (a GPT-2 row, 100 KB, is mostly still in L2 the second
+// time) and writes fp32; the backward reads its fp32 rows twice (log_softmax's reduction reads the
+// gradient alone) and writes the reduced gradient. The row math is ops/softmax_math.h's.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -21,8 +22,8 @@
 #include <cstdint>
 #include <limits>
 
-#include "ops/log_softmax_math.h"
-#include "ops/widened_log_softmax.h"
+#include "ops/softmax_math.h"
+#include "ops/widened_softmax.h"
 
 namespace amp::ops::detail {
 namespace {
@@ -182,31 +183,41 @@ __device__ void for_each_of_row(const scalar_t* row, int64_t cols, Use use) {
 // storage (then its packs load and store element by element: `aligned` false).
 constexpr int kQuad = 4;
 
-// __launch_bounds__: kBlocksPerSm blocks of kMaxThreads must fit an SM's registers (64 a thread).
-template <typename scalar_t>
-__global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)
-    widened_log_softmax_kernel(const scalar_t* __restrict__ input, float* __restrict__ output,
-                               int64_t cols) {
-  __shared__ RowLogSumExp parts[kMaxThreads / kWarp];
+using amp::detail::SoftmaxKind;
+constexpr SoftmaxKind kLog = SoftmaxKind::kLogSoftmax;
+
+// The forward's result of one element from its row's statistics: log_softmax from the maximum and
+// log(sum) (one logarithm per row, as torch's kernels take it), softmax from the maximum and sum.
+template <SoftmaxKind Kind>
+struct RowResult {
+  float max, stat;
+  __device__ explicit RowResult(const RowLogSumExp& row)
+      : max(row.max), stat(Kind == kLog ? ::logf(row.sum) : row.sum) {}
+  __device__ float operator()(float x) const {
+    return Kind == kLog ? log_softmax_math(x, max, stat) : softmax_math(x, max, stat);
+  }
+};
+
+// The forward of one row (the block's); each kind's kernel below is this body under its own name,
+// so that a profile tells them apart.
+template <SoftmaxKind Kind, typename scalar_t>
+__device__ __forceinline__ void softmax_forward_row(const scalar_t* __restrict__ input,
+                                                    float* __restrict__ output, int64_t cols,
+                                                    RowLogSumExp* parts) {
   const scalar_t* x = input + static_cast<int64_t>(blockIdx.x) * cols;
   float* y = output + static_cast<int64_t>(blockIdx.x) * cols;
   RowLogSumExp part = RowLogSumExp::empty();
   for_each_of_row(x, cols, [&part](float v) { part.add(v); });
-  const RowLogSumExp row = block_merge(part, parts);
-  const float row_max = row.max;
-  const float log_sum = ::logf(row.sum);
+  const RowResult<Kind> result(block_merge(part, parts));
   const RowPacks split(cols, shift_of(y, 16), kQuad);
   const bool x_aligned = aligned_to(x + split.head, sizeof(scalar_t) * kQuad);
   for_each_pack<kQuad, 4>(
-      split, cols,
-      [=](int64_t i) { y[i] = log_softmax_math(static_cast<float>(x[i]), row_max, log_sum); },
+      split, cols, [=](int64_t i) { y[i] = result(static_cast<float>(x[i])); },
       [=](int64_t i) { return load_pack<scalar_t, kQuad>(x + i, x_aligned); },
       [=](int64_t i, const Pack<scalar_t, kQuad>& in) {
         Pack<float, kQuad> out;
 #pragma unroll
-        for (int j = 0; j < kQuad; ++j) {
-          out.v[j] = log_softmax_math(static_cast<float>(in.v[j]), row_max, log_sum);
-        }
+        for (int j = 0; j < kQuad; ++j) out.v[j] = result(static_cast<float>(in.v[j]));
         store_quad(y + i, out, true);
       });
 }
@@ -215,83 +226,161 @@ struct GradAndResult {
   Pack<float, kQuad> grad, out;
 };
 
-template <typename scalar_t>
-__global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)
-    widened_log_softmax_backward_kernel(const float* __restrict__ grad,
-                                        const float* __restrict__ output,
-                                        scalar_t* __restrict__ grad_input, int64_t cols) {
-  __shared__ float parts[kMaxThreads / kWarp];
-  const int64_t offset = static_cast<int64_t>(blockIdx.x) * cols;
-  const float* g = grad + offset;
-  const float* out = output + offset;
-  scalar_t* gi = grad_input + offset;
+// The backward's two fp32 rows, four elements of each, split by the gradient's 16-byte boundaries.
+struct GradAndResultRows {
+  const float* g;
+  const float* out;
+  RowPacks split;
+  bool out_aligned;
+
+  __device__ GradAndResultRows(const float* g_, const float* out_, int64_t cols)
+      : g(g_),
+        out(out_),
+        split(cols, shift_of(g_, 16), kQuad),
+        out_aligned(aligned_to(out_ + split.head, 16)) {}
+  __device__ GradAndResult load(int64_t i) const {
+    return {load_pack<float, kQuad>(g + i, true), load_pack<float, kQuad>(out + i, out_aligned)};
+  }
+};
+
+// The row's sum the backward needs: of the gradient (log_softmax; the result is not read), of the
+// gradient times the result (softmax). Two packs of each array in flight: 16 floats a thread,
+// within the 64 registers.
+template <SoftmaxKind Kind>
+__device__ float backward_row_sum(const GradAndResultRows& rows, int64_t cols, float* parts) {
   float part = 0.0f;
-  for_each_of_row(g, cols, [&part](float v) { part += v; });
-  const float grad_sum = block_merge(part, parts);
-  const RowPacks split(cols, shift_of(g, 16), kQuad);
-  const bool out_aligned = aligned_to(out + split.head, 16);
-  const bool gi_aligned = aligned_to(gi + split.head, sizeof(scalar_t) * kQuad);
-  // Two packs of each array in flight: 16 floats a thread, within the 64 registers.
+  if (Kind == kLog) {
+    for_each_of_row(rows.g, cols, [&part](float v) { part += v; });
+  } else {
+    for_each_pack<kQuad, 2>(
+        rows.split, cols, [&](int64_t i) { part += rows.g[i] * rows.out[i]; },
+        [&](int64_t i) { return rows.load(i); },
+        [&](int64_t, const GradAndResult& in) {
+#pragma unroll
+          for (int j = 0; j < kQuad; ++j) part += in.grad.v[j] * in.out.v[j];
+        });
+  }
+  return block_merge(part, parts);
+}
+
+template <SoftmaxKind Kind>
+__device__ float backward_math(float grad, float out, float row_sum) {
+  return Kind == kLog ? log_softmax_backward_math(grad, out, row_sum)
+                      : softmax_backward_math(grad, out, row_sum);
+}
+
+template <SoftmaxKind Kind, typename scalar_t>
+__device__ __forceinline__ void softmax_backward_row(const float* __restrict__ grad,
+                                                     const float* __restrict__ output,
+                                                     scalar_t* __restrict__ grad_input,
+                                                     int64_t cols, float* parts) {
+  const int64_t offset = static_cast<int64_t>(blockIdx.x) * cols;
+  const GradAndResultRows rows(grad + offset, output + offset, cols);
+  scalar_t* gi = grad_input + offset;
+  const float row_sum = backward_row_sum<Kind>(rows, cols, parts);
+  const bool gi_aligned = aligned_to(gi + rows.split.head, sizeof(scalar_t) * kQuad);
   for_each_pack<kQuad, 2>(
-      split, cols,
-      [=](int64_t i) {
-        gi[i] = static_cast<scalar_t>(log_softmax_backward_math(g[i], out[i], grad_sum));
+      rows.split, cols,
+      [&](int64_t i) {
+        gi[i] = static_cast<scalar_t>(backward_math<Kind>(rows.g[i], rows.out[i], row_sum));
       },
-      [=](int64_t i) {
-        return GradAndResult{load_pack<float, kQuad>(g + i, true),
-                             load_pack<float, kQuad>(out + i, out_aligned)};
-      },
-      [=](int64_t i, const GradAndResult& in) {
+      [&](int64_t i) { return rows.load(i); },
+      [&](int64_t i, const GradAndResult& in) {
         Pack<scalar_t, kQuad> result;
 #pragma unroll
         for (int j = 0; j < kQuad; ++j) {
           result.v[j] =
-              static_cast<scalar_t>(log_softmax_backward_math(in.grad.v[j], in.out.v[j], grad_sum));
+              static_cast<scalar_t>(backward_math<Kind>(in.grad.v[j], in.out.v[j], row_sum));
         }
         store_quad(gi + i, result, gi_aligned);
       });
 }
 
-// A block per row of `rows`, a multiple of the warp size threads, no more than the row needs.
+// __launch_bounds__: kBlocksPerSm blocks of kMaxThreads must fit an SM's registers (64 a thread).
+#define OPTAMP_SOFTMAX_KERNELS(name, kind)                                                     \
+  template <typename scalar_t>                                                                 \
+  __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm) name##_kernel(                  \
+      const scalar_t* __restrict__ input, float* __restrict__ output, int64_t cols) {          \
+    __shared__ RowLogSumExp parts[kMaxThreads / kWarp];                                        \
+    softmax_forward_row<kind>(input, output, cols, parts);                                     \
+  }                                                                                            \
+  template <typename scalar_t>                                                                 \
+  __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)                                 \
+      name##_backward_kernel(const float* __restrict__ grad, const float* __restrict__ output, \
+                             scalar_t* __restrict__ grad_input, int64_t cols) {                \
+    __shared__ float parts[kMaxThreads / kWarp];                                               \
+    softmax_backward_row<kind>(grad, output, grad_input, cols, parts);                         \
+  }
+OPTAMP_SOFTMAX_KERNELS(widened_log_softmax, SoftmaxKind::kLogSoftmax)
+OPTAMP_SOFTMAX_KERNELS(widened_softmax, SoftmaxKind::kSoftmax)
+#undef OPTAMP_SOFTMAX_KERNELS
+
+template <SoftmaxKind Kind, typename scalar_t>
+auto forward_kernel() {
+  if constexpr (Kind == kLog) {
+    return &widened_log_softmax_kernel<scalar_t>;
+  } else {
+    return &widened_softmax_kernel<scalar_t>;
+  }
+}
+
+template <SoftmaxKind Kind, typename scalar_t>
+auto backward_kernel() {
+  if constexpr (Kind == kLog) {
+    return &widened_log_softmax_backward_kernel<scalar_t>;
+  } else {
+    return &widened_softmax_backward_kernel<scalar_t>;
+  }
+}
+
+// A block per row of `rows`: a multiple of the warp size threads, as many as the row has 16-byte
+// packs of the reduced dtype (at most kMaxThreads): a thread with nothing to load in the
+// reduction would only wait at its barriers (a row of 1024 keys takes 128 threads, GPT-2's 50257
+// classes kMaxThreads).
 struct RowLaunch {
   int64_t rows, cols;
   int threads;
 };
 
-RowLaunch row_launch(amp::detail::SoftmaxRows rows) {
-  TORCH_CHECK_VALUE(rows.rows <= std::numeric_limits<int>::max(), "widened_log_softmax: at most ",
+RowLaunch row_launch(amp::detail::SoftmaxRows rows, const char* op) {
+  TORCH_CHECK_VALUE(rows.rows <= std::numeric_limits<int>::max(), op, ": at most ",
                     std::numeric_limits<int>::max(), " rows, got ", rows.rows);
-  const int64_t threads = std::min<int64_t>(kMaxThreads, (rows.cols + kWarp - 1) / kWarp * kWarp);
+  const int64_t packs = (rows.cols + 7) / 8;
+  const int64_t threads = std::min<int64_t>(kMaxThreads, (packs + kWarp - 1) / kWarp * kWarp);
   return {rows.rows, rows.cols, static_cast<int>(std::max<int64_t>(threads, kWarp))};
 }
 
-at::Tensor widened_log_softmax_cuda(const at::Tensor& self, int64_t dim) {
-  const RowLaunch launch = row_launch(amp::detail::checked_forward_rows(self, dim));
+template <SoftmaxKind Kind>
+at::Tensor widened_softmax_cuda(const at::Tensor& self, int64_t dim) {
+  const RowLaunch launch =
+      row_launch(amp::detail::checked_forward_rows(Kind, self, dim), "widened softmax");
   const c10::cuda::CUDAGuard device_guard(self.device());  // launches go to the current device
   const at::Tensor input = self.contiguous();
   at::Tensor output = at::empty(input.sizes(), input.options().dtype(at::kFloat));
   if (launch.rows == 0) return output;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(input.scalar_type(), "widened_log_softmax", [&] {
-    widened_log_softmax_kernel<scalar_t><<<launch.rows, launch.threads, 0, stream>>>(
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(input.scalar_type(), "widened_softmax", [&] {
+    forward_kernel<Kind, scalar_t>()<<<launch.rows, launch.threads, 0, stream>>>(
         input.const_data_ptr<scalar_t>(), output.mutable_data_ptr<float>(), launch.cols);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return output;
 }
 
-at::Tensor widened_log_softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& output,
-                                             int64_t dim, at::ScalarType input_dtype) {
+template <SoftmaxKind Kind>
+at::Tensor widened_softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& output,
+                                         int64_t dim, at::ScalarType input_dtype) {
   const RowLaunch launch =
-      row_launch(amp::detail::checked_backward_rows(grad, output, dim, input_dtype));
+      row_launch(amp::detail::checked_backward_rows(Kind, grad, output, dim, input_dtype),
+                 "widened softmax backward");
   const c10::cuda::CUDAGuard device_guard(output.device());
   const at::Tensor g = grad.contiguous();
   const at::Tensor out = output.contiguous();
   at::Tensor grad_input = at::empty(out.sizes(), out.options().dtype(input_dtype));
   if (launch.rows == 0) return grad_input;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(input_dtype, "widened_log_softmax_backward", [&] {
-    widened_log_softmax_backward_kernel<scalar_t><<<launch.rows, launch.threads, 0, stream>>>(
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(input_dtype, "widened_softmax_backward", [&] {
+    backward_kernel<Kind, scalar_t>()<<<launch.rows, launch.threads, 0, stream>>>(
         g.const_data_ptr<float>(), out.const_data_ptr<float>(),
         grad_input.mutable_data_ptr<scalar_t>(), launch.cols);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -303,6 +392,11 @@ at::Tensor widened_log_softmax_backward_cuda(const at::Tensor& grad, const at::T
 }  // namespace amp::ops::detail
 
 TORCH_LIBRARY_IMPL(optamp, CUDA, m) {
-  m.impl("widened_log_softmax", &amp::ops::detail::widened_log_softmax_cuda);
-  m.impl("widened_log_softmax_backward", &amp::ops::detail::widened_log_softmax_backward_cuda);
+  using amp::detail::SoftmaxKind;
+  namespace ops = amp::ops::detail;
+  m.impl("widened_log_softmax", &ops::widened_softmax_cuda<SoftmaxKind::kLogSoftmax>);
+  m.impl("widened_log_softmax_backward",
+         &ops::widened_softmax_backward_cuda<SoftmaxKind::kLogSoftmax>);
+  m.impl("widened_softmax", &ops::widened_softmax_cuda<SoftmaxKind::kSoftmax>);
+  m.impl("widened_softmax_backward", &ops::widened_softmax_backward_cuda<SoftmaxKind::kSoftmax>);
 }

@@ -1,12 +1,13 @@
 #pragma once
-// The row math of optamp::widened_log_softmax and its backward on CUDA (ops/widened_log_softmax.h
-// says what the op is for), in fp32: a row's log-sum-exp gathered in one pass (a running maximum
-// and the sum of exp(x - maximum), rescaled when the maximum grows, so parts of a row gathered by
-// different threads merge in any order), and torch's formulas for the result and the gradient:
-// out = (x - max) - log(sum), grad_in = grad - exp(out) * sum(grad). Non-finite inputs give what
-// torch's fp32 log_softmax gives: a NaN or a +inf in the row makes the whole row NaN, -inf
-// entries contribute nothing (a row of only -inf is NaN). The CPU runs the op as torch's own ops;
-// tests/cpp/test_fused_casts.cpp checks these functions against them.
+// The row math of optamp::widened_log_softmax, optamp::widened_softmax and their backwards on CUDA
+// (ops/widened_softmax.h says what the ops are for), in fp32: a row's log-sum-exp gathered in one
+// pass (a running maximum and the sum of exp(x - maximum), rescaled when the maximum grows, so
+// parts of a row gathered by different threads merge in any order), and torch's formulas for the
+// results and the gradients: log_softmax out = (x - max) - log(sum), grad_in = grad - exp(out) *
+// sum(grad); softmax out = exp(x - max) / sum, grad_in = out * (grad - sum(grad * out)).
+// Non-finite inputs give what torch's fp32 kernels give: a NaN or a +inf in the row makes the
+// whole row NaN, -inf entries contribute nothing (a row of only -inf is NaN). The CPU runs the ops
+// as torch's own ops; tests/cpp/test_fused_casts.cpp checks these functions against them.
 #include <c10/macros/Macros.h>
 
 #include <cmath>
@@ -80,6 +81,17 @@ C10_HOST_DEVICE inline float log_softmax_math(float x, float row_max, float log_
 // `out` and the row's sum of gradients.
 C10_HOST_DEVICE inline float log_softmax_backward_math(float grad, float out, float grad_sum) {
   return grad - ::expf(out) * grad_sum;
+}
+
+// softmax of an element `x` of a row whose parts merged into `row` (max and sum).
+C10_HOST_DEVICE inline float softmax_math(float x, float row_max, float row_sum) {
+  return ::expf(x - row_max) / row_sum;
+}
+
+// The gradient of softmax's input at one element, from the gradient `grad` of its result `out`
+// and the row's sum of grad * out.
+C10_HOST_DEVICE inline float softmax_backward_math(float grad, float out, float grad_dot_out) {
+  return out * (grad - grad_dot_out);
 }
 
 }  // namespace amp::ops::detail
