@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Verifies a GPU machine in one command, without network: build (for this GPU's architecture
 # only), ctest (the *_CUDA tests run when a GPU is visible), the CMake check, the needs_cuda
-# pytests, the loss kernels' benchmark, a short training-benchmark pass (ResNet-50 and GPT-2
+# pytests, the softmax kernels' benchmark, a short training-benchmark pass (ResNet-50 and GPT-2
 # small, C++ and Python, every level against native AMP), the CUDA A/B runs (Fashion-MNIST,
 # char-GPT), and last the CPU pytests in what is left of a 9.5-minute budget
 # (GPU_CHECK_MINUTES=9, plus 30 s), so that it ends within the device tool's 10 minutes on an H100.
@@ -22,11 +22,11 @@
 # GPU_CHECK_CHAR_GPT_AB_ARGS (default "--levels O0,O1,O2,O4,O5 --seeds 1 --precision-steps 2")
 # and GPU_CHECK_CHAR_GPT_ARGS (the trainer's, default "--steps 200") for the char-GPT A/B,
 # GPU_CHECK_MINUTES (default 9), GPU_CHECK_PHASES (which phases, in order, comma-separated;
-# default all: bootstrap,build,ctest,cmake_compat,pytest_cuda,loss_kernels,benchmarks,ab,
+# default all: bootstrap,build,ctest,cmake_compat,pytest_cuda,softmax_kernels,benchmarks,ab,
 # ab_char_gpt,pytest_cpu; the pytest phases run in what is left of the budget), GPU_CHECK_CMAKE_ARGS (added to the
 # configure's arguments, e.g. -DOPTAMP_BUILD_TESTS=OFF for a run without ctest),
 # GPU_CHECK_PYTEST_CUDA_SECONDS (the most the needs_cuda pytests may take; default: the budget),
-# GPU_CHECK_LOSS_KERNELS_ARGS (benchmarks/bench_loss_kernels.py's, e.g. --rows 512 for a dry run),
+# GPU_CHECK_LOSS_KERNELS_ARGS (benchmarks/bench_softmax_kernels.py's, e.g. --rows 512 for a dry run),
 # GPU_CHECK_CTEST_ARGS (added to ctest's, e.g. -R "CUDA|packaging" for the GPU tests alone).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -152,14 +152,15 @@ run_benchmarks() {
     done)
   write_summary
 }
-# The loss's log_softmax kernels alone at GPT-2's logits (benchmarks/bench_loss_kernels.py, about
-# 15 s): optamp's against torch's, per pass and dtype; its lines go to the summary.
+# The fp32 list's softmax kernels alone, log_softmax at GPT-2's logits and softmax at attention
+# scores (benchmarks/bench_softmax_kernels.py, about 20 s): optamp's against torch's, per pass and
+# dtype; its lines go to the summary.
 # shellcheck disable=SC2086
-run_loss_kernels() {
-  phase loss_kernels "$PY" benchmarks/bench_loss_kernels.py --device "${GPU_CHECK_DEVICE:-cuda}" \
-    ${GPU_CHECK_LOSS_KERNELS_ARGS:-}
-  while IFS= read -r line; do targets+=("- loss_kernels: $line"); done < <(
-    grep -E '^loss ' "$LOGS/loss_kernels.log")
+run_softmax_kernels() {
+  phase softmax_kernels "$PY" benchmarks/bench_softmax_kernels.py \
+    --device "${GPU_CHECK_DEVICE:-cuda}" ${GPU_CHECK_SOFTMAX_KERNELS_ARGS:-}
+  while IFS= read -r line; do targets+=("- softmax_kernels: $line"); done < <(
+    grep -E '^(log_softmax|softmax) ' "$LOGS/softmax_kernels.log")
   write_summary
 }
 run_ab() {
@@ -185,7 +186,7 @@ run_pytest_cpu() { pytest_phase pytest_cpu "" -m "not needs_cuda"; }
 export PYTHONPATH="$OPTAMP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 # GPU_CHECK_PHASES: which phases, in order. By default the CUDA tests come first (if time runs
 # out, their result is already in) and the CPU tests last.
-all_phases=bootstrap,build,ctest,cmake_compat,pytest_cuda,loss_kernels,benchmarks,ab,ab_char_gpt,pytest_cpu
+all_phases=bootstrap,build,ctest,cmake_compat,pytest_cuda,softmax_kernels,benchmarks,ab,ab_char_gpt,pytest_cpu
 IFS=, read -r -a phases <<<"${GPU_CHECK_PHASES:-$all_phases}"
 PY=""
 for name in "${phases[@]}"; do

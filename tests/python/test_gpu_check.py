@@ -55,20 +55,23 @@ def test_runner_counts_read_the_runners_closing_lines(tmp_path, log, rc, expecte
     assert tuple(int(v) for v in out.split()) == expected
 
 
-def test_the_loss_kernels_phase_puts_its_lines_in_the_summary(tmp_path):
-    """The phase the next GPU run adds (benchmarks/bench_loss_kernels.py), dry-run on the CPU at
-    a tiny size: it passes, and each pass's timing line and the values' line reach summary.md
-    (on the CPU the op runs torch's own ops: no difference from native's values)."""
-    env = dict(os.environ, GPU_CHECK_PHASES="loss_kernels", GPU_CHECK_DEVICE="cpu",
-               GPU_CHECK_LOSS_KERNELS_ARGS="--rows 6 --cols 1100 --reps 1 --rounds 1")
+def test_the_softmax_kernels_phase_puts_its_lines_in_the_summary(tmp_path):
+    """The phase the next GPU run adds (benchmarks/bench_softmax_kernels.py), dry-run on the CPU
+    at a tiny size: it passes, and each kind's, dtype's and pass's timing line and the values'
+    lines reach summary.md (on the CPU the ops run torch's own ops: no difference from native's
+    values)."""
+    env = dict(os.environ, GPU_CHECK_PHASES="softmax_kernels", GPU_CHECK_DEVICE="cpu",
+               GPU_CHECK_SOFTMAX_KERNELS_ARGS="--rows 6 --cols 1100 --attention-rows 5 "
+                                              "--keys 1024 --reps 1 --rounds 1")
     out = tmp_path / "out"
     run = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out)],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     summary = (out / "summary.md").read_text()
-    assert "| loss_kernels | ok |" in summary
-    for dtype in ("bf16", "fp16"):
-        for pass_ in ("forward", "backward"):
-            assert f"- loss_kernels: loss {dtype} {pass_} [6 x 1100]: optamp " in summary
-        assert (f"- loss_kernels: loss {dtype} values: largest difference from native's forward "
-                "0.00e+00, backward 0.00e+00") in summary
+    assert "| softmax_kernels | ok |" in summary
+    for kind, shape in (("log_softmax", "[6 x 1100]"), ("softmax", "[5 x 1024]")):
+        for dtype in ("bf16", "fp16"):
+            for pass_ in ("forward", "backward"):
+                assert f"- softmax_kernels: {kind} {dtype} {pass_} {shape}: optamp " in summary
+            assert (f"- softmax_kernels: {kind} {dtype} values: largest difference from native's "
+                    "forward 0.00e+00, backward 0.00e+00") in summary
