@@ -28,47 +28,32 @@ using torch::autograd::variable_list;
 // What differs between the two kinds: the ops' names, torch's fp32 ops that compute them (the
 // CPU kernels and every device's double backward), the node's name.
 template <SoftmaxKind Kind>
-struct Softmax;
+struct Softmax {
+  static constexpr bool kLog = Kind == SoftmaxKind::kLogSoftmax;
+  static constexpr const char* kOp = kLog ? "widened_log_softmax" : "widened_softmax";
+  static constexpr const char* kBackwardOp =
+      kLog ? "widened_log_softmax_backward" : "widened_softmax_backward";
+  static constexpr const char* kNode =
+      kLog ? "WidenedLogSoftmaxBackward" : "WidenedSoftmaxBackward";
 
-template <>
-struct Softmax<SoftmaxKind::kSoftmax> {
-  static constexpr const char* kOp = "widened_softmax";
-  static constexpr const char* kBackwardOp = "widened_softmax_backward";
-  static constexpr const char* kNode = "WidenedSoftmaxBackward";
   static void forward_out(at::Tensor& out, const at::Tensor& input) {
-    at::_softmax_out(out, input, 1, false);
+    kLog ? at::_log_softmax_out(out, input, 1, false) : at::_softmax_out(out, input, 1, false);
   }
   static at::Tensor backward(const at::Tensor& grad, const at::Tensor& output, int64_t dim) {
-    return at::_softmax_backward_data(grad, output, dim, at::kFloat);
+    return kLog ? at::_log_softmax_backward_data(grad, output, dim, at::kFloat)
+                : at::_softmax_backward_data(grad, output, dim, at::kFloat);
   }
   static void backward_out(at::Tensor& out, const at::Tensor& grad, const at::Tensor& output) {
-    at::_softmax_backward_data_out(out, grad, output, 1, at::kFloat);
-  }
-};
-
-template <>
-struct Softmax<SoftmaxKind::kLogSoftmax> {
-  static constexpr const char* kOp = "widened_log_softmax";
-  static constexpr const char* kBackwardOp = "widened_log_softmax_backward";
-  static constexpr const char* kNode = "WidenedLogSoftmaxBackward";
-  static void forward_out(at::Tensor& out, const at::Tensor& input) {
-    at::_log_softmax_out(out, input, 1, false);
-  }
-  static at::Tensor backward(const at::Tensor& grad, const at::Tensor& output, int64_t dim) {
-    return at::_log_softmax_backward_data(grad, output, dim, at::kFloat);
-  }
-  static void backward_out(at::Tensor& out, const at::Tensor& grad, const at::Tensor& output) {
-    at::_log_softmax_backward_data_out(out, grad, output, 1, at::kFloat);
+    kLog ? at::_log_softmax_backward_data_out(out, grad, output, 1, at::kFloat)
+         : at::_softmax_backward_data_out(out, grad, output, 1, at::kFloat);
   }
 };
 
 const char* op_name(SoftmaxKind kind, bool backward) {
-  if (kind == SoftmaxKind::kSoftmax) {
-    return backward ? Softmax<SoftmaxKind::kSoftmax>::kBackwardOp
-                    : Softmax<SoftmaxKind::kSoftmax>::kOp;
-  }
-  return backward ? Softmax<SoftmaxKind::kLogSoftmax>::kBackwardOp
-                  : Softmax<SoftmaxKind::kLogSoftmax>::kOp;
+  using Log = Softmax<SoftmaxKind::kLogSoftmax>;
+  using Plain = Softmax<SoftmaxKind::kSoftmax>;
+  if (kind == SoftmaxKind::kSoftmax) return backward ? Plain::kBackwardOp : Plain::kOp;
+  return backward ? Log::kBackwardOp : Log::kOp;
 }
 
 SoftmaxRows checked_rows(const at::Tensor& t, int64_t dim, const char* op, const char* arg) {
