@@ -405,7 +405,7 @@ TEST_P(CrossEntropy, ValuesAndGradientsAreThoseOfTheCastPath) {
 // for fp16 on CUDA, optamp::widened_log_softmax otherwise) instead of a widened copy, counted as
 // the cast it replaces. On CUDA nothing widens the logits at all.
 TEST_P(CrossEntropy, LogSoftmaxReadsTheReducedLogits) {
-  const auto logits = leaf({8, 2000}, low());  // CUDA takes optamp's op from 1024 classes
+  const auto logits = leaf({8, 2000}, low());  // on CUDA a block per row (over 1024 classes)
   const auto target = classes({8}, 2000);
   const bool torchs_kernel = device() == at::kCUDA && low() == at::kHalf;
   for (const char* level : levels()) {
@@ -438,7 +438,7 @@ TEST_P(CrossEntropy, LogSoftmaxReadsTheReducedLogits) {
 // A gradient penalty through the loss (create_graph): the node records torch's differentiable
 // ops, so the second backward reaches the logits as the cast path's does.
 TEST_P(CrossEntropy, DoubleBackwardIsCloseToTheCastPaths) {
-  const auto logits = leaf({6, 1100}, low());  // on CUDA too through optamp's op (>= 1024)
+  const auto logits = leaf({6, 1100}, low());  // on CUDA too through optamp's op (>= 128)
   const auto target = classes({6}, 1100);
   for (const char* level : levels()) {
     const auto x = logits.detach().clone().requires_grad_();
@@ -533,40 +533,48 @@ TEST_P(CrossEntropy, TheOpsRefuseArgumentsTheyCannotCompute) {
 // log_softmax and softmax called on their own (F.log_softmax of a language model's [batch,
 // tokens, vocab] logits, then nll_loss or a KL term; attention written out, scores.softmax(-1)):
 // Apex's fp32 rule asks for an fp32 result, which the op computes from the reduced input (on CUDA
-// from 1024 classes, bf16; fp16 keeps torch's kernel) with the values and gradients of the cast
+// from 128 classes, bf16; fp16 keeps torch's kernel) with the values and gradients of the cast
 // path. A dtype the caller chose is left alone, and a dimension other than the last takes torch's
 // path.
 TEST_P(CrossEntropy, SoftmaxesOfTheLastDimensionReadTheReducedInput) {
-  const auto x = leaf({2, 3, 1100}, low());
   const bool torchs_kernel = device() == at::kCUDA && low() == at::kHalf;
-  for (const auto& kind : widened_kinds()) {
-    for (const char* level : levels()) {
-      const std::string at = std::string(kind.op) + " at " + level;
-      const auto xr = x.detach().clone().requires_grad_();
-      enable(level);
-      at::Tensor y;
-      const auto dtypes = testing::first_input_dtypes(
-          torchs_kernel ? kind.torch_op : std::string("optamp::") + kind.op,
-          [&] { y = kind.call(x, -1, std::nullopt); });
-      EXPECT_EQ(dtypes, std::vector<at::ScalarType>{low()}) << at;
-      EXPECT_EQ(y.scalar_type(), at::kFloat) << at;
-      const auto nodes = testing::graph_node_names(y);
-      EXPECT_EQ(std::count(nodes.begin(), nodes.end(), kind.node), torchs_kernel ? 0 : 1) << at;
-      const auto yr = kind.call(xr.to(at::kFloat), -1, std::nullopt);  // the cast path, by hand
-      const bool exact = device() == at::kCPU;  // the CPU runs the cast path's own ops
-      expect_same(y.detach(), yr.detach(), "result of " + at, exact);
-      const auto g = at::randn(y.sizes(), y.options());
-      y.backward(g);
-      yr.backward(g);
-      expect_same(x.grad(), xr.grad(), "x.grad of " + at, exact);
-      x.mutable_grad().reset();
+  // On CUDA a block per row (1100 classes) and a warp per row (512 keys).
+  for (const int64_t cols : {int64_t{1100}, int64_t{512}}) {
+    const auto x = leaf({2, 3, cols}, low());
+    for (const auto& kind : widened_kinds()) {
+      for (const char* level : levels()) {
+        const std::string at =
+            std::string(kind.op) + " at " + level + " of " + std::to_string(cols) + " classes";
+        const auto xr = x.detach().clone().requires_grad_();
+        enable(level);
+        at::Tensor y;
+        const auto dtypes = testing::first_input_dtypes(
+            torchs_kernel ? kind.torch_op : std::string("optamp::") + kind.op,
+            [&] { y = kind.call(x, -1, std::nullopt); });
+        EXPECT_EQ(dtypes, std::vector<at::ScalarType>{low()}) << at;
+        EXPECT_EQ(y.scalar_type(), at::kFloat) << at;
+        const auto nodes = testing::graph_node_names(y);
+        EXPECT_EQ(std::count(nodes.begin(), nodes.end(), kind.node), torchs_kernel ? 0 : 1) << at;
+        const auto yr = kind.call(xr.to(at::kFloat), -1, std::nullopt);  // the cast path, by hand
+        const bool exact = device() == at::kCPU;  // the CPU runs the cast path's own ops
+        expect_same(y.detach(), yr.detach(), "result of " + at, exact);
+        const auto g = at::randn(y.sizes(), y.options());
+        y.backward(g);
+        yr.backward(g);
+        expect_same(x.grad(), xr.grad(), "x.grad of " + at, exact);
+        x.mutable_grad().reset();
 
-      // The caller's dtype, and another dimension: torch's own path, as before.
-      const auto own = testing::first_input_dtypes(std::string("optamp::") + kind.op, [&] {
-        EXPECT_EQ(kind.call(x, -1, at::kFloat).scalar_type(), at::kFloat);
-        EXPECT_EQ(kind.call(x, 1, std::nullopt).scalar_type(), at::kFloat);
-      });
-      EXPECT_TRUE(own.empty()) << at;
+        // The caller's dtype, another dimension, and on CUDA rows of under 128 classes: torch's
+        // own path, as before.
+        const auto own = testing::first_input_dtypes(std::string("optamp::") + kind.op, [&] {
+          EXPECT_EQ(kind.call(x, -1, at::kFloat).scalar_type(), at::kFloat);
+          EXPECT_EQ(kind.call(x, 1, std::nullopt).scalar_type(), at::kFloat);
+          if (device() == at::kCUDA) {
+            EXPECT_EQ(kind.call(x.narrow(2, 0, 100), -1, std::nullopt).scalar_type(), at::kFloat);
+          }
+        });
+        EXPECT_TRUE(own.empty()) << at;
+      }
     }
   }
 }
@@ -574,7 +582,7 @@ TEST_P(CrossEntropy, SoftmaxesOfTheLastDimensionReadTheReducedInput) {
 // The ops on rows that start anywhere in their storage: the CUDA kernels move four elements per
 // load and store where the fp32 array's row starts on a 16-byte boundary, and element by element
 // where another array of the same row does not (a tensor at an odd offset into its storage). Each
-// array at each offset, rows of GPT-2's odd length and of a warp and a few elements.
+// array at each offset, rows on both sides of the block-per-row threshold.
 TEST_P(CrossEntropy, TheOpsTakeRowsAtAnyOffsetIntoTheirStorage) {
   const auto on = at::TensorOptions().device(device());
   // `t`'s values in a tensor that starts `offset` elements into its storage.
@@ -588,7 +596,8 @@ TEST_P(CrossEntropy, TheOpsTakeRowsAtAnyOffsetIntoTheirStorage) {
   for (const auto& kind : widened_kinds()) {
     const auto forward = kind.forward_op();
     const auto backward = kind.backward_op();
-    for (const int64_t cols : {int64_t{50257}, int64_t{37}}) {
+    // A block per row (50257, 1025) and a warp per row (37, 1024) on CUDA.
+    for (const int64_t cols : {int64_t{50257}, int64_t{1025}, int64_t{1024}, int64_t{37}}) {
       const auto x = (at::randn({3, cols}, on) * 4).to(low());
       const auto want = kind.fp32(x.to(at::kFloat), 1, false);
       const auto g = at::randn({3, cols}, on);

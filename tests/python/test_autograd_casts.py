@@ -218,10 +218,10 @@ def test_cross_entropy_reads_reduced_logits_without_a_widened_copy(fresh, level,
     """Apex runs cross_entropy in fp32. Of fp16/bf16 logits optamp's log_softmax reads the
     reduced logits and writes fp32, its backward writes the reduced gradient: torch's kernel for
     fp16 on CUDA, optamp.widened_log_softmax otherwise (on CUDA one kernel each way for rows of
-    1024 classes or more, on the CPU the cast path's ops). On CUDA no fp32 copy of the logits is
+    128 classes or more, on the CPU the cast path's ops). On CUDA no fp32 copy of the logits is
     made. The values and gradients are the cast path's (bit for bit on the CPU)."""
     init(Mlp().to(device), opt_level=level)
-    # 2000 classes: on CUDA optamp's op takes rows of 1024 or more
+    # 2000 classes: on CUDA optamp's op takes rows of 128 or more, a block per row over 1024
     logits = torch.randn(6, 2000, device=device).to(low).requires_grad_()
     reference = logits.detach().clone().requires_grad_()
     y = torch.randint(2000, (6,), device=device)

@@ -31,7 +31,7 @@ namespace amp::detail {
 enum class SoftmaxKind { kSoftmax, kLogSoftmax };
 
 // log_softmax(x.float(), dim) (softmax(x.float(), dim)) for a reduced `x` when the op applies
-// (CPU or CUDA, `dim` the last dimension, on CUDA bf16 with at least 1024 classes, a plain
+// (CPU or CUDA, `dim` the last dimension, on CUDA bf16 with at least 128 classes, a plain
 // tensor), recording autograd when `records_autograd` and `x` requires grad; std::nullopt
 // otherwise (the caller asks torch's op for an fp32 result, which on CUDA reads fp16 without
 // widening it first).

@@ -65,6 +65,20 @@ __device__ Part block_merge(Part part, Part* shared) {
   return shared[0];
 }
 
+// The 32 parts of a warp merged, returned to every lane (a butterfly: every lane ends with the
+// same merge of all of them).
+template <typename Part>
+__device__ Part warp_merge(Part part) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) merge_into(part, shuffle_xor(part, offset));
+  return part;
+}
+
+// The threads that share a row, and this thread's place among them: a block's (rows of more than
+// kMaxWarpRowCols) or a warp's (shorter rows, several to a block).
+struct Lanes {
+  int64_t lane, count;
+};
+
 // A pack of N elements of T, loaded or stored with one instruction where its address allows.
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
@@ -135,16 +149,17 @@ __device__ int64_t shift_of(const T* p, size_t bytes) {
   return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p) % bytes / sizeof(T));
 }
 
-// Walks this thread's share of a row split by `split` (RowPacks, packs of kVec): one(i) for each
-// of its head and tail elements, and for its packs, starting at element i, load(i) for
-// kInFlight packs before use(i, loaded) for any of them: one load at a time per thread would leave
-// too few bytes in flight to keep the memory busy. Ascending order within a thread.
+// Walks this lane's share of a row split by `split` (RowPacks, packs of kVec, among `lanes.count`
+// lanes): one(i) for each of its head and tail elements, and for its packs, starting at element i,
+// load(i) for kInFlight packs before use(i, loaded) for any of them: one load at a time per thread
+// would leave too few bytes in flight to keep the memory busy. Ascending order within a lane.
 template <int kVec, int kInFlight, typename One, typename Load, typename Use>
-__device__ void for_each_pack(const RowPacks& split, int64_t cols, One one, Load load, Use use) {
+__device__ void for_each_pack(const RowPacks& split, int64_t cols, Lanes lanes, One one, Load load,
+                              Use use) {
   using Loaded = decltype(load(int64_t{0}));
-  const int64_t threads = blockDim.x;
-  if (threadIdx.x < split.head) one(static_cast<int64_t>(threadIdx.x));
-  for (int64_t base = threadIdx.x; base < split.packs; base += threads * kInFlight) {
+  const int64_t threads = lanes.count;
+  if (lanes.lane < split.head) one(lanes.lane);
+  for (int64_t base = lanes.lane; base < split.packs; base += threads * kInFlight) {
     Loaded loaded[kInFlight];
 #pragma unroll
     for (int k = 0; k < kInFlight; ++k) {
@@ -157,7 +172,7 @@ __device__ void for_each_pack(const RowPacks& split, int64_t cols, One one, Load
         use(split.head + (base + k * threads) * kVec, loaded[k]);
     }
   }
-  if (split.tail_start + threadIdx.x < cols) one(split.tail_start + threadIdx.x);
+  if (split.tail_start + lanes.lane < cols) one(split.tail_start + lanes.lane);
 }
 
 // The reductions: calls use(value) for the elements of `row` that RowPacks gives this thread when
@@ -165,11 +180,11 @@ __device__ void for_each_pack(const RowPacks& split, int64_t cols, One one, Load
 // 2-byte loads the forward took 0.86 ms per step where torch's own fp16-to-fp32 kernel, whose
 // reductions load 16 bytes at a time, takes 0.51 ms.
 template <typename scalar_t, typename Use>
-__device__ void for_each_of_row(const scalar_t* row, int64_t cols, Use use) {
+__device__ void for_each_of_row(const scalar_t* row, int64_t cols, Lanes lanes, Use use) {
   constexpr int kVec = 16 / sizeof(scalar_t);
   const RowPacks split(cols, shift_of(row, 16), kVec);
   for_each_pack<kVec, 4>(
-      split, cols, [row, &use](int64_t i) { use(static_cast<float>(row[i])); },
+      split, cols, lanes, [row, &use](int64_t i) { use(static_cast<float>(row[i])); },
       [row](int64_t i) { return load_pack<scalar_t, kVec>(row + i, true); },
       [&use](int64_t, const Pack<scalar_t, kVec>& pack) {
 #pragma unroll
@@ -198,21 +213,21 @@ struct RowResult {
   }
 };
 
-// The forward of one row (the block's); each kind's kernel below is this body under its own name,
-// so that a profile tells them apart.
-template <SoftmaxKind Kind, typename scalar_t>
+// The forward of row `row` by `lanes`, whose parts `merge` merges (block_merge or warp_merge); each
+// kind's kernels below are this body under their own names, so that a profile tells them apart.
+template <SoftmaxKind Kind, typename scalar_t, typename Merge>
 __device__ __forceinline__ void softmax_forward_row(const scalar_t* __restrict__ input,
-                                                    float* __restrict__ output, int64_t cols,
-                                                    RowLogSumExp* parts) {
-  const scalar_t* x = input + static_cast<int64_t>(blockIdx.x) * cols;
-  float* y = output + static_cast<int64_t>(blockIdx.x) * cols;
+                                                    float* __restrict__ output, int64_t row,
+                                                    int64_t cols, Lanes lanes, Merge merge) {
+  const scalar_t* x = input + row * cols;
+  float* y = output + row * cols;
   RowLogSumExp part = RowLogSumExp::empty();
-  for_each_of_row(x, cols, [&part](float v) { part.add(v); });
-  const RowResult<Kind> result(block_merge(part, parts));
+  for_each_of_row(x, cols, lanes, [&part](float v) { part.add(v); });
+  const RowResult<Kind> result(merge(part));
   const RowPacks split(cols, shift_of(y, 16), kQuad);
   const bool x_aligned = aligned_to(x + split.head, sizeof(scalar_t) * kQuad);
   for_each_pack<kQuad, 4>(
-      split, cols, [=](int64_t i) { y[i] = result(static_cast<float>(x[i])); },
+      split, cols, lanes, [=](int64_t i) { y[i] = result(static_cast<float>(x[i])); },
       [=](int64_t i) { return load_pack<scalar_t, kQuad>(x + i, x_aligned); },
       [=](int64_t i, const Pack<scalar_t, kQuad>& in) {
         Pack<float, kQuad> out;
@@ -246,21 +261,22 @@ struct GradAndResultRows {
 // The row's sum the backward needs: of the gradient (log_softmax; the result is not read), of the
 // gradient times the result (softmax). Two packs of each array in flight: 16 floats a thread,
 // within the 64 registers.
-template <SoftmaxKind Kind>
-__device__ float backward_row_sum(const GradAndResultRows& rows, int64_t cols, float* parts) {
+template <SoftmaxKind Kind, typename Merge>
+__device__ float backward_row_sum(const GradAndResultRows& rows, int64_t cols, Lanes lanes,
+                                  Merge merge) {
   float part = 0.0f;
   if (Kind == kLog) {
-    for_each_of_row(rows.g, cols, [&part](float v) { part += v; });
+    for_each_of_row(rows.g, cols, lanes, [&part](float v) { part += v; });
   } else {
     for_each_pack<kQuad, 2>(
-        rows.split, cols, [&](int64_t i) { part += rows.g[i] * rows.out[i]; },
+        rows.split, cols, lanes, [&](int64_t i) { part += rows.g[i] * rows.out[i]; },
         [&](int64_t i) { return rows.load(i); },
         [&](int64_t, const GradAndResult& in) {
 #pragma unroll
           for (int j = 0; j < kQuad; ++j) part += in.grad.v[j] * in.out.v[j];
         });
   }
-  return block_merge(part, parts);
+  return merge(part);
 }
 
 template <SoftmaxKind Kind>
@@ -269,18 +285,18 @@ __device__ float backward_math(float grad, float out, float row_sum) {
                       : softmax_backward_math(grad, out, row_sum);
 }
 
-template <SoftmaxKind Kind, typename scalar_t>
+template <SoftmaxKind Kind, typename scalar_t, typename Merge>
 __device__ __forceinline__ void softmax_backward_row(const float* __restrict__ grad,
                                                      const float* __restrict__ output,
-                                                     scalar_t* __restrict__ grad_input,
-                                                     int64_t cols, float* parts) {
-  const int64_t offset = static_cast<int64_t>(blockIdx.x) * cols;
+                                                     scalar_t* __restrict__ grad_input, int64_t row,
+                                                     int64_t cols, Lanes lanes, Merge merge) {
+  const int64_t offset = row * cols;
   const GradAndResultRows rows(grad + offset, output + offset, cols);
   scalar_t* gi = grad_input + offset;
-  const float row_sum = backward_row_sum<Kind>(rows, cols, parts);
+  const float row_sum = backward_row_sum<Kind>(rows, cols, lanes, merge);
   const bool gi_aligned = aligned_to(gi + rows.split.head, sizeof(scalar_t) * kQuad);
   for_each_pack<kQuad, 2>(
-      rows.split, cols,
+      rows.split, cols, lanes,
       [&](int64_t i) {
         gi[i] = static_cast<scalar_t>(backward_math<Kind>(rows.g[i], rows.out[i], row_sum));
       },
@@ -296,58 +312,113 @@ __device__ __forceinline__ void softmax_backward_row(const float* __restrict__ g
       });
 }
 
+// How a kernel's threads take rows: a block per row for long rows (a thread per 16-byte pack of
+// the row, at most kMaxThreads), a warp per row for rows of at most kMaxWarpRowCols (attention
+// over 512 or 1024 keys, a classifier's 1000 classes: a block's barriers would cost more than such
+// a row's loads; kWarpRowsPerBlock rows to a block).
+constexpr int64_t kMaxWarpRowCols = 1024;
+constexpr int kWarpRowsPerBlock = 8;
+
+struct BlockPerRow {
+  __device__ static int64_t row() { return blockIdx.x; }
+  __device__ static Lanes lanes() { return {threadIdx.x, blockDim.x}; }
+  template <typename Part>
+  __device__ static Part merge(Part part, Part* shared) {
+    return block_merge(part, shared);
+  }
+};
+
+struct WarpPerRow {
+  __device__ static int64_t row() {
+    return static_cast<int64_t>(blockIdx.x) * kWarpRowsPerBlock + threadIdx.x / kWarp;
+  }
+  __device__ static Lanes lanes() { return {threadIdx.x % kWarp, kWarp}; }
+  template <typename Part>
+  __device__ static Part merge(Part part, Part*) {
+    return warp_merge(part);
+  }
+};
+
+// Each kind's kernels under their own names, so that a profile tells them apart. A warp whose row
+// is past the last returns at once (warps per row only: a block per row has no such thread).
 // __launch_bounds__: kBlocksPerSm blocks of kMaxThreads must fit an SM's registers (64 a thread).
-#define OPTAMP_SOFTMAX_KERNELS(name, kind)                                                     \
-  template <typename scalar_t>                                                                 \
-  __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm) name##_kernel(                  \
-      const scalar_t* __restrict__ input, float* __restrict__ output, int64_t cols) {          \
-    __shared__ RowLogSumExp parts[kMaxThreads / kWarp];                                        \
-    softmax_forward_row<kind>(input, output, cols, parts);                                     \
-  }                                                                                            \
-  template <typename scalar_t>                                                                 \
-  __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)                                 \
-      name##_backward_kernel(const float* __restrict__ grad, const float* __restrict__ output, \
-                             scalar_t* __restrict__ grad_input, int64_t cols) {                \
-    __shared__ float parts[kMaxThreads / kWarp];                                               \
-    softmax_backward_row<kind>(grad, output, grad_input, cols, parts);                         \
+#define OPTAMP_SOFTMAX_KERNELS(name, kind)                                                        \
+  template <typename scalar_t, typename Rows>                                                     \
+  __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)                                    \
+      name##_kernel(const scalar_t* __restrict__ input, float* __restrict__ output, int64_t rows, \
+                    int64_t cols) {                                                               \
+    __shared__ RowLogSumExp parts[kMaxThreads / kWarp];                                           \
+    const int64_t row = Rows::row();                                                              \
+    if (row >= rows) return;                                                                      \
+    softmax_forward_row<kind>(input, output, row, cols, Rows::lanes(),                            \
+                              [&](RowLogSumExp p) { return Rows::merge(p, parts); });             \
+  }                                                                                               \
+  template <typename scalar_t, typename Rows>                                                     \
+  __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)                                    \
+      name##_backward_kernel(const float* __restrict__ grad, const float* __restrict__ output,    \
+                             scalar_t* __restrict__ grad_input, int64_t rows, int64_t cols) {     \
+    __shared__ float parts[kMaxThreads / kWarp];                                                  \
+    const int64_t row = Rows::row();                                                              \
+    if (row >= rows) return;                                                                      \
+    softmax_backward_row<kind>(grad, output, grad_input, row, cols, Rows::lanes(),                \
+                               [&](float p) { return Rows::merge(p, parts); });                   \
   }
 OPTAMP_SOFTMAX_KERNELS(widened_log_softmax, SoftmaxKind::kLogSoftmax)
 OPTAMP_SOFTMAX_KERNELS(widened_softmax, SoftmaxKind::kSoftmax)
 #undef OPTAMP_SOFTMAX_KERNELS
 
-template <SoftmaxKind Kind, typename scalar_t>
+template <SoftmaxKind Kind, typename scalar_t, typename Rows>
 auto forward_kernel() {
   if constexpr (Kind == kLog) {
-    return &widened_log_softmax_kernel<scalar_t>;
+    return &widened_log_softmax_kernel<scalar_t, Rows>;
   } else {
-    return &widened_softmax_kernel<scalar_t>;
+    return &widened_softmax_kernel<scalar_t, Rows>;
   }
 }
 
-template <SoftmaxKind Kind, typename scalar_t>
+template <SoftmaxKind Kind, typename scalar_t, typename Rows>
 auto backward_kernel() {
   if constexpr (Kind == kLog) {
-    return &widened_log_softmax_backward_kernel<scalar_t>;
+    return &widened_log_softmax_backward_kernel<scalar_t, Rows>;
   } else {
-    return &widened_softmax_backward_kernel<scalar_t>;
+    return &widened_softmax_backward_kernel<scalar_t, Rows>;
   }
 }
 
-// A block per row of `rows`: a multiple of the warp size threads, as many as the row has 16-byte
-// packs of the reduced dtype (at most kMaxThreads): a thread with nothing to load in the
-// reduction would only wait at its barriers (a row of 1024 keys takes 128 threads, GPT-2's 50257
-// classes kMaxThreads).
+// The grid and block of a launch: warps per row (kWarpRowsPerBlock rows to a block) for rows of
+// at most kMaxWarpRowCols, else a block per row with a thread per 16-byte pack of the reduced row
+// (a multiple of the warp size, at most kMaxThreads): a thread with nothing to load in the
+// reduction would only wait at its barriers.
 struct RowLaunch {
   int64_t rows, cols;
-  int threads;
+  bool warp_per_row;
+  int blocks, threads;
 };
 
 RowLaunch row_launch(amp::detail::SoftmaxRows rows, const char* op) {
-  TORCH_CHECK_VALUE(rows.rows <= std::numeric_limits<int>::max(), op, ": at most ",
-                    std::numeric_limits<int>::max(), " rows, got ", rows.rows);
-  const int64_t packs = (rows.cols + 7) / 8;
-  const int64_t threads = std::min<int64_t>(kMaxThreads, (packs + kWarp - 1) / kWarp * kWarp);
-  return {rows.rows, rows.cols, static_cast<int>(std::max<int64_t>(threads, kWarp))};
+  const bool warp_per_row = rows.cols <= kMaxWarpRowCols;
+  const int64_t blocks =
+      warp_per_row ? (rows.rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock : rows.rows;
+  TORCH_CHECK_VALUE(blocks <= std::numeric_limits<int>::max(), op, ": at most ",
+                    std::numeric_limits<int>::max(), " blocks of rows, got ", blocks, " for ",
+                    rows.rows, " rows");
+  int64_t threads = kWarpRowsPerBlock * kWarp;
+  if (!warp_per_row) {
+    const int64_t packs = (rows.cols + 7) / 8;
+    threads = std::min<int64_t>(kMaxThreads, (packs + kWarp - 1) / kWarp * kWarp);
+  }
+  return {rows.rows, rows.cols, warp_per_row, static_cast<int>(blocks), static_cast<int>(threads)};
+}
+
+// Launches `kernel<Rows>` (a callable taking the Rows type's tag) with the launch's shape.
+template <typename Launch>
+void launch_rows(const RowLaunch& launch, Launch&& launch_with) {
+  if (launch.warp_per_row) {
+    launch_with(WarpPerRow{});
+  } else {
+    launch_with(BlockPerRow{});
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <SoftmaxKind Kind>
@@ -360,9 +431,12 @@ at::Tensor widened_softmax_cuda(const at::Tensor& self, int64_t dim) {
   if (launch.rows == 0) return output;
   const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_REDUCED_FLOATING_TYPES(input.scalar_type(), "widened_softmax", [&] {
-    forward_kernel<Kind, scalar_t>()<<<launch.rows, launch.threads, 0, stream>>>(
-        input.const_data_ptr<scalar_t>(), output.mutable_data_ptr<float>(), launch.cols);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_rows(launch, [&](auto rows) {
+      forward_kernel<Kind, scalar_t,
+                     decltype(rows)>()<<<launch.blocks, launch.threads, 0, stream>>>(
+          input.const_data_ptr<scalar_t>(), output.mutable_data_ptr<float>(), launch.rows,
+          launch.cols);
+    });
   });
   return output;
 }
@@ -380,10 +454,12 @@ at::Tensor widened_softmax_backward_cuda(const at::Tensor& grad, const at::Tenso
   if (launch.rows == 0) return grad_input;
   const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_REDUCED_FLOATING_TYPES(input_dtype, "widened_softmax_backward", [&] {
-    backward_kernel<Kind, scalar_t>()<<<launch.rows, launch.threads, 0, stream>>>(
-        g.const_data_ptr<float>(), out.const_data_ptr<float>(),
-        grad_input.mutable_data_ptr<scalar_t>(), launch.cols);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_rows(launch, [&](auto rows) {
+      backward_kernel<Kind, scalar_t,
+                      decltype(rows)>()<<<launch.blocks, launch.threads, 0, stream>>>(
+          g.const_data_ptr<float>(), out.const_data_ptr<float>(),
+          grad_input.mutable_data_ptr<scalar_t>(), launch.rows, launch.cols);
+    });
   });
   return grad_input;
 }
