@@ -32,6 +32,10 @@
 //               modes: autocast around forward + loss only, then torch.amp.GradScaler's work for
 //               a fused optimizer (scale, fused check/unscale, found_inf handed to the
 //               optimizer, _amp_update_scale_), with the same optimizer.
+//   gpt_step_adamw  the same step with LibTorch's own torch::optim::AdamW, which cannot skip on
+//               the device: both sides read the overflow flag back once per step (native:
+//               GradScaler's found_inf.item(); optamp: the scale_loss guard), as the GPU
+//               benchmarks' C++ "AdamW as it comes" runs do.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/nn.h>
@@ -76,7 +80,7 @@ struct Models : torch::nn::Module {
 std::string g_case, g_mode;
 at::Tensor g_a, g_a_bf16, g_b, g_b_bf16, g_images, g_labels, g_tokens;
 Models* g_models = nullptr;
-amp::FusedAdamW* g_optimizer = nullptr;  // gpt_step
+torch::optim::Optimizer* g_optimizer = nullptr;  // gpt_step, gpt_step_adamw
 
 bench::HandScaler* g_native_scaler = nullptr;  // gpt_step, native modes
 
@@ -109,6 +113,7 @@ void call_op() {
 }
 
 bool native_mode() { return g_mode.rfind("native", 0) == 0; }
+bool step_case() { return g_case == "gpt_step" || g_case == "gpt_step_adamw"; }
 
 void optamp_step() {
   g_optimizer->zero_grad();
@@ -146,7 +151,7 @@ __attribute__((noipa)) void train_step() {
 
 template <int Tag>
 __attribute__((noipa)) void run(int count) {
-  if (g_case == "gpt_step") {
+  if (step_case()) {
     for (int i = 0; i < count; ++i) train_step<Tag>();
     return;
   }
@@ -168,9 +173,13 @@ __attribute__((noipa)) void run(int count) {
 }
 
 void initialize(const std::string& mode) {
-  if (g_case == "gpt_step") {
-    g_optimizer =
-        new amp::FusedAdamW(g_models->gpt->parameters(), torch::optim::AdamWOptions(1e-4));
+  if (step_case()) {
+    const torch::optim::AdamWOptions options(1e-4);
+    if (g_case == "gpt_step") {
+      g_optimizer = new amp::FusedAdamW(g_models->gpt->parameters(), options);
+    } else {
+      g_optimizer = new torch::optim::AdamW(g_models->gpt->parameters(), options);
+    }
     if (native_mode()) {  // enabled around each forward (native_step)
       g_native_scaler = new bench::HandScaler(torch::kCPU);
       at::autocast::set_autocast_dtype(at::kCPU, mode == "native" ? at::kBFloat16 : at::kHalf);
@@ -205,7 +214,7 @@ int main(int argc, char** argv) {
         << "usage: dispatch_icount <noamp|native|native_fp16|optamp_o1|optamp_o2|optamp_o4|"
            "optamp_o5|optamp_o4_torch|optamp_o1_torch> "
            "<relu|mm|mm_param|add_param|add_param_bf16|add_mixed|linear|cnn_backward|gpt_backward|"
-           "cnn_backward_accum|gpt_backward_accum|gpt_step> <n>\n";
+           "cnn_backward_accum|gpt_backward_accum|gpt_step|gpt_step_adamw> <n>\n";
     return 2;
   }
   at::manual_seed(0);
@@ -213,8 +222,7 @@ int main(int argc, char** argv) {
   g_mode = argv[1];
   g_case = argv[2];
   const int n = std::atoi(argv[3]);
-  const bool step_case = g_case == "gpt_step";
-  const bench::GPTOptions gpt = step_case ? step_gpt() : kBackwardGpt;
+  const bench::GPTOptions gpt = step_case() ? step_gpt() : kBackwardGpt;
   g_models = new Models(gpt);
   g_a = at::randn({8, 8});
   g_a_bf16 = g_a.to(at::kBFloat16);
@@ -222,7 +230,7 @@ int main(int argc, char** argv) {
   g_b_bf16 = g_b.to(at::kBFloat16).requires_grad_();  // as a working copy: autograd records
   g_images = at::randn({8, 1, 28, 28});
   g_labels = at::randint(10, {8});
-  g_tokens = at::randint(gpt.vocab, {step_case ? kStepBatch : kBackwardBatch, gpt.seq});
+  g_tokens = at::randint(gpt.vocab, {step_case() ? kStepBatch : kBackwardBatch, gpt.seq});
   initialize(argv[1]);
   for (int i = 0; i < 5; ++i) run<0>(1);  // warm caches and lazy initialization
   run<1>(n);

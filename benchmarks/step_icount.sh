@@ -5,6 +5,8 @@
 # C++ modes: noamp native_fp16 optamp_o1 optamp_o2 native optamp_o4 optamp_o5 (native = bf16);
 # Python modes: fp32 native_fp16 native_bf16 O1 O2 O4 O5. About a minute per mode on 2 cores.
 # STEP_ICOUNT_LAYERS=12: the model at GPT-2 small's depth (default 2 layers; about 5x the time).
+# STEP_ICOUNT_CPP_CASE=gpt_step_adamw: the C++ step with LibTorch's own AdamW (one host read of
+# the overflow flag per step on both sides) instead of a fused AdamW that skips on the device.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/common.sh"
 BUILD="$(optamp_build_dir)"
@@ -29,7 +31,7 @@ for cfg in "${configs[@]}"; do
   f="$(mktemp)"
   if [[ "$side" == cpp ]]; then
     valgrind --tool=callgrind --callgrind-out-file="$f" "$BUILD/benchmarks/dispatch_icount" \
-      "$mode" gpt_step "$n" >/dev/null 2>&1
+      "$mode" "${STEP_ICOUNT_CPP_CASE:-gpt_step}" "$n" >/dev/null 2>&1
 
   else
     PYTHONHASHSEED=0 PYTHONPATH="$ROOT/python" valgrind --tool=callgrind --collect-atstart=no \
