@@ -339,9 +339,12 @@ struct WarpPerRow {
   }
 };
 
-// Each kind's kernels under their own names, so that a profile tells them apart. A warp whose row
-// is past the last returns at once (warps per row only: a block per row has no such thread).
-// __launch_bounds__: kBlocksPerSm blocks of kMaxThreads must fit an SM's registers (64 a thread).
+// The kernels of a kind (KernelsOf<Kind>::forward<scalar_t, Rows>() and ::backward), each kind's
+// under their own names, so that a profile tells them apart. A warp whose row is past the last
+// returns at once (warps per row only: a block per row has no such thread). __launch_bounds__:
+// kBlocksPerSm blocks of kMaxThreads must fit an SM's registers (64 a thread).
+template <SoftmaxKind Kind>
+struct KernelsOf;
 #define OPTAMP_SOFTMAX_KERNELS(name, kind)                                                        \
   template <typename scalar_t, typename Rows>                                                     \
   __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)                                    \
@@ -362,28 +365,21 @@ struct WarpPerRow {
     if (row >= rows) return;                                                                      \
     softmax_backward_row<kind>(grad, output, grad_input, row, cols, Rows::lanes(),                \
                                [&](float p) { return Rows::merge(p, parts); });                   \
-  }
+  }                                                                                               \
+  template <>                                                                                     \
+  struct KernelsOf<kind> {                                                                        \
+    template <typename scalar_t, typename Rows>                                                   \
+    static auto forward() {                                                                       \
+      return &name##_kernel<scalar_t, Rows>;                                                      \
+    }                                                                                             \
+    template <typename scalar_t, typename Rows>                                                   \
+    static auto backward() {                                                                      \
+      return &name##_backward_kernel<scalar_t, Rows>;                                             \
+    }                                                                                             \
+  };
 OPTAMP_SOFTMAX_KERNELS(widened_log_softmax, SoftmaxKind::kLogSoftmax)
 OPTAMP_SOFTMAX_KERNELS(widened_softmax, SoftmaxKind::kSoftmax)
 #undef OPTAMP_SOFTMAX_KERNELS
-
-template <SoftmaxKind Kind, typename scalar_t, typename Rows>
-auto forward_kernel() {
-  if constexpr (Kind == kLog) {
-    return &widened_log_softmax_kernel<scalar_t, Rows>;
-  } else {
-    return &widened_softmax_kernel<scalar_t, Rows>;
-  }
-}
-
-template <SoftmaxKind Kind, typename scalar_t, typename Rows>
-auto backward_kernel() {
-  if constexpr (Kind == kLog) {
-    return &widened_log_softmax_backward_kernel<scalar_t, Rows>;
-  } else {
-    return &widened_softmax_backward_kernel<scalar_t, Rows>;
-  }
-}
 
 // The grid and block of a launch: warps per row (kWarpRowsPerBlock rows to a block) for rows of
 // at most kMaxWarpRowCols, else a block per row with a thread per 16-byte pack of the reduced row
@@ -432,10 +428,10 @@ at::Tensor widened_softmax_cuda(const at::Tensor& self, int64_t dim) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_REDUCED_FLOATING_TYPES(input.scalar_type(), "widened_softmax", [&] {
     launch_rows(launch, [&](auto rows) {
-      forward_kernel<Kind, scalar_t,
-                     decltype(rows)>()<<<launch.blocks, launch.threads, 0, stream>>>(
-          input.const_data_ptr<scalar_t>(), output.mutable_data_ptr<float>(), launch.rows,
-          launch.cols);
+      const auto kernel = KernelsOf<Kind>::template forward<scalar_t, decltype(rows)>();
+      kernel<<<launch.blocks, launch.threads, 0, stream>>>(input.const_data_ptr<scalar_t>(),
+                                                           output.mutable_data_ptr<float>(),
+                                                           launch.rows, launch.cols);
     });
   });
   return output;
@@ -455,8 +451,8 @@ at::Tensor widened_softmax_backward_cuda(const at::Tensor& grad, const at::Tenso
   const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_REDUCED_FLOATING_TYPES(input_dtype, "widened_softmax_backward", [&] {
     launch_rows(launch, [&](auto rows) {
-      backward_kernel<Kind, scalar_t,
-                      decltype(rows)>()<<<launch.blocks, launch.threads, 0, stream>>>(
+      const auto kernel = KernelsOf<Kind>::template backward<scalar_t, decltype(rows)>();
+      kernel<<<launch.blocks, launch.threads, 0, stream>>>(
           g.const_data_ptr<float>(), out.const_data_ptr<float>(),
           grad_input.mutable_data_ptr<scalar_t>(), launch.rows, launch.cols);
     });
