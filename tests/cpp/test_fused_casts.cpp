@@ -90,6 +90,53 @@ TEST(SoftmaxMath, RowPacksCoverARowOnceFromA16ByteBoundary) {
   }
 }
 
+// The walk every pass of the CUDA kernels makes over a row (ops::detail::for_each_pack), run on
+// the CPU for every lane: each element is visited once, by the lane RowPacks::lane_of names, in
+// ascending order within a lane, and each pack is used with what was loaded for it.
+template <int kVec, int kInFlight>
+void expect_the_walk_covers_rows() {
+  for (int64_t shift = 0; shift < kVec; ++shift) {
+    for (const int64_t cols : {1, 3, 7, 9, 37, 300, 1024, 1025, 50257}) {
+      for (const int64_t lanes : {32, 160, 512}) {
+        const ops::detail::RowPacks split(cols, shift, kVec);
+        const std::string at = "vec " + std::to_string(kVec) + ", in flight " +
+                               std::to_string(kInFlight) + ", shift " + std::to_string(shift) +
+                               ", cols " + std::to_string(cols) + ", lanes " +
+                               std::to_string(lanes);
+        std::vector<int> visits(cols, 0);
+        std::vector<int64_t> owner(cols, -1);
+        bool in_order = true;
+        for (int64_t lane = 0; lane < lanes; ++lane) {
+          int64_t last = -1;
+          const auto visit = [&](int64_t i) {
+            in_order = in_order && i > last;
+            last = i;
+            ++visits[i];
+            owner[i] = lane;
+          };
+          ops::detail::for_each_pack<kVec, kInFlight>(
+              split, cols, ops::detail::Lanes{lane, lanes}, visit, [](int64_t i) { return i; },
+              [&](int64_t i, int64_t loaded) {
+                EXPECT_EQ(loaded, i) << at;
+                for (int64_t j = 0; j < kVec; ++j) visit(i + j);
+              });
+        }
+        EXPECT_TRUE(in_order) << at;
+        for (int64_t i = 0; i < cols; ++i) {
+          ASSERT_EQ(visits[i], 1) << at << ", element " << i;
+          ASSERT_EQ(owner[i], split.lane_of(i, lanes, kVec)) << at << ", element " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(SoftmaxMath, ThePackWalkVisitsEveryElementOnceByItsLane) {
+  expect_the_walk_covers_rows<4, 2>();  // fp32 rows, two packs in flight (the backward)
+  expect_the_walk_covers_rows<4, 4>();  // fp32 rows, four (the forward's elementwise pass)
+  expect_the_walk_covers_rows<8, 4>();  // 16-byte packs of bf16 (the reductions)
+}
+
 // The CUDA kernels' row math, log_softmax's and softmax's: each of `threads` lanes gathers its part
 // of the row as the kernels' 16-byte loads split it, the parts merge pairwise as the warp shuffles
 // and the block's second round merge them. Rows with the values torch treats specially are among

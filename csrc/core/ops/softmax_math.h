@@ -71,6 +71,49 @@ struct RowPacks {
   }
 };
 
+// The threads that share a row, and this thread's place among them: on CUDA a block's (long rows)
+// or a warp's (rows of at most 1024, several to a block).
+struct Lanes {
+  int64_t lane, count;
+};
+
+#if defined(__CUDACC__)
+#define OPTAMP_UNROLL _Pragma("unroll")
+#else
+#define OPTAMP_UNROLL
+#endif
+
+// Walks lane `lanes.lane`'s share of a row split by `split` (packs of kVec, among `lanes.count`
+// lanes, as RowPacks::lane_of assigns them): one(i) for each of its head and tail elements, and
+// for its packs, starting at element i, load(i) for kInFlight packs before use(i, loaded) for any
+// of them (on a GPU one load at a time per thread would leave too few bytes in flight to keep the
+// memory busy). Ascending order within a lane. Every pass of the CUDA kernels walks its rows so;
+// tests/cpp/test_fused_casts.cpp runs it on the CPU for every lane.
+template <int kVec, int kInFlight, typename One, typename Load, typename Use>
+C10_HOST_DEVICE void for_each_pack(const RowPacks& split, int64_t cols, Lanes lanes, One one,
+                                   Load load, Use use) {
+  using Loaded = decltype(load(int64_t{0}));
+  const int64_t threads = lanes.count;
+  if (lanes.lane < split.head) one(lanes.lane);
+  for (int64_t base = lanes.lane; base < split.packs; base += threads * kInFlight) {
+    Loaded loaded[kInFlight];
+    OPTAMP_UNROLL
+    for (int k = 0; k < kInFlight; ++k) {
+      if (base + k * threads < split.packs) {
+        loaded[k] = load(split.head + (base + k * threads) * kVec);
+      }
+    }
+    OPTAMP_UNROLL
+    for (int k = 0; k < kInFlight; ++k) {
+      if (base + k * threads < split.packs)
+        use(split.head + (base + k * threads) * kVec, loaded[k]);
+    }
+  }
+  if (split.tail_start + lanes.lane < cols) one(split.tail_start + lanes.lane);
+}
+
+#undef OPTAMP_UNROLL
+
 // log_softmax of an element `x` of a row whose parts merged into `row`, given log(row.sum) (one
 // logarithm per row, as torch's kernels take it).
 C10_HOST_DEVICE inline float log_softmax_math(float x, float row_max, float log_sum) {

@@ -73,12 +73,6 @@ __device__ Part warp_merge(Part part) {
   return part;
 }
 
-// The threads that share a row, and this thread's place among them: a block's (rows of more than
-// kMaxWarpRowCols) or a warp's (shorter rows, several to a block).
-struct Lanes {
-  int64_t lane, count;
-};
-
 // A pack of N elements of T, loaded or stored with one instruction where its address allows.
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
@@ -147,32 +141,6 @@ __device__ void store_quad(T* p, const Pack<T, 4>& q, bool aligned) {
 template <typename T>
 __device__ int64_t shift_of(const T* p, size_t bytes) {
   return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p) % bytes / sizeof(T));
-}
-
-// Walks this lane's share of a row split by `split` (RowPacks, packs of kVec, among `lanes.count`
-// lanes): one(i) for each of its head and tail elements, and for its packs, starting at element i,
-// load(i) for kInFlight packs before use(i, loaded) for any of them: one load at a time per thread
-// would leave too few bytes in flight to keep the memory busy. Ascending order within a lane.
-template <int kVec, int kInFlight, typename One, typename Load, typename Use>
-__device__ void for_each_pack(const RowPacks& split, int64_t cols, Lanes lanes, One one, Load load,
-                              Use use) {
-  using Loaded = decltype(load(int64_t{0}));
-  const int64_t threads = lanes.count;
-  if (lanes.lane < split.head) one(lanes.lane);
-  for (int64_t base = lanes.lane; base < split.packs; base += threads * kInFlight) {
-    Loaded loaded[kInFlight];
-#pragma unroll
-    for (int k = 0; k < kInFlight; ++k) {
-      if (base + k * threads < split.packs)
-        loaded[k] = load(split.head + (base + k * threads) * kVec);
-    }
-#pragma unroll
-    for (int k = 0; k < kInFlight; ++k) {
-      if (base + k * threads < split.packs)
-        use(split.head + (base + k * threads) * kVec, loaded[k]);
-    }
-  }
-  if (split.tail_start + lanes.lane < cols) one(split.tail_start + lanes.lane);
 }
 
 // The reductions: calls use(value) for the elements of `row` that RowPacks gives this lane when
