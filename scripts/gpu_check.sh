@@ -23,10 +23,11 @@
 # and GPU_CHECK_CHAR_GPT_ARGS (the trainer's, default "--steps 200") for the char-GPT A/B,
 # GPU_CHECK_MINUTES (default 9), GPU_CHECK_PHASES (which phases, in order, comma-separated;
 # default all: bootstrap,build,ctest,cmake_compat,pytest_cuda,softmax_kernels,benchmarks,ab,
-# ab_char_gpt,pytest_cpu; the pytest phases run in what is left of the budget), GPU_CHECK_CMAKE_ARGS (added to the
-# configure's arguments, e.g. -DOPTAMP_BUILD_TESTS=OFF for a run without ctest),
-# GPU_CHECK_PYTEST_CUDA_SECONDS (the most the needs_cuda pytests may take; default: the budget),
-# GPU_CHECK_LOSS_KERNELS_ARGS (benchmarks/bench_softmax_kernels.py's, e.g. --rows 512 for a dry run),
+# ab_char_gpt,pytest_cpu; the pytest phases run in what is left of the budget),
+# GPU_CHECK_CMAKE_ARGS (added to the configure's arguments, e.g. -DOPTAMP_BUILD_TESTS=OFF for a
+# run without ctest), GPU_CHECK_PYTEST_CUDA_SECONDS (the most the needs_cuda pytests may take;
+# default: the budget), GPU_CHECK_SOFTMAX_KERNELS_ARGS (benchmarks/bench_softmax_kernels.py's,
+# e.g. "--rows 8 --attention-rows 8" for a dry run),
 # GPU_CHECK_CTEST_ARGS (added to ctest's, e.g. -R "CUDA|packaging" for the GPU tests alone).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
