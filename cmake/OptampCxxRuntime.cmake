@@ -11,6 +11,10 @@
 # entries. When the runtime is not among them, configure stops with an error that names a
 # compiler on this machine that links it shared (scripts/common.sh picks that one by itself).
 
+# Where a refusal names the compiler that fixes it, for scripts/common.sh to configure again with
+# (the C++ check removes it first; either check writes it).
+set(OPTAMP_CXX_RUNTIME_FIX_FILE "${CMAKE_BINARY_DIR}/optamp_cxx_runtime_fix.txt")
+
 # The C++ runtimes (libstdc++.so.*, libc++.so.*) among `library`'s NEEDED entries, read with
 # `readelf` (also used by the ctest script cmake/OptampRuntimeTest.cmake).
 function(optamp_needed_cxx_runtimes readelf library out_var)
@@ -89,8 +93,7 @@ function(optamp_check_cxx_runtime)
     message(WARNING "optamp: no readelf here, so the C++ runtime link was not checked")
     return()
   endif()
-  set(fix_file "${CMAKE_BINARY_DIR}/optamp_cxx_runtime_fix.txt")
-  file(REMOVE "${fix_file}")
+  file(REMOVE "${OPTAMP_CXX_RUNTIME_FIX_FILE}")
   string(TOUPPER "${CMAKE_BUILD_TYPE}" config)
   set(static_kinds "")
   foreach(kind SHARED MODULE)
@@ -120,7 +123,7 @@ function(optamp_check_cxx_runtime)
     optamp_find_shared_runtime_compiler("${CMAKE_CXX_COMPILER}" other)
     if(other)
       # scripts/common.sh reconfigures with the compiler named in this file.
-      file(WRITE "${fix_file}" "${other}\n")
+      file(WRITE "${OPTAMP_CXX_RUNTIME_FIX_FILE}" "${other}\n")
       set(fix "configure with a compiler that links it shared, found on this machine: "
               "-DCMAKE_CXX_COMPILER=${other} -DCMAKE_CUDA_HOST_COMPILER=${other} "
               "(scripts/common.sh switches to it by itself)")
@@ -189,7 +192,7 @@ function(optamp_check_cuda_host_cxx_runtime)
   endif()
   if(other STREQUAL CMAKE_CXX_COMPILER)
     # scripts/common.sh configures again with it (as C++ compiler too: the same one).
-    file(WRITE "${CMAKE_BINARY_DIR}/optamp_cxx_runtime_fix.txt" "${other}\n")
+    file(WRITE "${OPTAMP_CXX_RUNTIME_FIX_FILE}" "${other}\n")
   endif()
   message(FATAL_ERROR
     "optamp: the CUDA host compiler ${host} (-DCMAKE_CUDA_HOST_COMPILER, else CUDAHOSTCXX, else "
