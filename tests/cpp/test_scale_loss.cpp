@@ -573,6 +573,10 @@ TEST_F(ScaleLossTest, ErrorsAreClearAndLeaveStateUnchanged) {
     OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, opt), c10::Error, "must not be nested",
                              "optimizer 0 param_groups[0].params[0]");
     outer.backward(std::nullopt, /*retain_graph=*/true);
+    const auto scaled = grads(m.params());
+    OPTAMP_EXPECT_THROW_WITH(step(opt), c10::Error, "amp::step: optimizer 0 param_groups[0]",
+                             "is inside an active scale_loss guard");
+    EXPECT_TRUE(all_equal(grads(m.params()), scaled)) << "a refused step changed grads";
   }
   // The failed calls changed nothing; only the outer guard's step counted.
   EXPECT_EQ(loss_scaler().growth_tracker().item<int>(), 1);

@@ -8,11 +8,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
-#include <unordered_set>
+#include <utility>
 
 #include "common/step_events.h"
 #include "dispatch/cast_decision.h"
@@ -25,10 +27,33 @@ namespace amp {
 namespace detail {
 namespace {
 
-// Per-parameter bookkeeping shared by all guards.
-//  - active: parameters inside a live guard (nesting on the same optimizer is an error).
-//  - pending: parameters whose .grad currently holds *scaled* gradients (between a guard's entry
-//    and the non-delayed unscale), with the already-unscaled gradient stashed at entry.
+// A guard's parameters by address (sorted), each with its index in the guard's parameter list.
+using ParamsByAddress = std::vector<std::pair<c10::TensorImpl*, size_t>>;
+
+// The first parameter (lowest index) of `mine` that `other` holds too, if any: a merge of the two
+// sorted lists.
+std::optional<size_t> first_shared(const ParamsByAddress& mine, const ParamsByAddress& other) {
+  std::optional<size_t> first;
+  auto a = mine.begin();
+  auto b = other.begin();
+  while (a != mine.end() && b != other.end()) {
+    if (a->first == b->first) {
+      first = std::min(first.value_or(a->second), a->second);
+      ++a;
+    } else {
+      a->first < b->first ? ++a : ++b;
+    }
+  }
+  return first;
+}
+
+// The bookkeeping shared by all guards.
+//  - live: the parameters of each live guard (nesting on the same optimizer is an error). One
+//    entry per guard, not per parameter: there is rarely more than one live guard (usually none),
+//    so a step's guard costs no per-parameter hashing here.
+//  - pending: parameters whose .grad holds *scaled* gradients after a guard with delay_unscale,
+//    with the already-unscaled gradient that guard stashed at its entry. (A live guard keeps its
+//    own stashes; only delay_unscale hands them on to a later guard.)
 //  - overflowed: parameters a guard reset after an overflow since their last amp::step. A later
 //    guard's backward refills those grads, so only this record lets amp::step skip the step.
 struct Pending {
@@ -38,7 +63,7 @@ struct Pending {
 
 struct Book {
   std::mutex mutex;
-  std::unordered_set<c10::TensorImpl*> active;
+  std::vector<const ParamsByAddress*> live;
   std::unordered_map<c10::TensorImpl*, Pending> pending;
   std::unordered_map<c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>> overflowed;
 
@@ -65,6 +90,7 @@ struct Book {
 
   // The live record for `p` (drops a record whose parameter died and whose address was reused).
   Pending* find(const at::Tensor& p) {
+    if (pending.empty()) return nullptr;  // the common case: no delayed guard came before
     auto it = pending.find(p.unsafeGetTensorImpl());
     if (it == pending.end()) return nullptr;
     if (it->second.param.lock().get() != p.unsafeGetTensorImpl()) {
@@ -102,7 +128,12 @@ struct ScaleLossState {
   core::ParamLabeler labeler;        // names the caller's i-th parameter
   std::vector<size_t> caller_index;  // params[j] is the caller's caller_index[j]-th parameter
   std::string label(size_t j) const { return labeler(caller_index[j]); }
-  std::vector<bool> created_record;  // this guard stashed params[i] (and may restore it)
+  ParamsByAddress by_address;  // params, sorted by address (Book::live)
+  // stashed_here[i]: this guard took params[i]'s gradient at entry into stashes[i] (undefined if
+  // it had none) and restores it when unwinding. Otherwise an earlier delay_unscale guard's
+  // record (Book::pending) holds the stash, and the grads accumulate on.
+  std::vector<bool> stashed_here;
+  std::vector<at::Tensor> stashes;
   int uncaught_at_entry = 0;
   bool finished = false;
   bool skipped = false;  // this guard's own step overflowed (not another thread's)
@@ -128,24 +159,53 @@ std::string describe_param(const ScaleLossState& s, size_t i) {
   return out.str();
 }
 
+bool in_live_guard(const Book& b, const at::Tensor& p) {
+  const std::pair<c10::TensorImpl*, size_t> key{p.unsafeGetTensorImpl(), 0};
+  for (const ParamsByAddress* guard : b.live) {
+    auto it = std::lower_bound(guard->begin(), guard->end(), key,
+                               [](const auto& x, const auto& y) { return x.first < y.first; });
+    if (it != guard->end() && it->first == key.first) return true;
+  }
+  return false;
+}
+
+// Nesting: a parameter of `s` inside another live guard is an error. Callers hold the book's lock.
+void refuse_live_params(const Book& b, const ScaleLossState& s, const char* owner_kind) {
+  for (const ParamsByAddress* other : b.live) {
+    const std::optional<size_t> j = first_shared(s.by_address, *other);
+    TORCH_CHECK(!j, "scale_loss guards must not be nested on the same ", owner_kind, ": ",
+                j ? param_label(s.params[*j], s.label(*j)) : std::string(),
+                " is already inside an active scale_loss guard; let the outer guard finish "
+                "(leave its scope) first");
+  }
+}
+
 // Unwinding (or an explicit abort): grads stay as they are, except that parameters this guard
 // stashed get their stashed (already unscaled) gradient back; no unscale, no throw.
 void restore(ScaleLossState& s) {
-  auto& b = book();
-  std::lock_guard<std::mutex> lock(b.mutex);
   for (size_t i = 0; i < s.params.size(); ++i) {
-    if (!s.created_record[i]) continue;
-    if (Pending* rec = b.find(s.params[i])) {
-      s.params[i].mutable_grad() = rec->stash;
-      b.pending.erase(s.params[i].unsafeGetTensorImpl());
-    }
+    if (s.stashed_here[i]) s.params[i].mutable_grad() = std::move(s.stashes[i]);
   }
 }
 
 void release_active(ScaleLossState& s) {
   auto& b = book();
   std::lock_guard<std::mutex> lock(b.mutex);
-  for (const auto& p : s.params) b.active.erase(p.unsafeGetTensorImpl());
+  b.live.erase(std::find(b.live.begin(), b.live.end(), &s.by_address));
+}
+
+// delay_unscale: the grads stay scaled, so the stashes this guard took go to records that the
+// next guard (and amp::step's check) finds.
+void hand_on_stashes(ScaleLossState& s) {
+  auto& b = book();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (!s.stashed_here[i]) continue;
+    const at::Tensor& p = s.params[i];
+    b.pending.insert_or_assign(
+        p.unsafeGetTensorImpl(),
+        Pending{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()), s.stashes[i]});
+  }
 }
 
 // The error after kFloorSkipLimit consecutive skips at the minimum scale. Only now: a
@@ -175,7 +235,7 @@ std::string floor_message(const ScaleLossState& s, const LossScaler& scaler,
 }
 
 void finish_normally(ScaleLossState& s) {
-  if (s.options.delay_unscale) return;  // grads stay scaled; the records carry the stashes
+  if (s.options.delay_unscale) return hand_on_stashes(s);  // grads stay scaled
   LossScaler& scaler = *s.scaler;
 
   // Gather grads and stashes (records stay until the unscale succeeded).
@@ -183,12 +243,15 @@ void finish_normally(ScaleLossState& s) {
   std::vector<size_t> grad_param;
   std::vector<std::pair<size_t, at::Tensor>> stash_only;
   bool any_stash = false;
+  grads.reserve(s.params.size());  // growing them copied every tensor again (refcounts)
+  stashes.reserve(s.params.size());
+  grad_param.reserve(s.params.size());
   {
     auto& b = book();
     std::lock_guard<std::mutex> lock(b.mutex);
     for (size_t i = 0; i < s.params.size(); ++i) {
-      const Pending* rec = b.find(s.params[i]);
-      at::Tensor stash = rec ? rec->stash : at::Tensor();
+      const Pending* rec = s.stashed_here[i] ? nullptr : b.find(s.params[i]);
+      at::Tensor stash = s.stashed_here[i] ? s.stashes[i] : rec ? rec->stash : at::Tensor();
       const at::Tensor& g = s.params[i].grad();
       if (g.defined()) {
         grads.push_back(g);
@@ -204,9 +267,9 @@ void finish_normally(ScaleLossState& s) {
   auto settle_book = [&s](bool overflowed) {
     auto& b = book();
     std::lock_guard<std::mutex> lock(b.mutex);
-    for (const auto& p : s.params) {
-      b.pending.erase(p.unsafeGetTensorImpl());
-      if (overflowed) b.mark_overflowed(p);
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      if (!s.stashed_here[i]) b.pending.erase(s.params[i].unsafeGetTensorImpl());
+      if (overflowed) b.mark_overflowed(s.params[i]);
     }
   };
   if (!any_stash) stashes.clear();
@@ -361,16 +424,25 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
   order.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) order.emplace_back(params[i].unsafeGetTensorImpl(), i);
   std::sort(order.begin(), order.end());
-  std::vector<bool> keep(params.size(), false);
+  // position[i]: params[i]'s index among the kept ones (-1: a repeat, dropped).
+  std::vector<std::ptrdiff_t> position(params.size(), -1);
   for (size_t j = 0; j < order.size(); ++j) {
-    keep[order[j].second] = j == 0 || order[j].first != order[j - 1].first;
+    if (j == 0 || order[j].first != order[j - 1].first) position[order[j].second] = 0;
   }
   s->params.reserve(params.size());
   s->caller_index.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
-    if (!keep[i]) continue;
+    if (position[i] < 0) continue;
+    position[i] = static_cast<std::ptrdiff_t>(s->params.size());
     s->params.push_back(std::move(params[i]));
     s->caller_index.push_back(i);
+  }
+  // The kept ones by address, for Book::live (order is sorted by address already).
+  s->by_address.reserve(s->params.size());
+  for (const auto& [impl, i] : order) {
+    if (position[i] >= 0 && (s->by_address.empty() || s->by_address.back().first != impl)) {
+      s->by_address.emplace_back(impl, static_cast<size_t>(position[i]));
+    }
   }
   const ScaleLossState& state = *s;
   check_parameter_dtypes(s->params, [&state](size_t j) { return state.label(j); });
@@ -389,13 +461,7 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
   auto& b = book();
   {
     std::lock_guard<std::mutex> lock(b.mutex);
-    for (size_t i = 0; i < s->params.size(); ++i) {
-      TORCH_CHECK(!b.active.count(s->params[i].unsafeGetTensorImpl()),
-                  "scale_loss guards must not be nested on the same ", owner_kind, ": ",
-                  param_label(s->params[i], s->label(i)),
-                  " is already inside an active scale_loss guard; let the outer guard finish "
-                  "(leave its scope) first");
-    }
+    refuse_live_params(b, *s, owner_kind);
   }
   warn_if_casting_is_off_here();
   // No sync; moves the scaler state to the loss's device.
@@ -413,15 +479,15 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
       });
 
   std::lock_guard<std::mutex> lock(b.mutex);
-  s->created_record.assign(s->params.size(), false);
+  refuse_live_params(b, *s, owner_kind);  // again: another thread's guard may have begun since
+  b.live.push_back(&s->by_address);
+  s->stashed_here.assign(s->params.size(), false);
+  s->stashes.resize(s->params.size());
   for (size_t i = 0; i < s->params.size(); ++i) {
     at::Tensor& p = s->params[i];
-    b.active.insert(p.unsafeGetTensorImpl());
     if (b.find(p)) continue;  // grads already scaled (a delayed micro-batch came before)
-    Pending rec{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()), p.grad()};
-    b.pending.insert_or_assign(p.unsafeGetTensorImpl(), std::move(rec));
-    p.mutable_grad() = at::Tensor();  // stashed: backward writes the new, scaled grad
-    s->created_record[i] = true;
+    s->stashes[i] = std::exchange(p.mutable_grad(), at::Tensor());  // backward writes a new one
+    s->stashed_here[i] = true;
   }
   return ScaledLossAccess::make(std::move(s));
 }
@@ -430,6 +496,10 @@ bool take_step_overflows(const std::vector<at::Tensor>& params, const ParamLabel
   auto& b = detail::book();
   std::lock_guard<std::mutex> lock(b.mutex);
   for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(!detail::in_live_guard(b, params[i]),
+                "amp::step: ", detail::param_label(params[i], labels(i)),
+                " is inside an active scale_loss guard (its gradients are still scaled); step "
+                "after the guard has finished (left its scope)");
     TORCH_CHECK(!b.find(params[i]), "amp::step: ", detail::param_label(params[i], labels(i)),
                 " still holds scaled gradients (the last scale_loss guard used delay_unscale); "
                 "finish with a guard without delay_unscale before stepping");
