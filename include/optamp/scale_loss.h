@@ -84,7 +84,7 @@ OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, torch::optim::Optimizer
 // Steps the optimizer(s) unless a scale_loss guard covering any of their parameters overflowed
 // since the previous amp::step of them; then every parameter's gradient is reset to undefined
 // instead and nothing else changes. Returns whether the step ran. Throws (changing nothing) while
-// gradients are still scaled, i.e. when the last guard used delay_unscale.
+// gradients are still scaled: inside a live guard, or when the last guard used delay_unscale.
 OPTAMP_API bool step(torch::optim::Optimizer& optimizer);
 OPTAMP_API bool step(const std::vector<torch::optim::Optimizer*>& optimizers);
 OPTAMP_API bool step(std::initializer_list<OptimizerRef> optimizers);
