@@ -191,7 +191,8 @@ void restore(ScaleLossState& s) {
 void release_active(ScaleLossState& s) {
   auto& b = book();
   std::lock_guard<std::mutex> lock(b.mutex);
-  b.live.erase(std::find(b.live.begin(), b.live.end(), &s.by_address));
+  const auto it = std::find(b.live.begin(), b.live.end(), &s.by_address);
+  if (it != b.live.end()) b.live.erase(it);
 }
 
 // delay_unscale: the grads stay scaled, so the stashes this guard took go to records that the
@@ -478,11 +479,12 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
                     "`with amp.scale_loss(...) as scaled_loss:` block).");
       });
 
-  std::lock_guard<std::mutex> lock(b.mutex);
-  refuse_live_params(b, *s, owner_kind);  // again: another thread's guard may have begun since
-  b.live.push_back(&s->by_address);
   s->stashed_here.assign(s->params.size(), false);
   s->stashes.resize(s->params.size());
+  std::lock_guard<std::mutex> lock(b.mutex);
+  refuse_live_params(b, *s, owner_kind);  // again: another thread's guard may have begun since
+  // From here on nothing throws: a guard registered in Book::live is always released by its end.
+  b.live.push_back(&s->by_address);
   for (size_t i = 0; i < s->params.size(); ++i) {
     at::Tensor& p = s->params[i];
     if (b.find(p)) continue;  // grads already scaled (a delayed micro-batch came before)
