@@ -16,6 +16,7 @@
 #include <limits>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "common/step_events.h"
 #include "optamp/amp.h"
@@ -585,6 +586,37 @@ TEST_F(ScaleLossTest, ErrorsAreClearAndLeaveStateUnchanged) {
     EXPECT_TRUE(
         all_close(m.params()[i].grad(), grads_before[i] * 2, testing::tolerance(at::kFloat)));
   }
+}
+
+// A guard holds its parameters against guards on other threads too (optimizers sharing a
+// parameter), until it has finished; guards over other parameters run beside it.
+TEST_F(ScaleLossTest, AGuardOnAnotherThreadHoldsItsParametersUntilItFinishes) {
+  core::configure_loss_scalers(props());
+  Model m;
+  Model other(1);
+  torch::optim::SGD first({m.w1, m.b1}, torch::optim::SGDOptions(0.1));
+  torch::optim::SGD sharing({m.b1, m.w2}, torch::optim::SGDOptions(0.1));
+  torch::optim::SGD separate(other.params(), torch::optim::SGDOptions(0.1));
+  std::atomic<int> stage{0};
+  std::thread holder([&] {
+    auto s = scale_loss(m.loss(batch(0)), first);
+    s.backward();
+    stage = 1;
+    while (stage.load() != 2) std::this_thread::yield();
+  });
+  while (stage.load() != 1) std::this_thread::yield();
+  const auto before = grads(m.params());
+  OPTAMP_EXPECT_THROW_WITH(scale_loss(m.loss(batch(1)), sharing), c10::Error, "must not be nested",
+                           "optimizer 0 param_groups[0].params[0]");
+  EXPECT_TRUE(all_equal(grads(m.params()), before)) << "the refused guard stashed nothing";
+  {
+    auto s = scale_loss(other.loss(batch(1)), separate);  // no shared parameter: runs beside it
+    s.backward();
+  }
+  stage = 2;
+  holder.join();
+  auto s = scale_loss(m.loss(batch(1)), sharing);  // the holder has finished
+  s.backward();
 }
 
 TEST_F(ScaleLossTest, ExceptionInsideTheGuardRestoresStashAndDoesNotThrowAgain) {
