@@ -188,7 +188,11 @@ void restore(ScaleLossState& s) {
   }
 }
 
-void release_active(ScaleLossState& s) {
+// The end of every guard, however it ended: its parameters are free for other guards, and its
+// stashes (the unscale has added them, unwinding has put them back, or delay_unscale's records
+// hold them) are not kept alive until the guard object itself goes.
+void release_guard(ScaleLossState& s) {
+  s.stashes.clear();
   auto& b = book();
   std::lock_guard<std::mutex> lock(b.mutex);
   const auto it = std::find(b.live.begin(), b.live.end(), &s.by_address);
@@ -309,7 +313,7 @@ void finish(ScaleLossState& s, bool unwinding) {
   s.live->store(false);
   struct Release {
     ScaleLossState& s;
-    ~Release() { release_active(s); }
+    ~Release() { release_guard(s); }
   } release{s};
   if (unwinding) {
     restore(s);
@@ -441,9 +445,7 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
   // The kept ones by address, for Book::live (order is sorted by address already).
   s->by_address.reserve(s->params.size());
   for (const auto& [impl, i] : order) {
-    if (position[i] >= 0 && (s->by_address.empty() || s->by_address.back().first != impl)) {
-      s->by_address.emplace_back(impl, static_cast<size_t>(position[i]));
-    }
+    if (position[i] >= 0) s->by_address.emplace_back(impl, static_cast<size_t>(position[i]));
   }
   const ScaleLossState& state = *s;
   check_parameter_dtypes(s->params, [&state](size_t j) { return state.label(j); });
