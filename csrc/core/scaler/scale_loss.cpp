@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstddef>
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -429,23 +428,23 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
   order.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) order.emplace_back(params[i].unsafeGetTensorImpl(), i);
   std::sort(order.begin(), order.end());
-  // position[i]: params[i]'s index among the kept ones (-1: a repeat, dropped).
-  std::vector<std::ptrdiff_t> position(params.size(), -1);
+  std::vector<bool> keep(params.size(), false);
   for (size_t j = 0; j < order.size(); ++j) {
-    if (j == 0 || order[j].first != order[j - 1].first) position[order[j].second] = 0;
+    keep[order[j].second] = j == 0 || order[j].first != order[j - 1].first;
   }
+  std::vector<size_t> position(params.size());  // a kept params[i]'s index in s->params
   s->params.reserve(params.size());
   s->caller_index.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
-    if (position[i] < 0) continue;
-    position[i] = static_cast<std::ptrdiff_t>(s->params.size());
+    if (!keep[i]) continue;
+    position[i] = s->params.size();
     s->params.push_back(std::move(params[i]));
     s->caller_index.push_back(i);
   }
   // The kept ones by address, for Book::live (order is sorted by address already).
   s->by_address.reserve(s->params.size());
   for (const auto& [impl, i] : order) {
-    if (position[i] >= 0) s->by_address.emplace_back(impl, static_cast<size_t>(position[i]));
+    if (keep[i]) s->by_address.emplace_back(impl, position[i]);
   }
   const ScaleLossState& state = *s;
   check_parameter_dtypes(s->params, [&state](size_t j) { return state.label(j); });
