@@ -1,7 +1,9 @@
 #include "session.h"
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
+#include <vector>
 
 namespace amp::detail {
 
@@ -46,9 +48,12 @@ namespace {
 // shared_ptr takes a global lock in libstdc++ on every call, which every kernel call would pay.
 struct Published {
   std::mutex changes;  // lock_session_changes()
-  std::mutex mutex;    // guards `session`
+  std::mutex mutex;    // guards `session` and `left_by_ended_threads`
   std::shared_ptr<const Session> session = std::make_shared<Session>();
   std::atomic<std::uint64_t> version{1};
+  // Replaced sessions whose last holder was a thread that ended (~Snapshot): released by the next
+  // publish, on the publishing thread.
+  std::vector<std::shared_ptr<const Session>> left_by_ended_threads;
 };
 
 Published& published() {
@@ -59,7 +64,35 @@ Published& published() {
 struct Snapshot {
   std::uint64_t version = 0;
   std::shared_ptr<const Session> session;
+
+  Snapshot() = default;
+  Snapshot(const Snapshot&) = delete;
+  Snapshot& operator=(const Snapshot&) = delete;
+  ~Snapshot();
 };
+
+// A thread that ends may hold the last reference to a session replaced since its last call, and
+// must not destroy it. The autograd engine's device threads run our kernels in every CUDA backward
+// and end only when the process exits (the engine's static destructor stops them), by which time
+// the CUDA runtime may be shutting down: a loss scaler's event or pinned buffer destroyed then
+// throws from a noexcept destructor and the process aborts after a test has passed (seen on an
+// H200 after `reset`). So the ending thread leaves a replaced session to the published state; the
+// next publish releases it on the thread that publishes, and at exit it is never destroyed.
+Snapshot::~Snapshot() {
+  if (!session) return;
+  auto& p = published();
+  std::lock_guard<std::mutex> lock(p.mutex);
+  // Dropped under the lock while `p` holds a reference too, so this is never the last one.
+  const bool held_elsewhere =
+      session == p.session ||
+      std::find(p.left_by_ended_threads.begin(), p.left_by_ended_threads.end(), session) !=
+          p.left_by_ended_threads.end();
+  if (held_elsewhere) {
+    session.reset();
+  } else {
+    p.left_by_ended_threads.push_back(std::move(session));
+  }
+}
 
 const std::shared_ptr<const Session>& refreshed_snapshot() {
   thread_local Snapshot snapshot;
@@ -84,12 +117,16 @@ std::unique_lock<std::mutex> lock_session_changes() {
 
 std::shared_ptr<const Session> publish_session(std::shared_ptr<const Session> next) {
   auto& p = published();
+  std::vector<std::shared_ptr<const Session>> left;
   {
     std::lock_guard<std::mutex> lock(p.mutex);
     std::swap(p.session, next);
     p.version.fetch_add(1, std::memory_order_release);
+    left.swap(p.left_by_ended_threads);
   }
-  return next;  // released by the caller, outside the lock (a scaler's tensors may run deleters)
+  // Both released outside the lock (a scaler's tensors may run deleters): `left` here, the
+  // replaced session by the caller.
+  return next;
 }
 
 void edit_session(const std::function<void(Session&)>& edit) {

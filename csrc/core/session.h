@@ -83,7 +83,8 @@ struct Session {
 
 // This thread's snapshot of the published session (never null: the empty session before any
 // initialize). Holding it keeps that session alive; a thread refreshes its snapshot at its next
-// call after a publish.
+// call after a publish. A thread that ends leaves a replaced session to the next publish, which
+// releases it (see ~Snapshot in session.cpp).
 std::shared_ptr<const Session> current_session();
 // The level rules of this thread's snapshot (a copy: valid whatever publishes meanwhile).
 LevelRules current_level_rules();

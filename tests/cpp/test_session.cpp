@@ -5,6 +5,7 @@
 #include <torch/optim/sgd.h>
 
 #include <atomic>
+#include <memory>
 #include <thread>
 
 #include "optamp/initialize.h"
@@ -103,6 +104,41 @@ TEST(Session, ARefusedInitializeLeavesTheSessionAsItWas) {
   torch::optim::SGD other_opt(other->parameters(), 0.1);
   EXPECT_THROW(initialize(other, other_opt, "O2", testing::quiet()), c10::ValueError);
   EXPECT_EQ(current_session(), run);
+  reset();
+}
+
+// A kernel's thread keeps a snapshot of the session until its next call. When such a thread ends
+// after a reset, its snapshot may be the last holder of the replaced session; destroying it there
+// aborted a CUDA test's process at exit (the autograd engine's device threads end after the CUDA
+// runtime began shutting down, and the replaced loss scaler's event could not be destroyed). The
+// session is released by the next publish instead, on the publishing thread.
+TEST(Session, AThreadThatEndsLeavesAReplacedSessionToTheNextPublish) {
+  reset();
+  torch::nn::Linear net(4, 4);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  initialize(net, opt, "O1", testing::quiet());
+  const std::weak_ptr<const detail::Session> run = current_session();
+  const std::weak_ptr<LossScaler> scaler = current_session()->loss_scalers.at(0);
+  std::atomic<int> phase{0};
+  std::thread worker([&] {
+    EXPECT_EQ(current_level_rules().rules, RuleSet::kFullLists);  // takes its snapshot
+    phase.store(1);
+    while (phase.load() != 2) std::this_thread::yield();
+  });
+  while (phase.load() != 1) std::this_thread::yield();
+  reset();
+  EXPECT_FALSE(current_session()->initialized);  // this thread's snapshot moves on
+  EXPECT_FALSE(run.expired()) << "the worker's snapshot holds the replaced session";
+  phase.store(2);
+  worker.join();
+  EXPECT_FALSE(run.expired()) << "destroyed on the thread that ended";
+  EXPECT_FALSE(scaler.expired());
+  // A thread that ends holding the current session drops its reference and nothing else.
+  std::thread([] { EXPECT_FALSE(current_session()->initialized); }).join();
+  EXPECT_FALSE(run.expired());
+  initialize(net, opt, "O1", testing::quiet());  // the next publish releases it here
+  EXPECT_TRUE(run.expired());
+  EXPECT_TRUE(scaler.expired());
   reset();
 }
 
