@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/intrusive_ptr.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
@@ -18,6 +19,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -231,6 +233,38 @@ TEST(CompanionCasts, ServedForTheLiveUnchangedSourceOnly) {
     detail::offer_companion(other, other.to(at::kHalf));
   }
   EXPECT_FALSE(detail::find_companion(kept, at::kHalf));  // pushed out by four newer ones
+  detail::drop_companions();
+}
+
+// Once an op has taken a companion the ring holds it weakly: it is served again while the op keeps
+// it, and nothing of it stays alive once the op lets go (a thread with no step end, such as the
+// autograd engine's device threads recomputing checkpointed forwards, kept up to four activation
+// copies until process exit). A copy modified through a view is not served again.
+TEST(CompanionCasts, ATakenCopyLivesOnlyWhileItsUsersHoldIt) {
+  detail::drop_companions();
+  const auto source = at::randn({3});
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> copy_ref;
+  {
+    const auto copy = source.to(at::kHalf);
+    copy_ref.emplace(copy.getIntrusivePtr());
+    detail::offer_companion(source, copy);
+  }
+  EXPECT_FALSE(copy_ref->expired()) << "the ring is the copy's only owner until it is taken";
+  {
+    const auto taken = detail::find_companion(source, at::kHalf);
+    ASSERT_TRUE(taken);
+    const auto again = detail::find_companion(source, at::kHalf);  // while the first user holds it
+    ASSERT_TRUE(again);
+    EXPECT_TRUE(again->is_same(*taken));
+  }
+  EXPECT_TRUE(copy_ref->expired()) << "the ring kept a taken copy alive";
+  EXPECT_FALSE(detail::find_companion(source, at::kHalf));
+
+  detail::offer_companion(source, source.to(at::kHalf));
+  const auto taken = detail::find_companion(source, at::kHalf);
+  ASSERT_TRUE(taken);
+  taken->view({3}).mul_(2);  // the copy changes through a view
+  EXPECT_FALSE(detail::find_companion(source, at::kHalf));
   detail::drop_companions();
 }
 

@@ -10,10 +10,18 @@
 namespace amp::detail {
 namespace {
 
+// The copy is held strongly until an op takes it (it has no other owner before that), then weakly:
+// the op that took it holds it while it needs it (a linear saves it for its backward), and a later
+// cast of the same result finds it while it is alive. A thread that never reaches a step end
+// (the autograd engine's device threads, which run the recomputed forwards of activation
+// checkpointing) so keeps no taken copy alive after its backward, nor until process exit.
 struct Companion {
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> source;  // empty until offered
-  std::int64_t version = 0;
-  at::Tensor copy;
+  std::int64_t version = 0;                                        // the source's at the offer
+  std::int64_t copy_version = 0;  // the copy's: one modified through a view is not served again
+  c10::ScalarType dtype = c10::ScalarType::Undefined;             // the copy's
+  at::Tensor copy;                                                // until taken
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> taken;  // after
 };
 
 // Four: a GELU's result is cast by the op right after it; a few more cover a result used by a
@@ -31,6 +39,24 @@ Ring& ring() {
   return r;
 }
 
+// The slot's copy if it is still alive and unchanged; handing out the strong one leaves a weak one.
+std::optional<at::Tensor> take_copy(Companion& slot) {
+  at::Tensor copy;
+  if (slot.copy.defined()) {
+    slot.taken.emplace(slot.copy.getIntrusivePtr());
+    copy = std::move(slot.copy);
+    slot.copy = at::Tensor();
+  } else if (slot.taken) {
+    auto impl = slot.taken->lock();
+    if (!impl) return std::nullopt;
+    copy = at::Tensor(std::move(impl));
+  } else {
+    return std::nullopt;
+  }
+  if (copy._version() != slot.copy_version) return std::nullopt;
+  return copy;
+}
+
 }  // namespace
 
 void offer_companion(const at::Tensor& source, const at::Tensor& companion) {
@@ -39,7 +65,10 @@ void offer_companion(const at::Tensor& source, const at::Tensor& companion) {
   r.next = (r.next + 1) % kSlots;
   slot.source.emplace(source.getIntrusivePtr());
   slot.version = source._version();
+  slot.copy_version = companion._version();
+  slot.dtype = companion.scalar_type();
   slot.copy = companion;
+  slot.taken.reset();
 }
 
 std::optional<at::Tensor> find_companion(const at::Tensor& source, c10::ScalarType dtype) {
@@ -49,7 +78,8 @@ std::optional<at::Tensor> find_companion(const at::Tensor& source, c10::ScalarTy
     if (!slot.source || slot.source->_unsafe_get_target() != impl || slot.source->expired()) {
       continue;
     }
-    if (slot.version == source._version() && slot.copy.scalar_type() == dtype) return slot.copy;
+    if (slot.version != source._version() || slot.dtype != dtype) continue;
+    if (auto copy = take_copy(slot)) return copy;
   }
   return std::nullopt;
 }

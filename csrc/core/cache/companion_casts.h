@@ -13,7 +13,8 @@
 // source is alive and unchanged (same version), so a result modified in place is cast afresh.
 // A thread's companions are dropped when it ends a scale_loss guard, at its outermost
 // amp::autocast exit and by amp::clear_cache() / amp::reset() on it; until then a thread keeps
-// at most four (activation-sized) copies alive.
+// at most four (activation-sized) copies alive, and only those no op has taken yet: a taken copy
+// is held weakly, by whoever took it.
 #include <ATen/core/Tensor.h>
 
 #include <optional>

@@ -101,8 +101,11 @@ struct Book {
 };
 
 Book& book() {
-  static Book instance;
-  return instance;
+  // Leaked, as the published session and the cast cache are: a delay_unscale stash is a device
+  // tensor, and at process exit the CUDA runtime may be shutting down before static destructors
+  // run (a guard on another thread may also still be ending).
+  static auto* instance = new Book();
+  return *instance;
 }
 
 // The model's name for `p` ("fc1.weight"), when initialize was given one.
