@@ -242,6 +242,17 @@ def kernel_profile(step, dev, n):
     return sum(by_name.values()), len(kernels) / n, by_name, host
 
 
+# Qualifiers that every kernel name repeats: dropped so that a line's 110 characters reach the
+# template arguments that say which op a generic kernel ran (an elementwise kernel's functor).
+NAME_NOISE = ("void ", "at::native::", "(anonymous namespace)::", "amp::ops::detail::", "c10::")
+
+
+def short_name(name):
+    for noise in NAME_NOISE:
+        name = name.replace(noise, "")
+    return name[:110]
+
+
 def print_profile_differences(configs, profiles, what, top=6):
     """Per optamp configuration, the names whose time per step differs most from its native
     reference's (native for fp16, native_bf16 for bf16 levels): `what` is "kernels" (GPU work)
@@ -254,7 +265,7 @@ def print_profile_differences(configs, profiles, what, top=6):
         diff = {k: mine.get(k, 0.0) - theirs.get(k, 0.0) for k in set(mine) | set(theirs)}
         worst = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]
         print(f"{what} {c} vs {ref}: {sum(mine.values()) - sum(theirs.values()):+.2f} ms in all; "
-              + "; ".join(f"{d:+.2f} ms {k[:70]}" for k, d in worst), flush=True)
+              + "; ".join(f"{d:+.2f} ms {short_name(k)}" for k, d in worst), flush=True)
 
 
 def run_config(wl, config, args, dev, kernel_time=False):

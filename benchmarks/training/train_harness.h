@@ -385,6 +385,18 @@ inline void profile_steps(const std::function<void()>& step, const torch::Device
 
 // One line per optamp configuration in `profiled`: the six names of `by_name` whose time per step
 // differs most from its native reference's (native_bf16 for O4/O5), after the sum of all of them.
+// A kernel's or operator's name without the qualifiers every kernel name repeats, so that a line's
+// 110 characters reach the template arguments that say which op a generic kernel ran.
+inline std::string short_name(std::string name) {
+  for (const char* noise :
+       {"void ", "at::native::", "(anonymous namespace)::", "amp::ops::detail::", "c10::"}) {
+    const std::string n(noise);
+    for (auto at = name.find(n); at != std::string::npos; at = name.find(n, at))
+      name.erase(at, n.size());
+  }
+  return name.substr(0, 110);
+}
+
 inline void print_profile_differences(const std::map<std::string, RunResult>& profiled,
                                       const std::string& what,
                                       std::map<std::string, double> RunResult::*by_name,
@@ -405,7 +417,7 @@ inline void print_profile_differences(const std::map<std::string, RunResult>& pr
     std::string line = what + " " + c + " vs " + ref + ":";
     if (with_total) line += fmt(" %+.2f ms in all;", total);
     for (std::size_t i = 0; i < worst.size() && i < 6; ++i)
-      line += fmt(" %+.2f ms ", worst[i].second) + worst[i].first.substr(0, 70) + ";";
+      line += fmt(" %+.2f ms ", worst[i].second) + short_name(worst[i].first) + ";";
     line.pop_back();
     std::printf("%s\n", line.c_str());
   }
