@@ -139,6 +139,26 @@ TEST(SoftmaxMath, ThePackWalkVisitsEveryElementOnceByItsLane) {
   expect_the_walk_covers_rows<8, 4>();  // 16-byte packs of bf16 (the reductions)
 }
 
+// Where a block-per-row forward keeps its row in shared memory (ops::detail::kept_row_bytes): the
+// row and one 16-byte pack more (the row is kept at its offset into a pack), only where two such
+// blocks fit an SM. The limits are cudaDeviceProp's of an H100/H200 and of an A100, and the
+// kernels' 128 bytes of static shared memory.
+TEST(SoftmaxMath, AForwardKeepsItsRowInSharedMemoryWhereTwoBlocksFitAnSm) {
+  const ops::detail::SharedMemoryLimits hopper{232448, 233472, 1024, 128};
+  const ops::detail::SharedMemoryLimits a100{166912, 167936, 1024, 128};
+  EXPECT_EQ(ops::detail::kept_row_bytes(50257, 2, 2, hopper), 50257 * 2 + 16);  // GPT-2's logits
+  EXPECT_EQ(ops::detail::kept_row_bytes(50257, 2, 2, a100), 0);  // 2 x 101.7 KB > 164 KB
+  EXPECT_EQ(ops::detail::kept_row_bytes(40000, 2, 2, a100), 40000 * 2 + 16);
+  EXPECT_EQ(ops::detail::kept_row_bytes(2048, 4, 2, hopper), 2048 * 4 + 16);
+  // The largest row two blocks hold on a Hopper SM: (233472 / 2 - 1024 - 128 - 16) / 2 elements.
+  const int64_t largest = (233472 / 2 - 1024 - 128 - 16) / 2;
+  EXPECT_GT(ops::detail::kept_row_bytes(largest, 2, 2, hopper), 0);
+  EXPECT_EQ(ops::detail::kept_row_bytes(largest + 1, 2, 2, hopper), 0);
+  // One block an SM may take more, up to the opt-in limit of a block.
+  EXPECT_GT(ops::detail::kept_row_bytes(100000, 2, 1, hopper), 0);
+  EXPECT_EQ(ops::detail::kept_row_bytes(120000, 2, 1, hopper), 0);  // 240 KB > 227 KB
+}
+
 // The CUDA kernels' row math, log_softmax's and softmax's: each of `threads` lanes gathers its part
 // of the row as the kernels' 16-byte loads split it, the parts merge pairwise as the warp shuffles
 // and the block's second round merge them. Rows with the values torch treats specially are among

@@ -114,6 +114,27 @@ C10_HOST_DEVICE void for_each_pack(const RowPacks& split, int64_t cols, Lanes la
 
 #undef OPTAMP_UNROLL
 
+// What an SM offers a block's shared memory (cudaDeviceProp's sharedMemPerBlockOptin,
+// sharedMemPerMultiprocessor, reservedSharedMemPerBlock) and what a kernel declares itself.
+struct SharedMemoryLimits {
+  int64_t per_block_optin, per_sm, reserved_per_block, static_per_block;
+};
+
+// The bytes of dynamic shared memory in which a block-per-row forward keeps its row of `cols`
+// elements of `elem_size` bytes as its reduction loads them, so that its elementwise pass reads
+// the row from there instead of from memory a second time; 0 where it does not keep the row. The
+// row is kept at its offset into a 16-byte pack (the reduction's packs store as they load), so one
+// pack more than the row. Only where `blocks_per_sm` such blocks fit an SM at once: fewer would
+// leave an SM's loads waiting at every row's reduction (a GPT-2 row of 50257 bf16 elements, 100
+// KB, fits twice on an H100 or H200, not on an A100).
+inline int64_t kept_row_bytes(int64_t cols, int64_t elem_size, int64_t blocks_per_sm,
+                              const SharedMemoryLimits& limits) {
+  const int64_t bytes = cols * elem_size + 16;
+  if (bytes + limits.static_per_block > limits.per_block_optin) return 0;
+  const int64_t per_block = bytes + limits.static_per_block + limits.reserved_per_block;
+  return blocks_per_sm * per_block <= limits.per_sm ? bytes : 0;
+}
+
 // log_softmax of an element `x` of a row whose parts merged into `row`, given log(row.sum) (one
 // logarithm per row, as torch's kernels take it).
 C10_HOST_DEVICE inline float log_softmax_math(float x, float row_max, float log_sum) {

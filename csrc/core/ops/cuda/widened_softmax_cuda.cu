@@ -8,9 +8,10 @@
 // pack in its fp32 and its reduced array (GPT-2's 50257 classes are odd), and the fp32 side moves
 // twice the bytes. RowPacks (ops/softmax_math.h) says which lane takes which element;
 // tests/cpp/test_fused_casts.cpp's SoftmaxMath tests merge a row's parts in that order. The
-// forward reads the reduced row twice (a GPT-2 row, 100 KB, is mostly still in L2 the second
-// time) and writes fp32; the backward reads its fp32 rows twice (log_softmax's reduction reads the
-// gradient alone) and writes the reduced gradient. The row math is ops/softmax_math.h's.
+// forward reads the reduced row once where a block per row can keep it in shared memory
+// (kept_row_bytes: a GPT-2 row, 100 KB, on an H100 or H200), else twice (mostly from L2 the second
+// time), and writes fp32; the backward reads its fp32 rows twice (log_softmax's reduction reads
+// the gradient alone) and writes the reduced gradient. The row math is ops/softmax_math.h's.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -19,8 +20,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 
 #include "ops/softmax_math.h"
 #include "ops/widened_softmax.h"
@@ -111,6 +114,16 @@ __device__ Pack<T, N> load_pack(const T* p, bool aligned) {
   return pack;
 }
 
+// A pack of the row a block keeps in shared memory (__ldg reads global memory only).
+template <typename T, int N>
+__device__ Pack<T, N> load_kept(const T* p, bool aligned) {
+  if (aligned) return *reinterpret_cast<const Pack<T, N>*>(p);
+  Pack<T, N> pack;
+#pragma unroll
+  for (int j = 0; j < N; ++j) pack.v[j] = p[j];
+  return pack;
+}
+
 // Stores of four elements in one instruction, written in PTX: nvcc split a float4 or uint2 store
 // into 4-byte stores when the address was a row's pointer plus a computed head (checked in the
 // PTX of these kernels), and the stores are half of the elementwise passes' bytes.
@@ -144,17 +157,27 @@ __device__ int64_t shift_of(const T* p, size_t bytes) {
 }
 
 // The reductions: calls use(value) for the elements of `row` that RowPacks gives this lane when
-// it loads 16 bytes at a time. Measured on an H200 (GPT-2's 4096 x 50257 bf16 logits): with
-// 2-byte loads the forward took 0.86 ms per step where torch's own fp16-to-fp32 kernel, whose
-// reductions load 16 bytes at a time, takes 0.51 ms.
+// it loads 16 bytes at a time, and stores what it loads at keep[i] unless `keep` is null (a row
+// kept in shared memory at the row's own offset into a 16-byte pack, so a pack stores as it
+// loads). Measured on an H200 (GPT-2's 4096 x 50257 bf16 logits): with 2-byte loads the forward
+// took 0.86 ms per step where torch's own fp16-to-fp32 kernel, whose reductions load 16 bytes at a
+// time, takes 0.51 ms.
 template <typename scalar_t, typename Use>
-__device__ void for_each_of_row(const scalar_t* row, int64_t cols, Lanes lanes, Use use) {
+__device__ void for_each_of_row(const scalar_t* row, int64_t cols, Lanes lanes, scalar_t* keep,
+                                Use use) {
   constexpr int kVec = 16 / sizeof(scalar_t);
+  using RowPack = Pack<scalar_t, kVec>;
   const RowPacks split(cols, shift_of(row, 16), kVec);
   for_each_pack<kVec, 4>(
-      split, cols, lanes, [row, &use](int64_t i) { use(static_cast<float>(row[i])); },
+      split, cols, lanes,
+      [row, keep, &use](int64_t i) {
+        const scalar_t v = row[i];
+        if (keep != nullptr) keep[i] = v;
+        use(static_cast<float>(v));
+      },
       [row](int64_t i) { return load_pack<scalar_t, kVec>(row + i, true); },
-      [&use](int64_t, const Pack<scalar_t, kVec>& pack) {
+      [keep, &use](int64_t i, const RowPack& pack) {
+        if (keep != nullptr) *reinterpret_cast<RowPack*>(keep + i) = pack;
 #pragma unroll
         for (int j = 0; j < kVec; ++j) use(static_cast<float>(pack.v[j]));
       });
@@ -183,20 +206,31 @@ struct RowResult {
 
 // The forward of row `row` by `lanes`, whose parts `merge` merges (block_merge or warp_merge); each
 // kind's kernels below are this body under their own names, so that a profile tells them apart.
+// `kept` (a block per row only; null: none) is shared memory of kept_row_bytes for the row: the
+// reduction stores the row there, and the block's merge, which waits for every thread, makes it
+// whole before the elementwise pass reads it.
 template <SoftmaxKind Kind, typename scalar_t, typename Merge>
 __device__ __forceinline__ void softmax_forward_row(const scalar_t* __restrict__ input,
                                                     float* __restrict__ output, int64_t row,
-                                                    int64_t cols, Lanes lanes, Merge merge) {
+                                                    int64_t cols, Lanes lanes, scalar_t* kept,
+                                                    Merge merge) {
   const scalar_t* x = input + row * cols;
   float* y = output + row * cols;
+  scalar_t* keep = kept == nullptr ? nullptr : kept + shift_of(x, 16);
   RowLogSumExp part = RowLogSumExp::empty();
-  for_each_of_row(x, cols, lanes, [&part](float v) { part.add(v); });
+  for_each_of_row(x, cols, lanes, keep, [&part](float v) { part.add(v); });
   const RowResult<Kind> result(merge(part));
   const RowPacks split(cols, shift_of(y, 16), kQuad);
   const bool x_aligned = aligned_to(x + split.head, sizeof(scalar_t) * kQuad);
+  const bool keep_aligned =
+      keep != nullptr && aligned_to(keep + split.head, sizeof(scalar_t) * kQuad);
   for_each_pack<kQuad, 4>(
-      split, cols, lanes, [=](int64_t i) { y[i] = result(static_cast<float>(x[i])); },
-      [=](int64_t i) { return load_pack<scalar_t, kQuad>(x + i, x_aligned); },
+      split, cols, lanes,
+      [=](int64_t i) { y[i] = result(static_cast<float>(keep != nullptr ? keep[i] : x[i])); },
+      [=](int64_t i) {
+        return keep != nullptr ? load_kept<scalar_t, kQuad>(keep + i, keep_aligned)
+                               : load_pack<scalar_t, kQuad>(x + i, x_aligned);
+      },
       [=](int64_t i, const Pack<scalar_t, kQuad>& in) {
         Pack<float, kQuad> out;
 #pragma unroll
@@ -234,7 +268,8 @@ __device__ float backward_row_sum(const GradAndResultRows& rows, int64_t cols, L
                                   Merge merge) {
   float part = 0.0f;
   if (Kind == kLog) {
-    for_each_of_row(rows.g, cols, lanes, [&part](float v) { part += v; });
+    for_each_of_row(rows.g, cols, lanes, static_cast<float*>(nullptr),
+                    [&part](float v) { part += v; });
   } else {
     for_each_pack<kQuad, 2>(
         rows.split, cols, lanes, [&](int64_t i) { part += rows.g[i] * rows.out[i]; },
@@ -288,6 +323,7 @@ constexpr int64_t kMaxWarpRowCols = 1024;
 constexpr int kWarpRowsPerBlock = 8;
 
 struct BlockPerRow {
+  static constexpr bool kKeepsRows = true;  // its merge waits for the whole block
   __device__ static int64_t row() { return blockIdx.x; }
   __device__ static Lanes lanes() { return {threadIdx.x, blockDim.x}; }
   template <typename Part>
@@ -297,6 +333,7 @@ struct BlockPerRow {
 };
 
 struct WarpPerRow {
+  static constexpr bool kKeepsRows = false;
   __device__ static int64_t row() {
     return static_cast<int64_t>(blockIdx.x) * kWarpRowsPerBlock + threadIdx.x / kWarp;
   }
@@ -317,12 +354,15 @@ struct KernelsOf;
   template <typename scalar_t, typename Rows>                                                     \
   __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)                                    \
       name##_kernel(const scalar_t* __restrict__ input, float* __restrict__ output, int64_t rows, \
-                    int64_t cols) {                                                               \
+                    int64_t cols, bool keep_row) {                                                \
     __shared__ RowLogSumExp parts[kMaxThreads / kWarp];                                           \
+    extern __shared__ __align__(16) unsigned char kept_row[];                                     \
     const int64_t row = Rows::row();                                                              \
     if (row >= rows) return;                                                                      \
-    softmax_forward_row<kind>(input, output, row, cols, Rows::lanes(),                            \
-                              [&](RowLogSumExp p) { return Rows::merge(p, parts); });             \
+    softmax_forward_row<kind>(                                                                    \
+        input, output, row, cols, Rows::lanes(),                                                  \
+        Rows::kKeepsRows && keep_row ? reinterpret_cast<scalar_t*>(kept_row) : nullptr,           \
+        [&](RowLogSumExp p) { return Rows::merge(p, parts); });                                   \
   }                                                                                               \
   template <typename scalar_t, typename Rows>                                                     \
   __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)                                    \
@@ -385,6 +425,34 @@ void launch_rows(const RowLaunch& launch, Launch&& launch_with) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The shared memory a block-per-row forward keeps a row of `cols` elements of `x` in (0: none).
+int64_t kept_row_bytes_for(const at::Tensor& x, const RowLaunch& launch) {
+  if (launch.warp_per_row) return 0;
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(x.get_device());
+  const SharedMemoryLimits limits{
+      static_cast<int64_t>(prop->sharedMemPerBlockOptin),
+      static_cast<int64_t>(prop->sharedMemPerMultiprocessor),
+      static_cast<int64_t>(prop->reservedSharedMemPerBlock),
+      static_cast<int64_t>(sizeof(RowLogSumExp) * (kMaxThreads / kWarp))};
+  return kept_row_bytes(launch.cols, x.element_size(), kBlocksPerSm, limits);
+}
+
+// Lets the block-per-row forward take the device's opt-in shared memory (above the 48 KB a launch
+// may take by default; the dynamic part may not exceed it less the kernel's static part): once
+// per kernel and device, so that later launches, captured ones among them, make no such call.
+template <SoftmaxKind Kind, typename scalar_t>
+void allow_kept_rows(c10::DeviceIndex device) {
+  static std::array<std::once_flag, C10_COMPILE_TIME_MAX_GPUS> once;
+  std::call_once(once.at(device), [device] {
+    const auto kernel = KernelsOf<Kind>::template forward<scalar_t, BlockPerRow>();
+    cudaFuncAttributes attributes{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    const auto optin = at::cuda::getDeviceProperties(device)->sharedMemPerBlockOptin;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(optin - attributes.sharedSizeBytes)));
+  });
+}
+
 template <SoftmaxKind Kind>
 at::Tensor widened_softmax_cuda(const at::Tensor& self, int64_t dim) {
   const RowLaunch launch =
@@ -394,12 +462,14 @@ at::Tensor widened_softmax_cuda(const at::Tensor& self, int64_t dim) {
   at::Tensor output = at::empty(input.sizes(), input.options().dtype(at::kFloat));
   if (launch.rows == 0) return output;
   const auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t kept_bytes = kept_row_bytes_for(input, launch);
   AT_DISPATCH_REDUCED_FLOATING_TYPES(input.scalar_type(), "widened_softmax", [&] {
+    if (kept_bytes > 0) allow_kept_rows<Kind, scalar_t>(input.get_device());
     launch_rows(launch, [&](auto rows) {
       const auto kernel = KernelsOf<Kind>::template forward<scalar_t, decltype(rows)>();
-      kernel<<<launch.blocks, launch.threads, 0, stream>>>(input.const_data_ptr<scalar_t>(),
-                                                           output.mutable_data_ptr<float>(),
-                                                           launch.rows, launch.cols);
+      kernel<<<launch.blocks, launch.threads, kept_bytes, stream>>>(
+          input.const_data_ptr<scalar_t>(), output.mutable_data_ptr<float>(), launch.rows,
+          launch.cols, kept_bytes > 0);
     });
   });
   return output;
