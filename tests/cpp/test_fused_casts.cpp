@@ -28,6 +28,7 @@
 #include "cache/companion_casts.h"
 #include "casting_test.h"
 #include "common/step_events.h"
+#include "ops/fused_cross_entropy.h"
 #include "ops/gelu_math.h"
 #include "ops/softmax_math.h"
 #include "optamp/autocast.h"
@@ -506,37 +507,127 @@ TEST_P(CrossEntropy, ValuesAndGradientsAreThoseOfTheCastPath) {
   }
 }
 
-// What the replacement saves: log_softmax reads the reduced logits (torch's fp16-to-fp32 kernel
-// for fp16 on CUDA, optamp::widened_log_softmax otherwise) instead of a widened copy, counted as
-// the cast it replaces. On CUDA nothing widens the logits at all.
+// What the replacement saves: on the CPU optamp::widened_log_softmax reads the reduced logits
+// instead of a widened copy; on CUDA optamp::fused_cross_entropy computes the loss from the
+// reduced logits with no log-probabilities at all (one node, FusedCrossEntropyBackward), and
+// nothing widens the logits or narrows their gradient. Counted as the cast it replaces.
 TEST_P(CrossEntropy, LogSoftmaxReadsTheReducedLogits) {
   const auto logits = leaf({8, 2000}, low());  // on CUDA a block per row (over 1024 classes)
   const auto target = classes({8}, 2000);
-  const bool torchs_kernel = device() == at::kCUDA && low() == at::kHalf;
+  const bool fused = device() == at::kCUDA;
   for (const char* level : levels()) {
     enable(level);
     at::Tensor loss;
     const auto before = cast_count();
     const auto dtypes = testing::first_input_dtypes(
-        torchs_kernel ? "aten::log_softmax" : "optamp::widened_log_softmax",
+        fused ? "optamp::fused_cross_entropy" : "optamp::widened_log_softmax",
         [&] { loss = at::cross_entropy_loss(logits, target); });
     EXPECT_EQ(cast_count() - before, 1) << level;
     EXPECT_EQ(loss.scalar_type(), at::kFloat) << level;
     EXPECT_EQ(dtypes, std::vector<at::ScalarType>{low()}) << level;
     const auto nodes = testing::graph_node_names(loss);
-    EXPECT_EQ(std::count(nodes.begin(), nodes.end(), "WidenedLogSoftmaxBackward"),
-              torchs_kernel ? 0 : 1)
+    EXPECT_EQ(std::count(nodes.begin(), nodes.end(),
+                         fused ? "FusedCrossEntropyBackward" : "WidenedLogSoftmaxBackward"),
+              1)
         << level;
-    if (device() == at::kCUDA) {
-      // One observer at a time (test_util's sinks do not nest): the loss and its backward twice.
+    if (fused) {
+      // One observer at a time (test_util's sinks do not nest): the loss and its backward thrice.
       const auto run = [&] { at::cross_entropy_loss(logits, target).backward(); };
-      const auto copies = testing::first_input_dtypes("aten::_to_copy", run);
-      const auto inner = testing::first_input_dtypes("aten::_log_softmax", run);
-      EXPECT_TRUE(copies.empty()) << "no widened copy, no narrowed gradient at " << level;
-      EXPECT_EQ(inner, torchs_kernel ? std::vector<at::ScalarType>{at::kHalf}
-                                     : std::vector<at::ScalarType>{})
-          << level;
+      EXPECT_TRUE(testing::first_input_dtypes("aten::_to_copy", run).empty())
+          << "no widened copy, no narrowed gradient at " << level;
+      EXPECT_TRUE(testing::first_input_dtypes("aten::_log_softmax", run).empty()) << level;
+      EXPECT_TRUE(testing::first_input_dtypes("aten::nll_loss_forward", run).empty()) << level;
     }
+  }
+}
+
+// optamp::fused_cross_entropy through its entry (detail::fused_cross_entropy, which the
+// replacement calls for CUDA logits; the CPU kernels compute the CUDA kernels' formulas with
+// torch's ops): the loss within fp32's rounding of torch's cross_entropy of the widened logits,
+// the gradient within the reduced dtype's, for every reduction, with ignored rows, a row of a
+// warp and of a block, GPT-2's rows and logits at an odd offset into their storage; a second
+// backward (create_graph) through torch's differentiable ops.
+TEST_P(CrossEntropy, TheFusedLossIsTheCastPaths) {
+  struct Case {
+    int64_t rows, cols, offset;
+  };
+  for (const Case c :
+       {Case{12, 10, 0}, Case{5, 33, 0}, Case{9, 1100, 0}, Case{7, 1025, 3}, Case{40, 50257, 1}}) {
+    const auto storage = leaf({c.rows * c.cols + c.offset}, low()).detach();
+    const auto logits = storage.narrow(0, c.offset, c.rows * c.cols).view({c.rows, c.cols});
+    auto target = classes({c.rows}, c.cols);
+    target[1] = -100;  // ignored
+    target[c.rows - 1] = c.cols - 1;
+    for (const int64_t reduction : {at::Reduction::None, at::Reduction::Sum, at::Reduction::Mean}) {
+      const std::string what = std::to_string(c.rows) + " x " + std::to_string(c.cols) + " at +" +
+                               std::to_string(c.offset) + ", reduction " +
+                               std::to_string(reduction);
+      const auto x = logits.clone().requires_grad_();
+      const auto xr = logits.clone().requires_grad_();
+      const auto got = detail::fused_cross_entropy(x, target, reduction, -100, true);
+      ASSERT_TRUE(got) << what;
+      const auto want = at::cross_entropy_loss(xr.to(at::kFloat), target, {}, reduction, -100);
+      expect_same(*got, want, what, /*exact=*/false);
+      const auto nodes = testing::graph_node_names(*got);
+      EXPECT_EQ(std::count(nodes.begin(), nodes.end(), "FusedCrossEntropyBackward"), 1) << what;
+      const auto grad = at::rand_like(want) + 0.5;
+      got->backward(grad);
+      want.backward(grad);
+      expect_same(x.grad(), xr.grad(), what + " gradient", /*exact=*/false);
+      EXPECT_TRUE(x.grad()[1].eq(0).all().item<bool>()) << what << ": the ignored row";
+    }
+  }
+  // The second backward: a gradient penalty through the loss.
+  const auto logits = leaf({6, 300}, low()).detach();
+  const auto target = classes({6}, 300);
+  const auto x = logits.clone().requires_grad_();
+  const auto xr = logits.clone().requires_grad_();
+  auto penalty = [](const at::Tensor& loss, const at::Tensor& input) {
+    const auto g = torch::autograd::grad({loss}, {input}, {}, true, true)[0];
+    g.to(at::kFloat).pow(2).sum().backward();
+  };
+  penalty(*detail::fused_cross_entropy(x, target, at::Reduction::Mean, -100, true), x);
+  penalty(at::cross_entropy_loss(xr.to(at::kFloat), target), xr);
+  expect_same(x.grad(), xr.grad(), "the second backward", /*exact=*/false);
+}
+
+// Where the entry declines (the replacement then takes log_softmax + nll_loss), and what the ops
+// (torch.ops.optamp.fused_cross_entropy and its backward, callable by anyone) refuse, naming the
+// op and the argument.
+TEST_P(CrossEntropy, TheFusedOpRefusesWhatItCannotCompute) {
+  const auto x = leaf({4, 6}, low()).detach();
+  const auto t = classes({4}, 6);
+  EXPECT_FALSE(detail::fused_cross_entropy(x.to(at::kFloat), t, at::Reduction::Mean, -100, true));
+  EXPECT_FALSE(detail::fused_cross_entropy(x.view({2, 2, 6}), t.view({2, 2}), at::Reduction::Mean,
+                                           -100, true));
+  EXPECT_FALSE(detail::fused_cross_entropy(x, t.to(at::kInt), at::Reduction::Mean, -100, true));
+  EXPECT_FALSE(detail::fused_cross_entropy(x, t.narrow(0, 0, 3), at::Reduction::Mean, -100, true));
+  const auto op = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("optamp::fused_cross_entropy", "")
+                      .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
+                                                                const at::Tensor&, int64_t)>();
+  const auto backward = c10::Dispatcher::singleton()
+                            .findSchemaOrThrow("optamp::fused_cross_entropy_backward", "")
+                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                              const at::Tensor&, const at::Tensor&, int64_t)>();
+  OPTAMP_EXPECT_THROW_WITH(op.call(x.to(at::kFloat), t, -100), c10::ValueError,
+                           "fused_cross_entropy", "self must be float16 or bfloat16");
+  OPTAMP_EXPECT_THROW_WITH(op.call(x, t.to(at::kInt), -100), c10::ValueError, "fused_cross_entropy",
+                           "target must be int64", "Int");
+  OPTAMP_EXPECT_THROW_WITH(op.call(x, t.narrow(0, 0, 3), -100), c10::ValueError,
+                           "fused_cross_entropy", "target must be [rows]", "[3]");
+  const auto [losses, stats] = op.call(x, t, -100);
+  OPTAMP_EXPECT_THROW_WITH(backward.call(losses.narrow(0, 0, 2), x, t, stats, -100),
+                           c10::ValueError, "fused_cross_entropy_backward",
+                           "grad must be float32 [4]", "[2]");
+  OPTAMP_EXPECT_THROW_WITH(backward.call(losses, x, t, stats.narrow(1, 0, 1), -100),
+                           c10::ValueError, "fused_cross_entropy_backward",
+                           "row_stats must be float32 [4, 2]");
+  if (device() == at::kCPU) {  // CUDA's kernel asserts on the device, as torch's nll_loss does
+    auto bad = t.clone();
+    bad[2] = 6;
+    OPTAMP_EXPECT_THROW_WITH(op.call(x, bad, -100), c10::ValueError, "fused_cross_entropy",
+                             "class indices in [0, 6)");
   }
 }
 

@@ -191,7 +191,8 @@ def _softmax_input_dtypes(fn):
     (aten::softmax, aten::_softmax, ...) and optamp's (optamp::widened_log_softmax,
     optamp::widened_softmax), and of every aten::_to_copy."""
     names = ("aten::log_softmax", "aten::_log_softmax", "optamp::widened_log_softmax",
-             "aten::softmax", "aten::_softmax", "optamp::widened_softmax", "aten::_to_copy")
+             "aten::softmax", "aten::_softmax", "optamp::widened_softmax", "aten::_to_copy",
+             "optamp::fused_cross_entropy")
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         fn()
@@ -215,11 +216,11 @@ def _expect_the_cast_paths(result, expected, logits, reference, device):
 @pytest.mark.parametrize("level,low", [("O1", torch.float16), ("O2", torch.float16),
                                        ("O4", torch.bfloat16), ("O5", torch.bfloat16)])
 def test_cross_entropy_reads_reduced_logits_without_a_widened_copy(fresh, level, low, device):
-    """Apex runs cross_entropy in fp32. Of fp16/bf16 logits optamp's log_softmax reads the
-    reduced logits and writes fp32, its backward writes the reduced gradient: torch's kernel for
-    fp16 on CUDA, optamp.widened_log_softmax otherwise (on CUDA one kernel each way for rows of
-    128 classes or more, on the CPU the cast path's ops). On CUDA no fp32 copy of the logits is
-    made. The values and gradients are the cast path's (bit for bit on the CPU)."""
+    """Apex runs cross_entropy in fp32. Of fp16/bf16 logits on the CPU optamp's log_softmax reads
+    the reduced logits and writes fp32, its backward writes the reduced gradient (the cast path's
+    ops, bit for bit); on CUDA optamp.fused_cross_entropy computes the loss from each row's
+    log-sum-exp and writes the reduced gradient, with no fp32 copy and no log-probabilities at
+    all. The values and gradients are the cast path's (within each dtype's rounding on CUDA)."""
     init(Mlp().to(device), opt_level=level)
     # 2000 classes: on CUDA optamp's op takes rows of 128 or more, a block per row over 1024
     logits = torch.randn(6, 2000, device=device).to(low).requires_grad_()
@@ -237,13 +238,17 @@ def test_cross_entropy_reads_reduced_logits_without_a_widened_copy(fresh, level,
 
     calls = _softmax_input_dtypes(run)
     low_name = {torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16"}[low]
-    torchs_kernel = device == "cuda" and low == torch.float16
-    first = "aten::log_softmax" if torchs_kernel else "optamp::widened_log_softmax"
+    first = "optamp::fused_cross_entropy" if device == "cuda" else "optamp::widened_log_softmax"
     assert calls[0] == (first, low_name), calls
-    if device == "cuda":  # read, not widened first; the gradient is not narrowed either
-        assert not [c for c in calls if c[0] == "aten::_to_copy"], calls
-        inner = [c for c in calls if c[0] == "aten::_log_softmax"]
-        assert inner == ([("aten::_log_softmax", low_name)] if torchs_kernel else []), calls
+    if device == "cuda":  # read, not widened; no log-probabilities; the gradient is not narrowed
+        assert calls == [(first, low_name)], calls
+        nodes, todo = set(), [loss.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is not None and node.name() not in nodes:
+                nodes.add(node.name())
+                todo += [n for n, _ in node.next_functions]
+        assert "FusedCrossEntropyBackward" in nodes, nodes
     _expect_the_cast_paths(loss, expected, logits, reference, device)
 
 

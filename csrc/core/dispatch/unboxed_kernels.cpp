@@ -15,6 +15,7 @@
 #include "common/dtypes.h"
 #include "dispatch/carried_state.h"
 #include "dispatch/tensor_args.h"
+#include "ops/fused_cross_entropy.h"
 #include "ops/widened_gelu.h"
 #include "ops/widened_softmax.h"
 
@@ -52,7 +53,9 @@ struct Fused<at::_ops::gelu> {
 // applies) does that for CUDA's bf16, which torch's kernel refuses, and runs the cast path's ops
 // on the CPU; elsewhere log_softmax is asked for an fp32 result (on CUDA torch reads fp16 so;
 // otherwise it widens inside log_softmax).
-// Probability targets and label smoothing take the cast path.
+// On CUDA, [rows, classes] logits with int64 targets and no class weights take
+// optamp::fused_cross_entropy instead (ops/fused_cross_entropy.h): no fp32 log-probabilities at
+// all. Probability targets and label smoothing take the cast path.
 template <>
 struct Fused<at::_ops::cross_entropy_loss> {
   static std::optional<at::Tensor> call(const CastKernel& k, const CallPlan& p,
@@ -63,6 +66,16 @@ struct Fused<at::_ops::cross_entropy_loss> {
         self.dim() == 0 || target.is_floating_point() || label_smoothing != 0.0 ||
         self.sym_sizes() == target.sym_sizes()) {
       return std::nullopt;
+    }
+    if (self.is_cuda() && (!weight || !weight->defined())) {
+      if (const auto ignore = ignore_index.maybe_as_int()) {
+        if (auto loss =
+                fused_cross_entropy(self, target, reduction, *ignore, records_autograd_now())) {
+          k.log_cast(self.scalar_type(), p);
+          count_cast();  // the widening of the logits, as the cast it replaces counted
+          return loss;
+        }
+      }
     }
     std::optional<at::Tensor> cast_weight = weight;
     if (weight) {

@@ -147,6 +147,14 @@ C10_HOST_DEVICE inline float log_softmax_backward_math(float grad, float out, fl
   return grad - ::expf(out) * grad_sum;
 }
 
+// The gradient of cross_entropy's logit `x` (fused_cross_entropy's backward): softmax(x) minus 1 at
+// the target, times the row's gradient `grad` (0 for an ignored row), softmax taken as exp of
+// log_softmax_math, as torch's log_softmax backward takes exp of its saved result.
+C10_HOST_DEVICE inline float cross_entropy_backward_math(float x, float row_max, float log_sum,
+                                                         bool is_target, float grad) {
+  return (::expf(log_softmax_math(x, row_max, log_sum)) - (is_target ? 1.0f : 0.0f)) * grad;
+}
+
 // softmax of an element `x` of a row whose parts merged into `row` (max and sum).
 C10_HOST_DEVICE inline float softmax_math(float x, float row_max, float row_sum) {
   return ::expf(x - row_max) / row_sum;

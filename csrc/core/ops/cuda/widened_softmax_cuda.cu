@@ -1,6 +1,7 @@
-// CUDA kernels of optamp::widened_log_softmax, optamp::widened_softmax and their backwards
-// (ops/widened_softmax.h): one block per row of a contiguous [rows, cols] tensor, the class
-// dimension last, one template over the kind. Each kernel makes two passes over a row: a
+// CUDA kernels of optamp::widened_log_softmax, optamp::widened_softmax, optamp::fused_cross_entropy
+// and their backwards (ops/widened_softmax.h, ops/fused_cross_entropy.h): one block per row of a
+// contiguous [rows, cols] tensor (a warp per row for short rows), the class dimension last, one
+// template over the softmax kind. Each kernel makes two passes over a row: a
 // reduction (the forward's log-sum-exp; the backward's sum of the gradient, or of the gradient
 // times the result for softmax) that loads 16 bytes per load where the row allows, then the
 // elementwise pass, four elements per load and store (16 bytes of fp32, 8 of the reduced dtype),
@@ -24,7 +25,9 @@
 #include <cstdint>
 #include <limits>
 #include <mutex>
+#include <tuple>
 
+#include "ops/fused_cross_entropy.h"
 #include "ops/softmax_math.h"
 #include "ops/widened_softmax.h"
 
@@ -498,6 +501,128 @@ at::Tensor widened_softmax_backward_cuda(const at::Tensor& grad, const at::Tenso
   return grad_input;
 }
 
+// fused_cross_entropy's forward: a row's log-sum-exp as the softmax forward gathers it (without
+// keeping the row: nothing reads it again), then the row's loss from its target's logit, written
+// by the row's first lane with the row's statistics (maximum, log of the sum) for the backward.
+template <typename scalar_t, typename Rows>
+__global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)
+    fused_cross_entropy_kernel(const scalar_t* __restrict__ input,
+                               const int64_t* __restrict__ target, float* __restrict__ losses,
+                               float* __restrict__ row_stats, int64_t rows, int64_t cols,
+                               int64_t ignore_index) {
+  __shared__ RowLogSumExp parts[kMaxThreads / kWarp];
+  const int64_t row = Rows::row();
+  if (row >= rows) return;
+  const Lanes lanes = Rows::lanes();
+  const scalar_t* x = input + row * cols;
+  RowLogSumExp part = RowLogSumExp::empty();
+  for_each_of_row(x, cols, lanes, static_cast<scalar_t*>(nullptr),
+                  [&part](float v) { part.add(v); });
+  const RowLogSumExp all = Rows::merge(part, parts);
+  if (lanes.lane != 0) return;
+  const float log_sum = ::logf(all.sum);
+  const int64_t t = target[row];
+  float loss = 0.0f;
+  if (t != ignore_index) {
+    CUDA_KERNEL_ASSERT(t >= 0 && t < cols);  // torch's nll_loss asserts the same
+    loss = t >= 0 && t < cols ? -log_softmax_math(static_cast<float>(x[t]), all.max, log_sum)
+                              : std::numeric_limits<float>::quiet_NaN();
+  }
+  losses[row] = loss;
+  row_stats[2 * row] = all.max;
+  row_stats[2 * row + 1] = log_sum;
+}
+
+// fused_cross_entropy's backward: one elementwise pass over a row, reading the reduced logits and
+// writing their gradient in the same dtype, four elements per load and store (split by the
+// gradient's 8-byte boundaries; the logits' packs share them unless a tensor starts at an odd
+// offset into its storage).
+template <typename scalar_t, typename Rows>
+__global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)
+    fused_cross_entropy_backward_kernel(const float* __restrict__ grad,
+                                        const scalar_t* __restrict__ input,
+                                        const int64_t* __restrict__ target,
+                                        const float* __restrict__ row_stats,
+                                        scalar_t* __restrict__ grad_input, int64_t rows,
+                                        int64_t cols, int64_t ignore_index) {
+  const int64_t row = Rows::row();
+  if (row >= rows) return;
+  const int64_t t = target[row];
+  const float g = t == ignore_index ? 0.0f : grad[row];
+  const float row_max = row_stats[2 * row];
+  const float log_sum = row_stats[2 * row + 1];
+  const scalar_t* x = input + row * cols;
+  scalar_t* gi = grad_input + row * cols;
+  const auto grad_of = [=](float v, int64_t j) {
+    return static_cast<scalar_t>(cross_entropy_backward_math(v, row_max, log_sum, j == t, g));
+  };
+  const RowPacks split(cols, shift_of(gi, sizeof(scalar_t) * kQuad), kQuad);
+  const bool x_aligned = aligned_to(x + split.head, sizeof(scalar_t) * kQuad);
+  for_each_pack<kQuad, 4>(
+      split, cols, Rows::lanes(), [=](int64_t i) { gi[i] = grad_of(static_cast<float>(x[i]), i); },
+      [=](int64_t i) { return load_pack<scalar_t, kQuad>(x + i, x_aligned); },
+      [=](int64_t i, const Pack<scalar_t, kQuad>& in) {
+        Pack<scalar_t, kQuad> out;
+#pragma unroll
+        for (int j = 0; j < kQuad; ++j) out.v[j] = grad_of(static_cast<float>(in.v[j]), i + j);
+        store_quad(gi + i, out, true);
+      });
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_cross_entropy_cuda(const at::Tensor& self,
+                                                            const at::Tensor& target,
+                                                            int64_t ignore_index) {
+  const amp::detail::CrossEntropyRows shape =
+      amp::detail::checked_cross_entropy_rows(self, target, "fused_cross_entropy");
+  const int64_t rows = shape.rows;
+  const int64_t cols = shape.cols;
+  const RowLaunch launch = row_launch({rows, cols}, "fused_cross_entropy");
+  const c10::cuda::CUDAGuard device_guard(self.device());
+  const at::Tensor input = self.contiguous();
+  const at::Tensor targets = target.contiguous();
+  at::Tensor losses = at::empty({rows}, input.options().dtype(at::kFloat));
+  at::Tensor row_stats = at::empty({rows, 2}, input.options().dtype(at::kFloat));
+  if (rows == 0) return {losses, row_stats};
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(input.scalar_type(), "fused_cross_entropy", [&] {
+    launch_rows(launch, [&](auto rows_of) {
+      fused_cross_entropy_kernel<scalar_t, decltype(rows_of)>
+          <<<launch.blocks, launch.threads, 0, stream>>>(
+              input.const_data_ptr<scalar_t>(), targets.const_data_ptr<int64_t>(),
+              losses.mutable_data_ptr<float>(), row_stats.mutable_data_ptr<float>(), rows, cols,
+              ignore_index);
+    });
+  });
+  return {losses, row_stats};
+}
+
+at::Tensor fused_cross_entropy_backward_cuda(const at::Tensor& grad, const at::Tensor& self,
+                                             const at::Tensor& target, const at::Tensor& row_stats,
+                                             int64_t ignore_index) {
+  amp::detail::check_cross_entropy_backward(grad, self, target, row_stats);
+  const int64_t rows = self.size(0);
+  const int64_t cols = self.size(1);
+  const RowLaunch launch = row_launch({rows, cols}, "fused_cross_entropy_backward");
+  const c10::cuda::CUDAGuard device_guard(self.device());
+  const at::Tensor input = self.contiguous();
+  const at::Tensor g = grad.contiguous();
+  const at::Tensor targets = target.contiguous();
+  const at::Tensor stats = row_stats.contiguous();
+  at::Tensor grad_input = at::empty({rows, cols}, input.options());
+  if (rows == 0) return grad_input;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(input.scalar_type(), "fused_cross_entropy_backward", [&] {
+    launch_rows(launch, [&](auto rows_of) {
+      fused_cross_entropy_backward_kernel<scalar_t, decltype(rows_of)>
+          <<<launch.blocks, launch.threads, 0, stream>>>(
+              g.const_data_ptr<float>(), input.const_data_ptr<scalar_t>(),
+              targets.const_data_ptr<int64_t>(), stats.const_data_ptr<float>(),
+              grad_input.mutable_data_ptr<scalar_t>(), rows, cols, ignore_index);
+    });
+  });
+  return grad_input;
+}
+
 }  // namespace
 }  // namespace amp::ops::detail
 
@@ -509,4 +634,6 @@ TORCH_LIBRARY_IMPL(optamp, CUDA, m) {
          &ops::widened_softmax_backward_cuda<SoftmaxKind::kLogSoftmax>);
   m.impl("widened_softmax", &ops::widened_softmax_cuda<SoftmaxKind::kSoftmax>);
   m.impl("widened_softmax_backward", &ops::widened_softmax_backward_cuda<SoftmaxKind::kSoftmax>);
+  m.impl("fused_cross_entropy", &ops::fused_cross_entropy_cuda);
+  m.impl("fused_cross_entropy_backward", &ops::fused_cross_entropy_backward_cuda);
 }
