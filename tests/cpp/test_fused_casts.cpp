@@ -140,6 +140,39 @@ TEST(SoftmaxMath, ThePackWalkVisitsEveryElementOnceByItsLane) {
   expect_the_walk_covers_rows<8, 4>();  // 16-byte packs of bf16 (the reductions)
 }
 
+// fused_cross_entropy's CUDA math (ops::detail::cross_entropy_backward_math, from a row's merged
+// log-sum-exp as the kernels gather it): the gradient of cross_entropy's logits is torch's fp32
+// log_softmax backward of nll_loss's gradient, within fp32's rounding; an ignored row's (grad 0)
+// is zero, or NaN where the row holds a NaN, as torch's.
+TEST(SoftmaxMath, TheCrossEntropyGradientIsTorchsLogSoftmaxBackwardOfNllLoss) {
+  const int64_t cols = 300;
+  auto x = at::randn({6, cols}) * 8;
+  x[1] = x[1] + 1e4;
+  x[4][9] = std::numeric_limits<float>::quiet_NaN();
+  const auto target = at::randint(cols, {6}, at::kLong);
+  target[4] = -100;  // ignored, with a NaN in its row
+  target[5] = -100;
+  const auto g = at::rand({6}) + 0.5;
+  const auto log_probs = at::_log_softmax(x, 1, false);
+  const auto nll_grad = at::zeros_like(x).scatter_(
+      1, target.clamp_min(0).unsqueeze(1), (-g * (target != -100).to(at::kFloat)).unsqueeze(1));
+  const auto want = at::_log_softmax_backward_data(nll_grad, log_probs, 1, at::kFloat);
+  auto got = at::empty_like(x);
+  for (int64_t r = 0; r < x.size(0); ++r) {
+    auto row = ops::detail::RowLogSumExp::empty();
+    for (int64_t i = 0; i < cols; ++i) row.add(x[r][i].item<float>());
+    const int64_t t = target[r].item<int64_t>();
+    const float grad = t == -100 ? 0.0f : g[r].item<float>();
+    for (int64_t i = 0; i < cols; ++i) {
+      got[r][i] = ops::detail::cross_entropy_backward_math(x[r][i].item<float>(), row.max,
+                                                           std::log(row.sum), i == t, grad);
+    }
+  }
+  EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-7, /*equal_nan=*/true));
+  EXPECT_TRUE(got[4].isnan().all().item<bool>());
+  EXPECT_TRUE(got[5].eq(0).all().item<bool>());
+}
+
 // Where a block-per-row forward keeps its row in shared memory (ops::detail::kept_row_bytes): the
 // row and one 16-byte pack more (the row is kept at its offset into a pack), only where two such
 // blocks fit an SM. The limits are cudaDeviceProp's of an H100/H200 and of an A100, and the
