@@ -1,16 +1,19 @@
 #!/usr/bin/env python
-"""The fp32 list's softmaxes of reduced input on their own: optamp's kernels against torch's.
+"""The fp32 list's softmaxes and loss of reduced input on their own: optamp's kernels against
+torch's.
 
-log_softmax at GPT-2 small's logits (batch 8 x 512 tokens = 4096 rows of 50257 classes) and
-softmax at attention scores written out (batch 8 x 12 heads x 1024 tokens = 98304 rows of 1024
-keys), per pass (forward, backward) and dtype (bf16, fp16):
-  optamp   torch.ops.optamp.widened_log_softmax / widened_softmax and their backwards (read the
-           reduced input)
-  native   x.float().log_softmax(-1) (.softmax(-1)), its backward then .to(dtype) (native
-           autocast's fp32 rule: a widened copy first, a narrowing pass after the backward)
-  h2f      torch._log_softmax(x, -1, half_to_float=True) (torch._softmax) and its backward (fp16
-           only: torch's own reduced-to-fp32 kernel, which Apex's lists get from torch for fp16 on
-           CUDA; CUDA only)
+log_softmax and cross_entropy (mean, class-index targets) at GPT-2 small's logits (batch 8 x 512
+tokens = 4096 rows of 50257 classes) and softmax at attention scores written out (batch 8 x 12
+heads x 1024 tokens = 98304 rows of 1024 keys), per pass (forward, backward) and dtype (bf16,
+fp16):
+  optamp   torch.ops.optamp.widened_log_softmax / widened_softmax / fused_cross_entropy and their
+           backwards (read the reduced input; the loss without log-probabilities)
+  native   x.float().log_softmax(-1) (.softmax(-1); for the loss nll_loss of it), its backward
+           then .to(dtype) (native autocast's fp32 rule: a widened copy first, a narrowing pass
+           after the backward)
+  h2f      torch._log_softmax(x, -1, half_to_float=True) (torch._softmax; for the loss nll_loss
+           of it) and its backward (fp16 only: torch's own reduced-to-fp32 kernel, which Apex's
+           lists get from torch for fp16 on CUDA; CUDA only)
 Methods are interleaved round by round; the median per call is reported, with each method's
 time over optamp's (above 1: optamp faster). Values are checked against native's (the largest
 difference is printed). The training benchmarks' kernel lines say what this costs in a step; this
@@ -29,6 +32,38 @@ import torch
 import optamp  # noqa: F401  (registers torch.ops.optamp)
 
 OPS = torch.ops.optamp
+
+
+def loss_methods(dtype, device, target):
+    """name -> (forward(x), backward(g, saved)) of the mean cross_entropy of `target`: forward
+    returns (loss, what its backward needs), backward the gradient of the logits in `dtype`."""
+    rows = target.numel()
+
+    def pair(half_to_float):
+        def forward(x):
+            logp = torch._log_softmax(x if half_to_float else x.float(), -1, half_to_float)
+            loss, total = torch.ops.aten.nll_loss_forward(logp, target, None, 1, -100)
+            return loss, (logp, total)
+
+        def backward(g, saved):
+            logp, total = saved
+            dense = torch.ops.aten.nll_loss_backward(g, logp, target, None, 1, -100, total)
+            grad = torch._log_softmax_backward_data(dense, logp, -1,
+                                                    dtype if half_to_float else torch.float32)
+            return grad.to(dtype)
+        return forward, backward
+
+    def ours_forward(x):
+        losses, stats = OPS.fused_cross_entropy(x, target, -100)
+        return losses.mean(), (x, stats)
+
+    def ours_backward(g, saved):
+        x, stats = saved
+        return OPS.fused_cross_entropy_backward(g.expand(rows) / rows, x, target, stats, -100)
+    table = {"optamp": (ours_forward, ours_backward), "native": pair(False)}
+    if dtype == torch.float16 and device.type == "cuda":
+        table["h2f"] = pair(True)
+    return table
 
 
 def methods(kind, dtype, device):
@@ -69,13 +104,20 @@ def measure(kind, rows, cols, dtype, args, device):
     difference."""
     torch.manual_seed(0)
     x = (torch.randn(rows, cols, device=device) * 4).to(dtype)
-    g = torch.randn(rows, cols, device=device) / cols
-    table = methods(kind, dtype, device)
-    out = table["native"][0](x)
+    if kind == "cross_entropy":
+        g = torch.ones((), device=device)
+        table = loss_methods(dtype, device, torch.randint(cols, (rows,), device=device))
+        saved = {name: forward(x)[1] for name, (forward, _) in table.items()}
+        out = table["native"][0](x)[0]
+    else:
+        g = torch.randn(rows, cols, device=device) / cols
+        table = methods(kind, dtype, device)
+        out = table["native"][0](x)
+        saved = {name: out for name in table}
     calls = {}
     for name, (forward, backward) in table.items():
         calls[("forward", name)] = (lambda f=forward: f(x))
-        calls[("backward", name)] = (lambda b=backward: b(g, out))
+        calls[("backward", name)] = (lambda b=backward, s=saved[name]: b(g, s))
     for fn in calls.values():  # warm-up: allocations, kernel loads
         fn()
     times = {key: [] for key in calls}
@@ -92,9 +134,11 @@ def measure(kind, rows, cols, dtype, args, device):
                 theirs = statistics.median(times[(pass_, name)])
                 parts.append(f"{name} {theirs * 1e3:.3f} ms ({theirs / ours:.2f}x)")
         lines.append(f"{kind} {name_of} {pass_} [{rows} x {cols}]: " + ", ".join(parts))
-    forward_diff = (table["optamp"][0](x) - out).abs().max().item()
-    backward_diff = (table["optamp"][1](g, out).float() -
-                     table["native"][1](g, out).float()).abs().max().item()
+    ours_out = table["optamp"][0](x)
+    ours_out = ours_out[0] if kind == "cross_entropy" else ours_out
+    forward_diff = (ours_out - out).abs().max().item()
+    backward_diff = (table["optamp"][1](g, saved["optamp"]).float() -
+                     table["native"][1](g, saved["native"]).float()).abs().max().item()
     lines.append(f"{kind} {name_of} values: largest difference from native's forward "
                  f"{forward_diff:.2e}, backward {backward_diff:.2e}")
     return lines
@@ -113,7 +157,8 @@ def main():
     device = torch.device(args.device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"device: {where}, torch {torch.__version__}")
-    shapes = {"log_softmax": (args.rows, args.cols), "softmax": (args.attention_rows, args.keys)}
+    shapes = {"log_softmax": (args.rows, args.cols), "cross_entropy": (args.rows, args.cols),
+              "softmax": (args.attention_rows, args.keys)}
     for kind, (rows, cols) in shapes.items():
         for dtype in (torch.bfloat16, torch.float16):
             for line in measure(kind, rows, cols, dtype, args, device):

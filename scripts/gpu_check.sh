@@ -153,15 +153,15 @@ run_benchmarks() {
     done)
   write_summary
 }
-# The fp32 list's softmax kernels alone, log_softmax at GPT-2's logits and softmax at attention
-# scores (benchmarks/bench_softmax_kernels.py, about 20 s): optamp's against torch's, per pass and
-# dtype; its lines go to the summary.
+# The fp32 list's softmax kernels alone, log_softmax and cross_entropy at GPT-2's logits and softmax
+# at attention scores (benchmarks/bench_softmax_kernels.py, about 30 s): optamp's against torch's,
+# per pass and dtype; its lines go to the summary.
 # shellcheck disable=SC2086
 run_softmax_kernels() {
   phase softmax_kernels "$PY" benchmarks/bench_softmax_kernels.py \
     --device "${GPU_CHECK_DEVICE:-cuda}" ${GPU_CHECK_SOFTMAX_KERNELS_ARGS:-}
   while IFS= read -r line; do targets+=("- softmax_kernels: $line"); done < <(
-    grep -E '^(log_softmax|softmax) ' "$LOGS/softmax_kernels.log")
+    grep -E '^(log_softmax|cross_entropy|softmax) ' "$LOGS/softmax_kernels.log")
   write_summary
 }
 run_ab() {

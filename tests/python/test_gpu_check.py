@@ -59,7 +59,7 @@ def test_the_softmax_kernels_phase_puts_its_lines_in_the_summary(tmp_path):
     """The phase the next GPU run adds (benchmarks/bench_softmax_kernels.py), dry-run on the CPU
     at a tiny size: it passes, and each kind's, dtype's and pass's timing line and the values'
     lines reach summary.md (on the CPU the ops run torch's own ops: no difference from native's
-    values)."""
+    values; the loss's CPU kernels are its formulas in other ops: within rounding)."""
     env = dict(os.environ, GPU_CHECK_PHASES="softmax_kernels", GPU_CHECK_DEVICE="cpu",
                GPU_CHECK_SOFTMAX_KERNELS_ARGS="--rows 6 --cols 1100 --attention-rows 5 "
                                               "--keys 1024 --reps 1 --rounds 1")
@@ -75,3 +75,10 @@ def test_the_softmax_kernels_phase_puts_its_lines_in_the_summary(tmp_path):
                 assert f"- softmax_kernels: {kind} {dtype} {pass_} {shape}: optamp " in summary
             assert (f"- softmax_kernels: {kind} {dtype} values: largest difference from native's "
                     "forward 0.00e+00, backward 0.00e+00") in summary
+    for dtype in ("bf16", "fp16"):
+        for pass_ in ("forward", "backward"):
+            assert f"- softmax_kernels: cross_entropy {dtype} {pass_} [6 x 1100]: optamp " in summary
+        line = next(line for line in summary.splitlines()
+                    if line.startswith(f"- softmax_kernels: cross_entropy {dtype} values: "))
+        forward, backward = (float(v.rstrip(",")) for v in line.split()[-3::2])
+        assert forward < 1e-5 and backward < 1e-5, line
