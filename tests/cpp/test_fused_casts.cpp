@@ -628,6 +628,12 @@ TEST_P(CrossEntropy, TheFusedLossIsTheCastPaths) {
   penalty(*detail::fused_cross_entropy(x, target, at::Reduction::Mean, -100, true), x);
   penalty(at::cross_entropy_loss(xr.to(at::kFloat), target), xr);
   expect_same(x.grad(), xr.grad(), "the second backward", /*exact=*/false);
+  // A target changed in place before the backward is refused, as torch's nll_loss refuses it.
+  auto changed = target.clone();
+  const auto loss = *detail::fused_cross_entropy(logits.clone().requires_grad_(), changed,
+                                                 at::Reduction::Mean, -100, true);
+  changed.zero_();
+  OPTAMP_EXPECT_THROW_WITH(loss.backward(), c10::Error, "modified by an inplace operation");
 }
 
 // Where the entry declines (the replacement then takes log_softmax + nll_loss), and what the ops

@@ -115,26 +115,29 @@ at::Tensor backward_by_torch_ops(const at::Tensor& grad, const at::Tensor& self,
 // reduced logits (half the bytes of the fp32 log-probabilities log_softmax would save), the
 // targets and two floats a row.
 struct FusedCrossEntropyBackward final : torch::autograd::Node {
-  torch::autograd::SavedVariable self;
-  at::Tensor target, row_stats;
+  // Saved as variables (torch's nll_loss saves its target so too): a target changed in place
+  // before the backward is refused instead of giving another gradient.
+  torch::autograd::SavedVariable self, target;
+  at::Tensor row_stats;
   int64_t ignore_index = -100;
 
   variable_list apply(variable_list&& grads) override {
     if (!grads[0].defined()) return {at::Tensor()};
     const at::Tensor x = self.unpack(shared_from_this());
+    const at::Tensor classes = target.unpack();
     if (c10::GradMode::is_enabled()) {
-      return {backward_by_torch_ops(grads[0], x, target, ignore_index)};
+      return {backward_by_torch_ops(grads[0], x, classes, ignore_index)};
     }
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("optamp::fused_cross_entropy_backward", "")
                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
                                                  const at::Tensor&, const at::Tensor&, int64_t)>();
-    return {op.call(grads[0].contiguous(), x, target, row_stats, ignore_index)};
+    return {op.call(grads[0].contiguous(), x, classes, row_stats, ignore_index)};
   }
   std::string name() const override { return "FusedCrossEntropyBackward"; }
   void release_variables() override {
     self.reset_data();
-    target.reset();
+    target.reset_data();
     row_stats.reset();
   }
 };
@@ -169,7 +172,7 @@ std::optional<at::Tensor> fused_cross_entropy(const at::Tensor& x, const at::Ten
                                                            torch::autograd::deleteNode);
     node->set_next_edges(torch::autograd::collect_next_edges(x));
     node->self = torch::autograd::SavedVariable(x, /*is_output=*/false);
-    node->target = target;
+    node->target = torch::autograd::SavedVariable(target, /*is_output=*/false);
     node->row_stats = row_stats;
     node->ignore_index = ignore_index;
     torch::autograd::set_history(losses, node);

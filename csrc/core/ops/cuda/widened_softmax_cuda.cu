@@ -153,6 +153,20 @@ __device__ void store_quad(T* p, const Pack<T, 4>& q, bool aligned) {
   for (int j = 0; j < 4; ++j) p[j] = q.v[j];
 }
 
+// A 16-byte pack stored into a row kept in shared memory (at a 16-byte boundary), written in PTX:
+// nvcc split half of these stores into narrower ones (2- and 4-byte stores, with bank conflicts,
+// seen in the PTX). The clobber keeps it before the barrier after which other threads read it.
+template <typename T, int N>
+__device__ void store_kept_pack(T* p, const Pack<T, N>& pack) {
+  static_assert(sizeof(pack) == 16, "a 16-byte pack");
+  uint4 raw;
+  memcpy(&raw, &pack, sizeof(raw));
+  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(raw.x), "r"(raw.y),
+               "r"(raw.z), "r"(raw.w)
+               : "memory");
+}
+
 // The row's element count in the pack that `p` starts in: RowPacks' shift for packs of `bytes`.
 template <typename T>
 __device__ int64_t shift_of(const T* p, size_t bytes) {
@@ -180,7 +194,7 @@ __device__ void for_each_of_row(const scalar_t* row, int64_t cols, Lanes lanes, 
       },
       [row](int64_t i) { return load_pack<scalar_t, kVec>(row + i, true); },
       [keep, &use](int64_t i, const RowPack& pack) {
-        if (keep != nullptr) *reinterpret_cast<RowPack*>(keep + i) = pack;
+        if (keep != nullptr) store_kept_pack(keep + i, pack);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) use(static_cast<float>(pack.v[j]));
       });
@@ -428,24 +442,14 @@ void launch_rows(const RowLaunch& launch, Launch&& launch_with) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The shared memory a block-per-row forward keeps a row of `cols` elements of `x` in (0: none).
-int64_t kept_row_bytes_for(const at::Tensor& x, const RowLaunch& launch) {
-  if (launch.warp_per_row) return 0;
-  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(x.get_device());
-  const SharedMemoryLimits limits{
-      static_cast<int64_t>(prop->sharedMemPerBlockOptin),
-      static_cast<int64_t>(prop->sharedMemPerMultiprocessor),
-      static_cast<int64_t>(prop->reservedSharedMemPerBlock),
-      static_cast<int64_t>(sizeof(RowLogSumExp) * (kMaxThreads / kWarp))};
-  return kept_row_bytes(launch.cols, x.element_size(), kBlocksPerSm, limits);
-}
-
-// Lets the block-per-row forward take the device's opt-in shared memory (above the 48 KB a launch
-// may take by default; the dynamic part may not exceed it less the kernel's static part): once
-// per kernel and device, so that later launches, captured ones among them, make no such call.
+// Lets the block-per-row forward of `Kind` and `scalar_t` take the device's opt-in shared memory
+// (above the 48 KB a launch may take by default; the dynamic part may not exceed it less the
+// kernel's static part) and returns that static part: the attribute is set once per kernel and
+// device, so that later launches, captured ones among them, make no such call.
 template <SoftmaxKind Kind, typename scalar_t>
-void allow_kept_rows(c10::DeviceIndex device) {
+int64_t prepare_kept_rows(c10::DeviceIndex device) {
   static std::array<std::once_flag, C10_COMPILE_TIME_MAX_GPUS> once;
+  static std::array<int64_t, C10_COMPILE_TIME_MAX_GPUS> static_bytes{};
   std::call_once(once.at(device), [device] {
     const auto kernel = KernelsOf<Kind>::template forward<scalar_t, BlockPerRow>();
     cudaFuncAttributes attributes{};
@@ -453,7 +457,22 @@ void allow_kept_rows(c10::DeviceIndex device) {
     const auto optin = at::cuda::getDeviceProperties(device)->sharedMemPerBlockOptin;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(optin - attributes.sharedSizeBytes)));
+    static_bytes.at(device) = static_cast<int64_t>(attributes.sharedSizeBytes);
   });
+  return static_bytes.at(device);
+}
+
+// The shared memory a block-per-row forward keeps its rows of `x` in (0: none).
+template <SoftmaxKind Kind, typename scalar_t>
+int64_t kept_row_bytes_for(const at::Tensor& x, const RowLaunch& launch) {
+  if (launch.warp_per_row) return 0;
+  const c10::DeviceIndex device = x.get_device();
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
+  const SharedMemoryLimits limits{static_cast<int64_t>(prop->sharedMemPerBlockOptin),
+                                  static_cast<int64_t>(prop->sharedMemPerMultiprocessor),
+                                  static_cast<int64_t>(prop->reservedSharedMemPerBlock),
+                                  prepare_kept_rows<Kind, scalar_t>(device)};
+  return kept_row_bytes(launch.cols, x.element_size(), kBlocksPerSm, limits);
 }
 
 template <SoftmaxKind Kind>
@@ -465,9 +484,8 @@ at::Tensor widened_softmax_cuda(const at::Tensor& self, int64_t dim) {
   at::Tensor output = at::empty(input.sizes(), input.options().dtype(at::kFloat));
   if (launch.rows == 0) return output;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const int64_t kept_bytes = kept_row_bytes_for(input, launch);
   AT_DISPATCH_REDUCED_FLOATING_TYPES(input.scalar_type(), "widened_softmax", [&] {
-    if (kept_bytes > 0) allow_kept_rows<Kind, scalar_t>(input.get_device());
+    const int64_t kept_bytes = kept_row_bytes_for<Kind, scalar_t>(input, launch);
     launch_rows(launch, [&](auto rows) {
       const auto kernel = KernelsOf<Kind>::template forward<scalar_t, decltype(rows)>();
       kernel<<<launch.blocks, launch.threads, kept_bytes, stream>>>(
