@@ -67,22 +67,19 @@ struct Fused<at::_ops::cross_entropy_loss> {
         self.sym_sizes() == target.sym_sizes()) {
       return std::nullopt;
     }
-    if (self.is_cuda() && (!weight || !weight->defined())) {
-      if (const auto ignore = ignore_index.maybe_as_int()) {
-        if (auto loss =
-                fused_cross_entropy(self, target, reduction, *ignore, records_autograd_now())) {
-          k.log_cast(self.scalar_type(), p);
-          count_cast();  // the widening of the logits, as the cast it replaces counted
-          return loss;
-        }
-      }
-    }
     std::optional<at::Tensor> cast_weight = weight;
     if (weight) {
       if (auto cast = k.cast_argument(*weight, p)) cast_weight = std::move(cast);
     }
     k.log_cast(self.scalar_type(), p);
     count_cast();  // the widening of the logits, as the cast it replaces counted
+    const auto ignore = ignore_index.maybe_as_int();
+    if (self.is_cuda() && (!weight || !weight->defined()) && ignore) {
+      if (auto loss =
+              fused_cross_entropy(self, target, reduction, *ignore, records_autograd_now())) {
+        return loss;
+      }
+    }
     const int64_t class_dim = self.dim() == 1 ? 0 : 1;
     std::optional<at::Tensor> log_probs =
         widened_log_softmax(self, class_dim, records_autograd_now());
