@@ -44,8 +44,7 @@ std::optional<at::Tensor> take_copy(Companion& slot) {
   at::Tensor copy;
   if (slot.copy.defined()) {
     slot.taken.emplace(slot.copy.getIntrusivePtr());
-    copy = std::move(slot.copy);
-    slot.copy = at::Tensor();
+    copy = std::exchange(slot.copy, at::Tensor());
   } else if (slot.taken) {
     auto impl = slot.taken->lock();
     if (!impl) return std::nullopt;
