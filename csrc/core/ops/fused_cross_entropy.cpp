@@ -152,6 +152,14 @@ bool applies(const at::Tensor& x, const at::Tensor& target, int64_t reduction) {
          is_plain_for_autograd(x);
 }
 
+// The count of rows not ignored, as fp32 on the target's device. The comparison writes fp32
+// itself: counting its bool result would widen it to int64 first, a copy and a kernel more.
+at::Tensor rows_not_ignored(const at::Tensor& target, int64_t ignore_index) {
+  at::Tensor valid = at::empty(target.sizes(), target.options().dtype(at::kFloat));
+  at::ne_out(valid, target, ignore_index);
+  return valid.sum();
+}
+
 }  // namespace
 
 std::optional<at::Tensor> fused_cross_entropy(const at::Tensor& x, const at::Tensor& target,
@@ -180,7 +188,7 @@ std::optional<at::Tensor> fused_cross_entropy(const at::Tensor& x, const at::Ten
   if (reduction == at::Reduction::None) return losses;
   if (reduction == at::Reduction::Sum) return losses.sum();
   // torch's mean: over the rows not ignored (0 / 0, NaN, when every row is), read on the device.
-  return losses.sum() / (target != ignore_index).sum();
+  return losses.sum() / rows_not_ignored(target, ignore_index);
 }
 
 }  // namespace amp::detail
