@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -140,6 +141,40 @@ TEST(SoftmaxMath, ThePackWalkVisitsEveryElementOnceByItsLane) {
   expect_the_walk_covers_rows<8, 4>();  // 16-byte packs of bf16 (the reductions)
 }
 
+// A pack's elements added at once (RowLogSumExp::add_pack, the reductions' way) give what they give
+// added one by one, within fp32's rounding, the values torch treats specially among them: a pack of
+// only -inf adds nothing (also to an empty part), a NaN or +inf anywhere turns the sum NaN (also
+// beside -inf), a later pack's larger maximum rescales the sum.
+TEST(SoftmaxMath, APackAddsWhatItsElementsAddOneByOne) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+  using Pack = std::array<float, 4>;
+  const std::vector<std::vector<Pack>> rows = {
+      {{1, 2, 3, 4}, {10, -3, 0.5f, 7}, {-20, 30, 1, 2}},  // the maximum grows twice
+      {{-kInf, -kInf, -kInf, -kInf}, {1, -kInf, 2, 0}},    // nothing, then a part
+      {{-kInf, -kInf, -kInf, -kInf}},                      // only -inf: the empty part
+      {{-kInf, kNaN, -kInf, -kInf}, {1, 2, 3, 4}},         // NaN beside -inf: NaN
+      {{1, 2, kNaN, 4}, {5, 6, 7, 8}},                     // NaN: NaN
+      {{1, 2, 3, 4}, {5, kInf, 7, 8}},                     // +inf: NaN
+      {{1e4f, 1e4f + 1, -1e4f, 0}, {3, 2, 1, 0}},          // large values: the maximum matters
+  };
+  for (size_t r = 0; r < rows.size(); ++r) {
+    auto by_pack = ops::detail::RowLogSumExp::empty();
+    auto one_by_one = ops::detail::RowLogSumExp::empty();
+    for (const Pack& pack : rows[r]) {
+      float values[4];
+      std::copy(pack.begin(), pack.end(), values);
+      by_pack.add_pack(values);
+      for (const float v : pack) one_by_one.add(v);
+    }
+    const std::string row = "row " + std::to_string(r);
+    EXPECT_EQ(std::isnan(by_pack.sum), std::isnan(one_by_one.sum)) << row;
+    if (std::isnan(one_by_one.sum)) continue;
+    EXPECT_EQ(by_pack.max, one_by_one.max) << row;
+    EXPECT_NEAR(by_pack.sum, one_by_one.sum, 1e-6 * one_by_one.sum) << row;
+  }
+}
+
 // fused_cross_entropy's CUDA math (ops::detail::cross_entropy_backward_math, from a row's merged
 // log-sum-exp as the kernels gather it): the gradient of cross_entropy's logits is torch's fp32
 // log_softmax backward of nll_loss's gradient, within fp32's rounding; an ignored row's (grad 0)
@@ -224,10 +259,22 @@ TEST(SoftmaxMath, MergedPartsMatchTorchsFp32Kernels) {
     const ops::detail::RowPacks grads(cols, shift % 4, 4);
     for (int64_t r = 0; r < x.size(0); ++r) {
       std::vector<ops::detail::RowLogSumExp> parts(threads, ops::detail::RowLogSumExp::empty());
+      const auto row_values = x[r].contiguous();
+      const float* values = row_values.const_data_ptr<float>();
+      for (int64_t lane = 0; lane < threads; ++lane) {  // as the reductions walk a row: by packs
+        auto& part = parts[lane];
+        ops::detail::for_each_pack<8, 4>(
+            logits, cols, ops::detail::Lanes{lane, threads},
+            [&](int64_t i) { part.add(values[i]); }, [](int64_t i) { return i; },
+            [&](int64_t i, int64_t) {
+              float pack[8];
+              std::copy(values + i, values + i + 8, pack);
+              part.add_pack(pack);
+            });
+      }
       std::vector<float> grad_parts(threads, 0.0f);
       std::vector<float> dot_parts(threads, 0.0f);  // softmax's: grad * out
       for (int64_t i = 0; i < cols; ++i) {
-        parts[logits.lane_of(i, threads, 8)].add(x[r][i].item<float>());
         grad_parts[grads.lane_of(i, threads, 4)] += g[r][i].item<float>();
         dot_parts[grads.lane_of(i, threads, 4)] +=
             g[r][i].item<float>() * want_soft[r][i].item<float>();

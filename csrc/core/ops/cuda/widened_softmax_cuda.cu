@@ -1,18 +1,19 @@
 // CUDA kernels of optamp::widened_log_softmax, optamp::widened_softmax, optamp::fused_cross_entropy
 // and their backwards (ops/widened_softmax.h, ops/fused_cross_entropy.h): one block per row of a
 // contiguous [rows, cols] tensor (a warp per row for short rows), the class dimension last, one
-// template over the softmax kind. Each kernel makes two passes over a row: a
-// reduction (the forward's log-sum-exp; the backward's sum of the gradient, or of the gradient
-// times the result for softmax) that loads 16 bytes per load where the row allows, then the
-// elementwise pass, four elements per load and store (16 bytes of fp32, 8 of the reduced dtype),
-// split by the fp32 array's 16-byte boundaries: a row starts at different offsets into a 16-byte
-// pack in its fp32 and its reduced array (GPT-2's 50257 classes are odd), and the fp32 side moves
-// twice the bytes. RowPacks (ops/softmax_math.h) says which lane takes which element;
-// tests/cpp/test_fused_casts.cpp's SoftmaxMath tests merge a row's parts in that order. The
-// forward reads the reduced row once where a block per row can keep it in shared memory
-// (kept_row_bytes: a GPT-2 row, 100 KB, on an H100 or H200), else twice (mostly from L2 the second
-// time), and writes fp32; the backward reads its fp32 rows twice (log_softmax's reduction reads
-// the gradient alone) and writes the reduced gradient. The row math is ops/softmax_math.h's.
+// template over the softmax kind. Each kernel makes two passes over a row: a reduction (the
+// forward's log-sum-exp; the backward's sum of the gradient, or of the gradient times the result
+// for softmax) that loads 16 bytes per load where the row allows (the log-sum-exp merges such a
+// pack at once: RowLogSumExp::add_pack), then the elementwise pass, four elements per load and
+// store (16 bytes of fp32, 8 of the reduced dtype), split by the fp32 array's 16-byte boundaries: a
+// row starts at different offsets into a 16-byte pack in its fp32 and its reduced array (GPT-2's
+// 50257 classes are odd), and the fp32 side moves twice the bytes. RowPacks (ops/softmax_math.h)
+// says which lane takes which element; tests/cpp/test_fused_casts.cpp's SoftmaxMath tests merge a
+// row's parts in that order. The forward reads the reduced row once where a block per row can keep
+// it in shared memory (kept_row_bytes: a GPT-2 row, 100 KB, on an H100 or H200), else twice (mostly
+// from L2 the second time), and writes fp32; the backward reads its fp32 rows twice (log_softmax's
+// reduction reads the gradient alone) and writes the reduced gradient. The row math is
+// ops/softmax_math.h's.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -173,30 +174,33 @@ __device__ int64_t shift_of(const T* p, size_t bytes) {
   return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p) % bytes / sizeof(T));
 }
 
-// The reductions: calls use(value) for the elements of `row` that RowPacks gives this lane when
-// it loads 16 bytes at a time, and stores what it loads at keep[i] unless `keep` is null (a row
+// The reductions: adds to `part` (a RowLogSumExp or RowSum) the elements of `row` that RowPacks
+// gives this lane when it loads 16 bytes at a time, a pack's with add_pack (its exps independent
+// of each other), and stores what it loads at keep[i] unless `keep` is null (a row
 // kept in shared memory at the row's own offset into a 16-byte pack, so a pack stores as it
 // loads). Measured on an H200 (GPT-2's 4096 x 50257 bf16 logits): with 2-byte loads the forward
 // took 0.86 ms per step where torch's own fp16-to-fp32 kernel, whose reductions load 16 bytes at a
 // time, takes 0.51 ms.
-template <typename scalar_t, typename Use>
+template <typename scalar_t, typename Part>
 __device__ void for_each_of_row(const scalar_t* row, int64_t cols, Lanes lanes, scalar_t* keep,
-                                Use use) {
+                                Part& part) {
   constexpr int kVec = 16 / sizeof(scalar_t);
   using RowPack = Pack<scalar_t, kVec>;
   const RowPacks split(cols, shift_of(row, 16), kVec);
   for_each_pack<kVec, 4>(
       split, cols, lanes,
-      [row, keep, &use](int64_t i) {
+      [row, keep, &part](int64_t i) {
         const scalar_t v = row[i];
         if (keep != nullptr) keep[i] = v;
-        use(static_cast<float>(v));
+        part.add(static_cast<float>(v));
       },
       [row](int64_t i) { return load_pack<scalar_t, kVec>(row + i, true); },
-      [keep, &use](int64_t i, const RowPack& pack) {
+      [keep, &part](int64_t i, const RowPack& pack) {
         if (keep != nullptr) store_kept_pack(keep + i, pack);
+        float values[kVec];
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) use(static_cast<float>(pack.v[j]));
+        for (int j = 0; j < kVec; ++j) values[j] = static_cast<float>(pack.v[j]);
+        part.add_pack(values);
       });
 }
 
@@ -235,7 +239,7 @@ __device__ __forceinline__ void softmax_forward_row(const scalar_t* __restrict__
   float* y = output + row * cols;
   scalar_t* keep = kept == nullptr ? nullptr : kept + shift_of(x, 16);
   RowLogSumExp part = RowLogSumExp::empty();
-  for_each_of_row(x, cols, lanes, keep, [&part](float v) { part.add(v); });
+  for_each_of_row(x, cols, lanes, keep, part);
   const RowResult<Kind> result(merge(part));
   const RowPacks split(cols, shift_of(y, 16), kQuad);
   const bool x_aligned = aligned_to(x + split.head, sizeof(scalar_t) * kQuad);
@@ -285,8 +289,9 @@ __device__ float backward_row_sum(const GradAndResultRows& rows, int64_t cols, L
                                   Merge merge) {
   float part = 0.0f;
   if (Kind == kLog) {
-    for_each_of_row(rows.g, cols, lanes, static_cast<float*>(nullptr),
-                    [&part](float v) { part += v; });
+    RowSum sum{0.0f};
+    for_each_of_row(rows.g, cols, lanes, static_cast<float*>(nullptr), sum);
+    part = sum.sum;
   } else {
     for_each_pack<kQuad, 2>(
         rows.split, cols, lanes, [&](int64_t i) { part += rows.g[i] * rows.out[i]; },
@@ -534,8 +539,7 @@ __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)
   const Lanes lanes = Rows::lanes();
   const scalar_t* x = input + row * cols;
   RowLogSumExp part = RowLogSumExp::empty();
-  for_each_of_row(x, cols, lanes, static_cast<scalar_t*>(nullptr),
-                  [&part](float v) { part.add(v); });
+  for_each_of_row(x, cols, lanes, static_cast<scalar_t*>(nullptr), part);
   const RowLogSumExp all = Rows::merge(part, parts);
   if (lanes.lane != 0) return;
   const float log_sum = ::logf(all.sum);
