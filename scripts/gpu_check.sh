@@ -22,12 +22,14 @@
 # GPU_CHECK_CHAR_GPT_AB_ARGS (default "--levels O0,O1,O2,O4,O5 --seeds 1 --precision-steps 2")
 # and GPU_CHECK_CHAR_GPT_ARGS (the trainer's, default "--steps 200") for the char-GPT A/B,
 # GPU_CHECK_MINUTES (default 9), GPU_CHECK_PHASES (which phases, in order, comma-separated;
-# default all: bootstrap,build,ctest,cmake_compat,pytest_cuda,softmax_kernels,benchmarks,ab,
-# ab_char_gpt,pytest_cpu; the pytest phases run in what is left of the budget),
+# default all: bootstrap,build,ctest,cmake_compat,pytest_cuda,softmax_kernels,kernel_profile,
+# benchmarks,ab,ab_char_gpt,pytest_cpu; the pytest phases run in what is left of the budget),
 # GPU_CHECK_CMAKE_ARGS (added to the configure's arguments, e.g. -DOPTAMP_BUILD_TESTS=OFF for a
 # run without ctest), GPU_CHECK_PYTEST_CUDA_SECONDS (the most the needs_cuda pytests may take;
 # default: the budget), GPU_CHECK_SOFTMAX_KERNELS_ARGS (benchmarks/bench_softmax_kernels.py's,
-# e.g. "--rows 8 --attention-rows 8" for a dry run),
+# e.g. "--rows 8 --attention-rows 8" for a dry run; the kernel profile's too),
+# GPU_CHECK_PROFILE_KERNELS, GPU_CHECK_PROFILE_LAUNCHES, GPU_CHECK_PROFILE_SECONDS (the kernel
+# profile's kernel-name regex, launches, time limit: default optamp's loss and log_softmax, 8, 120),
 # GPU_CHECK_CTEST_ARGS (added to ctest's, e.g. -R "CUDA|packaging" for the GPU tests alone).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -166,6 +168,30 @@ run_softmax_kernels() {
     grep -E '^(log_softmax|cross_entropy|softmax) ' "$LOGS/softmax_kernels.log")
   write_summary
 }
+# The loss's and log_softmax's kernels under Nsight Compute (ncu, where the machine has it and can
+# read the counters): each kernel's duration, memory and SM throughput and what its warps wait on,
+# so that a kernel below the memory's speed is explained from counters, not from timings alone.
+# One round of the softmax kernels' benchmark, the first GPU_CHECK_PROFILE_LAUNCHES (default 8)
+# launches of optamp's kernels; the clocks as the card has them (--clock-control none).
+run_kernel_profile() {
+  if ! command -v ncu >/dev/null; then
+    rows+=("| kernel_profile | not run: no ncu on this machine | 0 | 0 | 0 | 0 |")
+    return 0
+  fi
+  # shellcheck disable=SC2086
+  phase kernel_profile timeout --kill-after=10 "${GPU_CHECK_PROFILE_SECONDS:-120}" \
+    ncu --clock-control none --target-processes all \
+    -k "regex:${GPU_CHECK_PROFILE_KERNELS:-fused_cross_entropy|widened_log_softmax}" \
+    -c "${GPU_CHECK_PROFILE_LAUNCHES:-8}" --section SpeedOfLight --section WarpStateStats \
+    --section Occupancy "$PY" benchmarks/bench_softmax_kernels.py --rounds 1 --reps 1 \
+    ${GPU_CHECK_SOFTMAX_KERNELS_ARGS:-}
+  local metrics='Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput'
+  metrics+='|Achieved Occupancy|Warp Cycles Per Issued Instruction'
+  while IFS= read -r line; do targets+=("- kernel_profile: $line"); done < <(
+    grep -E "_kernel|^ +($metrics) " "$LOGS/kernel_profile.log" |
+      sed -E 's/^ +//; s/ {2,}/ /g' | cut -c1-160)
+  write_summary
+}
 run_ab() {
   # shellcheck disable=SC2086
   phase ab bash scripts/ab_test.sh --device "${GPU_CHECK_DEVICE:-cuda}" "${data_args[@]}" \
@@ -189,7 +215,8 @@ run_pytest_cpu() { pytest_phase pytest_cpu "" -m "not needs_cuda"; }
 export PYTHONPATH="$OPTAMP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 # GPU_CHECK_PHASES: which phases, in order. By default the CUDA tests come first (if time runs
 # out, their result is already in) and the CPU tests last.
-all_phases=bootstrap,build,ctest,cmake_compat,pytest_cuda,softmax_kernels,benchmarks,ab,ab_char_gpt,pytest_cpu
+all_phases=bootstrap,build,ctest,cmake_compat,pytest_cuda,softmax_kernels,kernel_profile
+all_phases+=,benchmarks,ab,ab_char_gpt,pytest_cpu
 IFS=, read -r -a phases <<<"${GPU_CHECK_PHASES:-$all_phases}"
 PY=""
 for name in "${phases[@]}"; do

@@ -23,7 +23,7 @@ runner_counts() {
     p=1
   fi
   # A runner that failed without counting a failure is one failure; one stopped at the time
-  # budget (timeout's 124: pytest prints what it finished) is not.
-  [[ $rc -ne 0 && $rc -ne 124 && $f -eq 0 ]] && f=1
+  # budget (timeout's 124, or 137 where it had to kill: pytest prints what it finished) is not.
+  [[ $rc -ne 0 && $rc -ne 124 && $rc -ne 137 && $f -eq 0 ]] && f=1
   echo "$p $f $s"
 }

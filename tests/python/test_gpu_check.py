@@ -43,6 +43,7 @@ CTEST_DISABLED = CTEST4.replace("(Skipped)", "(Disabled)")
     ("E\n1 passed, 2 errors in 0.50s\n", 1, (1, 2, 0)),
     ("====== 7 passed, 3 deselected in 0.20s ======\n", 0, (7, 0, 0)),
     ("!!! KeyboardInterrupt !!!\n12 passed in 30.00s\n", 124, (12, 0, 0)),  # cut at the budget
+    ("round 3 of 5\n", 137, (0, 0, 0)),  # killed 15 s after the budget's interrupt: not a failure
     ("no tests ran in 0.00s\nERROR: file or directory not found: or\n", 4, (0, 1, 0)),
     ("[58/58] Linking CXX executable x\n", 0, (1, 0, 0)),  # a phase without a runner
     ("ninja: build stopped: subcommand failed.\n", 1, (0, 1, 0)),
@@ -82,3 +83,57 @@ def test_the_softmax_kernels_phase_puts_its_lines_in_the_summary(tmp_path):
                     if line.startswith(f"- softmax_kernels: cross_entropy {dtype} values: "))
         forward, backward = (float(v.rstrip(",")) for v in line.split()[-3::2])
         assert forward < 1e-5 and backward < 1e-5, line
+
+
+NCU_OUTPUT = """\
+==PROF== Connected to process 4242
+  void amp::ops::detail::fused_cross_entropy_kernel<c10::BFloat16, amp::ops::detail::BlockPerRow>\
+(const T1 *, const long *, float *, float *, long, long, long) (4096, 1, 1)x(512, 1, 1), Context 1
+    Section: GPU Speed Of Light Throughput
+    ----------------------- ----------- ------------
+    Metric Name             Metric Unit Metric Value
+    ----------------------- ----------- ------------
+    DRAM Frequency                  Ghz         3.20
+    Memory Throughput                 %        21.50
+    DRAM Throughput                   %        21.50
+    Duration                         us       417.31
+    Compute (SM) Throughput           %        63.02
+    Section: Warp State Statistics
+    Warp Cycles Per Issued Instruction        cycle        25.10
+    Section: Occupancy
+    Achieved Occupancy                    %        93.40
+==PROF== Disconnected from process 4242
+"""
+
+
+def test_the_kernel_profile_phase_puts_each_kernels_counters_in_the_summary(tmp_path):
+    """The kernel profile (Nsight Compute over the softmax kernels' benchmark) on a machine with
+    ncu: each kernel's name and its duration, throughputs, occupancy and cycles per issued
+    instruction reach summary.md, one line each (an ncu that prints what the real one prints
+    stands in for it here); on a machine without ncu the phase says so and passes."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    ncu = fake / "ncu"
+    ncu.write_text("#!/bin/sh\ncat <<'EOF'\n" + NCU_OUTPUT + "EOF\n")
+    ncu.chmod(0o755)
+    env = dict(os.environ, GPU_CHECK_PHASES="kernel_profile", GPU_CHECK_DEVICE="cpu",
+               PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = (out / "summary.md").read_text()
+    assert "| kernel_profile | ok |" in summary
+    lines = [line for line in summary.splitlines() if line.startswith("- kernel_profile: ")]
+    assert lines[0].startswith("- kernel_profile: void amp::ops::detail::fused_cross_entropy_kernel<")
+    assert lines[1:] == ["- kernel_profile: " + m for m in (
+        "Memory Throughput % 21.50", "DRAM Throughput % 21.50", "Duration us 417.31",
+        "Compute (SM) Throughput % 63.02", "Warp Cycles Per Issued Instruction cycle 25.10",
+        "Achieved Occupancy % 93.40")]
+
+    env["PATH"] = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                  if not os.path.exists(os.path.join(p, "ncu")))
+    run = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "| kernel_profile | not run: no ncu on this machine |" in (out / "summary.md").read_text()
