@@ -109,8 +109,9 @@ NCU_OUTPUT = """\
 def test_the_kernel_profile_phase_puts_each_kernels_counters_in_the_summary(tmp_path):
     """The kernel profile (Nsight Compute over the softmax kernels' benchmark) on a machine with
     ncu: each kernel's name and its duration, throughputs, occupancy and cycles per issued
-    instruction reach summary.md, one line each (an ncu that prints what the real one prints
-    stands in for it here); on a machine without ncu the phase says so and passes."""
+    instruction reach summary.md, one line each (an ncu that prints a report in Nsight Compute's
+    format, written by hand, stands in for it here); on a machine without ncu the phase says so
+    and passes."""
     fake = tmp_path / "bin"
     fake.mkdir()
     ncu = fake / "ncu"
