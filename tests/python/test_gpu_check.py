@@ -56,19 +56,25 @@ def test_runner_counts_read_the_runners_closing_lines(tmp_path, log, rc, expecte
     assert tuple(int(v) for v in out.split()) == expected
 
 
+def _summary_of_check(tmp_path, env):
+    """Runs scripts/gpu_check.sh with `env` (its phases, on the CPU); asserts it passed and
+    returns its summary.md."""
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return (out / "summary.md").read_text()
+
+
 def test_the_softmax_kernels_phase_puts_its_lines_in_the_summary(tmp_path):
     """The phase the next GPU run adds (benchmarks/bench_softmax_kernels.py), dry-run on the CPU
     at a tiny size: it passes, and each kind's, dtype's and pass's timing line and the values'
     lines reach summary.md (on the CPU the ops run torch's own ops: no difference from native's
     values; the loss's CPU kernels are its formulas in other ops: within rounding)."""
-    env = dict(os.environ, GPU_CHECK_PHASES="softmax_kernels", GPU_CHECK_DEVICE="cpu",
-               GPU_CHECK_SOFTMAX_KERNELS_ARGS="--rows 6 --cols 1100 --attention-rows 5 "
-                                              "--keys 1024 --reps 1 --rounds 1")
-    out = tmp_path / "out"
-    run = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out)],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
-    summary = (out / "summary.md").read_text()
+    summary = _summary_of_check(tmp_path, dict(
+        os.environ, GPU_CHECK_PHASES="softmax_kernels", GPU_CHECK_DEVICE="cpu",
+        GPU_CHECK_SOFTMAX_KERNELS_ARGS="--rows 6 --cols 1100 --attention-rows 5 --keys 1024 "
+                                       "--reps 1 --rounds 1"))
     assert "| softmax_kernels | ok |" in summary
     for kind, shape in (("log_softmax", "[6 x 1100]"), ("softmax", "[5 x 1024]")):
         for dtype in ("bf16", "fp16"):
@@ -119,11 +125,7 @@ def test_the_kernel_profile_phase_puts_each_kernels_counters_in_the_summary(tmp_
     ncu.chmod(0o755)
     env = dict(os.environ, GPU_CHECK_PHASES="kernel_profile", GPU_CHECK_DEVICE="cpu",
                PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
-    out = tmp_path / "out"
-    run = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out)],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    summary = (out / "summary.md").read_text()
+    summary = _summary_of_check(tmp_path, env)
     assert "| kernel_profile | ok |" in summary
     lines = [line for line in summary.splitlines() if line.startswith("- kernel_profile: ")]
     assert lines[0].startswith("- kernel_profile: void amp::ops::detail::fused_cross_entropy_kernel<")
@@ -134,7 +136,5 @@ def test_the_kernel_profile_phase_puts_each_kernels_counters_in_the_summary(tmp_
 
     env["PATH"] = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
                                   if not os.path.exists(os.path.join(p, "ncu")))
-    run = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out)],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "| kernel_profile | not run: no ncu on this machine |" in (out / "summary.md").read_text()
+    summary = _summary_of_check(tmp_path, env)
+    assert "| kernel_profile | not run: no ncu on this machine |" in summary
