@@ -1,5 +1,6 @@
 #include "optamp/core.h"
 
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
@@ -8,10 +9,12 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "cache/companion_casts.h"
 #include "dispatch/registration.h"
 #include "dispatch/substitution.h"
 #include "dispatch/thread_frames.h"
 #include "optamp/cast_cache.h"
+#include "optamp/policy.h"
 #include "scaler/loss_scaler_set.h"
 #include "session.h"
 
@@ -286,6 +289,25 @@ ModelBoundary model_boundary(const void* model) {
     boundary.inputs = working != c10::ScalarType::Undefined ? working : c10::ScalarType::Float;
   }
   return boundary;
+}
+
+at::Tensor cast_model_output(const at::Tensor& output, c10::ScalarType dtype) {
+  if (dtype == c10::ScalarType::Undefined || !output.defined() || !output.is_floating_point() ||
+      output.scalar_type() == dtype) {
+    return output;
+  }
+  at::Tensor cast = output.to(dtype);
+  // Only where a loss would take it (the fp32 loss rule for this dtype) and only in a training
+  // forward: until a loss takes it, the companion holds the reduced output (an activation the
+  // size of a language model's logits), and a step's end (scale_loss) drops what no loss took.
+  if (dtype != c10::ScalarType::Float || !output.requires_grad() || !c10::GradMode::is_enabled()) {
+    return cast;
+  }
+  const CastRules rules = cast_rules_now(output.device().type());
+  if (rules.low == output.scalar_type() && policy_applies(CastPolicy::kFp32Loss, rules.rules)) {
+    detail::offer_companion(cast, output, /*exact=*/true);
+  }
+  return cast;
 }
 
 }  // namespace amp::core

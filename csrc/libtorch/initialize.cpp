@@ -191,6 +191,10 @@ ModelBoundary model_boundary(const torch::nn::Module& model) {
   return core::model_boundary(&model);
 }
 
+at::Tensor cast_model_output(const at::Tensor& output, c10::ScalarType dtype) {
+  return core::cast_model_output(output, dtype);
+}
+
 void keep_in_fp32(const torch::nn::Module& module) {
   std::lock_guard<std::mutex> lock(g_marks_mutex);
   fp32_marks().insert(&module);

@@ -62,6 +62,14 @@ initialized() {
 // for a model initialize was not given, or when not initialized.
 OPTAMP_API ModelBoundary model_boundary(const void* model);
 
+// A floating output of an initialized model's forward cast to `dtype` (a boundary's outputs
+// dtype; Undefined: returned as it is), as the fronts' boundaries cast them (autograd recorded).
+// A reduced output widened to fp32 where the level runs losses in fp32 from reduced inputs
+// (O2/O5), in a forward that records autograd, is also offered as the fp32 result's companion
+// (its values exactly): a loss of the fp32 output then reads the reduced one instead, as at O1
+// (docs/design.md, "The model boundary's outputs keep their reduced values").
+OPTAMP_API at::Tensor cast_model_output(const at::Tensor& output, c10::ScalarType dtype);
+
 // The loss scalers (one per loss_id) initialize configures. configure_loss_scalers creates
 // props.num_losses of them (replacing any previous ones); reset_loss_scalers drops them.
 OPTAMP_API void configure_loss_scalers(const Properties& props);

@@ -34,6 +34,11 @@ namespace amp {
 // initialize was not given, or when not initialized.
 OPTAMP_API ModelBoundary model_boundary(const torch::nn::Module& model);
 
+// A floating output of an initialized model cast to `dtype`, as amp::forward casts them. At O2/O5
+// the reduced output stays with its fp32 cast, so that a loss of the fp32 logits (cross_entropy)
+// reads the reduced ones without a second widened copy, as at O1 (docs/cpp.md).
+OPTAMP_API at::Tensor cast_model_output(const at::Tensor& output, c10::ScalarType dtype);
+
 namespace detail {
 
 template <typename T>
@@ -59,23 +64,27 @@ inline at::Tensor cast_floating(const at::Tensor& t, c10::ScalarType dtype) {
   return t.to(dtype);
 }
 
+// The cast of a tensor at the boundary: cast_floating for inputs, cast_model_output for outputs.
+using BoundaryCast = at::Tensor (*)(const at::Tensor&, c10::ScalarType);
+
 // `value` with the floating tensors inside it (a tensor, or vectors, tuples, pairs and optionals
-// of them, nested) cast to `dtype`; anything else is handed on as it is.
+// of them, nested) cast to `dtype` by `cast`; anything else is handed on as it is.
 template <typename T>
-decltype(auto) cast_floating_in(T&& value, c10::ScalarType dtype) {
+decltype(auto) cast_floating_in(T&& value, c10::ScalarType dtype, BoundaryCast cast) {
   using Value = std::decay_t<T>;
   if constexpr (std::is_same_v<Value, at::Tensor>) {
-    return cast_floating(value, dtype);
+    return cast(value, dtype);
   } else if constexpr (is_std_vector<Value>::value) {
-    std::vector<std::decay_t<decltype(cast_floating_in(value.front(), dtype))>> out;
+    std::vector<std::decay_t<decltype(cast_floating_in(value.front(), dtype, cast))>> out;
     out.reserve(value.size());
-    for (auto& item : value) out.push_back(cast_floating_in(item, dtype));
+    for (auto& item : value) out.push_back(cast_floating_in(item, dtype, cast));
     return out;
   } else if constexpr (is_std_tuple<Value>::value) {
-    return std::apply([dtype](auto&... items) { return Value(cast_floating_in(items, dtype)...); },
-                      value);
+    return std::apply(
+        [dtype, cast](auto&... items) { return Value(cast_floating_in(items, dtype, cast)...); },
+        value);
   } else if constexpr (is_std_optional<Value>::value) {
-    return value ? Value(cast_floating_in(*value, dtype)) : Value();
+    return value ? Value(cast_floating_in(*value, dtype, cast)) : Value();
   } else {
     return static_cast<T&&>(value);  // not a tensor container: passed through untouched
   }
@@ -102,9 +111,10 @@ auto forward(Model& model, Args&&... args) {
   auto& module = detail::module_of(model);
   const ModelBoundary boundary = model_boundary(static_cast<const torch::nn::Module&>(module));
   if (!boundary.casts()) return module.forward(std::forward<Args>(args)...);
-  auto output =
-      module.forward(detail::cast_floating_in(std::forward<Args>(args), boundary.inputs)...);
-  return decltype(output)(detail::cast_floating_in(std::move(output), boundary.outputs));
+  auto output = module.forward(detail::cast_floating_in(std::forward<Args>(args), boundary.inputs,
+                                                        &detail::cast_floating)...);
+  return decltype(output)(
+      detail::cast_floating_in(std::move(output), boundary.outputs, &cast_model_output));
 }
 
 }  // namespace amp

@@ -101,6 +101,14 @@ void bind_frontend(py::module_& m) {
       },
       "(inputs dtype, outputs dtype) of the initialized models' forward on this thread now; "
       "None: left as they are.");
+  m.def(
+      "_cast_model_output",
+      [](const at::Tensor& output, const py::object& dtype) {
+        return core::cast_model_output(output, dtype_from_py(dtype, "dtype"));
+      },
+      py::arg("output"), py::arg("dtype"),
+      "A floating output of an initialized model cast to dtype, as the model boundary casts "
+      "it; at O2/O5 the reduced output stays with its fp32 cast for a loss to read.");
   m.def("_reset_core", &core::reset);
   m.def("is_initialized", &core::is_initialized);
 

@@ -54,9 +54,23 @@ def _caster(dtype: Optional[torch.dtype]) -> Optional[Callable[[torch.Tensor], t
     return cast
 
 
+def _output_caster(
+        dtype: Optional[torch.dtype]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """The outputs' cast: the core's (at O2/O5 the reduced output stays with its fp32 cast, so
+    that cross_entropy of the fp32 logits reads the reduced ones, as at O1), or a plain .to while
+    Dynamo traces (a call into the extension would break the graph)."""
+    if dtype is None or torch.compiler.is_compiling():
+        return _caster(dtype)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return _C._cast_model_output(t, dtype) if t.is_floating_point() else t
+
+    return cast
+
+
 def _boundary_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     inputs, outputs = _dtypes_now() if self.__dict__.get(_OWNER) is not None else (None, None)
-    cast_in, cast_out = _caster(inputs), _caster(outputs)
+    cast_in, cast_out = _caster(inputs), _output_caster(outputs)
     if cast_in is not None:
         args, kwargs = map_tensors(args, cast_in), map_tensors(kwargs, cast_in)
     inner = self.__dict__.get(_INNER)

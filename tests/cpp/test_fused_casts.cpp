@@ -33,6 +33,7 @@
 #include "ops/gelu_math.h"
 #include "ops/softmax_math.h"
 #include "optamp/autocast.h"
+#include "optamp/forward.h"
 #include "test_util.h"
 
 namespace amp {
@@ -625,6 +626,84 @@ TEST_P(CrossEntropy, LogSoftmaxReadsTheReducedLogits) {
       }
     }
   }
+}
+
+// At O2/O5 Apex's model boundary widens the model's output to fp32 (amp::forward; Python's
+// wrapped forward): the loss of the fp32 logits, and of a view of all of them (GPT-2's
+// `.view({-1, classes})`), reads the reduced output they were widened from, through the op O1
+// takes (no cast counted: none is replaced), with the values of torch's loss of the fp32 logits
+// and the gradient reaching the reduced output directly, as the widening's backward would hand it
+// on. Not when the fp32 logits changed in place, for part of them, under no_grad, or at O3
+// (which runs losses in the model's dtype), and not from a companion that is a rounding (a
+// GELU's).
+TEST_P(CrossEntropy, AModelsWidenedOutputIsReadReduced) {
+  const char* op =
+      device() == at::kCUDA ? "optamp::fused_cross_entropy" : "optamp::widened_log_softmax";
+  const char* level = low() == at::kHalf ? "O2" : "O5";
+  const auto target = classes({8}, 2000);
+  for (const bool whole_view : {false, true}) {
+    const std::string what =
+        std::string(whole_view ? "a view of the output" : "the output") + " at " + level;
+    const auto output =
+        leaf(whole_view ? at::IntArrayRef{2, 4, 2000} : at::IntArrayRef{8, 2000}, low());
+    const auto reference = output.detach().clone().requires_grad_();
+    const auto want = at::cross_entropy_loss(reference.to(at::kFloat).view({8, 2000}), target);
+    want.backward();
+    enable(level);
+    const auto wide = cast_model_output(output, at::kFloat);
+    ASSERT_EQ(wide.scalar_type(), at::kFloat) << what;
+    const auto logits = whole_view ? wide.view({-1, 2000}) : wide;
+    at::Tensor loss;
+    const auto before = cast_count();
+    const auto read =
+        testing::first_input_dtypes(op, [&] { loss = at::cross_entropy_loss(logits, target); });
+    EXPECT_EQ(read, std::vector<at::ScalarType>{low()}) << what;
+    EXPECT_EQ(cast_count(), before) << what;
+    const auto nodes = testing::graph_node_names(loss);
+    EXPECT_EQ(std::count(nodes.begin(), nodes.end(), "ToCopyBackward0"), 0) << what;
+    loss.backward();
+    detail::activate_thread(false);
+    expect_same(loss, want, what, /*exact=*/false);
+    expect_same(output.grad(), reference.grad(), what + " gradient", /*exact=*/false);
+  }
+  // Where the fp32 logits are not the reduced output's values as they are: torch's loss of them.
+  const auto fp32_loss_reads = [&](const char* at_level, const std::function<at::Tensor()>& make,
+                                   const std::string& what) {
+    enable(at_level);
+    const auto logits = make();
+    const auto read =
+        testing::first_input_dtypes(op, [&] { at::cross_entropy_loss(logits, target); });
+    detail::activate_thread(false);
+    EXPECT_TRUE(read.empty()) << what;
+  };
+  const auto output = leaf({8, 2000}, low());
+  fp32_loss_reads(
+      level, [&] { return cast_model_output(output, at::kFloat).mul_(2); }, "changed in place");
+  const auto half_target = target.narrow(0, 0, 4);
+  enable(level);
+  const auto part = cast_model_output(output, at::kFloat).narrow(0, 0, 4);
+  EXPECT_TRUE(
+      testing::first_input_dtypes(op, [&] { at::cross_entropy_loss(part, half_target); }).empty())
+      << "part of the rows";
+  detail::activate_thread(false);
+  fp32_loss_reads(
+      level,
+      [&] {
+        const at::NoGradGuard no_grad;
+        return cast_model_output(output, at::kFloat);
+      },
+      "under no_grad");
+  enable("O3");  // losses in the model's dtype: nothing to offer
+  EXPECT_FALSE(detail::find_reduced_companion(cast_model_output(output, at::kFloat))) << "at O3";
+  detail::activate_thread(false);
+  fp32_loss_reads(
+      level,
+      [&] {
+        auto wide = output.detach().to(at::kFloat).requires_grad_();
+        detail::offer_companion(wide, output);  // a rounding's companion, as a GELU offers
+        return wide;
+      },
+      "an inexact companion");
 }
 
 // optamp::fused_cross_entropy through its entry (detail::fused_cross_entropy, which the

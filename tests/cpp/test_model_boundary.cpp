@@ -202,6 +202,22 @@ TEST_F(Initialize, GradientsFlowBackThroughTheBoundaryInTheInputsDtype) {
   EXPECT_EQ(model->fc->weight.grad().scalar_type(), at::kFloat);
 }
 
+TEST_F(Initialize, ForwardAtO2LetsTheLossReadTheReducedOutput) {
+  // The widened output keeps the model's fp16 output as its exact companion, so cross_entropy of
+  // it (or of a view of all of it) reads fp16 logits as at O1: one op, no fp32 copy of its own
+  // (test_fused_casts.cpp's CrossEntropy.AModelsWidenedOutputIsReadReduced has the values).
+  Probe model;
+  torch::optim::SGD opt(model->parameters(), 0.1);
+  initialize(model, opt, "O2", quiet());
+  const at::Tensor out = amp::forward(model, at::randn({2, 4}));
+  ASSERT_EQ(out.scalar_type(), at::kFloat);
+  const auto read = first_input_dtypes("optamp::widened_log_softmax", [&] {
+    at::cross_entropy_loss(out.view({-1, out.size(-1)}), at::zeros({2}, at::kLong)).backward();
+  });
+  EXPECT_EQ(read, std::vector<at::ScalarType>{at::kHalf});
+  EXPECT_TRUE(model->fc->weight.grad().defined());
+}
+
 TEST_F(Initialize, O3TrainsAModelThatStartsWithLayerNormOnFp32Inputs) {
   // Without the boundary, fp32 inputs met O3's fp16 LayerNorm weights ("mixed dtype (CPU)").
   at::manual_seed(0);

@@ -246,6 +246,43 @@ def test_cross_entropy_reads_reduced_logits_without_a_widened_copy(fresh, level,
     _expect_the_cast_paths(loss, expected, logits, reference, device)
 
 
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+@pytest.mark.parametrize("level,low", [("O2", torch.float16), ("O5", torch.bfloat16)])
+def test_a_models_widened_logits_are_read_reduced(fresh, level, low, device):
+    """At O2/O5 the model boundary widens the model's output to fp32, as Apex's does. The loss of
+    those logits, here of a view of all of them as a language model's loss takes them, reads the
+    reduced output they were widened from, with no fp32 copy of its own: the op O1 takes, and no
+    widening's backward in the graph. The loss and the parameters' gradients are those of torch's
+    loss of the fp32 logits (a copy of them, which the boundary did not make, takes that path)."""
+    model = torch.nn.Linear(16, 2000).to(device)
+    init(model, opt_level=level)
+    x = torch.randn(2, 4, 16, device=device)
+    y = torch.randint(2000, (8,), device=device)
+    out = model(x)
+    assert out.dtype == torch.float32
+    loss = None
+
+    def run():
+        nonlocal loss
+        loss = F.cross_entropy(out.view(-1, 2000), y)
+
+    calls = _softmax_input_dtypes(run)
+    low_name = {torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16"}[low]
+    first = "optamp::fused_cross_entropy" if device == "cuda" else "optamp::widened_log_softmax"
+    assert calls[0] == (first, low_name), calls
+    assert "ToCopyBackward0" not in graph_node_names(loss)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    copied = model(x).clone()  # not the boundary's output: torch's loss of fp32 logits
+    calls = _softmax_input_dtypes(lambda: F.cross_entropy(copied.view(-1, 2000), y).backward())
+    assert calls[0] == ("aten::log_softmax", "float"), calls
+    expected = F.cross_entropy(copied.view(-1, 2000), y)
+    torch.testing.assert_close(loss, expected, **tol(torch.float32))
+    for got, want in zip(grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, want, **tol(low))
+
+
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("level,low", [("O1", torch.float16), ("O4", torch.bfloat16)])
 def test_the_fused_loss_captures_in_a_cuda_graph(fresh, level, low):

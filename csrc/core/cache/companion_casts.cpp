@@ -19,8 +19,9 @@ struct Companion {
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> source;  // empty until offered
   std::int64_t version = 0;                                        // the source's at the offer
   std::int64_t copy_version = 0;  // the copy's: one modified through a view is not served again
-  c10::ScalarType dtype = c10::ScalarType::Undefined;             // the copy's
-  at::Tensor copy;                                                // until taken
+  c10::ScalarType dtype = c10::ScalarType::Undefined;  // the copy's
+  bool exact = false;  // the source is the copy widened (offer_companion)
+  at::Tensor copy;     // until taken
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> taken;  // after
 };
 
@@ -58,7 +59,7 @@ std::optional<at::Tensor> take_copy(Companion& slot) {
 
 }  // namespace
 
-void offer_companion(const at::Tensor& source, const at::Tensor& companion) {
+void offer_companion(const at::Tensor& source, const at::Tensor& companion, bool exact) {
   Ring& r = ring();
   Companion& slot = r.slots[r.next];
   r.next = (r.next + 1) % kSlots;
@@ -66,11 +67,15 @@ void offer_companion(const at::Tensor& source, const at::Tensor& companion) {
   slot.version = source._version();
   slot.copy_version = companion._version();
   slot.dtype = companion.scalar_type();
+  slot.exact = exact;
   slot.copy = companion;
   slot.taken.reset();
 }
 
-std::optional<at::Tensor> find_companion(const at::Tensor& source, c10::ScalarType dtype) {
+namespace {
+
+std::optional<at::Tensor> find(const at::TensorBase& source, c10::ScalarType dtype,
+                               bool exact_only) {
   const c10::TensorImpl* impl = source.unsafeGetTensorImpl();
   for (Companion& slot : ring().slots) {
     // A dead source's address may be reused by a new tensor: the weak reference tells.
@@ -78,9 +83,36 @@ std::optional<at::Tensor> find_companion(const at::Tensor& source, c10::ScalarTy
       continue;
     }
     if (slot.version != source._version() || slot.dtype != dtype) continue;
+    if (exact_only && !slot.exact) continue;
     if (auto copy = take_copy(slot)) return copy;
   }
   return std::nullopt;
+}
+
+std::optional<at::Tensor> find_exact(const at::TensorBase& source) {
+  for (const auto dtype : {c10::ScalarType::Half, c10::ScalarType::BFloat16}) {
+    if (auto copy = find(source, dtype, /*exact_only=*/true)) return copy;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<at::Tensor> find_companion(const at::Tensor& source, c10::ScalarType dtype) {
+  return find(source, dtype, /*exact_only=*/false);
+}
+
+std::optional<at::Tensor> find_reduced_companion(const at::Tensor& source) {
+  if (auto copy = find_exact(source)) return copy;
+  if (!source.is_view() || !source.is_contiguous()) return std::nullopt;
+  const at::TensorBase& base = source._base();
+  if (base.numel() != source.numel() || base.storage_offset() != source.storage_offset() ||
+      !base.is_contiguous()) {
+    return std::nullopt;
+  }
+  auto copy = find_exact(base);
+  if (!copy || !copy->is_contiguous()) return std::nullopt;
+  return copy->view(source.sizes());
 }
 
 void drop_companions() { ring() = Ring(); }

@@ -21,11 +21,18 @@
 
 namespace amp::detail {
 
-// `companion` is `source` rounded to companion's dtype, bit for bit.
-void offer_companion(const at::Tensor& source, const at::Tensor& companion);
+// `companion` is `source` rounded to companion's dtype, bit for bit. `exact`: rounding loses
+// nothing, `source` is `companion` widened (a model boundary's fp32 output), so a computation of
+// `source` may read `companion` instead (find_reduced_companion).
+void offer_companion(const at::Tensor& source, const at::Tensor& companion, bool exact = false);
 
 // The companion of `source` in `dtype`, if one was offered and `source` has not changed since.
 std::optional<at::Tensor> find_companion(const at::Tensor& source, c10::ScalarType dtype);
+
+// The fp16 or bf16 companion offered as exact of `source`, or of the tensor that `source` views
+// whole (a contiguous view of all of a contiguous tensor: the same elements in the same order, as
+// `logits.view({-1, classes})`), viewed as `source`. For a loss of a model's widened output.
+std::optional<at::Tensor> find_reduced_companion(const at::Tensor& source);
 
 // Drops this thread's companions.
 void drop_companions();

@@ -12,6 +12,7 @@
 
 #include "cache/autograd_cast.h"
 #include "cache/cast_cache.h"
+#include "cache/companion_casts.h"
 #include "common/dtypes.h"
 #include "dispatch/carried_state.h"
 #include "dispatch/tensor_args.h"
@@ -56,23 +57,36 @@ struct Fused<at::_ops::gelu> {
 // On CUDA, [rows, classes] logits with int64 targets and no class weights take
 // optamp::fused_cross_entropy instead (ops/fused_cross_entropy.h): no fp32 log-probabilities at
 // all. Probability targets and label smoothing take the cast path.
+// fp32 logits that a model boundary widened from reduced ones (O2/O5: Apex casts a model's
+// outputs to fp32) are read reduced too, from the companion the boundary offered (its values
+// exactly; core::cast_model_output): the loss then takes the same path as at O1, with no cast
+// to count, and its gradient reaches the model's reduced output directly.
 template <>
 struct Fused<at::_ops::cross_entropy_loss> {
   static std::optional<at::Tensor> call(const CastKernel& k, const CallPlan& p,
-                                        const at::Tensor& self, const at::Tensor& target,
+                                        const at::Tensor& logits, const at::Tensor& target,
                                         const std::optional<at::Tensor>& weight, int64_t reduction,
                                         const c10::SymInt& ignore_index, double label_smoothing) {
-    if (p.target != c10::ScalarType::Float || !is_reduced_float(self.scalar_type()) ||
-        self.dim() == 0 || target.is_floating_point() || label_smoothing != 0.0 ||
-        self.sym_sizes() == target.sym_sizes()) {
+    if (p.target != c10::ScalarType::Float || logits.dim() == 0 || target.is_floating_point() ||
+        label_smoothing != 0.0 || logits.sym_sizes() == target.sym_sizes()) {
       return std::nullopt;
     }
+    const bool reduced = is_reduced_float(logits.scalar_type());
+    std::optional<at::Tensor> companion;
+    if (!reduced) {
+      if (logits.scalar_type() != c10::ScalarType::Float) return std::nullopt;
+      companion = find_reduced_companion(logits);
+      if (!companion) return std::nullopt;
+    }
+    const at::Tensor& self = reduced ? logits : *companion;
     std::optional<at::Tensor> cast_weight = weight;
     if (weight) {
       if (auto cast = k.cast_argument(*weight, p)) cast_weight = std::move(cast);
     }
-    k.log_cast(self.scalar_type(), p);
-    count_cast();  // the widening of the logits, as the cast it replaces counted
+    if (reduced) {
+      k.log_cast(self.scalar_type(), p);
+      count_cast();  // the widening of the logits, as the cast it replaces counted
+    }
     const auto ignore = ignore_index.maybe_as_int();
     if (self.is_cuda() && (!weight || !weight->defined()) && ignore) {
       if (auto loss =
