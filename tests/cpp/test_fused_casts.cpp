@@ -633,9 +633,9 @@ TEST_P(CrossEntropy, LogSoftmaxReadsTheReducedLogits) {
 // `.view({-1, classes})`), reads the reduced output they were widened from, through the op O1
 // takes (no cast counted: none is replaced), with the values of torch's loss of the fp32 logits
 // and the gradient reaching the reduced output directly, as the widening's backward would hand it
-// on. Not when the fp32 logits changed in place, for part of them, under no_grad, or at O3
-// (which runs losses in the model's dtype), and not from a companion that is a rounding (a
-// GELU's).
+// on. Not when the fp32 logits changed in place, for part of them, where their gradient is kept
+// or hooked, under no_grad, or at O3 (which runs losses in the model's dtype), and not from a
+// companion that is a rounding (a GELU's).
 TEST_P(CrossEntropy, AModelsWidenedOutputIsReadReduced) {
   const char* op =
       device() == at::kCUDA ? "optamp::fused_cross_entropy" : "optamp::widened_log_softmax";
@@ -693,6 +693,22 @@ TEST_P(CrossEntropy, AModelsWidenedOutputIsReadReduced) {
         return cast_model_output(output, at::kFloat);
       },
       "under no_grad");
+  fp32_loss_reads(
+      level,
+      [&] {
+        auto wide = cast_model_output(output, at::kFloat);
+        wide.retain_grad();  // its gradient is looked at: it must reach it
+        return wide;
+      },
+      "retain_grad");
+  fp32_loss_reads(
+      level,
+      [&] {
+        auto wide = cast_model_output(output, at::kFloat);
+        wide.register_hook([](const at::Tensor& g) { return g; });
+        return wide.view({-1, 2000});
+      },
+      "a hook on the tensor viewed");
   enable("O3");  // losses in the model's dtype: nothing to offer
   EXPECT_FALSE(detail::find_reduced_companion(cast_model_output(output, at::kFloat))) << "at O3";
   detail::activate_thread(false);

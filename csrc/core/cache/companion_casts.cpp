@@ -1,6 +1,7 @@
 #include "cache/companion_casts.h"
 
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <array>
 #include <cstdint>
@@ -102,12 +103,25 @@ std::optional<at::Tensor> find_companion(const at::Tensor& source, c10::ScalarTy
   return find(source, dtype, /*exact_only=*/false);
 }
 
+namespace {
+
+// Whether the gradient that reaches `t` is looked at: kept (retain_grad) or handed to a hook
+// registered on it. A computation that reads the companion instead sends its gradient past `t`.
+bool gradient_is_observed(const at::TensorBase& t) {
+  if (t.retains_grad()) return true;
+  const auto& fn = t.grad_fn();
+  return fn && !fn->tensor_pre_hooks().empty();
+}
+
+}  // namespace
+
 std::optional<at::Tensor> find_reduced_companion(const at::Tensor& source) {
+  if (gradient_is_observed(source)) return std::nullopt;
   if (auto copy = find_exact(source)) return copy;
   if (!source.is_view() || !source.is_contiguous()) return std::nullopt;
   const at::TensorBase& base = source._base();
   if (base.numel() != source.numel() || base.storage_offset() != source.storage_offset() ||
-      !base.is_contiguous()) {
+      !base.is_contiguous() || gradient_is_observed(base)) {
     return std::nullopt;
   }
   auto copy = find_exact(base);

@@ -1,6 +1,7 @@
 #pragma once
 // Companion copies: a reduced-precision copy of an fp32 result, made by the kernel that computed
-// the result, handed to the next op that would cast it.
+// the result, handed to the next op that would cast it; and, marked exact, the reduced tensor an
+// fp32 one was widened from (a model boundary's output), which a loss of it reads instead.
 //
 // Why: Apex's lists run some ops in fp32 (GELU) between ops that run in fp16/bf16 (linear). The
 // fp32 result is what the op returns, as Apex returns it, and the next linear then casts it back.
@@ -31,7 +32,9 @@ std::optional<at::Tensor> find_companion(const at::Tensor& source, c10::ScalarTy
 
 // The fp16 or bf16 companion offered as exact of `source`, or of the tensor that `source` views
 // whole (a contiguous view of all of a contiguous tensor: the same elements in the same order, as
-// `logits.view({-1, classes})`), viewed as `source`. For a loss of a model's widened output.
+// `logits.view({-1, classes})`), viewed as `source`. For a loss of a model's widened output; not
+// where the gradient of `source` (or of the tensor it views) is kept or hooked: the loss's
+// gradient would bypass it.
 std::optional<at::Tensor> find_reduced_companion(const at::Tensor& source);
 
 // Drops this thread's companions.
