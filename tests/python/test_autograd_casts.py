@@ -253,7 +253,8 @@ def test_a_models_widened_logits_are_read_reduced(fresh, level, low, device):
     those logits, here of a view of all of them as a language model's loss takes them, reads the
     reduced output they were widened from, with no fp32 copy of its own: the op O1 takes, and no
     widening's backward in the graph. The loss and the parameters' gradients are those of torch's
-    loss of the fp32 logits (a copy of them, which the boundary did not make, takes that path)."""
+    loss of the fp32 logits (a copy of them, which the boundary did not make, takes that path, as
+    do logits whose own gradient is kept)."""
     model = torch.nn.Linear(16, 2000).to(device)
     init(model, opt_level=level)
     x = torch.randn(2, 4, 16, device=device)
@@ -281,6 +282,11 @@ def test_a_models_widened_logits_are_read_reduced(fresh, level, low, device):
     torch.testing.assert_close(loss, expected, **tol(torch.float32))
     for got, want in zip(grads, (p.grad for p in model.parameters())):
         torch.testing.assert_close(got, want, **tol(low))
+    kept = model(x)
+    kept.retain_grad()  # the fp32 output's gradient is looked at: the loss must send it there
+    calls = _softmax_input_dtypes(lambda: F.cross_entropy(kept.view(-1, 2000), y).backward())
+    assert calls[0] == ("aten::log_softmax", "float"), calls
+    assert kept.grad is not None and kept.grad.dtype == torch.float32
 
 
 @pytest.mark.needs_cuda
