@@ -29,7 +29,7 @@
 # default: the budget), GPU_CHECK_SOFTMAX_KERNELS_ARGS (benchmarks/bench_softmax_kernels.py's,
 # e.g. "--rows 8 --attention-rows 8" for a dry run; the kernel profile's too),
 # GPU_CHECK_PROFILE_KERNELS, GPU_CHECK_PROFILE_LAUNCHES, GPU_CHECK_PROFILE_SECONDS (the kernel
-# profile's kernel-name regex, launches, time limit: default optamp's loss and log_softmax, 8, 120),
+# profile's kernel-name regex, launches, time limit: default optamp's loss, 4, 120),
 # GPU_CHECK_CTEST_ARGS (added to ctest's, e.g. -R "CUDA|packaging" for the GPU tests alone).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -168,11 +168,13 @@ run_softmax_kernels() {
     grep -E '^(log_softmax|cross_entropy|softmax) ' "$LOGS/softmax_kernels.log")
   write_summary
 }
-# The loss's and log_softmax's kernels under Nsight Compute (ncu, where the machine has it and can
-# read the counters): each kernel's duration, memory and SM throughput and what its warps wait on,
-# so that a kernel below the memory's speed is explained from counters, not from timings alone.
-# One round of the softmax kernels' benchmark, the first GPU_CHECK_PROFILE_LAUNCHES (default 8)
-# launches of optamp's kernels; the clocks as the card has them (--clock-control none).
+# The loss's kernels under Nsight Compute (ncu, where the machine has it and can read the
+# counters): each kernel's duration, memory and SM throughput and what its warps wait on, so that
+# a kernel below the memory's speed is explained from counters, not from timings alone. One round
+# of the softmax kernels' benchmark, the first GPU_CHECK_PROFILE_LAUNCHES (default 4: the bf16
+# loss's forward, twice, its backward, the forward again) launches of the kernels matching
+# GPU_CHECK_PROFILE_KERNELS (default fused_cross_entropy: its forward's reduction is
+# log_softmax's too); the clocks as the card has them (--clock-control none).
 run_kernel_profile() {
   if ! command -v ncu >/dev/null; then
     rows+=("| kernel_profile | not run: no ncu on this machine | 0 | 0 | 0 | 0 |")
@@ -181,8 +183,8 @@ run_kernel_profile() {
   # shellcheck disable=SC2086
   phase kernel_profile timeout --kill-after=10 "${GPU_CHECK_PROFILE_SECONDS:-120}" \
     ncu --clock-control none --target-processes all \
-    -k "regex:${GPU_CHECK_PROFILE_KERNELS:-fused_cross_entropy|widened_log_softmax}" \
-    -c "${GPU_CHECK_PROFILE_LAUNCHES:-8}" --section SpeedOfLight --section WarpStateStats \
+    -k "regex:${GPU_CHECK_PROFILE_KERNELS:-fused_cross_entropy}" \
+    -c "${GPU_CHECK_PROFILE_LAUNCHES:-4}" --section SpeedOfLight --section WarpStateStats \
     --section Occupancy "$PY" benchmarks/bench_softmax_kernels.py --rounds 1 --reps 1 \
     ${GPU_CHECK_SOFTMAX_KERNELS_ARGS:-}
   local metrics='Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput'
