@@ -331,6 +331,18 @@ optamp_status optamp_model_boundary(const void* model, optamp_dtype* inputs_out,
   });
 }
 
+optamp_status optamp_cast_model_output(const optamp_tensor* output, optamp_dtype dtype,
+                                       optamp_tensor** out) {
+  return guarded("optamp_cast_model_output", [&] {
+    require(output, "output");
+    require(out, "out");
+    *out = nullptr;
+    const c10::ScalarType type = from_c_dtype(dtype, "dtype");
+    auto cast = std::make_unique<at::Tensor>(core::cast_model_output(tensor_of(output), type));
+    *out = reinterpret_cast<optamp_tensor*>(cast.release());
+  });
+}
+
 optamp_status optamp_autocast_enter(int enabled, optamp_dtype dtype, optamp_region** out) {
   return guarded("optamp_autocast_enter", [&] {
     require(out, "out");

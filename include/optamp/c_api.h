@@ -162,6 +162,12 @@ OPTAMP_C_API int optamp_is_initialized(void);
  * initialized or for another model. */
 OPTAMP_C_API optamp_status optamp_model_boundary(const void* model, optamp_dtype* inputs_out,
                                                  optamp_dtype* outputs_out);
+/* A floating output of an initialized model cast to `dtype` (the boundary's outputs dtype;
+ * UNDEFINED, or a non-floating output: the same tensor), as the fronts' boundaries cast them:
+ * at O2/O5 the reduced output stays with its fp32 cast, so that cross_entropy of the fp32
+ * logits reads the reduced ones. *out: a new tensor handle (optamp_tensor_free). */
+OPTAMP_C_API optamp_status optamp_cast_model_output(const optamp_tensor* output, optamp_dtype dtype,
+                                                    optamp_tensor** out);
 
 /* ---- regions -------------------------------------------------------------------------------- */
 

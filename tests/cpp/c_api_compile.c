@@ -19,6 +19,7 @@ static const any_function kEveryFunction[] = {
     (any_function)optamp_reset,
     (any_function)optamp_is_initialized,
     (any_function)optamp_model_boundary,
+    (any_function)optamp_cast_model_output,
     (any_function)optamp_autocast_enter,
     (any_function)optamp_autocast_exit,
     (any_function)optamp_disable_casts_enter,

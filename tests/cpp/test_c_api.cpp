@@ -750,6 +750,33 @@ TEST_F(CApi, ModelBoundaryOfTheInitializedModel) {
             OPTAMP_ERROR_NULL_ARGUMENT);
 }
 
+TEST_F(CApi, CastModelOutputLetsALossReadTheReducedOutput) {
+  // A binding's boundary casts its model's outputs through the core, as amp::forward does: at O2
+  // the fp32 logits' loss then reads the fp16 output (test_fused_casts.cpp has the values).
+  Binding binding{true};
+  auto& [net, opt, model, optimizer] = binding;
+  C_OK(optamp_initialize(model.get(), optimizer.get(), 1, "O2", kQuietKeys, kQuietValues, 1,
+                         nullptr));
+  at::Tensor output = at::randn({4, 300}).to(at::kHalf).requires_grad_();
+  optamp_tensor* wide = nullptr;
+  C_OK(optamp_cast_model_output(handle(output), OPTAMP_DTYPE_FLOAT32, &wide));
+  const at::Tensor logits = *reinterpret_cast<at::Tensor*>(wide);
+  optamp_tensor_free(wide);
+  EXPECT_EQ(logits.scalar_type(), at::kFloat);
+  const auto read = first_input_dtypes("optamp::widened_log_softmax", [&] {
+    at::cross_entropy_loss(logits, at::zeros({4}, at::kLong)).backward();
+  });
+  EXPECT_EQ(read, std::vector<at::ScalarType>{at::kHalf});
+  EXPECT_TRUE(output.grad().defined());
+  C_OK(optamp_cast_model_output(handle(output), OPTAMP_DTYPE_UNDEFINED, &wide));
+  EXPECT_TRUE(reinterpret_cast<at::Tensor*>(wide)->is_same(output));  // left as it is
+  optamp_tensor_free(wide);
+  EXPECT_EQ(failure(optamp_cast_model_output(nullptr, OPTAMP_DTYPE_FLOAT32, &wide)).status,
+            OPTAMP_ERROR_NULL_ARGUMENT);
+  EXPECT_EQ(failure(optamp_cast_model_output(handle(output), OPTAMP_DTYPE_FLOAT32, nullptr)).status,
+            OPTAMP_ERROR_NULL_ARGUMENT);
+}
+
 // The bytes' entries: name -> tensor, in order.
 std::vector<std::pair<std::string, at::Tensor>> entries(const uint8_t* data, size_t size) {
   const c10::IValue value = torch::jit::pickle_load(std::vector<char>(data, data + size));
