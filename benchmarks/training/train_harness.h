@@ -383,8 +383,6 @@ inline void profile_steps(const std::function<void()>& step, const torch::Device
   r.host_ms_by_name = self_ms_by_name(std::move(host), n);
 }
 
-// One line per optamp configuration in `profiled`: the six names of `by_name` whose time per step
-// differs most from its native reference's (native_bf16 for O4/O5), after the sum of all of them.
 // A kernel's or operator's name without the qualifiers every kernel name repeats, so that a line's
 // 110 characters reach the template arguments that say which op a generic kernel ran.
 inline std::string short_name(std::string name) {
@@ -397,6 +395,8 @@ inline std::string short_name(std::string name) {
   return name.substr(0, 110);
 }
 
+// One line per optamp configuration in `profiled`: the six names of `by_name` whose time per step
+// differs most from its native reference's (native_bf16 for O4/O5), after the sum of all of them.
 inline void print_profile_differences(const std::map<std::string, RunResult>& profiled,
                                       const std::string& what,
                                       std::map<std::string, double> RunResult::*by_name,

@@ -63,7 +63,7 @@ def _output_caster(
         return _caster(dtype)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
-        return _C._cast_model_output(t, dtype) if t.is_floating_point() else t
+        return _C._cast_model_output(t, dtype)  # non-floating tensors come back as they are
 
     return cast
 

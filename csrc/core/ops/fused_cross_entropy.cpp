@@ -62,15 +62,19 @@ void check_cross_entropy_backward(const at::Tensor& grad, const at::Tensor& self
 
 namespace {
 
+// Each row's target class, 0 for an ignored row (`valid` false): an index any row can gather.
+at::Tensor class_or_zero(const at::Tensor& target, const at::Tensor& valid) {
+  return at::where(valid, target, at::zeros_like(target)).unsqueeze(1);
+}
+
 // The gradient of the logits from the rows' probabilities: (probs - onehot(target)) * grad, with
 // an ignored row's grad taken as 0 (its probabilities times 0: NaN where they are, as torch's).
 at::Tensor gradient_from_probs(const at::Tensor& probs, const at::Tensor& grad,
                                const at::Tensor& target, int64_t ignore_index) {
   const at::Tensor valid = target != ignore_index;
   const at::Tensor g = at::where(valid, grad, at::zeros_like(grad)).unsqueeze(1);
-  const at::Tensor onehot = at::zeros_like(probs).scatter_(
-      1, at::where(valid, target, at::zeros_like(target)).unsqueeze(1),
-      valid.to(at::kFloat).unsqueeze(1));
+  const at::Tensor onehot = at::zeros_like(probs).scatter_(1, class_or_zero(target, valid),
+                                                           valid.to(at::kFloat).unsqueeze(1));
   return (probs - onehot) * g;
 }
 
@@ -87,8 +91,7 @@ std::tuple<at::Tensor, at::Tensor> fused_cross_entropy_cpu(const at::Tensor& sel
   const at::Tensor x = self.to(at::kFloat);
   const at::Tensor max = x.amax(1);
   const at::Tensor log_sum = (x - max.unsqueeze(1)).exp().sum(1).log();
-  const at::Tensor picked =
-      x.gather(1, at::where(valid, target, at::zeros_like(target)).unsqueeze(1)).squeeze(1);
+  const at::Tensor picked = x.gather(1, class_or_zero(target, valid)).squeeze(1);
   const at::Tensor losses = at::where(valid, -((picked - max) - log_sum), at::zeros_like(picked));
   return {losses, at::stack({max, log_sum}, 1)};
 }
