@@ -37,7 +37,9 @@ round (> 1: faster than native AMP).
 """
 import argparse
 import json
+import signal
 import statistics
+import sys
 import time
 import warnings
 
@@ -323,6 +325,19 @@ def run_config(wl, config, args, dev, kernel_time=False):
     return res
 
 
+class Interrupt:
+    """SIGINT (gpu_check's time budget, a Ctrl-C) noted rather than raised: the run stops after
+    the configuration it is in and reports its complete rounds (and what it profiled), then exits
+    with 130. A KeyboardInterrupt lost the whole run's report: the table is printed at the end."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGINT, self._note)
+
+    def _note(self, signum, frame):
+        self.requested = True
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("resnet50", "gpt2"), default="gpt2")
@@ -354,10 +369,16 @@ def main():
         print("note: optamp.reset is missing; levels after the first may fail to initialize", flush=True)
     out = open(args.json, "w") if args.json else None
     results = {c: [] for c in configs}
+    stop = Interrupt()
+    rounds_done = 0
     for r in range(args.rounds):
+        ran = 0
         for k in range(len(configs)):
+            if stop.requested:
+                break
             c = configs[(k + r) % len(configs)]
             res = run_config(wl, c, args, dev)
+            ran += 1
             results[c].append(res)
             if "median_ms" in res:
                 print(f"round {r + 1} {c:<12} {res['median_ms']:.2f} ms/step  peak {res['peak_mb']:.0f} MB", flush=True)
@@ -366,10 +387,20 @@ def main():
                       f"{res.get('skipped', res.get('error'))}", flush=True)
             if out:
                 out.write(json.dumps(dict(res, round=r + 1, model=args.model)) + "\n")
+        if ran == len(configs):  # every configuration ran (an interrupt may come after the last)
+            rounds_done += 1
+        if stop.requested:
+            break
+    if stop.requested:  # a round cut short compares configurations that did not all run
+        results = {c: runs[:rounds_done] for c, runs in results.items()}
+        print(f"interrupted: the report covers the {rounds_done} complete rounds of {args.rounds}",
+              flush=True)
 
     if args.kernel_time and dev.type == "cuda":
         profiles, host_profiles = {}, {}
         for c in configs:
+            if stop.requested:
+                break
             res = run_config(wl, c, args, dev, kernel_time=True)
             if "kernel_ms" in res:
                 print(f"profiled {c:<12} wall {res['median_ms']:.2f} ms/step  GPU kernels "
@@ -439,6 +470,9 @@ def main():
         for c in configs:
             check(f"{c} syncs per step", med(c, "syncs_per_step"), 0.0 if args.fused else 1.0,
                   ge=False)
+    sys.stdout.flush()
+    if stop.requested:
+        sys.exit(130)  # 128 + SIGINT, as a shell reports a process it stopped
 
 
 if __name__ == "__main__":

@@ -35,6 +35,12 @@ PY="$(optamp_python)"
 # unfused runs' configurations (default: each program's own list).
 # A run that fails is reported and the others still run; the exit status says one failed.
 failed=0
+# SIGINT (gpu_check's time budget; `timeout` signals the whole process group): the program running
+# reports its complete rounds and exits; then no other run starts. tee ignores the signal, so that
+# the report still reaches its file.
+interrupted=0
+trap 'interrupted=1' INT
+keep() { (trap '' INT && exec tee "$1"); }
 FUSED_CONFIGS=native,native_again,O1,O2,O4,O5,native_bf16
 # Each run is the C++ program and the Python script with the same configurations; both also
 # profile each configuration (GPU kernel time and kernels per step, and the kernels that differ
@@ -60,10 +66,13 @@ for run in ${BENCH_RUNS:-resnet50 gpt2 gpt2_fused}; do
   esac
   "$BUILD/benchmarks/training/bench_train_$model" "${cpp[@]}" --kernel-time \
     --json "$OUTDIR/cpp_$run.jsonl" \
-    "$@" 2>&1 | tee "$OUTDIR/cpp_$run.txt" || failed=1
+    "$@" 2>&1 | keep "$OUTDIR/cpp_$run.txt" || failed=1
+  [[ $interrupted -eq 1 ]] && break
   PYTHONPATH="$OPTAMP_ROOT/python" "$PY" "$OPTAMP_ROOT/benchmarks/bench_train.py" \
     --model "$model" "${py[@]}" --kernel-time --json "$OUTDIR/py_$run.jsonl" "$@" 2>&1 |
-    tee "$OUTDIR/py_$run.txt" || failed=1
+    keep "$OUTDIR/py_$run.txt" || failed=1
+  [[ $interrupted -eq 1 ]] && break
 done
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUTDIR/machine.txt"
+[[ $interrupted -eq 1 ]] && exit 130
 exit "$failed"

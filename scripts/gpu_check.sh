@@ -143,16 +143,17 @@ run_ctest() {
 run_cmake_compat() { phase cmake_compat bash scripts/cmake_compat.sh "$OPTAMP_BUILD_DIR"; }
 run_pytest_cuda() { pytest_phase pytest_cuda "${GPU_CHECK_PYTEST_CUDA_SECONDS:-}" -m needs_cuda; }
 run_benchmarks() {
-  # Stopped at the budget too: the runs that finished (and the one cut short, up to its last
-  # round) are in the logs. Killed 15 s after the interrupt: on the sixth GPU run a benchmark
-  # outlived it, and the device tool's 10 minutes ended the check before its summary and logs.
+  # Stopped at the budget too (SIGINT): the program running reports its complete rounds (its
+  # target lines reach the summary, with an "interrupted" line) and no later run starts. Killed 15
+  # s after the interrupt: on the sixth GPU run a benchmark outlived it, and the device tool's 10
+  # minutes ended the check before its summary and logs.
   # shellcheck disable=SC2086
   phase benchmarks timeout --signal=INT --kill-after=15 "$(seconds_left)" \
     bash benchmarks/gpu_training.sh "$LOGS/bench" \
     ${GPU_CHECK_BENCH_ARGS:---steps 10 --rounds 2 --warmup 3}
   while IFS= read -r line; do targets+=("- $line"); done < <(
     for f in "$LOGS"/bench/{cpp,py}_*.txt; do  # whichever runs gpu_training.sh made
-      [[ -f "$f" ]] && grep -E '^(target|noise|profiled|kernels|host) ' "$f" |
+      [[ -f "$f" ]] && grep -E '^(target|noise|profiled|kernels|host|interrupted)[ :]' "$f" |
         sed "s|^|$(basename "$f" .txt): |"
     done)
   write_summary

@@ -53,6 +53,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -571,6 +572,12 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
   return r;
 }
 
+// Set by SIGINT (gpu_check's time budget, a Ctrl-C): the run stops after the configuration it is
+// in and reports its complete rounds (and what it profiled), then exits with 130. Without it the
+// interrupt lost the whole run's report: the rounds' table is printed only at the end.
+inline volatile std::sig_atomic_t g_interrupted = 0;
+inline void note_interrupt(int) { g_interrupted = 1; }
+
 // --kernel-time: after the rounds, each configuration once more with its steps profiled, as the
 // Python benchmark's --kernel-time does: GPU kernel time per step beside the wall time, and per
 // optamp configuration the kernels (on the CPU: operators) whose time differs most from its native
@@ -580,6 +587,7 @@ inline void profile_configs(Workload& wl, const torch::Device& device, const Har
                             std::map<std::string, std::vector<RunResult>>& results) {
   std::map<std::string, RunResult> profiled;
   for (const auto& c : a.configs) {
+    if (g_interrupted) break;
     RunResult r = run_config(wl, c, device, a, /*profile=*/true);
     if (!r.error.empty()) continue;
     if (device.is_cuda()) {
@@ -680,8 +688,11 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
 
   const std::size_t n = a.configs.size();
   std::map<std::string, std::vector<RunResult>> results;
-  for (int round = 0; round < a.rounds; ++round) {
-    for (std::size_t k = 0; k < n; ++k) {
+  std::signal(SIGINT, note_interrupt);
+  int rounds_done = 0;
+  for (int round = 0; round < a.rounds && !g_interrupted; ++round) {
+    std::size_t ran = 0;
+    for (std::size_t k = 0; k < n && !g_interrupted; ++k, ++ran) {
       const std::string& c = a.configs[(k + round) % n];
       RunResult r = run_config(wl, c, device, a);
       std::printf(
@@ -699,6 +710,12 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
              << "}\n";
       results[c].push_back(std::move(r));
     }
+    if (ran == n) ++rounds_done;  // every configuration ran (an interrupt may come after the last)
+  }
+  if (g_interrupted) {  // a round cut short compares configurations that did not all run
+    for (auto& [c, runs] : results) runs.resize(std::min<std::size_t>(runs.size(), rounds_done));
+    std::printf("interrupted: the report covers the %d complete rounds of %d\n", rounds_done,
+                a.rounds);
   }
 
   if (a.kernel_time) profile_configs(wl, device, a, results);
@@ -709,7 +726,7 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
     std::vector<double> v;
     // Either configuration may not have run (a target names configurations --configs left out).
     if (!results.count(c) || !results.count(ref)) return v;
-    for (int i = 0; i < a.rounds; ++i) {
+    for (int i = 0; i < rounds_done; ++i) {
       const double x = results[c][i].median_ms, y = results[ref][i].median_ms;
       if (std::isfinite(x) && std::isfinite(y)) v.push_back(y / x);
     }
@@ -774,7 +791,8 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
       check(what.c_str(), med(c, &RunResult::syncs_per_step), most_syncs, false);
     }
   }
-  return 0;
+  std::fflush(stdout);
+  return g_interrupted ? 130 : 0;  // 128 + SIGINT, as a shell reports a process it stopped
 }
 
 }  // namespace bench

@@ -4,6 +4,7 @@ step trains in every mode."""
 import inspect
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import torch
 
 import optamp
 
-from common_utils import ROOT, env, load_script
+from common_utils import BUILD, ROOT, env, load_script
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_train.py")
 
@@ -58,6 +59,45 @@ def test_noise_row_and_ratio_ranges(tmp_path):
     noise = [line for line in proc.stdout.splitlines() if line.startswith("noise")]
     assert len(noise) == 1 and "native_again / native" in noise[0], proc.stdout
     assert "| native | " in proc.stdout and "1.000 (1.000-1.000)" in proc.stdout
+
+
+CPP_GPT2 = os.path.join(BUILD, "benchmarks", "training", "bench_train_gpt2")
+
+
+@pytest.mark.parametrize("program", ["python", "cpp"])
+def test_an_interrupt_reports_the_complete_rounds(program):
+    """SIGINT (gpu_check's time budget) stops a run after the configuration it is in: the report
+    (table, noise, targets) covers the complete rounds, and the program exits with 130. It used to
+    lose the whole run's report, which is printed only after the last round."""
+    flags = ["--device", "cpu", "--small", "--configs", "native,native_again", "--rounds", "100000",
+             "--warmup", "0", "--steps", "1"]
+    if program == "cpp":
+        if not os.access(CPP_GPT2, os.X_OK):
+            pytest.skip(f"{CPP_GPT2} is not built (OPTAMP_BUILD_BENCHMARKS=ON)")
+        cmd = [CPP_GPT2, *flags, "--kernel-time"]
+    else:
+        cmd = [sys.executable, SCRIPT, "--model", "gpt2", *flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # interrupt once a round is complete and the next has begun
+        lines.append(line)
+        if line.startswith("round 2 "):
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    out = "".join(lines) + rest
+    assert proc.returncode == 130, out
+    done = [line for line in out.splitlines() if line.startswith("interrupted:")]
+    assert len(done) == 1 and " of 100000" in done[0], out
+    rounds = int(done[0].split("the report covers the ")[1].split()[0])
+    assert rounds >= 1
+    assert "| native | " in out and "noise  native_again / native" in out, out
+    assert "profiled" not in out  # --kernel-time's pass is skipped once interrupted
+    # Complete rounds only: both configurations ran in each, and the round cut short is left out.
+    ran = [line.split()[1] for line in out.splitlines() if line.startswith("round ")]
+    assert all(ran.count(str(r)) == 2 for r in range(1, rounds + 1)), out
+    assert ran.count(str(rounds + 1)) <= 1, out
 
 
 @pytest.mark.parametrize("config,checks", [("O4", True), ("O5_nocheck", False)])
