@@ -5,13 +5,14 @@
 // forward's log-sum-exp; the backward's sum of the gradient, or of the gradient times the result
 // for softmax) that loads 16 bytes per load where the row allows (the log-sum-exp merges such a
 // pack at once: RowLogSumExp::add_pack), then the elementwise pass, four elements per load and
-// store (16 bytes of fp32, 8 of the reduced dtype), split by the fp32 array's 16-byte boundaries: a
-// row starts at different offsets into a 16-byte pack in its fp32 and its reduced array (GPT-2's
-// 50257 classes are odd), and the fp32 side moves twice the bytes. RowPacks (ops/softmax_math.h)
-// says which lane takes which element; tests/cpp/test_fused_casts.cpp's SoftmaxMath tests merge a
-// row's parts in that order. The forward reads the reduced row once where a block per row can keep
-// it in shared memory (kept_row_bytes: a GPT-2 row, 100 KB, on an H100 or H200), else twice (mostly
-// from L2 the second time), and writes fp32; the backward reads its fp32 rows twice (log_softmax's
+// store (16 bytes of fp32, 8 of the reduced dtype; fused_cross_entropy's backward, which has no
+// fp32 array, 16 bytes of the reduced dtype), split by the fp32 array's 16-byte boundaries: a row
+// starts at different offsets into a 16-byte pack in its fp32 and its reduced array (GPT-2's 50257
+// classes are odd), and the fp32 side moves twice the bytes. RowPacks (ops/softmax_math.h) says
+// which lane takes which element; tests/cpp/test_fused_casts.cpp's SoftmaxMath tests merge a row's
+// parts in that order. The forward reads the reduced row once where a block per row can keep it in
+// shared memory (kept_row_bytes: a GPT-2 row, 100 KB, on an H100 or H200), else twice (mostly from
+// L2 the second time), and writes fp32; the backward reads its fp32 rows twice (log_softmax's
 // reduction reads the gradient alone) and writes the reduced gradient. The row math is
 // ops/softmax_math.h's.
 #include <ATen/ATen.h>
@@ -27,6 +28,7 @@
 #include <limits>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 
 #include "ops/fused_cross_entropy.h"
 #include "ops/softmax_math.h"
@@ -152,6 +154,21 @@ __device__ void store_quad(T* p, const Pack<T, 4>& q, bool aligned) {
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) p[j] = q.v[j];
+}
+
+// A 16-byte pack stored in one instruction, written in PTX as store_quad is.
+template <typename T, int N>
+__device__ void store_pack(T* p, const Pack<T, N>& pack, bool aligned) {
+  static_assert(sizeof(pack) == 16, "a 16-byte pack");
+  if (aligned) {
+    uint4 raw;
+    memcpy(&raw, &pack, sizeof(raw));
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(raw.x), "r"(raw.y),
+                 "r"(raw.z), "r"(raw.w));
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) p[j] = pack.v[j];
 }
 
 // A 16-byte pack stored into a row kept in shared memory (at a 16-byte boundary), written in PTX:
@@ -556,9 +573,11 @@ __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)
 }
 
 // fused_cross_entropy's backward: one elementwise pass over a row, reading the reduced logits and
-// writing their gradient in the same dtype, four elements per load and store (split by the
-// gradient's 8-byte boundaries; the logits' packs share them unless a tensor starts at an odd
-// offset into its storage).
+// writing their gradient in the same dtype, 16 bytes per load and store (split by the gradient's
+// 16-byte boundaries; the logits' packs share them unless the logits start at another offset into
+// a 16-byte pack: then they load element by element). With 8-byte packs the sixth GPU run moved
+// 824 MB in 0.391 ms (2.1 TB/s of the H200's 4.8): 16 bytes a load doubles what a thread keeps in
+// flight (four packs, as the reductions).
 template <typename scalar_t, typename Rows>
 __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)
     fused_cross_entropy_backward_kernel(const float* __restrict__ grad,
@@ -578,16 +597,20 @@ __global__ void __launch_bounds__(kMaxThreads, kBlocksPerSm)
   const auto grad_of = [=](float v, int64_t j) {
     return static_cast<scalar_t>(cross_entropy_backward_math(v, row_max, log_sum, j == t, g));
   };
-  const RowPacks split(cols, shift_of(gi, sizeof(scalar_t) * kQuad), kQuad);
-  const bool x_aligned = aligned_to(x + split.head, sizeof(scalar_t) * kQuad);
-  for_each_pack<kQuad, 4>(
+  constexpr int kVec = 16 / sizeof(scalar_t);
+  const RowPacks split(cols, shift_of(gi, 16), kVec);
+  const bool x_aligned = aligned_to(x + split.head, 16);
+  // Four packs in flight a thread where a block takes a row; two where a warp does (a row of at
+  // most 1024 elements is four packs a lane; with four, its kernel spilled a register).
+  constexpr int kInFlight = std::is_same<Rows, BlockPerRow>::value ? 4 : 2;
+  for_each_pack<kVec, kInFlight>(
       split, cols, Rows::lanes(), [=](int64_t i) { gi[i] = grad_of(static_cast<float>(x[i]), i); },
-      [=](int64_t i) { return load_pack<scalar_t, kQuad>(x + i, x_aligned); },
-      [=](int64_t i, const Pack<scalar_t, kQuad>& in) {
-        Pack<scalar_t, kQuad> out;
+      [=](int64_t i) { return load_pack<scalar_t, kVec>(x + i, x_aligned); },
+      [=](int64_t i, const Pack<scalar_t, kVec>& in) {
+        Pack<scalar_t, kVec> out;
 #pragma unroll
-        for (int j = 0; j < kQuad; ++j) out.v[j] = grad_of(static_cast<float>(in.v[j]), i + j);
-        store_quad(gi + i, out, true);
+        for (int j = 0; j < kVec; ++j) out.v[j] = grad_of(static_cast<float>(in.v[j]), i + j);
+        store_pack(gi + i, out, true);
       });
 }
 
