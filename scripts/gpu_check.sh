@@ -191,7 +191,7 @@ run_kernel_profile() {
   local metrics='Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput'
   metrics+='|Achieved Occupancy|Warp Cycles Per Issued Instruction'
   while IFS= read -r line; do targets+=("- kernel_profile: $line"); done < <(
-    grep -E "_kernel|^ +($metrics) " "$LOGS/kernel_profile.log" |
+    grep -v '^==PROF==' "$LOGS/kernel_profile.log" | grep -E "_kernel|^ +($metrics) " |
       sed -E 's/^ +//; s/ {2,}/ /g' | cut -c1-160)
   write_summary
 }

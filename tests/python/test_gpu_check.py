@@ -93,6 +93,8 @@ def test_the_softmax_kernels_phase_puts_its_lines_in_the_summary(tmp_path):
 
 NCU_OUTPUT = """\
 ==PROF== Connected to process 4242
+==PROF== Profiling "fused_cross_entropy_kernel" - 0: 0%....50%....100% - 8 passes
+[4242] python3@127.0.0.1
   void amp::ops::detail::fused_cross_entropy_kernel<c10::BFloat16, amp::ops::detail::BlockPerRow>\
 (const T1 *, const long *, float *, float *, long, long, long) (4096, 1, 1)x(512, 1, 1), Context 1
     Section: GPU Speed Of Light Throughput
@@ -104,6 +106,10 @@ NCU_OUTPUT = """\
     DRAM Throughput                   %        21.50
     Duration                         us       417.31
     Compute (SM) Throughput           %        63.02
+    ----------------------- ----------- ------------
+
+    OPT   This kernel exhibits low compute throughput and memory bandwidth utilization relative to
+          the peak performance of this device.
     Section: Warp State Statistics
     Warp Cycles Per Issued Instruction        cycle        25.10
     Section: Occupancy
@@ -116,7 +122,8 @@ def test_the_kernel_profile_phase_puts_each_kernels_counters_in_the_summary(tmp_
     """The kernel profile (Nsight Compute over the softmax kernels' benchmark) on a machine with
     ncu: each kernel's name and its duration, throughputs, occupancy and cycles per issued
     instruction reach summary.md, one line each (an ncu that prints a report in Nsight Compute's
-    format, written by hand, stands in for it here); on a machine without ncu the phase says so
+    format, written by hand after its console reports, progress lines and advice included, stands
+    in for it here); on a machine without ncu the phase says so
     and passes."""
     fake = tmp_path / "bin"
     fake.mkdir()
