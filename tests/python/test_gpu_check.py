@@ -123,8 +123,7 @@ def test_the_kernel_profile_phase_puts_each_kernels_counters_in_the_summary(tmp_
     ncu: each kernel's name and its duration, throughputs, occupancy and cycles per issued
     instruction reach summary.md, one line each (an ncu that prints a report in Nsight Compute's
     format, written by hand after its console reports, progress lines and advice included, stands
-    in for it here); on a machine without ncu the phase says so
-    and passes."""
+    in for it here); on a machine without ncu the phase says so and passes."""
     fake = tmp_path / "bin"
     fake.mkdir()
     ncu = fake / "ncu"
