@@ -123,7 +123,8 @@ def test_the_kernel_profile_phase_puts_each_kernels_counters_in_the_summary(tmp_
     ncu: each kernel's name and its duration, throughputs, occupancy and cycles per issued
     instruction reach summary.md, one line each (an ncu that prints a report in Nsight Compute's
     format, written by hand after its console reports, progress lines and advice included, stands
-    in for it here); on a machine without ncu the phase says so and passes."""
+    in for it here); with too little of the time budget left, or on a machine without ncu, the
+    phase says so and passes."""
     fake = tmp_path / "bin"
     fake.mkdir()
     ncu = fake / "ncu"
@@ -139,6 +140,11 @@ def test_the_kernel_profile_phase_puts_each_kernels_counters_in_the_summary(tmp_
         "Memory Throughput % 21.50", "DRAM Throughput % 21.50", "Duration us 417.31",
         "Compute (SM) Throughput % 63.02", "Warp Cycles Per Issued Instruction cycle 25.10",
         "Achieved Occupancy % 93.40")]
+
+    # Not past the budget: a call sized to it must not end inside ncu.
+    summary = _summary_of_check(tmp_path, dict(env, GPU_CHECK_MINUTES="0"))
+    assert "| kernel_profile | not run: " in summary and "s left of the 30s budget |" in summary
+    assert "- kernel_profile: " not in summary
 
     env["PATH"] = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
                                   if not os.path.exists(os.path.join(p, "ncu")))
