@@ -114,18 +114,25 @@ phase() {
 
 # Seconds left of the budget, less a margin for the summary.
 seconds_left() { echo $(( budget - ($(date +%s) - started) - 15 )); }
-# A pytest phase in what is left of the time budget, so that a run under the device tool's
-# 10-minute limit still ends with a summary (stopped at the budget: "cut short").
+# phase_time NAME CAP LEAST GRACE: sets phase_limit to the seconds phase NAME may take, CAP where
+# given (empty: no cap) but at most what is left of the budget less GRACE (how long after the
+# limit its kill may come), so that a run under the device tool's limit still ends with a
+# summary. With under LEAST seconds the phase is recorded as not run instead (status 1).
+phase_time() {
+  local name="$1" cap="$2" least="$3" grace="$4" left
+  left=$(( $(seconds_left) - grace ))
+  phase_limit=$left
+  [[ -n "$cap" && "$cap" -lt "$phase_limit" ]] && phase_limit="$cap"
+  [[ $phase_limit -ge $least ]] && return 0
+  rows+=("| $name | not run: ${left}s left of the ${budget}s budget | 0 | 0 | 0 | 0 |")
+  return 1
+}
+# A pytest phase in what is left of the time budget (stopped at the budget: "cut short").
 pytest_phase() {
-  local name="$1" left cap="$2"
+  local name="$1" cap="$2"
   shift 2
-  left=$(seconds_left)
-  [[ -n "$cap" && "$cap" -lt "$left" ]] && left="$cap"
-  if [[ $left -gt 60 ]]; then
-    phase "$name" timeout --signal=INT --kill-after=15 "$left" "${pytest_cmd[@]}" "$@"
-  else
-    rows+=("| $name | not run: ${left}s left of the ${budget}s budget | 0 | 0 | 0 | 0 |")
-  fi
+  phase_time "$name" "$cap" 61 0 || return 0
+  phase "$name" timeout --signal=INT --kill-after=15 "$phase_limit" "${pytest_cmd[@]}" "$@"
 }
 
 run_bootstrap() { phase bootstrap bash scripts/bootstrap.sh; }
@@ -183,15 +190,9 @@ run_kernel_profile() {
     return 0
   fi
   # At most what is left of the budget: a call sized to the budget must not end inside ncu.
-  local limit="${GPU_CHECK_PROFILE_SECONDS:-120}" left
-  left=$(( $(seconds_left) - 10 ))
-  [[ $left -lt $limit ]] && limit=$left
-  if [[ $limit -lt 30 ]]; then
-    rows+=("| kernel_profile | not run: ${left}s left of the ${budget}s budget | 0 | 0 | 0 | 0 |")
-    return 0
-  fi
+  phase_time kernel_profile "${GPU_CHECK_PROFILE_SECONDS:-120}" 30 10 || return 0
   # shellcheck disable=SC2086
-  phase kernel_profile timeout --kill-after=10 "$limit" \
+  phase kernel_profile timeout --kill-after=10 "$phase_limit" \
     ncu --clock-control none --target-processes all \
     -k "regex:${GPU_CHECK_PROFILE_KERNELS:-fused_cross_entropy}" \
     -c "${GPU_CHECK_PROFILE_LAUNCHES:-4}" --section SpeedOfLight --section WarpStateStats \
