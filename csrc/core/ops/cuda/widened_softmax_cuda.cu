@@ -130,17 +130,22 @@ __device__ Pack<T, N> load_kept(const T* p, bool aligned) {
   return pack;
 }
 
-// Stores of four elements in one instruction, written in PTX: nvcc split a float4 or uint2 store
-// into 4-byte stores when the address was a row's pointer plus a computed head (checked in the
-// PTX of these kernels), and the stores are half of the elementwise passes' bytes.
-__device__ void store_quad(float* p, const Pack<float, 4>& q, bool aligned) {
+// Stores in one instruction, written in PTX: nvcc split a float4 or uint2 store into 4-byte stores
+// when the address was a row's pointer plus a computed head (checked in the PTX of these kernels),
+// and the stores are half of the elementwise passes' bytes. store_pack: a 16-byte pack (four fp32
+// elements, or eight of a 2-byte type); store_quad: four elements of a 2-byte type (8 bytes).
+template <typename T, int N>
+__device__ void store_pack(T* p, const Pack<T, N>& pack, bool aligned) {
+  static_assert(sizeof(pack) == 16, "a 16-byte pack");
   if (aligned) {
-    asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(q.v[0]), "f"(q.v[1]),
-                 "f"(q.v[2]), "f"(q.v[3]));
+    uint4 raw;
+    memcpy(&raw, &pack, sizeof(raw));
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(raw.x), "r"(raw.y),
+                 "r"(raw.z), "r"(raw.w));
     return;
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) p[j] = q.v[j];
+  for (int j = 0; j < N; ++j) p[j] = pack.v[j];
 }
 
 template <typename T>  // c10::Half, c10::BFloat16: their bits in `x`
@@ -154,21 +159,6 @@ __device__ void store_quad(T* p, const Pack<T, 4>& q, bool aligned) {
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) p[j] = q.v[j];
-}
-
-// A 16-byte pack stored in one instruction, written in PTX as store_quad is.
-template <typename T, int N>
-__device__ void store_pack(T* p, const Pack<T, N>& pack, bool aligned) {
-  static_assert(sizeof(pack) == 16, "a 16-byte pack");
-  if (aligned) {
-    uint4 raw;
-    memcpy(&raw, &pack, sizeof(raw));
-    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(raw.x), "r"(raw.y),
-                 "r"(raw.z), "r"(raw.w));
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < N; ++j) p[j] = pack.v[j];
 }
 
 // A 16-byte pack stored into a row kept in shared memory (at a 16-byte boundary), written in PTX:
@@ -273,7 +263,7 @@ __device__ __forceinline__ void softmax_forward_row(const scalar_t* __restrict__
         Pack<float, kQuad> out;
 #pragma unroll
         for (int j = 0; j < kQuad; ++j) out.v[j] = result(static_cast<float>(in.v[j]));
-        store_quad(y + i, out, true);
+        store_pack(y + i, out, true);
       });
 }
 
