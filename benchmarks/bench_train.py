@@ -298,7 +298,10 @@ def run_config(wl, config, args, dev, kernel_time=False):
             step()
             sync(dev)
             ms.append((time.perf_counter() - t0) * 1e3)
-        res.update(median_ms=statistics.median(ms), peak_mb=peak_mb(dev),
+        # Every timed step in the JSON line: a round whose median moved says whether all its
+        # steps were slower or a few were (the fifth GPU run's Python native: 30-51 ms medians).
+        res.update(median_ms=statistics.median(ms), step_ms=[round(t, 3) for t in ms],
+                   peak_mb=peak_mb(dev),
                    syncs_per_step=count_syncs(step, dev))
         if kernel_time and dev.type == "cuda":
             (res["kernel_ms"], res["kernels_per_step"], res["kernel_ms_by_name"],

@@ -301,6 +301,17 @@ class SyncCounter : public c10::WarningHandler {
 };
 #endif
 
+// A JSON array of the values, three decimals each.
+inline std::string json_array(const std::vector<double>& values) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%s%.3f", i == 0 ? "" : ",", values[i]);
+    out += buf;
+  }
+  return out + "]";
+}
+
 inline std::string fmt(const char* f, double v) {
   if (!std::isfinite(v)) return "-";
   char buf[64];
@@ -310,6 +321,7 @@ inline std::string fmt(const char* f, double v) {
 
 struct RunResult {
   double median_ms = std::nan(""), peak_mb = std::nan(""), syncs_per_step = std::nan("");
+  std::vector<double> step_ms;  // every timed step, for the JSON line
   std::int64_t skipped = 0;
   std::string error;
   // --kernel-time: device time per step of the profiled steps' kernels (CUDA), their number per
@@ -535,6 +547,7 @@ inline RunResult run_config(Workload& wl, const std::string& config, const torch
     }
     r.peak_mb = peak_mb(device);
     r.median_ms = median(ms);
+    r.step_ms = ms;
     // Read once, after the timed steps: reading it every step would wait for every step.
     if (optamp) r.skipped = amp::loss_scaler(0).skipped_steps();
 #ifdef OPTAMP_BENCH_CUDA
@@ -707,7 +720,7 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
              << ",\"peak_mb\":" << (std::isfinite(r.peak_mb) ? r.peak_mb : -1)
              << ",\"syncs_per_step\":" << (std::isfinite(r.syncs_per_step) ? r.syncs_per_step : -1)
              << ",\"skipped\":" << r.skipped << ",\"ok\":" << (r.error.empty() ? "true" : "false")
-             << "}\n";
+             << ",\"step_ms\":" << json_array(r.step_ms) << "}\n";
       results[c].push_back(std::move(r));
     }
     if (ran == n) ++rounds_done;  // every configuration ran (an interrupt may come after the last)

@@ -65,6 +65,28 @@ CPP_GPT2 = os.path.join(BUILD, "benchmarks", "training", "bench_train_gpt2")
 
 
 @pytest.mark.parametrize("program", ["python", "cpp"])
+def test_json_lines_carry_every_timed_step(program, tmp_path):
+    """Each JSON line holds every timed step's time beside their median, so a round whose median
+    moved can be read step by step (uniformly slower, or a few slow steps)."""
+    out = tmp_path / "runs.json"
+    flags = ["--device", "cpu", "--small", "--configs", "native,O1", "--rounds", "1", "--warmup",
+             "0", "--steps", "3", "--json", str(out)]
+    if program == "cpp":
+        if not os.access(CPP_GPT2, os.X_OK):
+            pytest.skip(f"{CPP_GPT2} is not built (OPTAMP_BUILD_BENCHMARKS=ON)")
+        cmd = [CPP_GPT2, *flags]
+    else:
+        cmd = [sys.executable, SCRIPT, "--model", "gpt2", *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["config"] for r in rows) == ["O1", "native"]
+    for r in rows:
+        assert len(r["step_ms"]) == 3 and all(t > 0 for t in r["step_ms"]), r
+        assert sorted(r["step_ms"])[1] == pytest.approx(r["median_ms"], abs=1e-3), r
+
+
+@pytest.mark.parametrize("program", ["python", "cpp"])
 def test_an_interrupt_reports_the_complete_rounds(program):
     """SIGINT (gpu_check's time budget) stops a run after the configuration it is in: the report
     (table, noise, targets) covers the complete rounds, and the program exits with 130. It used to
