@@ -301,22 +301,19 @@ class SyncCounter : public c10::WarningHandler {
 };
 #endif
 
-// A JSON array of the values, three decimals each.
-inline std::string json_array(const std::vector<double>& values) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    char buf[32];
-    std::snprintf(buf, sizeof(buf), "%s%.3f", i == 0 ? "" : ",", values[i]);
-    out += buf;
-  }
-  return out + "]";
-}
-
 inline std::string fmt(const char* f, double v) {
   if (!std::isfinite(v)) return "-";
   char buf[64];
   std::snprintf(buf, sizeof(buf), f, v);
   return buf;
+}
+
+// A JSON array of step times (finite, as steady_clock durations are), three decimals each.
+inline std::string json_array(const std::vector<double>& values) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < values.size(); ++i)
+    out += (i == 0 ? "" : ",") + fmt("%.3f", values[i]);
+  return out + "]";
 }
 
 struct RunResult {
