@@ -157,6 +157,12 @@ def test_cpu_features(tmp_path):
     assert ab_plan.cpu_features(str(tmp_path / "absent"))["bf16"] == "unknown"
     text = ab_plan.describe_cpu(amx)
     assert "amx_bf16 yes" in text and "avx512_bf16 yes" in text and "AMX" in text
+    # Where torch sends fp16 convolutions decides how slow O1-O3 are: oneDNN (whose fp16
+    # weight gradient is reference code) only with AVX512-FP16, torch's own kernels otherwise.
+    assert amx["fp16"] == "none" and "own kernels" in amx["fp16_note"]
+    fp16 = ab_plan.cpu_features(cpuinfo(tmp_path, "avx512f", "avx512_fp16"))
+    assert fp16["fp16"] == "avx512_fp16" and "oneDNN" in fp16["fp16_note"]
+    assert "reference code" in ab_plan.describe_cpu(fp16)
 
 
 def test_default_cpu_budget_without_bf16(tmp_path, capsys):
