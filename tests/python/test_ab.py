@@ -234,7 +234,7 @@ def test_ab_python_trainer(py_ab_run):
 def test_python_twin_reproduces_the_cpp_losses(py_ab_run, request, level):
     """Same init order, shuffling and ops: the twins give the same losses and skipped steps.
     O3 steps fp16 weights, where the two SGD implementations (torch.optim's, torch::optim's) do
-    not round alike: close, not equal (measured: at most 0.4% apart over the 20 steps)."""
+    not round alike: close, not equal (measured: at most 0.15% apart over the 20 steps)."""
     if not os.access(BIN, os.X_OK):
         pytest.skip(f"no C++ trainer at {BIN}")
     cpp_out, _ = request.getfixturevalue("ab_run")
