@@ -85,9 +85,9 @@ def classify_cpu(flags: Optional[Mapping[str, bool]]) -> Dict[str, str]:
                      "not oneDNN (measured 4.7x O0's step time on an AVX2-only CPU): O1/O2/O3 "
                      "get the slow budget")
     else:
-        fp16_note = ("torch hands fp16 convolutions to oneDNN, whose fp16 weight gradient is "
-                     "reference code (measured 32-47x O0's step time on Xeons with AVX512-FP16): "
-                     "O1/O2/O3 get the slow budget")
+        fp16_note = ("torch hands fp16 convolutions to oneDNN, whose fp16 weight gradient ran "
+                     "as reference code on the Xeons measured (AVX512-FP16 without AMX-FP16: "
+                     "32-47x O0's step time): O1/O2/O3 get the slow budget")
     return {"bf16": bf16[0], "bf16_note": bf16[1], "fp16": fp16, "fp16_note": fp16_note}
 
 
