@@ -1,5 +1,5 @@
-"""The wheel, as README installs it: `pip install --no-build-isolation .` (on every run, in
-build-py<major><minor>/ beside build/, whose compilations ccache reuses: see WHEEL_BUILD_DIR), then
+"""The wheel, as README installs it: `pip install --no-build-isolation .` (on every run; the
+build reuses build-<wheel tag>/ and, through ccache, the scripts' build: pyproject.toml), then
 `import optamp` from outside the checkout. The wheel must carry optamp/_C, optamp/liboptamp,
 the type stub and py.typed, and require exactly the torch release it was built against. The
 isolated build (`pip install .`, torch 2.11.0 from the index) runs with --run-slow."""
@@ -59,15 +59,6 @@ def _env(**extra):
     return env
 
 
-# The wheel's build directory, one level below the checkout like the scripts' build/: ccache
-# (scripts/common.sh: CCACHE_BASEDIR is the checkout) hashes paths relative to the build
-# directory, so only at the same depth do the wheel's compilations find the scripts' build's
-# objects. pyproject.toml's default, build/<wheel tag>/, is one level deeper: on a fresh clone
-# the test compiled for 137 s there; a directory at this depth, never used before, found all 57
-# of the wheel's compilations in ccache (16 s).
-WHEEL_BUILD_DIR = os.path.join(ROOT, f"build-py{sys.version_info.major}{sys.version_info.minor}")
-
-
 def _install_and_check(tmp_path, *pip_args, **env):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q",
@@ -84,8 +75,7 @@ def test_pip_install_no_build_isolation_and_import(tmp_path):
     pytest.importorskip("scikit_build_core",
                         reason="the build backend is not installed (scripts/bootstrap.sh installs "
                                "it; a machine without network cannot)")
-    _install_and_check(tmp_path, "--no-build-isolation", "--config-settings",
-                       f"build-dir={WHEEL_BUILD_DIR}", PIP_NO_INDEX="1")
+    _install_and_check(tmp_path, "--no-build-isolation", PIP_NO_INDEX="1")
 
 
 @pytest.mark.slow
