@@ -38,7 +38,7 @@ OPTAMP_API const char* to_string(CastPolicy policy);
 enum class RuleSet : std::uint8_t {
   kNone,           // nothing is cast (O0, disabled, disable_casts, gated off)
   kFullLists,      // O1/O4 and amp::autocast regions: every policy
-  kMasterWeights,  // O2/O5: lower, fp32 (loss) and banned-as-a-loss
+  kMasterWeights,  // O2/O5: lower, fp32 (loss), promote and banned-as-a-loss
   kPureLow,        // O3 (and O0 with a reduced cast_model_type): lower only
 };
 OPTAMP_API const char* to_string(RuleSet rules);
@@ -58,7 +58,7 @@ OPTAMP_API CastRules cast_rules_now(c10::DeviceType device);
 // the newest registration of an op wins. Unknown ops: ValueError naming the op.
 // register_half_op applies at every level that casts, register_float_op too (CastPolicy::
 // kFp32Always: a registered loss runs in fp32 at O1-O5, whatever the model's dtype),
-// register_promote_op where the lists apply (O1/O4, regions).
+// register_promote_op where the promote list applies (O1, O2, O4, O5, regions).
 OPTAMP_API void register_half_op(std::string_view qualified_name);
 OPTAMP_API void register_float_op(std::string_view qualified_name);
 OPTAMP_API void register_promote_op(std::string_view qualified_name);

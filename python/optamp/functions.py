@@ -11,8 +11,8 @@ before calling the function; otherwise it calls the function unchanged. Registra
 before or after ``optamp.initialize`` (the wrapper checks the thread's state at each call).
 
 Which levels apply (the same as the dispatcher's categories): half functions at O1-O5 (O1/O4
-only with patch_torch_functions), float and promote functions at O1/O4 and in
-``optamp.autocast`` regions. A wrapped Python function's inner ops still follow their own
+only with patch_torch_functions), promote functions at O1/O2/O4/O5, float functions at O1-O5, and
+all three in ``optamp.autocast`` regions. A wrapped Python function's inner ops still follow their own
 policies (Apex's semantics for composite functions); a wrapped builtin (a C function such as
 ``torch.nn.functional.gelu``) runs with optamp's rules off so that the registration wins.
 """
@@ -33,7 +33,8 @@ register_float_op = _C.register_float_op
 register_promote_op = _C.register_promote_op
 
 # "float" applies at every level that casts, as register_float_op does (a registered loss runs
-# in fp32 whatever the level did to the model); "promote" where the lists apply (O1/O4, regions).
+# in fp32 whatever the level did to the model); "promote" where the promote list applies (O1, O2,
+# O4, O5, regions).
 _POLICY = {"half": _C.CastPolicy.LOWER, "float": _C.CastPolicy.FP32_ALWAYS,
            "promote": _C.CastPolicy.PROMOTE}
 

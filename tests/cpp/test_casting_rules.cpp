@@ -259,6 +259,38 @@ TEST_F(Casting, NoGradRunsInGivenDtypesUnlessInAnAutocastRegion) {
   EXPECT_EQ(at::mm(a, b).scalar_type(), at::kFloat);
 }
 
+// Under the gate a call runs in the dtypes it is given, except one that could not run them: a
+// lower op, or a promote op torch does not promote itself, given a reduced tensor made while
+// autograd recorded and an fp32 one (spectral_norm's power iteration at O2/O5).
+TEST_F(Casting, UnderTheGateMixedWidthsThatCannotRunAreWidened) {
+  for (const char* level : {"O1", "O2", "O4", "O5"}) {
+    SCOPED_TRACE(level);
+    enable(level);
+    const ScalarType low = level[1] == '1' || level[1] == '2' ? at::kHalf : at::kBFloat16;
+    auto a = randn({2, 3}).to(low);
+    auto b = randn({3, 2});
+    c10::NoGradGuard no_grad;
+    auto before = cast_count();
+    auto widened = at::mm(a, b);  // unboxed kernel (a hot op)
+    EXPECT_EQ(widened.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(widened, at::mm(a.to(at::kFloat), b)));
+    EXPECT_EQ(cast_count(), before + 1);
+    auto v = randn({3});
+    EXPECT_EQ(at::mv(a, v).scalar_type(), at::kFloat);           // boxed kernel
+    EXPECT_EQ(at::dot(v.to(low), v).scalar_type(), at::kFloat);  // promote, not native
+    before = cast_count();
+    EXPECT_EQ(at::mm(a, b.to(low)).scalar_type(), low);                // one width: as given
+    EXPECT_EQ(at::add(a, b.t()).scalar_type(), at::kFloat);            // torch promotes it
+    EXPECT_EQ(at::mul(a, at::scalar_tensor(2.0)).scalar_type(), low);  // a 0-dim fp32: torch's
+    EXPECT_EQ(cast_count(), before);
+    {
+      disable_casts off;  // nothing at all
+      EXPECT_THROW(at::mm(a, b), c10::Error);
+    }
+    TearDown();
+  }
+}
+
 TEST_F(Casting, AutocastRegionWorksWithoutInitialize) {
   auto a = randn({2, 3});
   EXPECT_FALSE(is_casting_enabled());
@@ -285,10 +317,14 @@ TEST_F(Casting, O3LowersAlwaysAndLeavesTheRestAlone) {
   EXPECT_EQ(at::softmax(a.to(at::kHalf), 1).scalar_type(), at::kHalf);  // no fp32 list at O3
 }
 
-TEST_F(Casting, O2AppliesLowerAndLossesOnly) {
+TEST_F(Casting, O2AppliesLowerLossesAndPromote) {
   enable("O2");
   auto h = randn({4, 3}, at::kHalf);
   EXPECT_EQ(at::mm(randn({2, 3}), randn({3, 2})).scalar_type(), at::kHalf);
+  // promote: a working copy's result meets an fp32 buffer seen through clone (docs/design.md)
+  auto v = randn({3});
+  EXPECT_EQ(at::vdot(v.to(at::kHalf), v).scalar_type(), at::kFloat);
+  EXPECT_EQ(at::vdot(v.to(at::kHalf), v.to(at::kHalf)).scalar_type(), at::kHalf);
   EXPECT_EQ(at::exp(h).scalar_type(), at::kHalf);  // plain fp32-list op: normal promotion
   EXPECT_EQ(at::log_softmax(h, 1).scalar_type(), at::kFloat);
   EXPECT_EQ(at::nll_loss(at::log_softmax(h, 1), at::tensor({0, 1, 2, 0}, at::kLong)).scalar_type(),

@@ -111,7 +111,7 @@ TEST(CastPolicies, EachRuleSetAppliesItsPolicies) {
   };
   EXPECT_EQ(applied(RuleSet::kNone), "");
   EXPECT_EQ(applied(RuleSet::kFullLists), "lower, fp32, fp32 (loss), promote, banned");
-  EXPECT_EQ(applied(RuleSet::kMasterWeights), "lower, fp32 (loss), banned");
+  EXPECT_EQ(applied(RuleSet::kMasterWeights), "lower, fp32 (loss), promote, banned");
   EXPECT_EQ(applied(RuleSet::kPureLow), "lower");
   EXPECT_STREQ(to_string(RuleSet::kMasterWeights), "master weights");
   // Only the banned entries carry a message, and each of them does.

@@ -448,13 +448,17 @@ def test_register_promote_op(fresh):
     assert blend(lo, lo).dtype == torch.bfloat16
     report = optamp.policy_report()
     assert "optamp_pytest::blend: promote" in report and "aten::lerp.Scalar: promote" in report
-    # Promote policies act at O1/O4 and in autocast regions only, not at O2.
+    # Promote policies act at O2/O5 too: there ops meet fp32 masters and buffers (through clone,
+    # under no_grad) beside results of the working copies (docs/design.md, "Policies per level").
     optamp.reset()
     init(Mlp(), opt_level="O5")
-    with pytest.raises(RuntimeError, match="blend: mixed dtypes"):
-        blend(lo, hi)
-    with optamp.autocast(dtype=torch.bfloat16):
+    assert blend(lo, hi).dtype == torch.float32
+    with torch.no_grad():  # the gate: a call that cannot run mixed widths widens them still
         assert blend(lo, hi).dtype == torch.float32
+        assert blend(lo, lo).dtype == torch.bfloat16
+    with optamp.disable_casts():
+        with pytest.raises(RuntimeError, match="blend: mixed dtypes"):
+            blend(lo, hi)
     with pytest.raises(ValueError, match="nosuchns::nosuchop"):
         optamp.register_promote_op("nosuchns::nosuchop")
 

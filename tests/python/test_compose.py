@@ -154,6 +154,58 @@ def test_scripted_fork_carries_regions_and_disable_casts_to_the_pool_thread(
             assert _forked_mm(a).dtype == torch.float16
 
 
+# ---- weight parametrizations (spectral / weight norm) ------------------------------------------
+
+
+def _discriminator(kind):
+    """A GAN discriminator's layers under a weight parametrization. spectral_norm's power
+    iteration runs under no_grad on the weight as the forward sees it (fp16/bf16 at O2/O5) and
+    its fp32 buffers, then multiplies a clone of a buffer (fp32: clone sees the master) by that
+    weight while autograd records: mixed widths both times."""
+    P = torch.nn.utils.parametrizations
+    wrap = {"spectral_norm": P.spectral_norm, "weight_norm": P.weight_norm,
+            "spectral_norm_hook": torch.nn.utils.spectral_norm}[kind]
+    return torch.nn.Sequential(wrap(torch.nn.Linear(16, 32)), torch.nn.LeakyReLU(0.2),
+                               wrap(torch.nn.Linear(32, 1)))
+
+
+def _train_discriminator(kind, level, steps=4):
+    torch.manual_seed(0)
+    model = _discriminator(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if level != "O0":
+        model, opt = init(model, opt, level)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=gen)
+        loss = torch.nn.functional.softplus(-model(x).float()).mean()
+        opt.zero_grad()
+        if level == "O0":
+            loss.backward()
+        else:
+            with optamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        opt.step()
+        losses.append(loss.item())
+    buffers = {n: b.clone() for n, b in model.named_buffers() if b.is_floating_point()}
+    optamp.reset()
+    return losses, buffers
+
+
+@pytest.mark.parametrize("kind", ["spectral_norm", "weight_norm", "spectral_norm_hook"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_weight_parametrizations_train_close_to_fp32(kind, level):
+    losses, buffers = _train_discriminator(kind, level)
+    ref_losses, ref_buffers = _train_discriminator(kind, "O0")
+    low = torch.bfloat16 if level in ("O4", "O5") else torch.float16
+    torch.testing.assert_close(losses, ref_losses, **tol(f"train_{str(low)[6:]}"))
+    assert buffers.keys() == ref_buffers.keys()
+    for name, ref in ref_buffers.items():  # the power iteration's vectors stay fp32
+        assert buffers[name].dtype == (low if level == "O3" else torch.float32), name
+        torch.testing.assert_close(buffers[name].float(), ref, **tol(f"train_{str(low)[6:]}"))
+
+
 # ---- inference -----------------------------------------------------------------------------
 
 

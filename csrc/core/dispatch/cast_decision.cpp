@@ -25,7 +25,11 @@ CastDecision level_decision(const LevelRules& level, const CarriedMode& carried)
   if (level.rules == RuleSet::kNone) return {};
   const bool gated =
       !level.ungated && carried.mode != kFollowLevelUngated && !level.rules_under_no_grad;
-  if (gated && !c10::GradMode::is_enabled()) return {};
+  if (gated && !c10::GradMode::is_enabled()) {
+    CastDecision held_back;
+    held_back.gated = level.rules;
+    return held_back;
+  }
   return {level.rules, level.low};
 }
 

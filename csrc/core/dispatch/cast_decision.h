@@ -34,6 +34,9 @@ struct CastDecision {
   bool native_owns = false;
   // The table the call follows: Apex's, or torch's for the call's device (op_lists).
   ListSet lists = ListSet::kApex;
+  // The level's rules that the no_grad gate holds back (rules is kNone then): the calls they would
+  // cast still widen inputs of mixed widths, which they could not run as given (cast_kernel.h).
+  RuleSet gated = RuleSet::kNone;
 };
 // The gate: rules apply while GradMode is on, inside an amp::autocast region, or always when the
 // model is cast in place (O3);
@@ -44,7 +47,7 @@ CastDecision decide(c10::DeviceType device);
 // grad-mode gate). Native torch.autocast, where it is on, takes precedence over this.
 bool rules_apply_now();
 // The rules of `level` for a call on a thread in `carried` mode (not a region), after the no_grad
-// gate: kNone when gated off or when the level has none.
+// gate: kNone when gated off (`gated` then names them) or when the level has none.
 CastDecision level_decision(const LevelRules& level, const CarriedMode& carried);
 
 }  // namespace amp::detail

@@ -150,7 +150,11 @@ void PromoteWidth::add(const at::Tensor& t) {
   };
   mixed = mixed || (widest != ScalarType::Undefined && s != widest);
   widest = widen(widest, s);
-  if (t.dim() > 0) widest_dimensioned = widen(widest_dimensioned, s);
+  if (t.dim() > 0) {
+    mixed_dimensioned = mixed_dimensioned ||
+                        (widest_dimensioned != ScalarType::Undefined && s != widest_dimensioned);
+    widest_dimensioned = widen(widest_dimensioned, s);
+  }
 }
 
 bool PromoteWidth::torch_agrees() const {
@@ -164,6 +168,9 @@ CallPlan CastKernel::plan(std::optional<c10::DeviceType> device) const {
   p.policy = listed.value_or(CastPolicy::kLower);
   if (!listed || !policy_applies(p.policy, decision.rules)) {
     p.native_owns = decision.native_owns;
+    p.widen_if_mixed = listed && policy_applies(p.policy, decision.gated) &&
+                       (p.policy == CastPolicy::kLower ||
+                        (p.policy == CastPolicy::kPromote && !promotes_natively_));
     return p;
   }
   // NotImplementedError in Python, as Apex raised (a RuntimeError subclass, c10::Error in C++).
@@ -182,6 +189,16 @@ bool CastKernel::plan_promotion(const PromoteWidth& width, CallPlan& p) const {
   // would only add an op and an autograd node; see policy_table.h).
   if (!width.mixed || (promotes_natively_ && width.torch_agrees())) return false;
   p.target = width.widest;
+  return true;
+}
+
+bool CastKernel::plan_gated_widening(const PromoteWidth& width, CallPlan& p) const {
+  // Mixed widths among 0-dim tensors alone are left to torch's promotion, which ranks them below
+  // the others: the call runs as given, as everything under the gate does.
+  if (!width.mixed_dimensioned) return false;
+  p.cast = true;
+  p.policy = CastPolicy::kPromote;
+  p.target = width.widest_dimensioned;
   return true;
 }
 
@@ -211,6 +228,14 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
     return std::nullopt;
   });
   CallPlan p = plan(device);
+  if (p.widen_if_mixed) {
+    PromoteWidth width;
+    rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
+      width.add(t);
+      return std::nullopt;
+    });
+    plan_gated_widening(width, p);
+  }
   if (!p.cast) {
     std::optional<c10::impl::ExcludeDispatchKeyGuard> stay_out;
     if (p.native_owns) stay_out.emplace(kCastKey);
@@ -219,7 +244,9 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
   }
   // Casts must not come back into optamp's kernels (nor should composite ops' inner calls).
   c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);
-  if (p.policy == CastPolicy::kPromote) {
+  if (p.widen_if_mixed) {
+    // a gated widening: its width is planned (plan_gated_widening)
+  } else if (p.policy == CastPolicy::kPromote) {
     PromoteWidth width;
     rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
       width.add(t);

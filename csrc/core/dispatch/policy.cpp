@@ -47,9 +47,8 @@ bool policy_applies(CastPolicy policy, RuleSet rules) {
   switch (rules) {
     case RuleSet::kFullLists:
       return true;
-    case RuleSet::kMasterWeights:
-      return policy == CastPolicy::kLower || policy == CastPolicy::kFp32Loss ||
-             policy == CastPolicy::kBanned;
+    case RuleSet::kMasterWeights:  // everything but the fp32 list (docs/design.md says why)
+      return policy != CastPolicy::kFp32;
     case RuleSet::kPureLow:
       return policy == CastPolicy::kLower;
     case RuleSet::kNone:

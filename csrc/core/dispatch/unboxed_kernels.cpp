@@ -117,19 +117,26 @@ struct Unboxed<Op, Ret(Args...)> {
     };
     (visit_tensor_arg(args, first_device), ...);
     CallPlan p = k.plan(device);
+    if (p.widen_if_mixed) {
+      PromoteWidth width;
+      (visit_tensor_arg(args, [&](const at::Tensor& t) { width.add(t); }), ...);
+      k.plan_gated_widening(width, p);
+    }
     if (!p.cast) {
       std::optional<c10::impl::ExcludeDispatchKeyGuard> stay_out;
       if (p.native_owns) stay_out.emplace(kCastKey);
       return Op::redispatch(below, args...);
     }
     c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);
-    if constexpr (std::is_same_v<Ret, at::Tensor>) {
-      if (auto fused = Fused<Op>::call(k, p, args...)) return *std::move(fused);
-    }
-    if (p.policy == CastPolicy::kPromote) {
-      PromoteWidth width;
-      (visit_tensor_arg(args, [&](const at::Tensor& t) { width.add(t); }), ...);
-      if (!k.plan_promotion(width, p)) return Op::redispatch(below, args...);
+    if (!p.widen_if_mixed) {  // (a gated widening has its width planned)
+      if constexpr (std::is_same_v<Ret, at::Tensor>) {
+        if (auto fused = Fused<Op>::call(k, p, args...)) return *std::move(fused);
+      }
+      if (p.policy == CastPolicy::kPromote) {
+        PromoteWidth width;
+        (visit_tensor_arg(args, [&](const at::Tensor& t) { width.add(t); }), ...);
+        if (!k.plan_promotion(width, p)) return Op::redispatch(below, args...);
+      }
     }
     auto cast = [&k, &p](const at::Tensor& t) { return k.cast_argument(t, p); };
     return Op::redispatch(below, rewrite_tensor_arg(args, cast)...);
