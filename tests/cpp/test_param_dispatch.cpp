@@ -191,6 +191,34 @@ TEST_F(ParamDispatch, UnboxedKernelsSeeTheSameWorkingCopiesAsTheFallback) {
   EXPECT_EQ(at::embedding(net->emb->weight, ids).scalar_type(), at::kBFloat16);
 }
 
+// The cast kernels run above substitution: a promote call weighs a model tensor in the dtype its
+// op will see (the working copy's), and one it widens reads the fp32 master itself.
+TEST_F(ParamDispatch, PromoteCallsWeighModelTensorsAsTheirWorkingCopies) {
+  init("O5");
+  const auto& bias = net->fc->bias;
+  const auto x = at::randn({4});
+  const auto xb = x.to(at::kBFloat16);
+  const auto same_width = at::vdot(bias, xb);  // bf16 and bf16: the working copy, not promoted
+  EXPECT_EQ(same_width.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(same_width, at::vdot(bias.to(at::kBFloat16), xb)));
+  const auto widened = at::vdot(bias, x);  // bf16 and fp32: the master
+  EXPECT_EQ(widened.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(widened, at::vdot(bias.detach(), x)));
+  widened.backward();
+  EXPECT_TRUE(at::equal(bias.grad(), x));  // straight into the fp32 master
+  // nn::EmbeddingBag with per-sample weights in the model's reduced dtype (the model boundary's
+  // cast of an input): the working copy, as at O2 before the promote rules applied there.
+  const auto ids = at::arange(6);
+  const auto offsets = at::tensor({0, 3}, at::kLong);
+  const auto psw = at::rand({6}).to(at::kBFloat16);
+  const auto bag = std::get<0>(
+      at::embedding_bag(net->emb->weight, ids, offsets, false, 0, false, psw, false, std::nullopt));
+  EXPECT_EQ(bag.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(
+      at::equal(bag, std::get<0>(at::embedding_bag(net->emb->weight.to(at::kBFloat16), ids, offsets,
+                                                   false, 0, false, psw, false, std::nullopt))));
+}
+
 TEST_F(ParamDispatch, SetDataKeepsTheKeyOnARegisteredParameter) {
   init("O5");
   auto w = net->fc->weight;

@@ -206,6 +206,35 @@ def test_weight_parametrizations_train_close_to_fp32(kind, level):
         torch.testing.assert_close(buffers[name].float(), ref, **tol(f"train_{str(low)[6:]}"))
 
 
+class _Bag(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(30, 8, mode="sum")
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, ids, offsets, weights):
+        return self.head(self.bag(ids, offsets, per_sample_weights=weights))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_embedding_bag_with_per_sample_weights_trains(level):
+    """embedding_bag is a promote op: at O2/O5 its weight is weighed as the working copy it will
+    be, beside the per-sample weights the model boundary cast to the same dtype."""
+    torch.manual_seed(0)
+    model = _Bag()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, level)
+    ids, offsets = torch.randint(0, 30, (6,)), torch.tensor([0, 3])
+    weights = torch.rand(6)
+    before = model.bag.weight.detach().clone()
+    loss = model(ids, offsets, weights).float().pow(2).mean()
+    with optamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    assert not torch.equal(model.bag.weight.detach().float(), before.float())
+
+
 # ---- inference -----------------------------------------------------------------------------
 
 

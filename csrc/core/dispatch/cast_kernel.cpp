@@ -14,6 +14,7 @@
 #include "cache/cast_cache.h"
 #include "common/dtypes.h"
 #include "dispatch/cast_decision.h"
+#include "dispatch/substitution.h"
 #include "dispatch/tensor_args.h"
 #include "ops/widened_softmax.h"
 
@@ -142,7 +143,7 @@ CastKernel::CastKernel(const c10::FunctionSchema& schema)
 
 void PromoteWidth::add(const at::Tensor& t) {
   if (!t.defined() || !t.is_floating_point() || is_wrapped_number(t)) return;
-  const ScalarType s = t.scalar_type();
+  const ScalarType s = dtype_ops_see(t);  // a model tensor at O2/O5: its working copy's
   auto widen = [](ScalarType a, ScalarType b) {
     if (a == ScalarType::Undefined || a == b) return b;
     return (is_reduced_float(a) && is_reduced_float(b)) ? ScalarType::Float
@@ -203,7 +204,13 @@ bool CastKernel::plan_gated_widening(const PromoteWidth& width, CallPlan& p) con
 }
 
 std::optional<at::Tensor> CastKernel::cast_argument(const at::Tensor& t, const CallPlan& p) const {
-  if (!is_castable(t) || t.scalar_type() == p.target) return std::nullopt;
+  if (!is_castable(t)) return std::nullopt;
+  if (t.scalar_type() == p.target) {
+    // A model tensor that ops see as its working copy (O2/O5), widened back to its own dtype by a
+    // promote call: the master itself, through an alias, which substitution does not replace.
+    if (p.policy == CastPolicy::kPromote && dtype_ops_see(t) != p.target) return t.alias();
+    return std::nullopt;
+  }
   if (p.policy != CastPolicy::kLower && p.policy != CastPolicy::kPromote &&
       !is_reduced_float(t.scalar_type())) {
     return std::nullopt;  // fp32 policy: only reduced inputs are widened

@@ -245,6 +245,15 @@ bool is_working_copy_source(const at::Tensor& t) {
   return t.defined() && current_session()->working_copy_sources.count(t.unsafeGetTensorImpl()) != 0;
 }
 
+c10::ScalarType dtype_ops_see(const at::Tensor& t) {
+  const c10::ScalarType own = t.scalar_type();
+  if (!carries_substitution_key(t) || !t.is_floating_point()) return own;
+  const std::shared_ptr<const Session> session = current_session();
+  if (session->working_copy_sources.count(t.unsafeGetTensorImpl()) == 0) return own;
+  const c10::ScalarType working = working_copy_dtype_now(*session);
+  return working == c10::ScalarType::Undefined ? own : working;
+}
+
 void activate_substitution_thread(bool on) {
   if (on) ensure_substitution_registered();
   set_substitution_key(on);

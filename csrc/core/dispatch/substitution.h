@@ -30,6 +30,10 @@ void move_substitution_key(const WorkingCopySources& from, const WorkingCopySour
 c10::ScalarType working_copy_dtype_now(const Session& session);
 // Whether `t` is a registered source now.
 bool is_working_copy_source(const at::Tensor& t);
+// The dtype ops on this thread see `t` in now: its working copy's when it is a registered source
+// and substitution applies, else its own. The cast kernels run above substitution: a promote call
+// weighs a model tensor in the dtype its op will get.
+c10::ScalarType dtype_ops_see(const at::Tensor& t);
 
 // This thread's substitution on/off (with the casting key, by initialize and reset); registers
 // the key's kernels first when turning it on.
