@@ -234,15 +234,16 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
     if (!device && t.defined()) device = t.device().type();
     return std::nullopt;
   });
-  CallPlan p = plan(device);
-  if (p.widen_if_mixed) {
+  auto width_of_call = [&] {  // a gated widening's or a promote call's, once per call
     PromoteWidth width;
     rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
       width.add(t);
       return std::nullopt;
     });
-    plan_gated_widening(width, p);
-  }
+    return width;
+  };
+  CallPlan p = plan(device);
+  if (p.widen_if_mixed) plan_gated_widening(width_of_call(), p);
   if (!p.cast) {
     std::optional<c10::impl::ExcludeDispatchKeyGuard> stay_out;
     if (p.native_owns) stay_out.emplace(kCastKey);
@@ -254,12 +255,7 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
   if (p.widen_if_mixed) {
     // a gated widening: its width is planned (plan_gated_widening)
   } else if (p.policy == CastPolicy::kPromote) {
-    PromoteWidth width;
-    rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
-      width.add(t);
-      return std::nullopt;
-    });
-    if (!plan_promotion(width, p)) {
+    if (!plan_promotion(width_of_call(), p)) {
       op.redispatchBoxed(below, stack);
       return;
     }

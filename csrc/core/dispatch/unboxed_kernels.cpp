@@ -116,12 +116,13 @@ struct Unboxed<Op, Ret(Args...)> {
       if (!device && t.defined()) device = t.device().type();
     };
     (visit_tensor_arg(args, first_device), ...);
-    CallPlan p = k.plan(device);
-    if (p.widen_if_mixed) {
+    auto width_of_call = [&] {  // a gated widening's or a promote call's, once per call
       PromoteWidth width;
-      (visit_tensor_arg(args, [&](const at::Tensor& t) { width.add(t); }), ...);
-      k.plan_gated_widening(width, p);
-    }
+      (visit_tensor_arg(args, [&width](const at::Tensor& t) { width.add(t); }), ...);
+      return width;
+    };
+    CallPlan p = k.plan(device);
+    if (p.widen_if_mixed) k.plan_gated_widening(width_of_call(), p);
     if (!p.cast) {
       std::optional<c10::impl::ExcludeDispatchKeyGuard> stay_out;
       if (p.native_owns) stay_out.emplace(kCastKey);
@@ -132,10 +133,8 @@ struct Unboxed<Op, Ret(Args...)> {
       if constexpr (std::is_same_v<Ret, at::Tensor>) {
         if (auto fused = Fused<Op>::call(k, p, args...)) return *std::move(fused);
       }
-      if (p.policy == CastPolicy::kPromote) {
-        PromoteWidth width;
-        (visit_tensor_arg(args, [&](const at::Tensor& t) { width.add(t); }), ...);
-        if (!k.plan_promotion(width, p)) return Op::redispatch(below, args...);
+      if (p.policy == CastPolicy::kPromote && !k.plan_promotion(width_of_call(), p)) {
+        return Op::redispatch(below, args...);
       }
     }
     auto cast = [&k, &p](const at::Tensor& t) { return k.cast_argument(t, p); };
