@@ -8,6 +8,8 @@
 #include <optional>
 #include <utility>
 
+#include "ops/stream_capture.h"
+
 namespace amp::detail {
 namespace {
 
@@ -21,8 +23,9 @@ struct Companion {
   std::int64_t version = 0;                                        // the source's at the offer
   std::int64_t copy_version = 0;  // the copy's: one modified through a view is not served again
   c10::ScalarType dtype = c10::ScalarType::Undefined;  // the copy's
-  bool exact = false;  // the source is the copy widened (offer_companion)
-  at::Tensor copy;     // until taken
+  bool exact = false;         // the source is the copy widened (offer_companion)
+  std::uint64_t capture = 0;  // the CUDA graph capture it was offered in (0: none)
+  at::Tensor copy;            // until taken
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> taken;  // after
 };
 
@@ -69,6 +72,7 @@ void offer_companion(const at::Tensor& source, const at::Tensor& companion, bool
   slot.copy_version = companion._version();
   slot.dtype = companion.scalar_type();
   slot.exact = exact;
+  slot.capture = ops::stream_capture_id(source.device());
   slot.copy = companion;
   slot.taken.reset();
 }
@@ -130,5 +134,11 @@ std::optional<at::Tensor> find_reduced_companion(const at::Tensor& source) {
 }
 
 void drop_companions() { ring() = Ring(); }
+
+void drop_companions_outside(std::uint64_t capture) {
+  for (Companion& slot : ring().slots) {
+    if (slot.source && slot.capture != capture) slot = Companion();
+  }
+}
 
 }  // namespace amp::detail

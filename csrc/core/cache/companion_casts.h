@@ -18,6 +18,7 @@
 // is held weakly, by whoever took it.
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <optional>
 
 namespace amp::detail {
@@ -39,5 +40,11 @@ std::optional<at::Tensor> find_reduced_companion(const at::Tensor& source);
 
 // Drops this thread's companions.
 void drop_companions();
+
+// Drops this thread's companions offered outside CUDA graph capture `capture` (0: outside any),
+// taken or not. A companion not yet taken holds its copy and so the graph of the forward that made
+// it, whose nodes hold the parameters' grad accumulators, made on that forward's stream: inside a
+// capture, the capture's copies would take those accumulators over (see the cast cache's get).
+void drop_companions_outside(std::uint64_t capture);
 
 }  // namespace amp::detail
