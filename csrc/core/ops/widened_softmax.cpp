@@ -174,25 +174,38 @@ struct WidenedSoftmaxBackward final : torch::autograd::Node {
   void release_variables() override { result.reset_data(); }
 };
 
-// Where torch's own kernels serve better on CUDA, the ops decline: fp16, which torch's softmax
-// and log_softmax read and write fp32 in one kernel when asked for an fp32 result (bit for bit
-// what native autocast computes; on an H200 at GPT-2's logits its forward and backward take 1.23
-// ms against these kernels' 1.33, docs/results.md); and rows of fewer classes than kMinCudaClasses
-// (a classifier's 10), where a warp per row leaves most of its lanes idle while the widened copy is
-// a few kilobytes. From 128 (attention over 128 keys and more, a classifier's 1000 classes) a warp
-// per row runs the row (the CUDA kernels take a block per row above 1024).
+// Where torch's own kernels serve better on CUDA, the ops decline. Rows of fewer classes than
+// kMinCudaClasses (a classifier's 10), where a warp per row leaves most of its lanes idle while the
+// widened copy is a few kilobytes; from 128 (attention over 128 keys and more, a classifier's 1000
+// classes) a warp per row runs the row (the CUDA kernels take a block per row above 1024). And a
+// softmax of fp16 with no backward to follow: torch reads fp16 and writes fp32 in one kernel when
+// asked for an fp32 result (half_to_float), and on an H200 at 98304 x 1024 its forward takes 0.188
+// ms against the op's 0.212, its backward 0.510 against 0.299 (the seventh GPU run,
+// docs/results.md). log_softmax of fp16 takes the op both ways (4096 x 50257: 0.366 / 0.668 ms
+// against torch's 0.503 / 0.727); bf16, which torch widens first, always does.
 constexpr int64_t kMinCudaClasses = 128;
 
-bool torch_serves_better(const at::Tensor& x) {
-  return x.is_cuda() && (x.scalar_type() == at::kHalf || x.size(-1) < kMinCudaClasses);
+}  // namespace
+
+bool cuda_softmax_declines(SoftmaxKind kind, at::ScalarType dtype, int64_t classes,
+                           bool backward_follows) {
+  if (classes < kMinCudaClasses) return true;
+  return kind == SoftmaxKind::kSoftmax && dtype == at::kHalf && !backward_follows;
 }
+
+namespace {
 
 template <SoftmaxKind Kind>
 std::optional<at::Tensor> widened(const at::Tensor& x, int64_t dim, bool records_autograd) {
   const auto device = x.device().type();
   if (!is_reduced_float(x.scalar_type()) || (device != c10::kCPU && device != c10::kCUDA) ||
-      x.dim() < 1 || c10::maybe_wrap_dim(dim, x.dim()) != x.dim() - 1 || torch_serves_better(x) ||
+      x.dim() < 1 || c10::maybe_wrap_dim(dim, x.dim()) != x.dim() - 1 ||
       !is_plain_for_autograd(x)) {
+    return std::nullopt;
+  }
+  const bool backward_follows = records_autograd && x.requires_grad();
+  if (device == c10::kCUDA &&
+      cuda_softmax_declines(Kind, x.scalar_type(), x.size(-1), backward_follows)) {
     return std::nullopt;
   }
   static const auto op =
@@ -204,7 +217,7 @@ std::optional<at::Tensor> widened(const at::Tensor& x, int64_t dim, bool records
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     out = op.call(x, x.dim() - 1);
   }
-  if (records_autograd && x.requires_grad()) {
+  if (backward_follows) {
     auto node = std::shared_ptr<WidenedSoftmaxBackward<Kind>>(new WidenedSoftmaxBackward<Kind>(),
                                                               torch::autograd::deleteNode);
     node->set_next_edges(torch::autograd::collect_next_edges(x));

@@ -7,11 +7,12 @@
 // 512: 4096 x 50257). Widening them before log_softmax writes an fp32 copy (read 412 MB, write
 // 823 MB), log_softmax reads it again, and the backward's fp32 gradient is narrowed in a pass of
 // its own. torch has a kernel that reads fp16 and writes fp32 (and whose backward writes the fp16
-// gradient) and the cross_entropy replacement takes it for fp16 on CUDA; for bf16 torch widens
-// first. optamp::widened_log_softmax reads the reduced logits once per pass and writes the fp32
-// result; its backward (one node, saving the fp32 result as torch's does) reads the gradient and
-// the result and writes the reduced gradient. About 3 GB less memory traffic per step at GPT-2's
-// logits (docs/design.md, "Apex's fp32 cross_entropy without a widened copy").
+// gradient); for bf16 it widens first. On CUDA these ops' kernels beat it for fp16 too, except
+// softmax's forward alone (cuda_softmax_declines). optamp::widened_log_softmax reads the reduced
+// logits once per pass and writes the fp32 result; its backward (one node, saving the fp32 result
+// as torch's does) reads the gradient and the result and writes the reduced gradient. About 3 GB
+// less memory traffic per step at GPT-2's logits (docs/design.md, "Apex's fp32 cross_entropy
+// without a widened copy").
 // optamp::widened_softmax is the same for softmax (the fp32 list's other row): attention written
 // out by hand (`scores.softmax(-1)` over 1024 keys) at O4/O5 widened its bf16 scores, a tensor of
 // batch x heads x tokens x keys, in every layer.
@@ -30,11 +31,16 @@ namespace amp::detail {
 // over it.
 enum class SoftmaxKind { kSoftmax, kLogSoftmax };
 
+// Whether torch's own CUDA kernel serves a reduced input of `classes` per row better than the op:
+// rows of under 128 classes, and an fp16 softmax with no backward to follow (torch's kernel reads
+// fp16 and writes fp32 in one pass, and its forward is the faster one; the op's backward is).
+bool cuda_softmax_declines(SoftmaxKind kind, at::ScalarType dtype, int64_t classes,
+                           bool backward_follows);
+
 // log_softmax(x.float(), dim) (softmax(x.float(), dim)) for a reduced `x` when the op applies
-// (CPU or CUDA, `dim` the last dimension, on CUDA bf16 with at least 128 classes, a plain
-// tensor), recording autograd when `records_autograd` and `x` requires grad; std::nullopt
-// otherwise (the caller asks torch's op for an fp32 result, which on CUDA reads fp16 without
-// widening it first).
+// (CPU or CUDA, `dim` the last dimension, on CUDA unless cuda_softmax_declines, a plain tensor),
+// recording autograd when `records_autograd` and `x` requires grad; std::nullopt otherwise (the
+// caller asks torch's op for an fp32 result, which on CUDA reads fp16 without widening it first).
 std::optional<at::Tensor> widened_log_softmax(const at::Tensor& x, int64_t dim,
                                               bool records_autograd);
 std::optional<at::Tensor> widened_softmax(const at::Tensor& x, int64_t dim, bool records_autograd);
