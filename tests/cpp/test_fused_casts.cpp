@@ -370,6 +370,44 @@ TEST(CompanionCasts, ATakenCopyLivesOnlyWhileItsUsersHoldIt) {
   detail::drop_companions();
 }
 
+// A companion with autograd history (a model boundary's reduced output, a widened GELU's reduced
+// result) is served with its gradient edge while the result it was offered for is alive, but the
+// ring does not keep the graph that made it: a forward whose output is dropped frees its graph, its
+// saved activations and the parameters' grad accumulators at once, as natively (a CUDA graph
+// captured after such a forward must not find its accumulators; a validation loop without no_grad
+// must not hold its last graphs until the next step).
+TEST(CompanionCasts, HoldTheirValuesNotTheGraphThatMadeThem) {
+  detail::drop_companions();
+  const auto x = at::randn({3}).requires_grad_();
+  std::weak_ptr<torch::autograd::Node> node;
+  std::weak_ptr<torch::autograd::Node> accumulator;
+  {
+    const auto reduced = (x * 2).to(at::kHalf);  // the model's output
+    const auto wide = reduced.to(at::kFloat);    // the boundary's
+    detail::offer_companion(wide, reduced, /*exact=*/true);
+    node = reduced.grad_fn();
+    accumulator = torch::autograd::impl::try_get_grad_accumulator(x);
+    ASSERT_FALSE(accumulator.expired());
+  }
+  EXPECT_TRUE(node.expired()) << "the ring kept the forward's graph";
+  EXPECT_TRUE(accumulator.expired()) << "the ring kept the parameter's grad accumulator";
+
+  auto wide = (x * 2).to(at::kHalf).to(at::kFloat);
+  {
+    const auto reduced = (x * 3).to(at::kHalf);
+    wide = reduced.to(at::kFloat);
+    detail::offer_companion(wide, reduced, /*exact=*/true);
+    node = reduced.grad_fn();
+  }
+  const auto served = detail::find_reduced_companion(wide);  // wide's graph holds the node
+  ASSERT_TRUE(served);
+  EXPECT_EQ(served->grad_fn(), node.lock());
+  EXPECT_TRUE(at::equal(served->to(at::kFloat), wide));
+  served->to(at::kFloat).sum().backward();
+  EXPECT_TRUE(at::equal(x.grad(), at::full({3}, 3.0)));
+  detail::drop_companions();
+}
+
 // Companions do not outlive a step: the end of a scale_loss guard (the "weights may change"
 // event) and amp::clear_cache() drop the thread's.
 TEST(CompanionCasts, DroppedAtTheStepEventAndByClearCache) {

@@ -85,19 +85,15 @@ class CastCache {
       // alive"). Released, and held nowhere else, the node goes, and the new copy makes its own.
       // A copy from another capture (or from outside one) goes with every other such copy: the
       // copies of a batch share their bucket's node (gradient_buckets.h), which holds all their
-      // sources' accumulators, so one released alone would leave the node to the rest. So do
-      // this thread's companions from outside (companion_casts.h): one not taken yet (a model
-      // boundary's reduced output that no loss read) holds its forward's graph, and so its nodes.
+      // sources' accumulators, so one released alone would leave the node to the rest.
       std::vector<at::Tensor> stale;
-      const bool other_capture = it->second.capture != capture;
-      if (other_capture) {
+      if (it->second.capture != capture) {
         drop_copies_of_other_captures(capture, stale, dropped);
       } else {
         drop(it, stale, dropped);
       }
       lock.unlock();
       stale.clear();  // outside the lock (see clear())
-      if (other_capture) drop_companions_outside(capture);
       lock.lock();
       it = entries_.find(key);  // another thread may have cast it meanwhile
     }

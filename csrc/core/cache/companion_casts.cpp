@@ -2,32 +2,54 @@
 
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <utility>
 
-#include "ops/stream_capture.h"
+#include "cache/batched_cast.h"
 
 namespace amp::detail {
 namespace {
 
-// The copy is held strongly until an op takes it (it has no other owner before that), then weakly:
-// the op that took it holds it while it needs it (a linear saves it for its backward), and a later
-// cast of the same result finds it while it is alive. A thread that never reaches a step end
-// (the autograd engine's device threads, which run the recomputed forwards of activation
-// checkpointing) so keeps no taken copy alive after its backward, nor until process exit.
+// The copy's values are held strongly until an op takes it (they have no other owner before
+// that), then weakly: the op that took it holds it while it needs it (a linear saves it for its
+// backward), and a later cast of the same result finds it while it is alive. A thread that never
+// reaches a step end (the autograd engine's device threads, which run the recomputed forwards of
+// activation checkpointing) so keeps no taken copy alive after its backward, nor until process
+// exit.
+//
+// Its gradient edge (the node that made it, which the taker's gradient must reach) is held weakly
+// until then: held strongly it would keep the whole graph of the forward that made it alive, with
+// the activations saved for the backward, past the life the user gives the result. Natively a
+// forward whose output is dropped (a validation loop without no_grad, an eager forward just before
+// a CUDA graph capture) frees its graph at once; a companion kept it until the thread's step end
+// (and, before a capture, kept the parameters' grad accumulators made on the eager stream, which
+// the captured backward then used: CUDA refused it). The source's own graph holds the node while
+// the source is alive, and a companion is only served for a live source.
 struct Companion {
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> source;  // empty until offered
   std::int64_t version = 0;                                        // the source's at the offer
   std::int64_t copy_version = 0;  // the copy's: one modified through a view is not served again
   c10::ScalarType dtype = c10::ScalarType::Undefined;  // the copy's
-  bool exact = false;         // the source is the copy widened (offer_companion)
-  std::uint64_t capture = 0;  // the CUDA graph capture it was offered in (0: none)
-  at::Tensor copy;            // until taken
+  bool exact = false;     // the source is the copy widened (offer_companion)
+  at::Tensor values;      // until taken: the copy's memory, without its node (if it has one)
+  bool has_edge = false;  // the copy has a node: `node` is its grad_fn
+  std::weak_ptr<torch::autograd::Node> node;
+  std::uint32_t input_nr = 0;
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> taken;  // after
 };
+
+// `t`'s memory in a tensor of its own with no autograd history, sharing `t`'s version counter (an
+// in-place change through either shows in both).
+at::Tensor values_of(const at::Tensor& t) {
+  at::Tensor values = tensor_over(t, t.sizes(), t.strides(), t.storage_offset());
+  values.unsafeGetTensorImpl()->set_version_counter(t.unsafeGetTensorImpl()->version_counter());
+  return values;
+}
 
 // Four: a GELU's result is cast by the op right after it; a few more cover a result used by a
 // later op of the same block. Each slot holds one activation-sized copy at most, and the copy is
@@ -44,12 +66,21 @@ Ring& ring() {
   return r;
 }
 
-// The slot's copy if it is still alive and unchanged; handing out the strong one leaves a weak one.
+// The slot's copy if it is still alive and unchanged; the first take gives the values the copy's
+// gradient edge (if its node is gone the result it was offered for is too) and leaves a weak
+// reference to them.
 std::optional<at::Tensor> take_copy(Companion& slot) {
   at::Tensor copy;
-  if (slot.copy.defined()) {
-    slot.taken.emplace(slot.copy.getIntrusivePtr());
-    copy = std::exchange(slot.copy, at::Tensor());
+  if (slot.values.defined()) {
+    std::shared_ptr<torch::autograd::Node> node = slot.node.lock();
+    if (slot.has_edge && !node) {
+      slot = Companion();
+      return std::nullopt;
+    }
+    copy = std::exchange(slot.values, at::Tensor());
+    if (node) torch::autograd::impl::set_gradient_edge(copy, {std::move(node), slot.input_nr});
+    slot.taken.emplace(copy.getIntrusivePtr());
+    slot.node.reset();
   } else if (slot.taken) {
     auto impl = slot.taken->lock();
     if (!impl) return std::nullopt;
@@ -72,8 +103,11 @@ void offer_companion(const at::Tensor& source, const at::Tensor& companion, bool
   slot.copy_version = companion._version();
   slot.dtype = companion.scalar_type();
   slot.exact = exact;
-  slot.capture = ops::stream_capture_id(source.device());
-  slot.copy = companion;
+  // A copy with no node (a leaf, or one made without autograd) holds no graph: kept as it is.
+  slot.has_edge = companion.grad_fn() != nullptr;
+  slot.values = slot.has_edge ? values_of(companion) : companion;
+  slot.node = companion.grad_fn();
+  slot.input_nr = companion.output_nr();
   slot.taken.reset();
 }
 
@@ -134,11 +168,5 @@ std::optional<at::Tensor> find_reduced_companion(const at::Tensor& source) {
 }
 
 void drop_companions() { ring() = Ring(); }
-
-void drop_companions_outside(std::uint64_t capture) {
-  for (Companion& slot : ring().slots) {
-    if (slot.source && slot.capture != capture) slot = Companion();
-  }
-}
 
 }  // namespace amp::detail

@@ -11,14 +11,14 @@
 // dtype, with no conversion.
 //
 // Per thread (a forward runs on one thread), the last few offered; an entry is served while its
-// source is alive and unchanged (same version), so a result modified in place is cast afresh.
+// source is alive and unchanged (same version), so a result modified in place is cast afresh. An
+// entry holds the copy's values, not the graph of the forward that made it (companion_casts.cpp).
 // A thread's companions are dropped when it ends a scale_loss guard, at its outermost
 // amp::autocast exit and by amp::clear_cache() / amp::reset() on it; until then a thread keeps
 // at most four (activation-sized) copies alive, and only those no op has taken yet: a taken copy
 // is held weakly, by whoever took it.
 #include <ATen/core/Tensor.h>
 
-#include <cstdint>
 #include <optional>
 
 namespace amp::detail {
@@ -40,11 +40,5 @@ std::optional<at::Tensor> find_reduced_companion(const at::Tensor& source);
 
 // Drops this thread's companions.
 void drop_companions();
-
-// Drops this thread's companions offered outside CUDA graph capture `capture` (0: outside any),
-// taken or not. A companion not yet taken holds its copy and so the graph of the forward that made
-// it, whose nodes hold the parameters' grad accumulators, made on that forward's stream: inside a
-// capture, the capture's copies would take those accumulators over (see the cast cache's get).
-void drop_companions_outside(std::uint64_t capture);
 
 }  // namespace amp::detail
