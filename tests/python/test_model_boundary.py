@@ -4,7 +4,9 @@ the model (O2, O3, O5); at O2/O5 the inputs follow where ops see the working cop
 tests/cpp/test_model_boundary.cpp (same table)."""
 import collections
 import copy
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -178,3 +180,30 @@ def test_compiled_model_keeps_the_boundary_in_one_graph(fresh):
     assert len(graphs) == 1, "the boundary made Dynamo break the graph"
     with torch.no_grad():  # grad mode is guarded: traced again, fp32 inputs
         assert compiled(x.to(F16)).dtype == F32 and model.seen == F32
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_a_dropped_forward_frees_its_graph(fresh, level):
+    """A forward whose output is dropped without a backward (a validation loop that forgot
+    no_grad, an eager forward right before a CUDA graph capture) frees its graph and the
+    activations saved for it at once, as natively. At O2/O5 the boundary keeps the reduced output
+    for a loss, without the graph that made it: holding the output kept the graph until the next
+    step's end, and before a capture the parameters' grad accumulators with it (the seventh GPU
+    run's failed capture). O1/O4 (the widened GELU's reduced result, taken by the next linear)
+    hold nothing either."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), level)
+    saved = []
+
+    def pack(t):
+        if t.dim() == 2 and t.size(0) == 5:  # the batch's activations, not the weights' copies
+            saved.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(torch.randn(5, 4))
+    assert out.requires_grad and saved
+    del out
+    gc.collect()
+    assert [r for r in saved if r() is not None] == []
