@@ -35,10 +35,9 @@ struct Companion {
   std::int64_t version = 0;                                        // the source's at the offer
   std::int64_t copy_version = 0;  // the copy's: one modified through a view is not served again
   c10::ScalarType dtype = c10::ScalarType::Undefined;  // the copy's
-  bool exact = false;     // the source is the copy widened (offer_companion)
-  at::Tensor values;      // until taken: the copy's memory, without its node (if it has one)
-  bool has_edge = false;  // the copy has a node: `node` is its grad_fn
-  std::weak_ptr<torch::autograd::Node> node;
+  bool exact = false;  // the source is the copy widened (offer_companion)
+  at::Tensor values;   // until taken: the copy's memory, without its node (if it has one)
+  std::optional<std::weak_ptr<torch::autograd::Node>> node;  // until taken: its grad_fn, if any
   std::uint32_t input_nr = 0;
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> taken;  // after
 };
@@ -72,10 +71,13 @@ Ring& ring() {
 std::optional<at::Tensor> take_copy(Companion& slot) {
   at::Tensor copy;
   if (slot.values.defined()) {
-    std::shared_ptr<torch::autograd::Node> node = slot.node.lock();
-    if (slot.has_edge && !node) {
-      slot = Companion();
-      return std::nullopt;
+    std::shared_ptr<torch::autograd::Node> node;
+    if (slot.node) {
+      node = slot.node->lock();
+      if (!node) {
+        slot = Companion();
+        return std::nullopt;
+      }
     }
     copy = std::exchange(slot.values, at::Tensor());
     if (node) torch::autograd::impl::set_gradient_edge(copy, {std::move(node), slot.input_nr});
@@ -104,9 +106,9 @@ void offer_companion(const at::Tensor& source, const at::Tensor& companion, bool
   slot.dtype = companion.scalar_type();
   slot.exact = exact;
   // A copy with no node (a leaf, or one made without autograd) holds no graph: kept as it is.
-  slot.has_edge = companion.grad_fn() != nullptr;
-  slot.values = slot.has_edge ? values_of(companion) : companion;
-  slot.node = companion.grad_fn();
+  const std::shared_ptr<torch::autograd::Node>& node = companion.grad_fn();
+  slot.values = node ? values_of(companion) : companion;
+  slot.node = node ? std::optional<std::weak_ptr<torch::autograd::Node>>(node) : std::nullopt;
   slot.input_nr = companion.output_nr();
   slot.taken.reset();
 }
