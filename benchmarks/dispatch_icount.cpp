@@ -36,6 +36,10 @@
 //               the device: both sides read the overflow flag back once per step (native:
 //               GradScaler's found_inf.item(); optamp: the scale_loss guard), as the GPU
 //               benchmarks' C++ "AdamW as it comes" runs do.
+//   resnet_step the whole step of ResNet-50's layout (53 convolutions and batch norms, 161
+//               parameters) at width 2 on 2 x 3 x 32 x 32 images, 10 classes, stepped by
+//               amp::FusedSGD with momentum (skipping on the device), as gpt_step; built only
+//               for this case (the other cases' models and figures are as they were).
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/nn.h>
@@ -65,16 +69,22 @@ bench::GPTOptions step_gpt() {
   return {64, 8, layers != nullptr ? std::atoi(layers) : 2, 8, 2};
 }
 constexpr std::int64_t kStepBatch = 1;
+// resnet_step's images: two (the last stage's batch norms see 1 x 1 maps; train mode needs more
+// than one value per channel), and benchmarks/step_icount.py's STEP_ICOUNT_MODEL=resnet50 sizes.
+constexpr std::int64_t kResNetBatch = 2;
+bench::ResNetOptions step_resnet() { return {{3, 4, 6, 3}, 2, 10}; }
 
 struct Models : torch::nn::Module {
-  explicit Models(const bench::GPTOptions& gpt_options) : gpt(gpt_options) {
+  Models(const bench::GPTOptions& gpt_options, bool with_resnet) : gpt(gpt_options) {
     register_module("linear", linear);
     register_module("cnn", cnn);
     register_module("gpt", gpt);
+    if (with_resnet) resnet = register_module("resnet", bench::ResNet(step_resnet()));
   }
   torch::nn::Linear linear{8, 8};
   fashion_mnist::Net cnn;
   bench::GPT gpt;
+  bench::ResNet resnet{nullptr};
 };
 
 std::string g_case, g_mode;
@@ -89,6 +99,9 @@ void sink(const at::Tensor& t) { asm volatile("" : : "r"(t.unsafeGetTensorImpl()
 at::Tensor loss_of_forward() {
   if (g_case.rfind("cnn_backward", 0) == 0) {
     return torch::cross_entropy_loss(g_models->cnn(g_images), g_labels);
+  }
+  if (g_case == "resnet_step") {
+    return torch::cross_entropy_loss(g_models->resnet(g_images).to(at::kFloat), g_labels);
   }
   const auto logits = g_models->gpt(g_tokens);
   return torch::cross_entropy_loss(logits.flatten(0, 1).to(at::kFloat), g_tokens.flatten());
@@ -113,7 +126,9 @@ void call_op() {
 }
 
 bool native_mode() { return g_mode.rfind("native", 0) == 0; }
-bool step_case() { return g_case == "gpt_step" || g_case == "gpt_step_adamw"; }
+bool step_case() {
+  return g_case == "gpt_step" || g_case == "gpt_step_adamw" || g_case == "resnet_step";
+}
 
 void optamp_step() {
   g_optimizer->zero_grad();
@@ -177,6 +192,9 @@ void initialize(const std::string& mode) {
     const torch::optim::AdamWOptions options(1e-4);
     if (g_case == "gpt_step") {
       g_optimizer = new amp::FusedAdamW(g_models->gpt->parameters(), options);
+    } else if (g_case == "resnet_step") {
+      g_optimizer = new amp::FusedSGD(g_models->resnet->parameters(),
+                                      torch::optim::SGDOptions(0.1).momentum(0.9));
     } else {
       g_optimizer = new torch::optim::AdamW(g_models->gpt->parameters(), options);
     }
@@ -214,7 +232,7 @@ int main(int argc, char** argv) {
         << "usage: dispatch_icount <noamp|native|native_fp16|optamp_o1|optamp_o2|optamp_o4|"
            "optamp_o5|optamp_o4_torch|optamp_o1_torch> "
            "<relu|mm|mm_param|add_param|add_param_bf16|add_mixed|linear|cnn_backward|gpt_backward|"
-           "cnn_backward_accum|gpt_backward_accum|gpt_step|gpt_step_adamw> <n>\n";
+           "cnn_backward_accum|gpt_backward_accum|gpt_step|gpt_step_adamw|resnet_step> <n>\n";
     return 2;
   }
   at::manual_seed(0);
@@ -223,13 +241,14 @@ int main(int argc, char** argv) {
   g_case = argv[2];
   const int n = std::atoi(argv[3]);
   const bench::GPTOptions gpt = step_case() ? step_gpt() : kBackwardGpt;
-  g_models = new Models(gpt);
+  g_models = new Models(gpt, g_case == "resnet_step");
   g_a = at::randn({8, 8});
   g_a_bf16 = g_a.to(at::kBFloat16);
   g_b = at::randn({8, 8});
   g_b_bf16 = g_b.to(at::kBFloat16).requires_grad_();  // as a working copy: autograd records
-  g_images = at::randn({8, 1, 28, 28});
-  g_labels = at::randint(10, {8});
+  g_images =
+      g_case == "resnet_step" ? at::randn({kResNetBatch, 3, 32, 32}) : at::randn({8, 1, 28, 28});
+  g_labels = at::randint(10, {g_images.size(0)});
   g_tokens = at::randint(gpt.vocab, {step_case() ? kStepBatch : kBackwardBatch, gpt.seq});
   initialize(argv[1]);
   for (int i = 0; i < 5; ++i) run<0>(1);  // warm caches and lazy initialization

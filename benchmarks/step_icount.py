@@ -6,7 +6,9 @@ A GPT-2-shaped model at tiny sizes (vocab 64, seq 8, 2 layers or STEP_ICOUNT_LAY
 two thirds of a step's instructions: work a GPU does on the device), so what is counted is the
 host work a GPU step pays too: Python, dispatch, casting, loss scaling, autograd, the optimizer.
 One step is zero_grad, forward + loss, loss scaling, backward and a fused AdamW step (which
-skips on the device).
+skips on the device). STEP_ICOUNT_MODEL=resnet50 counts ResNet-50's layout instead (the same
+53 convolutions, batch norms and 161 parameters at width 2, two 32 x 32 images, 10 classes) with
+a fused SGD with momentum: dispatch_icount's resnet_step.
 
   fp32          no amp
   native_fp16   torch.autocast(float16) around forward + loss, torch.amp.GradScaler
@@ -49,23 +51,42 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench_models import GPT  # a sibling module: the script's directory is on sys.path
+from bench_models import GPT, ResNet  # sibling module: the script's directory is on sys.path
 
 MODES = ("fp32", "native_fp16", "native_bf16", "O1", "O2", "O4", "O5")
 # dispatch_icount's gpt_step sizes; STEP_ICOUNT_LAYERS=12 for GPT-2 small's depth (148 parameters)
 SIZES = dict(vocab=64, seq=8, layers=int(os.environ.get("STEP_ICOUNT_LAYERS", "2")), d_model=8,
              heads=2)
 BATCH = 1
+# STEP_ICOUNT_MODEL=resnet50: ResNet-50's layout (53 convolutions and batch norms, 161 parameters)
+# at width 2 on 2 x 3 x 32 x 32 images (the last stage's batch norms see 1 x 1 maps: train mode
+# needs two samples), stepped by SGD with momentum, fused (skips on the device), as
+# bench_train.py's resnet50_fused run.
+MODEL = os.environ.get("STEP_ICOUNT_MODEL", "gpt2")
+RESNET_SIZES = dict(blocks=(3, 4, 6, 3), width=2, classes=10)
+RESNET_BATCH = 2
 
 
-def make_step(mode):
-    torch.manual_seed(0)
+def make_model(model_name):
+    """The model, its optimizer and its loss (a function of the model)."""
+    if model_name == "resnet50":
+        model = ResNet(**RESNET_SIZES).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+        images = torch.randn(RESNET_BATCH, 3, 32, 32)
+        labels = torch.randint(RESNET_SIZES["classes"], (RESNET_BATCH,))
+        return model, opt, lambda m: F.cross_entropy(m(images).float(), labels)
+    if model_name != "gpt2":
+        sys.exit(f"step_icount.py: STEP_ICOUNT_MODEL is gpt2 or resnet50, not {model_name!r}")
     model = GPT(**SIZES).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tokens = torch.randint(SIZES["vocab"], (BATCH, SIZES["seq"]))
+    return model, opt, lambda m: F.cross_entropy(m(tokens).view(-1, SIZES["vocab"]).float(),
+                                                 tokens.view(-1))
 
-    def loss_of(m):
-        return F.cross_entropy(m(tokens).view(-1, SIZES["vocab"]).float(), tokens.view(-1))
+
+def make_step(mode, model_name=None):
+    torch.manual_seed(0)
+    model, opt, loss_of = make_model(model_name or MODEL)
 
     if mode == "fp32":
         def step():
