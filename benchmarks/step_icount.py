@@ -60,8 +60,8 @@ SIZES = dict(vocab=64, seq=8, layers=int(os.environ.get("STEP_ICOUNT_LAYERS", "2
 BATCH = 1
 # STEP_ICOUNT_MODEL=resnet50: ResNet-50's layout (53 convolutions and batch norms, 161 parameters)
 # at width 2 on 2 x 3 x 32 x 32 images (the last stage's batch norms see 1 x 1 maps: train mode
-# needs two samples), stepped by SGD with momentum, fused (skips on the device), as
-# bench_train.py's resnet50_fused run.
+# needs two samples), stepped by SGD with momentum, fused (skips on the device): the optimizer of
+# bench_train.py's resnet50_fused run, without its weight decay (dispatch_icount's is the same).
 MODEL = os.environ.get("STEP_ICOUNT_MODEL", "gpt2")
 RESNET_SIZES = dict(blocks=(3, 4, 6, 3), width=2, classes=10)
 RESNET_BATCH = 2
