@@ -70,10 +70,10 @@ def classify_cpu(flags: Optional[Mapping[str, bool]]) -> Dict[str, str]:
         bf16 = ("amx", "AMX-BF16: oneDNN runs bf16 convolutions and matmuls on AMX tiles, "
                 "the one CPU feature that makes bf16 faster than fp32: O4/O5 can beat O0")
     elif flags["avx512_bf16"]:
-        bf16 = ("avx512_bf16", "AVX512-BF16 without AMX: bf16 dot products only, about fp32 "
-                "speed or slower (measured: this CNN's O4/O5 1.02-1.23x O0's step time; a "
-                "GPT-style model at 0.64-0.67x O0's throughput with native autocast too): "
-                "expect O4/O5 not to beat O0")
+        bf16 = ("avx512_bf16", "AVX512-BF16 without AMX: bf16 dot products, whose speed "
+                "against fp32 depends on the CPU (measured: this CNN's O4/O5 0.70-0.74x O0's "
+                "step time on an AMD EPYC Zen 4, 1.02-1.23x on an Intel Xeon; native autocast "
+                "alike): the run says which")
     else:
         bf16 = ("emulated", "no bf16 instructions: bf16 ops convert to fp32 and back, as slow "
                 "as fp16 here (measured 4.5-4.8x O0's step time on an AVX2-only CPU): O4/O5 get "
