@@ -68,10 +68,10 @@ def classify_cpu(flags: Optional[Mapping[str, bool]]) -> Dict[str, str]:
                 "fp16_note": "fp16 has no fast CPU kernels in torch: O1/O2/O3 are slow"}
     if flags["amx_bf16"] and flags["amx_tile"]:
         bf16 = ("amx", "AMX-BF16: oneDNN runs bf16 convolutions and matmuls on AMX tiles, "
-                "the one CPU feature that makes bf16 faster than fp32: O4/O5 can beat O0")
+                "which make bf16 faster than fp32: O4/O5 can beat O0")
     elif flags["avx512_bf16"]:
         bf16 = ("avx512_bf16", "AVX512-BF16 without AMX: bf16 dot products, whose speed "
-                "against fp32 depends on the CPU (measured: this CNN's O4/O5 0.70-0.74x O0's "
+                "against fp32 depends on the CPU (measured: this CNN's O4/O5 0.69-0.74x O0's "
                 "step time on an AMD EPYC Zen 4, 1.02-1.23x on an Intel Xeon; native autocast "
                 "alike): the run says which")
     else:
