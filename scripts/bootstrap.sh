@@ -3,7 +3,8 @@
 #  - Debian packages the project needs (only those missing, only where apt-get can reach them);
 #  - a Python with torch >= 2.6: the current python3 if it has one (the GPU machine: no network),
 #    otherwise .venv/ with the pinned scripts/requirements.txt (torch 2.11.0);
-#  - PyPI's newest CMake in .tools/cmake-pypi, the second CMake scripts/cmake_compat.sh checks.
+#  - PyPI's newest CMake in .tools/cmake-pypi and the oldest supported (3.22) in
+#    .tools/cmake-oldest, the other CMakes scripts/cmake_compat.sh checks.
 # Without network (or with OPTAMP_OFFLINE=1) it installs nothing from PyPI and does not retry:
 # what is missing is named, and the tests that need it skip. Prints what it uses. A second run
 # takes seconds.
@@ -66,8 +67,10 @@ select_python() {
   fi
 }
 
-# PyPI's newest CMake (at the time of writing), scripts/cmake_compat.sh's second CMake.
+# PyPI's newest CMake (at the time of writing) and the oldest the project supports (its
+# cmake_minimum_required): the CMakes scripts/cmake_compat.sh checks besides the system's.
 PYPI_CMAKE="cmake==4.4.5"
+OLDEST_CMAKE="cmake==3.22.6"
 PIP_FLAGS=(-q --disable-pip-version-check --retries 0 --timeout 15)
 
 # Exit 0 when pip can reach its index (asked once; OPTAMP_OFFLINE=1 says no without asking, and
@@ -108,22 +111,24 @@ ensure_python_tools() {
     echo "bootstrap: could not install ${missing[*]} for $py" >&2
 }
 
+# ensure_pypi_cmake PY SPEC DIR: PyPI's cmake SPEC in .tools/DIR (nothing without network).
 ensure_pypi_cmake() {
-  local py="$1" dir="$OPTAMP_ROOT/.tools/cmake-pypi"
-  [[ -x "$dir/cmake/data/bin/cmake" && -f "$dir/.${PYPI_CMAKE}" ]] && return 0
+  local py="$1" spec="$2" dir="$OPTAMP_ROOT/.tools/$3"
+  [[ -x "$dir/cmake/data/bin/cmake" && -f "$dir/.${spec}" ]] && return 0
   pip_online "$py" || return 0
   rm -rf "$dir"
-  if "$py" -m pip install "${PIP_FLAGS[@]}" --target "$dir" "$PYPI_CMAKE" >&2; then
-    touch "$dir/.${PYPI_CMAKE}"
+  if "$py" -m pip install "${PIP_FLAGS[@]}" --target "$dir" "$spec" >&2; then
+    touch "$dir/.${spec}"
   else
-    echo "bootstrap: could not install $PYPI_CMAKE into $dir" >&2
+    echo "bootstrap: could not install $spec into $dir" >&2
   fi
 }
 
 install_debian_packages
 PY="$(select_python)"
 ensure_python_tools "$PY"
-ensure_pypi_cmake "$PY"
+ensure_pypi_cmake "$PY" "$PYPI_CMAKE" cmake-pypi
+ensure_pypi_cmake "$PY" "$OLDEST_CMAKE" cmake-oldest
 mkdir -p "$(dirname "$OPTAMP_PYTHON_FILE")"
 echo "$PY" >"$OPTAMP_PYTHON_FILE"
 "$PY" - "$PY" <<'PY'

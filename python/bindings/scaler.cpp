@@ -124,7 +124,7 @@ void bind_scaler(py::module_& m) {
             if (fn.is_none()) return self.set_found_inf_reducer({});
             TORCH_CHECK_TYPE(PyCallable_Check(fn.ptr()),
                              "found_inf reducer must be callable or None, got ",
-                             py::str(fn.get_type().attr("__name__")).cast<std::string>());
+                             py::str(py::type::handle_of(fn).attr("__name__")).cast<std::string>());
             self.set_found_inf_reducer(python_reducer(fn));
           },
           py::arg("reducer"),

@@ -40,9 +40,9 @@ void expect_promoted(const OpCase& c, ScalarType low, at::Device device) {
 }
 
 // (level, device): each test once per level on the CPU and, where a GPU is visible, on CUDA.
-class CastingTable : public OnDevices<Casting, const char*> {
+class CastingTable : public OnDevices<Casting, std::string> {
  protected:
-  const char* level() const { return param(); }
+  const char* level() const { return param().c_str(); }
 };
 
 TEST_P(CastingTable, LowerOpsRunInTheLevelsLowDtype) {
@@ -90,7 +90,7 @@ TEST_P(CastingTable, BannedOpSaysWhatToUseInstead) {
 }
 
 std::string level_on_device(
-    const ::testing::TestParamInfo<std::tuple<const char*, at::DeviceType>>& info) {
+    const ::testing::TestParamInfo<std::tuple<std::string, at::DeviceType>>& info) {
   return std::get<0>(info.param) + device_suffix(std::get<1>(info.param));
 }
 

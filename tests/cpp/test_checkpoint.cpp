@@ -103,14 +103,16 @@ TEST_F(Initialize, CheckpointLoadBeforeInitializeFails) {
   }
 }
 
-class InitializeCheckpoint : public testing::OnDevices<Initialize, const char*> {};
+class InitializeCheckpoint : public testing::OnDevices<Initialize, std::string> {};
 
-TEST_P(InitializeCheckpoint, ResumeIsBitExact) { expect_resume_bit_exact(param(), device()); }
+TEST_P(InitializeCheckpoint, ResumeIsBitExact) {
+  expect_resume_bit_exact(param().c_str(), device());
+}
 
 const auto kAllLevels = ::testing::Values("O0", "O1", "O2", "O3", "O4", "O5");
 
 std::string level_name(
-    const ::testing::TestParamInfo<std::tuple<const char*, at::DeviceType>>& info) {
+    const ::testing::TestParamInfo<std::tuple<std::string, at::DeviceType>>& info) {
   return std::get<0>(info.param) + testing::device_suffix(std::get<1>(info.param));
 }
 

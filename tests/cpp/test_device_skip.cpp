@@ -222,7 +222,7 @@ TEST_F(DeviceSkip, FoundInfMustBeAOneElementFloatTensor) {
 
 // ---- no host read in a step ------------------------------------------------------------------
 
-class DeviceSkipLevels : public testing::OnDevices<DeviceSkip, const char*> {};
+class DeviceSkipLevels : public testing::OnDevices<DeviceSkip, std::string> {};
 
 TEST_P(DeviceSkipLevels, StepsReadNothingOnTheHostWithAFusedOptimizer) {
   const c10::Device device(this->device());
@@ -323,7 +323,7 @@ TEST_P(DeviceSkipLevels, FusedSGDReadsNothingOnTheHostFromItsFirstStep) {
 
 // Three steps, one of them poisoned, with `Opt` on a model made from seed 0; its parameters.
 template <typename Opt>
-std::vector<at::Tensor> sgd_run(const char* level, const c10::Device& device,
+std::vector<at::Tensor> sgd_run(const std::string& level, const c10::Device& device,
                                 const torch::optim::SGDOptions& options, int poisoned_step) {
   reset();
   at::manual_seed(0);
@@ -367,7 +367,7 @@ INSTANTIATE_TEST_SUITE_P(Levels, DeviceSkipLevels,
                          ::testing::Combine(::testing::Values("O1", "O2", "O3", "O4", "O5"),
                                             testing::kDevices),
                          [](const auto& info) {
-                           return std::string(std::get<0>(info.param)) +
+                           return std::get<0>(info.param) +
                                   testing::device_suffix(std::get<1>(info.param));
                          });
 

@@ -420,7 +420,7 @@ TEST(CompanionCasts, DroppedAtTheStepEventAndByClearCache) {
   EXPECT_FALSE(detail::find_companion(source, at::kHalf));
 }
 
-using Param = std::tuple<at::DeviceType, const char*, at::ScalarType>;
+using Param = std::tuple<at::DeviceType, std::string, at::ScalarType>;
 
 // The fixture of both: a device, and the reduced dtype at O1 (fp16) or O4 (bf16).
 class FusedCast : public Casting {
@@ -467,7 +467,7 @@ class WidenedGelu : public FusedCast, public ::testing::WithParamInterface<Param
     OPTAMP_SKIP_UNLESS_VISIBLE(std::get<0>(GetParam()));
     set_up(std::get<0>(GetParam()), std::get<2>(GetParam()));
   }
-  const char* approximate() const { return std::get<1>(GetParam()); }
+  const char* approximate() const { return std::get<1>(GetParam()).c_str(); }
 };
 
 // MLP-shaped: x (reduced) -> gelu -> linear(w) -> loss. The reference writes the casts out.
@@ -542,7 +542,7 @@ INSTANTIATE_TEST_SUITE_P(Levels, WidenedGelu,
                          ::testing::Combine(testing::kDevices, ::testing::Values("none", "tanh"),
                                             ::testing::Values(at::kHalf, at::kBFloat16)),
                          [](const ::testing::TestParamInfo<Param>& info) {
-                           return std::string(std::get<1>(info.param)) + "_" +
+                           return std::get<1>(info.param) + "_" +
                                   (std::get<2>(info.param) == at::kHalf ? "fp16" : "bf16") +
                                   testing::device_suffix(std::get<0>(info.param));
                          });
