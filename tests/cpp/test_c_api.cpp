@@ -601,7 +601,8 @@ TEST_F(CApi, UnscaledGradientsEqualThePlainLosssAndDelayUnscaleIsRefusedAtTheSte
   const char* values[] = {"0", "1024"};  // a power of two: unscaling is exact
   C_OK(optamp_initialize(model.get(), optimizer.get(), 1, "O0", keys, values, 2, nullptr));
   const auto b = make_batches(1)[0];
-  auto plain_grads = [&] {
+  // Structured bindings are captured by name only from C++20 (Clang refuses it in C++17).
+  auto plain_grads = [&b, &net = net, &opt = opt] {
     opt->zero_grad();
     at::cross_entropy_loss(net->forward(b.x, b.tag), b.y).backward();
     std::vector<at::Tensor> g;

@@ -603,7 +603,7 @@ TEST_F(Robustness, StateDictWithManyLossesRoundTrips) {
   o.num_losses = 20000;
   initialize(net, opt, "O1", o);
   {
-    auto scaled = scale_loss(loss_of(net, 0, kInf, 0), opt, {19999});
+    auto scaled = scale_loss(loss_of(net, 0, kInf, 0), opt, 19999);
     scaled.backward();
   }
   const StateDict sd = state_dict();

@@ -375,12 +375,12 @@ TEST_F(ScaleLossTest, AmpStepSkipsWhenAnEarlierLossOfTheStepOverflowed) {
   const auto before = clones(m.params());
   const auto state_before = serialized(opt);
   {
-    auto s = scale_loss(m.loss(batch(0)), opt, {/*loss_id=*/0});
+    auto s = scale_loss(m.loss(batch(0)), opt, /*loss_id=*/0);
     s.backward();
     m.w1.grad()[0][0] = kInf;
   }
   {
-    auto s = scale_loss(m.loss(batch(1)), opt, {/*loss_id=*/1});
+    auto s = scale_loss(m.loss(batch(1)), opt, /*loss_id=*/1);
     s.backward();
   }
   EXPECT_TRUE(loss_scaler(0).last_step_skipped());
@@ -396,7 +396,7 @@ TEST_F(ScaleLossTest, AmpStepSkipsWhenAnEarlierLossOfTheStepOverflowed) {
   for (auto* p : {&ref.w1, &ref.b1, &ref.w2}) *p = p->detach().clone().requires_grad_();
   torch::optim::SGD ref_opt(ref.params(), torch::optim::SGDOptions(0.1).momentum(0.9));
   for (int id : {0, 1}) {
-    auto s = scale_loss(m.loss(batch(2 + id)), opt, {id});
+    auto s = scale_loss(m.loss(batch(2 + id)), opt, id);
     s.backward();
   }
   ref.loss(batch(2)).backward();
@@ -553,9 +553,9 @@ TEST_F(ScaleLossTest, ErrorsAreClearAndLeaveStateUnchanged) {
   core::configure_loss_scalers(props());
   loss.backward(at::Tensor(), /*retain_graph=*/true);
   const auto grads_before = grads(m.params());
-  OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, opt, {/*loss_id=*/3}), c10::ValueError,
+  OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, opt, /*loss_id=*/3), c10::ValueError,
                            "loss_id must be in [0, 1)", "got 3");
-  OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, opt, {/*loss_id=*/-1}), c10::ValueError, "got -1");
+  OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, opt, /*loss_id=*/-1), c10::ValueError, "got -1");
   OPTAMP_EXPECT_THROW_WITH(scale_loss(at::ones({}, at::kLong), opt), c10::ValueError,
                            "loss must be a floating-point scalar", "Long");
   OPTAMP_EXPECT_THROW_WITH(scale_loss(at::ones({2}, at::kFloat).requires_grad_(), opt),
@@ -689,7 +689,7 @@ TEST_F(ScaleLossTest, StateDictRoundTripsBitExactThroughTorchSave) {
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.0));
   for (int i = 0; i < 3; ++i) overflowing_step(m, opt, i);
   {
-    auto s = scale_loss(m.loss(batch(5)), opt, {1});
+    auto s = scale_loss(m.loss(batch(5)), opt, 1);
     s.backward();
   }
   const auto path = (std::filesystem::temp_directory_path() /

@@ -6,6 +6,10 @@
 #include <atomic>
 #include <cstdlib>
 
+#if OPTAMP_CPU_X86
+#include <cpuid.h>
+#endif
+
 namespace amp::ops::detail::cpu {
 namespace {
 
@@ -14,11 +18,21 @@ constexpr Isa kIsas[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512};
 // -1 until the first kernel call reads OPTAMP_CPU_ISA (or set_cpu_isa runs).
 std::atomic<int> g_isa{-1};
 
+#if OPTAMP_CPU_X86
+// F16C (the fp16 <-> fp32 conversions the AVX2 kernels use), read from CPUID leaf 1 because
+// Clang before 16 rejects "f16c" in __builtin_cpu_supports at compile time.
+bool cpu_has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+#endif
+
 Isa detect_best_isa() {
 #if OPTAMP_CPU_X86
-  // __builtin_cpu_supports also checks that the OS saves the vector registers (XCR0).
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
+  // __builtin_cpu_supports also checks that the OS saves the vector registers (XCR0), which
+  // F16C, a VEX encoding, needs as AVX does.
+  const bool avx2 =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
   if (avx2 && __builtin_cpu_supports("avx512f")) return Isa::kAvx512;
   if (avx2) return Isa::kAvx2;
 #endif
