@@ -18,7 +18,7 @@ status=0
 cmake_bin="$(sed -n 's/^CMAKE_COMMAND:INTERNAL=//p' "$BUILD/CMakeCache.txt")"
 ctest_bin="$(dirname "$cmake_bin")/ctest"
 # The names `ctest -N` lists in build directory $2 with ctest $1, sorted. A parametrized test's
-# name ends in a comment with its parameter: "  # GetParam() = 3" from CMake 3.23 on, and CMake
+# name ends in a comment with its parameter: "  # GetParam() = 3" (CMake 3.25, 4.4), and CMake
 # 3.22 writes it without the spaces ("#GetParam()=3"); GoogleTest names never contain '#'.
 ctest_names() {
   "$1" --test-dir "$2" -N | sed -n 's/^ *Test *#[0-9]*: //p' | sed 's/ *#.*//' | sort
