@@ -103,11 +103,12 @@ ensure_python_tools() {
     echo "bootstrap: not installed for $py: ${missing[*]} (the tests that need them skip)" >&2
     return 0
   fi
-  local pins  # the versions scripts/requirements.txt pins, so every machine tests alike
-  pins=$(grep -E '^(pytest|numpy|mypy|scikit-build-core|expecttest)==' scripts/requirements.txt |
-    tr '\n' ' ')
-  # shellcheck disable=SC2086
-  "$py" -m pip install "${PIP_FLAGS[@]}" $pins >&2 ||
+  # The versions scripts/requirements.txt pins, so every machine tests alike; a line may end in
+  # an environment marker (`; python_version < "3.11"`), so each is one argument.
+  local pins=()
+  mapfile -t pins < <(grep -E '^(pytest|numpy|mypy|scikit-build-core|expecttest)==' \
+    scripts/requirements.txt)
+  "$py" -m pip install "${PIP_FLAGS[@]}" "${pins[@]}" >&2 ||
     echo "bootstrap: could not install ${missing[*]} for $py" >&2
 }
 
