@@ -222,12 +222,12 @@ KernelSet emulated_avx512() {
     return [a, b](std::vector<at::Tensor>& ts, at::Tensor& found) {
       const size_t third = ts.size() / 3;
       bool bad = false;
-      for (const auto& [x_is_out, coef_x, coef_y] : {std::tuple{false, a, b}, {true, b, a}}) {
-        const float va = coef_x, vb = coef_y;  // a lambda captures no structured binding in C++17
+      for (auto [x_is_out, va, vb] : {std::tuple{false, a, b}, {true, b, a}}) {
         for (size_t i = 0; i < third; ++i) {
           at::Tensor &x = ts[third + i], &y = ts[2 * third + i];
           at::Tensor& out = x_is_out ? x : ts[i];
-          bad |= with_emulated_kernels(out.scalar_type(), [&](auto k) {
+          // Structured bindings are captured by name only from C++20 (Clang refuses it in C++17).
+          bad |= with_emulated_kernels(out.scalar_type(), [&, va = va, vb = vb](auto k) {
             return k.axpby(data(out, k), data(x, k), data(y, k), out.numel(), va, vb);
           });
         }

@@ -59,9 +59,9 @@ def test_every_source_folder_is_in_the_table():
             rel = os.path.relpath(d, ROOT)
             if rel != base and rel.count(os.sep) <= 3:
                 folders.append(rel)
+    skipped = SKIP_TOP | ignored_top_folders()
     tops = [e for e in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, e))
-            and not e.startswith(".") and not e.startswith("build")
-            and e not in SKIP_TOP | ignored_top_folders()]
+            and not e.startswith(".") and not e.startswith("build") and e not in skipped]
     uncovered = [f for f in folders + tops
                  if f not in named and not any(f.startswith(n + "/") for n in named)
                  and not any(n.startswith(f + "/") for n in named)]
