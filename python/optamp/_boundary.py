@@ -13,11 +13,11 @@ model had its own instance ``forward``, is kept on the model as well, for the sa
 import threading
 import types
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _C
+from . import _C, _compile
 from ._tree import map_tensors
 
 _INNER = "_optamp_inner_forward"  # the model's own instance forward, if it had one
@@ -68,16 +68,25 @@ def _output_caster(
     return cast
 
 
+def _inner_forward(self: torch.nn.Module, inner: Optional[Callable[..., Any]],
+                   args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    if inner is not None:
+        return inner(*args, **kwargs)
+    return type(self).forward(self, *args, **kwargs)
+
+
 def _boundary_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     inputs, outputs = _dtypes_now() if self.__dict__.get(_OWNER) is not None else (None, None)
     cast_in, cast_out = _caster(inputs), _output_caster(outputs)
     if cast_in is not None:
         args, kwargs = map_tensors(args, cast_in), map_tensors(kwargs, cast_in)
     inner = self.__dict__.get(_INNER)
-    if inner is not None:
-        output = inner(*args, **kwargs)
+    working_copies = _compile.working_copies_for_trace() if cast_in is not None else None
+    if working_copies is not None:
+        with working_copies:
+            output = _inner_forward(self, inner, args, kwargs)
     else:
-        output = type(self).forward(self, *args, **kwargs)
+        output = _inner_forward(self, inner, args, kwargs)
     return output if cast_out is None else map_tensors(output, cast_out)
 
 

@@ -12,11 +12,30 @@ under another state would silently change precision. What keeps that from happen
 * AOTAutograd's cache keys a compiled artifact by the Dynamo graph, which holds no casts: an O1
   artifact was served to an O5 run (fp16 instead of bf16). While optamp casts, that cache is
   turned off; ``reset`` restores the previous setting.
+
+O2/O5's working copies need one more piece. Eager ops find them through a dispatch key on the
+registered tensors themselves, and the tensors AOTAutograd traces with (fake and functional
+tensors made from the parameters) carry no such key: a compiled O2 model ran with fp32
+parameters, O1's numerics in an O2 run. So while Dynamo traces an initialized model's forward,
+the model boundary enters :class:`WorkingCopies`, a ``TorchFunctionMode`` that Dynamo traces
+into the graph: each function the forward calls sees a registered tensor as ``t.to(dtype)``,
+on the same terms as eager substitution (where the rules apply, read-only arguments only, not
+in the "own data" functions). The casts are then ordinary graph nodes, which inductor fuses.
 """
 import sys
-from typing import Optional
+import weakref
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import _C
 
 _saved_autograd_cache: Optional[bool] = None
+
+_MARK = "_optamp_working_copy"  # set on every tensor O2/O5 substitutes, while initialized
+_marked: List["weakref.ref[torch.Tensor]"] = []
+_substituting = False  # initialized at O2/O5 (a plain flag: Dynamo reads it as a constant)
 
 
 def _reset_dynamo() -> None:
@@ -25,10 +44,15 @@ def _reset_dynamo() -> None:
         dynamo.reset()
 
 
-def on_initialize(casting: bool) -> None:
-    """Called by initialize; ``casting``: the level casts (enabled, not O0)."""
-    global _saved_autograd_cache
+def on_initialize(casting: bool, working_copy_sources: List[torch.Tensor]) -> None:
+    """Called by initialize; ``casting``: the level casts (enabled, not O0);
+    ``working_copy_sources``: the tensors ops see as working copies (O2/O5), else empty."""
+    global _saved_autograd_cache, _substituting
     _reset_dynamo()
+    _substituting = bool(working_copy_sources)
+    for t in working_copy_sources:
+        setattr(t, _MARK, True)
+        _marked.append(weakref.ref(t))
     if casting and _saved_autograd_cache is None:
         import torch._functorch.config as functorch_config
 
@@ -38,10 +62,147 @@ def on_initialize(casting: bool) -> None:
 
 def on_reset() -> None:
     """Called by reset."""
-    global _saved_autograd_cache
+    global _saved_autograd_cache, _substituting
     _reset_dynamo()
+    _substituting = False
+    for ref in _marked:
+        t = ref()
+        if t is not None and _MARK in t.__dict__:
+            delattr(t, _MARK)
+    _marked.clear()
     if _saved_autograd_cache is not None:
         import torch._functorch.config as functorch_config
 
         functorch_config.enable_autograd_cache = _saved_autograd_cache
         _saved_autograd_cache = None
+
+
+def is_working_copy_source(t: torch.Tensor) -> bool:
+    """Whether ops see ``t`` as a working copy at O2/O5 (it was registered by initialize)."""
+    return getattr(t, _MARK, False) is True
+
+
+def _working_dtype_now() -> Optional[torch.dtype]:
+    # At O2/O5 the boundary's input dtype is the working copies' dtype where ops see them, fp32
+    # elsewhere (docs/casting.md). A constant to Dynamo, as _boundary._dtypes_now is: what it
+    # depends on (grad mode, regions, disable_casts, the level) is guarded or resets Dynamo.
+    inputs = _C._model_boundary()[0]
+    return inputs if inputs in (torch.float16, torch.bfloat16) else None
+
+
+_working_dtype_now._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+# The functions whose job is to hand back the tensor's own data or metadata, as the dispatch
+# key's fallthrough ops in eager (docs/casting.md, "O2/O5: what ops see"); property reads
+# (``p.dtype``, ``p.grad``) arrive as "__get__".
+_OWN_DATA: FrozenSet[str] = frozenset({
+    "__get__", "__set__", "detach", "detach_", "alias", "clone", "to", "type", "float", "double",
+    "half", "bfloat16", "cpu", "cuda", "contiguous", "copy_", "set_", "item", "tolist", "numpy",
+    "equal", "requires_grad_", "retain_grad", "register_hook",
+    "register_post_accumulate_grad_hook", "backward", "data_ptr", "untyped_storage", "size",
+    "dim", "ndimension", "stride", "numel", "nelement", "storage_offset", "element_size",
+    "is_contiguous", "is_floating_point", "is_complex", "is_signed", "is_pinned", "__len__",
+    "__repr__", "__format__", "__hash__", "__bool__", "__reduce_ex__", "__deepcopy__",
+    "__array__", "__setstate__", "__getstate__",
+})
+# In-place dunders: their first argument is written.
+_INPLACE_DUNDERS: FrozenSet[str] = frozenset({
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+    "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+    "__irshift__",
+})
+_STATISTICS = ("running_mean", "running_var")
+
+
+def _written_positions(name: str) -> Tuple[int, ...]:
+    """The positional arguments a call writes: an in-place method's (or dunder's) self."""
+    if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__")):
+        return (0,)
+    return ()
+
+
+def _updated_statistics(func: Callable[..., Any], args: Tuple[Any, ...],
+                        kwargs: Dict[str, Any]) -> Tuple[int, ...]:
+    """The positions of the running statistics a batch or instance norm call updates in place
+    (their schemas do not mark them written); () when it only reads them, or is no such call.
+    Keyword statistics are found by name (``_STATISTICS``) where this is not ()."""
+    F = torch.nn.functional
+    if func is F.batch_norm or func is F.instance_norm:
+        positions = (1, 2)
+    elif func is torch.batch_norm or func is torch.instance_norm:
+        positions = (3, 4)
+    else:
+        return ()
+    instance = func is F.instance_norm or func is torch.instance_norm
+    flag = kwargs.get("use_input_stats" if instance else "training", instance)
+    if len(args) > 5:
+        flag = args[5]
+    return positions if flag else ()
+
+
+def _substituted(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if is_working_copy_source(value) else value
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_substituted(v, dtype) for v in value)
+    return value
+
+
+def _entering(body: Callable[..., Any], dtype: torch.dtype) -> Callable[..., Any]:
+    def body_with_working_copies(*args: Any, **kwargs: Any) -> Any:
+        with WorkingCopies(dtype):
+            return body(*args, **kwargs)
+
+    return body_with_working_copies
+
+
+class WorkingCopies(TorchFunctionMode):
+    """O2/O5 substitution for a forward Dynamo traces (see the module's docstring). Each call's
+    registered tensors (in read-only arguments, lists included) become ``t.to(dtype)``; a tensor
+    used twice is cast twice, so each use's gradient reaches the fp32 parameter on its own and
+    they are summed in fp32, as in eager."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Tuple[Any, ...] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "tag_activation_checkpoint" and args and callable(args[0]):
+            # Dynamo's torch.utils.checkpoint (both variants): the mode sees the call, not the
+            # body's ops, so the body enters it itself (eager checkpoints run the body under the
+            # state of the call too: docs/casting.md, "Activation checkpointing").
+            return func(_entering(args[0], self.dtype), *args[1:], **kwargs)
+        if name in _OWN_DATA or _working_dtype_now() != self.dtype:
+            return func(*args, **kwargs)
+        written = _written_positions(name)
+        updated = _updated_statistics(func, args, kwargs)
+        # A norm's updated statistics get a copy of their own, copied back after the call, as
+        # eager substitution does (csrc/core/dispatch/substitution.cpp).
+        write_back: List[Tuple[torch.Tensor, torch.Tensor]] = []
+
+        def sub(value: Any, updated_here: bool) -> Any:
+            if updated_here and isinstance(value, torch.Tensor) and is_working_copy_source(value):
+                copy = value.to(self.dtype)
+                write_back.append((value, copy))
+                return copy
+            return _substituted(value, self.dtype)
+
+        args = tuple(a if i in written else sub(a, i in updated) for i, a in enumerate(args))
+        kwargs = {k: v if k == "out" else sub(v, bool(updated) and k in _STATISTICS)
+                  for k, v in kwargs.items()}
+        result = func(*args, **kwargs)
+        for source, copy in write_back:
+            source.copy_(copy)
+        return result
+
+
+def working_copies_for_trace() -> Optional[WorkingCopies]:
+    """The mode a model boundary enters around the forward while Dynamo traces it at O2/O5 where
+    ops see working copies; None otherwise (eager runs substitute in the dispatcher)."""
+    if not _substituting or not torch.compiler.is_compiling():
+        return None
+    dtype = _working_dtype_now()
+    return None if dtype is None else WorkingCopies(dtype)

@@ -6,6 +6,10 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/instancenorm.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -362,6 +366,63 @@ TEST_F(Initialize, O2OwnDataOpsStayFp32AndViewsReuseTheCopy) {
   // No substitution without autograd recording (validation in fp32 by default).
   c10::NoGradGuard no_grad;
   EXPECT_EQ(net->fc2->forward(x).scalar_type(), at::kFloat);
+}
+
+// Norms that track running statistics (an InstanceNorm at any O2/O5, a batch norm under
+// keep_batchnorm_fp32=false) update them in place, though their schemas do not say so: the
+// update reaches the fp32 buffers (it used to go to a dropped working copy, and evaluation then
+// used the initial statistics). Compared with the same forwards in fp32.
+struct StatsNetImpl : torch::nn::Module {
+  StatsNetImpl()
+      : conv(register_module("conv", torch::nn::Conv1d(3, 6, 3))),
+        in(register_module(
+            "in", torch::nn::InstanceNorm1d(
+                      torch::nn::InstanceNorm1dOptions(6).affine(true).track_running_stats(true)))),
+        bn(register_module("bn", torch::nn::BatchNorm1d(6))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    const at::Tensor h = conv->forward(x);  // statistics well away from 0 (x is shifted)
+    return bn->forward(h) + in->forward(h);
+  }
+  torch::nn::Conv1d conv;
+  torch::nn::InstanceNorm1d in;
+  torch::nn::BatchNorm1d bn;
+};
+TORCH_MODULE(StatsNet);
+
+TEST_P(InitializeOnDevice, O2O5RunningStatisticsOfRegisteredNormsFollowTraining) {
+  for (const char* level : {"O2", "O5"}) {
+    at::manual_seed(0);
+    StatsNet reference;
+    StatsNet net;
+    reference->to(GetParam());
+    net->to(GetParam());
+    for (std::size_t i = 0; i < net->parameters().size(); ++i) {
+      c10::NoGradGuard no_grad;
+      net->parameters()[i].copy_(reference->parameters()[i]);
+    }
+    Options options = quiet();
+    options.keep_batchnorm_fp32 = false;
+    initialize(net, std::string(level), options);
+    for (int step = 0; step < 3; ++step) {
+      const auto x = at::randn({4, 3, 8}, at::TensorOptions(GetParam())) + 2.0 * step;
+      reference->forward(x);
+      net->forward(x);
+    }
+    c10::NoGradGuard no_grad;  // reads the fp32 buffers themselves
+    const auto low = std::string(level) == "O2" ? at::kHalf : at::kBFloat16;
+    const auto buffers = net->named_buffers();
+    const auto expected_buffers = reference->named_buffers();
+    for (const char* name :
+         {"in.running_mean", "in.running_var", "bn.running_mean", "bn.running_var"}) {
+      ASSERT_NE(buffers.find(name), nullptr) << name;
+      const at::Tensor& got = buffers[name];
+      const at::Tensor& expected = expected_buffers[name];
+      EXPECT_EQ(got.scalar_type(), at::kFloat) << level << " " << name;
+      EXPECT_TRUE(testing::all_close(got, expected, testing::tolerance(low)))
+          << level << " " << name << ": " << got << " vs " << expected;
+    }
+    reset();
+  }
 }
 
 }  // namespace

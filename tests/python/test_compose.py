@@ -281,19 +281,26 @@ ALL_LEVELS = ["O0"] + LEVELS
 
 
 class CNet(torch.nn.Module):
-    """Linear -> (checkpointed) relu block -> linear, for compile tests."""
+    """Linear -> (checkpointed) layer norm * gain -> relu -> linear, for compile tests. The layer
+    norm and the gain parameter run in fp16/bf16 at O2/O5 (working copies) and in fp32 at O1/O4
+    (Apex's fp32 list, widest-type promotion): a compiled O2 that ran O1's numerics differs."""
 
     def __init__(self, mode=None):
         super().__init__()
         self.a = torch.nn.Linear(16, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, 32))
         self.b = torch.nn.Linear(32, 4)
         self.mode = mode
 
+    def block(self, x):
+        return self.norm(self.a(x)) * self.gain
+
     def forward(self, x):
         if self.mode is None:
-            h = self.a(x)
+            h = self.block(x)
         else:
-            h = checkpoint(self.a, x, use_reentrant=self.mode == "reentrant")
+            h = checkpoint(self.block, x, use_reentrant=self.mode == "reentrant")
         return self.b(torch.relu(h))
 
 
@@ -329,6 +336,125 @@ def test_compiled_training_matches_eager_at_every_level(level, mode):
     torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=0)
 
 
+def test_the_compile_tests_model_tells_o2_from_o1():
+    # Otherwise a compiled O2 that ran O1's numerics (no working copies: fp32 parameters) would
+    # pass the test above, as it did.
+    assert _train("O2", None)[0] != _train("O1", None)[0]
+    assert _train("O5", None)[0] != _train("O4", None)[0]
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_compiled_o2_o5_forward_sees_working_copies_in_one_graph(level):
+    # The issue: the fake tensors AOTAutograd traces with carry no dispatch key, so a compiled
+    # O2 model ran with fp32 parameters. The boundary now casts them in the graph.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    net = init(CNet(), None, level)
+    low = torch.float16 if level == "O2" else torch.bfloat16
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(net, backend=counter, fullgraph=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    eager_out = net(x)
+    out = compiled(x)
+    assert counter.frame_count == 1
+    casts = [n for n in counter.graphs[0].graph.nodes if n.target == "to" and low in n.args]
+    assert len(casts) >= 6, "the six parameters' casts are graph nodes"
+    assert torch.equal(out, eager_out)
+    out.sum().backward()
+    assert net.gain.grad.dtype == torch.float32
+    with torch.no_grad():  # the gate: no working copies, fp32 masters, as eager
+        assert torch.equal(compiled(x), net(x))
+
+
+class BufferUpdatingNet(torch.nn.Module):
+    """A buffer updated in place in the forward and read afterwards, a parameter read through
+    an "own data" function and through .dtype: what substitution must leave alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.register_buffer("running", torch.zeros(8))
+
+    def forward(self, x):
+        self.running.mul_(0.5).add_(x.detach().float().mean(0))
+        centred = x.to(self.fc.weight.dtype) - self.running  # fp32 here, fp16 in the op
+        return self.fc(centred) + self.fc.weight.detach().sum()
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_compiled_o2_o5_write_buffers_and_read_own_data_as_eager(level):
+    results = []
+    for backend in [None, "aot_eager"]:
+        torch.manual_seed(0)
+        net = init(BufferUpdatingNet(), None, level)
+        run = net if backend is None else torch.compile(net, backend=backend, fullgraph=True)
+        x = torch.randn(4, 8)
+        outs = [run(x * (i + 1)) for i in range(3)]
+        assert net.running.dtype == torch.float32
+        results.append((outs, net.running.clone()))
+        optamp.reset()
+    (eager_outs, eager_running), (outs, running) = results
+    assert torch.equal(running, eager_running), "the in-place update reached the fp32 buffer"
+    for a, b in zip(outs, eager_outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class NormsWithStatistics(torch.nn.Module):
+    """Batch norm, instance norm tracking statistics, group norm and attention over a conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.inorm = torch.nn.InstanceNorm2d(8, affine=True, track_running_stats=True)
+        self.gn = torch.nn.GroupNorm(2, 8)
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        h = self.conv(x)
+        h = self.gn(torch.relu(self.bn(h) + self.inorm(h)))
+        t = h.flatten(2).transpose(1, 2)
+        return self.attn(t, t, t)[0].sum(1)
+
+
+def _norm_statistics(level, backend, keep_batchnorm_fp32):
+    torch.manual_seed(0)
+    net = NormsWithStatistics()
+    if level is not None:
+        net = init(net, None, level, keep_batchnorm_fp32=keep_batchnorm_fp32)
+    run = net if backend is None else torch.compile(net, backend=backend, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    outs = []
+    for step in range(3):
+        out = run(torch.randn(2, 3, 8, 8, generator=gen) + step)
+        out.float().sum().backward()
+        outs.append(out.detach())
+    stats = {k: v.clone() for k, v in net.state_dict().items() if "running" in k}
+    grads = [p.grad.clone() for p in net.parameters()]
+    optamp.reset()
+    return outs, stats, grads
+
+
+@pytest.mark.parametrize("keep_batchnorm_fp32", [None, False])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_running_statistics_follow_training_eager_and_compiled(level, keep_batchnorm_fp32):
+    # The report: the running statistics of a registered norm (batch norm under
+    # keep_batchnorm_fp32=False, an InstanceNorm tracking them at any O2/O5) never moved in
+    # eager runs (the kernel updated a working copy), and a compiled forward failed.
+    reference = _norm_statistics(None, None, None)[1]
+    eager = _norm_statistics(level, None, keep_batchnorm_fp32)
+    compiled = _norm_statistics(level, "aot_eager", keep_batchnorm_fp32)
+    row = "train_float16" if level == "O2" else "train_bfloat16"
+    for name, expected in reference.items():
+        assert eager[1][name].dtype == torch.float32, name
+        torch.testing.assert_close(eager[1][name], expected, **tol(row), msg=name)
+    for a, b in zip(compiled[0] + compiled[2], eager[0] + eager[2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for name in reference:
+        torch.testing.assert_close(compiled[1][name], eager[1][name], rtol=0, atol=0)
+
+
 def test_inductor_levels_one_after_another_keep_their_precision():
     # AOTAutograd's cache keys artifacts by the Dynamo graph, which holds no casts: without
     # optamp turning it off, O5 got O1's fp16 graph.
@@ -336,9 +462,10 @@ def test_inductor_levels_one_after_another_keep_their_precision():
         eager = _train(level, None, steps=2)
         compiled = _train(level, "inductor", steps=2)
         assert compiled[1] == eager[1], level
-        # Inductor fuses and reorders: the train_* rows of the shared table.
-        row = {torch.float16: "train_float16", torch.bfloat16: "train_bfloat16"}.get(
-            eager[1], "float32")
+        # Inductor fuses and reorders: the train_* rows of the shared table, by the level's
+        # reduced dtype (O2/O5 return fp32 outputs computed in fp16/bf16).
+        row = {"O1": "train_float16", "O2": "train_float16", "O3": "train_float16",
+               "O4": "train_bfloat16", "O5": "train_bfloat16"}.get(level, "float32")
         torch.testing.assert_close(compiled[0], eager[0], **tol(row))
 
 

@@ -16,6 +16,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cache/cast_cache.h"
 #include "dispatch/cast_decision.h"
@@ -123,21 +125,65 @@ bool substitution_active(const LevelRules& level, c10::ScalarType* dtype) {
   return *dtype != c10::ScalarType::Undefined;
 }
 
+// Batch norm and instance norm (batch_norm, native_batch_norm, _batch_norm_impl_index,
+// cudnn_batch_norm, instance_norm, ...) update their running statistics in place while training,
+// and SyncBatchNorm's batch_norm_gather_stats_with_counts and batch_norm_update_stats always do,
+// but their schemas do not mark those arguments written (`Tensor? running_mean`). A registered
+// buffer there (a batch norm under keep_batchnorm_fp32=False, an InstanceNorm that tracks its
+// statistics) used to get its cached working copy, which the kernel updated and the step then
+// dropped: the fp32 buffer never moved, and evaluation used the initial statistics. Such a call
+// hands each statistic a private copy and copies the update back into the fp32 buffer, as
+// Apex's fp16 module updated its fp16 buffers. Outside training they are read like any argument.
+bool is_running_statistic(const c10::Argument& arg) {
+  return arg.name() == "running_mean" || arg.name() == "running_var";
+}
+
+// Whether a call with running statistics among its arguments updates them: its training flag,
+// or always where it has none.
+bool updates_running_statistics(const std::vector<c10::Argument>& args,
+                                const torch::jit::Stack& stack, std::size_t base) {
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string& name = args[i].name();
+    if ((name == "training" || name == "train" || name == "use_input_stats") &&
+        stack[base + i].isBool()) {
+      return stack[base + i].toBool();
+    }
+  }
+  return true;
+}
+
 // Ops without an unboxed kernel (substitution_kernels.cpp): every tensor argument that is not
 // written is looked at.
 void substitute_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                          torch::jit::Stack* stack) {
   SubstitutionCall call;
+  std::vector<std::pair<at::Tensor, at::Tensor>> updated_statistics;  // (fp32 buffer, its copy)
   if (call.active()) {
     const auto& args = op.schema().arguments();
     const std::size_t base = stack->size() - args.size();
+    const bool updating = std::any_of(args.begin(), args.end(), is_running_statistic) &&
+                          updates_running_statistics(args, *stack, base);
     auto working_copy = [&call](const at::Tensor& t) { return call.working_copy(t); };
     for (std::size_t i = 0; i < args.size(); ++i) {
       if (args[i].alias_info() && args[i].alias_info()->isWrite()) continue;
-      rewrite_tensors_in((*stack)[base + i], working_copy);
+      c10::IValue& value = (*stack)[base + i];
+      if (updating && is_running_statistic(args[i]) && value.isTensor()) {
+        at::Tensor buffer = value.toTensor();
+        if (auto copy = call.private_copy(buffer)) {
+          updated_statistics.emplace_back(std::move(buffer), *copy);
+          value = c10::IValue(std::move(*copy));
+        }
+        continue;
+      }
+      rewrite_tensors_in(value, working_copy);
     }
   }
   op.redispatchBoxed(below_substitution(keys), stack);
+  if (!updated_statistics.empty()) {
+    c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
+    c10::NoGradGuard no_grad;
+    for (auto& [buffer, copy] : updated_statistics) buffer.copy_(copy);
+  }
 }
 
 void ensure_substitution_registered() {
@@ -186,13 +232,13 @@ SubstitutionCall::SubstitutionCall() : session_(current_session()) {
   no_recursion_.emplace(kSubstituteKey);
 }
 
-std::optional<at::Tensor> SubstitutionCall::working_copy(const at::Tensor& t) const {
+bool SubstitutionCall::substitutes(const at::Tensor& t) const {
   if (!carries_substitution_key(t) || t.scalar_type() == dtype_ || !t.is_floating_point()) {
-    return std::nullopt;
+    return false;
   }
   const auto& sources = session_->working_copy_sources;
   const auto source = sources.find(t.unsafeGetTensorImpl());
-  if (source == sources.end()) return std::nullopt;  // a view or detached alias of a source
+  if (source == sources.end()) return false;  // a view or detached alias of a source
   // The model was cast after initialize (model->to(torch::kDouble)): its masters are no longer
   // what the working copies stand for, and torch would fail further down with a mixed-dtype
   // error that does not say why.
@@ -200,8 +246,19 @@ std::optional<at::Tensor> SubstitutionCall::working_copy(const at::Tensor& t) co
                     "a model tensor registered by amp::initialize (O2/O5) must still be ",
                     dtype_name(source->second.dtype), ", got ", dtype_name(t.scalar_type()),
                     " of shape ", t.sizes(), kCastAfterInitialize);
+  return true;
+}
+
+std::optional<at::Tensor> SubstitutionCall::working_copy(const at::Tensor& t) const {
+  if (!substitutes(t)) return std::nullopt;
   c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
   return cast_through_cache(t, dtype_, /*always_cache=*/true).tensor;
+}
+
+std::optional<at::Tensor> SubstitutionCall::private_copy(const at::Tensor& t) const {
+  if (!substitutes(t)) return std::nullopt;
+  c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
+  return t.to(dtype_);
 }
 
 bool carries_substitution_key(const at::Tensor& t) {

@@ -52,8 +52,15 @@ class SubstitutionCall {
   // The working copy standing for `t`, or nullopt when `t` is not a registered source (or is
   // already in the working dtype). Throws when a source was cast after initialize.
   std::optional<at::Tensor> working_copy(const at::Tensor& t) const;
+  // A copy of `t` in the working dtype made for this call alone (not cached), for an argument
+  // the op writes although its schema does not say so (the running statistics of batch norm);
+  // nullopt as for working_copy.
+  std::optional<at::Tensor> private_copy(const at::Tensor& t) const;
 
  private:
+  // Whether `t` is a registered source this call substitutes (throws as working_copy does).
+  bool substitutes(const at::Tensor& t) const;
+
   bool active_ = false;
   c10::ScalarType dtype_ = c10::ScalarType::Undefined;
   std::shared_ptr<const Session> session_;  // its working_copy_sources, for this call
