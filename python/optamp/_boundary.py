@@ -10,6 +10,7 @@ the copy, not one that still runs the original's; the copy is not an initialized
 forward is a plain one (its ``_Owner`` mark deep-copies to None). The forward it wraps, if the
 model had its own instance ``forward``, is kept on the model as well, for the same reason.
 """
+import sys
 import threading
 import types
 import weakref
@@ -94,8 +95,23 @@ def _is_wrapper(value: object) -> bool:
     return isinstance(value, types.MethodType) and value.__func__ is _boundary_forward
 
 
+def _compiled_module_inside(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile(model)`` wrapper (``OptimizedModule``) runs, else ``model``.
+    Its forward is Dynamo's frame around the inner module's call, so a boundary on the wrapper
+    would run outside the graph, and the forward it traces (the inner module's) would never
+    enter the working copies' mode: at O2/O5 a model compiled before ``initialize`` ran with
+    fp32 parameters."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing compiled
+    optimized = getattr(eval_frame, "OptimizedModule", None) if eval_frame is not None else None
+    while optimized is not None and isinstance(model, optimized):
+        model = model._orig_mod
+    return model
+
+
 def wrap(model: torch.nn.Module) -> None:
-    """Gives ``model`` the boundary (once; ``unwrap_all`` takes it off again)."""
+    """Gives ``model`` the boundary (once; ``unwrap_all`` takes it off again); a model compiled
+    with ``torch.compile`` gets it on the module it compiled."""
+    model = _compiled_module_inside(model)
     with _lock:
         own = model.__dict__.get("forward")
         if _is_wrapper(own):
