@@ -200,7 +200,7 @@ std::shared_ptr<Session> build_session(const ModelTensors& model,
   session->initialized = true;
   session->rules = level_rules_for(p);
   if (p.enabled && p.model_cast() == ModelCast::kWorkingCopies) {
-    session->working_copy_sources = make_working_copy_sources(model.reduced);
+    session->working_copy_sources = make_working_copy_sources(model.reduced, model.parameters);
   }
   session->parameters = parameter_records(model);
   session->loss_scalers = std::move(scalers);

@@ -43,6 +43,7 @@ LevelRules level_rules_for(const Properties& properties);
 struct WorkingCopySource {
   c10::weak_intrusive_ptr<c10::TensorImpl> ref;
   c10::ScalarType dtype;
+  bool buffer = false;  // a buffer, not a parameter: view ops hand it its own data
 };
 using WorkingCopySources = std::unordered_map<const c10::TensorImpl*, WorkingCopySource>;
 

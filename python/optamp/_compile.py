@@ -20,7 +20,9 @@ parameters, O1's numerics in an O2 run. So while Dynamo traces an initialized mo
 the model boundary enters :class:`WorkingCopies`, a ``TorchFunctionMode`` that Dynamo traces
 into the graph: each function the forward calls sees a registered tensor as ``t.to(dtype)``,
 on the same terms as eager substitution (where the rules apply, read-only arguments only, not
-in the "own data" functions). The casts are then ordinary graph nodes, which inductor fuses.
+in the "own data" functions; view functions hand a buffer its own data and mark the view, which
+later calls read as the working dtype; a norm's updated running statistics by copy and
+write-back). The casts are then ordinary graph nodes, which inductor fuses.
 """
 import sys
 import weakref
@@ -33,7 +35,8 @@ from . import _C
 
 _saved_autograd_cache: Optional[bool] = None
 
-_MARK = "_optamp_working_copy"  # set on every tensor O2/O5 substitutes, while initialized
+_MARK = "_optamp_working_copy"  # "parameter" or "buffer" on every tensor O2/O5 substitutes
+_BUFFER_VIEW = "_optamp_buffer_view"  # on a view of a registered buffer, while Dynamo traces
 _marked: List["weakref.ref[torch.Tensor]"] = []
 _substituting = False  # initialized at O2/O5 (a plain flag: Dynamo reads it as a constant)
 
@@ -51,7 +54,7 @@ def on_initialize(casting: bool, working_copy_sources: List[torch.Tensor]) -> No
     _reset_dynamo()
     _substituting = bool(working_copy_sources)
     for t in working_copy_sources:
-        setattr(t, _MARK, True)
+        setattr(t, _MARK, "parameter" if isinstance(t, torch.nn.Parameter) else "buffer")
         _marked.append(weakref.ref(t))
     if casting and _saved_autograd_cache is None:
         import torch._functorch.config as functorch_config
@@ -79,7 +82,12 @@ def on_reset() -> None:
 
 def is_working_copy_source(t: torch.Tensor) -> bool:
     """Whether ops see ``t`` as a working copy at O2/O5 (it was registered by initialize)."""
-    return getattr(t, _MARK, False) is True
+    return getattr(t, _MARK, None) in ("parameter", "buffer")
+
+
+def _is_buffer_or_its_view(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (getattr(t, _MARK, None) == "buffer"
+                                            or getattr(t, _BUFFER_VIEW, False) is True)
 
 
 def _working_dtype_now() -> Optional[torch.dtype]:
@@ -112,6 +120,15 @@ _INPLACE_DUNDERS: FrozenSet[str] = frozenset({
     "__irshift__",
 })
 _STATISTICS = ("running_mean", "running_var")
+# Functions that return views of their first argument: on a registered buffer they get its own
+# data, so that writes through the view reach it (eager: substitution.cpp, returns_a_view); the
+# view is marked, and read as the working dtype by the calls that take it.
+_VIEWS: FrozenSet[str] = frozenset({
+    "__getitem__", "view", "view_as", "reshape", "reshape_as", "t", "transpose", "swapaxes",
+    "swapdims", "permute", "movedim", "moveaxis", "unsqueeze", "squeeze", "expand", "expand_as",
+    "narrow", "select", "split", "split_with_sizes", "tensor_split", "chunk", "unbind",
+    "flatten", "unflatten", "diagonal", "unfold", "as_strided", "view_as_real", "view_as_complex",
+})
 
 
 def _written_positions(name: str) -> Tuple[int, ...]:
@@ -140,9 +157,20 @@ def _updated_statistics(func: Callable[..., Any], args: Tuple[Any, ...],
     return positions if flag else ()
 
 
+def _mark_buffer_views(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        setattr(value, _BUFFER_VIEW, True)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _mark_buffer_views(v)
+    return value
+
+
 def _substituted(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if is_working_copy_source(value) else value
+        if is_working_copy_source(value) or getattr(value, _BUFFER_VIEW, False) is True:
+            return value.to(dtype)
+        return value
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(_substituted(v, dtype) for v in value)
     return value
@@ -177,6 +205,8 @@ class WorkingCopies(TorchFunctionMode):
             return func(_entering(args[0], self.dtype), *args[1:], **kwargs)
         if name in _OWN_DATA or _working_dtype_now() != self.dtype:
             return func(*args, **kwargs)
+        if name in _VIEWS and args and _is_buffer_or_its_view(args[0]):
+            return _mark_buffer_views(func(*args, **kwargs))
         written = _written_positions(name)
         updated = _updated_statistics(func, args, kwargs)
         # A norm's updated statistics get a copy of their own, copied back after the call, as

@@ -425,5 +425,44 @@ TEST_P(InitializeOnDevice, O2O5RunningStatisticsOfRegisteredNormsFollowTraining)
   }
 }
 
+// View ops hand a registered buffer its own data: a write through the view reaches the buffer
+// (it used to reach a view of the dropped working copy), and a read of the view still sees the
+// working dtype. A parameter's view is a view of its working copy, as before.
+struct BufferNetImpl : torch::nn::Module {
+  BufferNetImpl()
+      : fc(register_module("fc", torch::nn::Linear(4, 4))),
+        memory(register_buffer("memory", at::zeros({3, 4}))),
+        table(register_buffer("table", at::arange(8.0).view({2, 4}))) {}  // itself a view
+  torch::nn::Linear fc;
+  at::Tensor memory;
+  at::Tensor table;
+};
+TORCH_MODULE(BufferNet);
+
+TEST_P(InitializeOnDevice, O2O5WritesThroughABuffersViewReachTheBuffer) {
+  for (const char* level : {"O2", "O5"}) {
+    BufferNet net;
+    net->to(GetParam());
+    initialize(net, std::string(level), quiet());
+    const auto low = std::string(level) == "O2" ? at::kHalf : at::kBFloat16;
+    const auto on = at::TensorOptions(GetParam());
+    net->memory.select(0, 0).copy_(at::ones({4}, on));
+    net->memory.slice(0, 1, 2).fill_(2.0);
+    net->memory.select(0, 2).add_(3.0);
+    net->memory.narrow(0, 0, 1).mul_(5.0);
+    const auto row = net->table.slice(0, 0, 1);
+    EXPECT_EQ(row.scalar_type(), at::kFloat) << "a buffer's view is its own data";
+    const auto x = at::ones({1, 4}, on.dtype(low)).requires_grad_();
+    EXPECT_EQ((x + row).scalar_type(), low) << level << ": read as the working dtype";
+    EXPECT_EQ(at::mul(row, x).scalar_type(), low) << level;
+    EXPECT_EQ(net->fc->weight.t().scalar_type(), low) << "a parameter's view: its working copy";
+    c10::NoGradGuard no_grad;
+    const auto expected = at::tensor({5.0, 2.0, 3.0}, on).unsqueeze(1).expand({3, 4});
+    EXPECT_TRUE(at::equal(net->memory, expected)) << level << "\n" << net->memory;
+    EXPECT_TRUE(at::equal(net->table, at::arange(8.0, on).view({2, 4}))) << level;
+    reset();
+  }
+}
+
 }  // namespace
 }  // namespace amp

@@ -468,6 +468,50 @@ def test_running_statistics_follow_training_eager_and_compiled(level, keep_batch
         torch.testing.assert_close(compiled[1][name], eager[1][name], rtol=0, atol=0)
 
 
+class BufferViews(torch.nn.Module):
+    """Writes through views of a buffer, and reads of a view of a buffer that is itself a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("memory", torch.zeros(3, 4))
+        self.register_buffer("table", torch.arange(8.0).view(2, 4))
+        self.row_dtype = None
+
+    def forward(self, x):
+        self.memory[0] = x.detach().float().mean(0)
+        self.memory[1:2].copy_(x.detach().float().amax(0, keepdim=True))
+        self.memory[2].add_(1.0)
+        row = x + self.table[:1]
+        self.row_dtype = row.dtype
+        return self.fc(row) + self.memory.sum(0)
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_writes_through_a_buffers_views_reach_it_eager_and_compiled(level):
+    # The report: at O2/O5 a view op on a registered buffer returned a view of its working copy,
+    # so `buffer[0] = x` in a training forward wrote into the copy and was lost.
+    low = torch.float16 if level == "O2" else torch.bfloat16
+    results = []
+    for backend in [None, "aot_eager"]:
+        torch.manual_seed(0)
+        net = init(BufferViews(), None, level)
+        run = net if backend is None else torch.compile(net, backend=backend, fullgraph=True)
+        xs = [torch.randn(2, 4, requires_grad=True) for _ in range(2)]
+        outs = [run(x) for x in xs]
+        last = xs[-1].detach().to(low).float()
+        expected = torch.stack([last.mean(0), last.amax(0), torch.full((4,), 2.0)])
+        with torch.no_grad():  # the buffer itself, not what ops see
+            torch.testing.assert_close(net.memory, expected, rtol=0, atol=0)
+        assert net.table.dtype == torch.float32 and net.memory.dtype == torch.float32
+        if backend is None:
+            assert net.row_dtype == low, "a buffer's view is read in the working dtype"
+        results.append([o.detach() for o in outs])
+        optamp.reset()
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_inductor_levels_one_after_another_keep_their_precision():
     # AOTAutograd's cache keys artifacts by the Dynamo graph, which holds no casts: without
     # optamp turning it off, O5 got O1's fp16 graph.

@@ -1,8 +1,9 @@
 // The substitution key: which tensors carry it, the per-thread switch, the boxed fallback, and
 // the fallthroughs. Ops whose job is to hand back a tensor's own data (detach, alias, clone,
 // to/_to_copy, copy_, set_, item, equal, autograd metadata) get fallthrough kernels on the key,
-// so `p.detach().clone()` stays fp32 and those ops pay nothing. View ops are substituted, so
-// `x @ w.t()` reuses the cached copy instead of casting a fresh view each call.
+// so `p.detach().clone()` stays fp32 and those ops pay nothing. View ops substitute parameters,
+// so `x @ w.t()` reuses the cached copy instead of casting a fresh view each call, and hand
+// buffers their own data, so that writes through the view reach them (returns_a_view).
 #include "dispatch/substitution.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -16,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -152,6 +154,19 @@ bool updates_running_statistics(const std::vector<c10::Argument>& args,
   return true;
 }
 
+// A view op (slice, select, narrow, split, as_strided, ...: a return aliasing an argument) hands
+// registered buffers their own data, so that a write through the view (`buffer[0] = x`,
+// `buffer[1:].copy_(y)`, `buffer[2].add_(1)`) reaches the buffer; it used to reach a view of the
+// cached working copy and was lost with it. Reads of such a view still see the working dtype
+// (SubstitutionCall::working_copy). Parameters' views stay views of the cached copy (`w.t()`
+// in a matmul reuses it); writing through a parameter's view in a forward is autograd's error.
+bool returns_a_view(const c10::FunctionSchema& schema) {
+  const auto& returns = schema.returns();
+  return std::any_of(returns.begin(), returns.end(), [](const c10::Argument& r) {
+    return r.alias_info() != nullptr && !r.alias_info()->isWrite();
+  });
+}
+
 // Ops without an unboxed kernel (substitution_kernels.cpp): every tensor argument that is not
 // written is looked at.
 void substitute_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
@@ -163,7 +178,10 @@ void substitute_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys
     const std::size_t base = stack->size() - args.size();
     const bool updating = std::any_of(args.begin(), args.end(), is_running_statistic) &&
                           updates_running_statistics(args, *stack, base);
-    auto working_copy = [&call](const at::Tensor& t) { return call.working_copy(t); };
+    const bool view = returns_a_view(op.schema());
+    auto working_copy = [&call, view](const at::Tensor& t) {
+      return view ? call.view_working_copy(t) : call.working_copy(t);
+    };
     for (std::size_t i = 0; i < args.size(); ++i) {
       if (args[i].alias_info() && args[i].alias_info()->isWrite()) continue;
       c10::IValue& value = (*stack)[base + i];
@@ -232,13 +250,30 @@ SubstitutionCall::SubstitutionCall() : session_(current_session()) {
   no_recursion_.emplace(kSubstituteKey);
 }
 
-bool SubstitutionCall::substitutes(const at::Tensor& t) const {
+// By storage: autograd keeps a view's root, which is not the buffer where the buffer is itself a
+// view (`torch.zeros(n, d).unsqueeze(0)`, the classic positional encoding). Only tensors that
+// carry the key and are not sources get here (views and aliases of sources), so the scan over
+// the sources is rare.
+const WorkingCopySource* viewed_buffer(const WorkingCopySources& sources, const at::Tensor& t) {
+  if (!t.is_view() || !t.has_storage()) return nullptr;
+  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  for (const auto& entry : sources) {
+    if (!entry.second.buffer) continue;
+    const auto buffer = entry.second.ref.lock();
+    if (buffer && buffer->has_storage() && buffer->storage().unsafeGetStorageImpl() == storage) {
+      return &entry.second;
+    }
+  }
+  return nullptr;
+}
+
+const WorkingCopySource* SubstitutionCall::source_of(const at::Tensor& t) const {
   if (!carries_substitution_key(t) || t.scalar_type() == dtype_ || !t.is_floating_point()) {
-    return false;
+    return nullptr;
   }
   const auto& sources = session_->working_copy_sources;
   const auto source = sources.find(t.unsafeGetTensorImpl());
-  if (source == sources.end()) return false;  // a view or detached alias of a source
+  if (source == sources.end()) return nullptr;  // a view or detached alias of a source
   // The model was cast after initialize (model->to(torch::kDouble)): its masters are no longer
   // what the working copies stand for, and torch would fail further down with a mixed-dtype
   // error that does not say why.
@@ -246,17 +281,34 @@ bool SubstitutionCall::substitutes(const at::Tensor& t) const {
                     "a model tensor registered by amp::initialize (O2/O5) must still be ",
                     dtype_name(source->second.dtype), ", got ", dtype_name(t.scalar_type()),
                     " of shape ", t.sizes(), kCastAfterInitialize);
-  return true;
+  return &source->second;
 }
 
 std::optional<at::Tensor> SubstitutionCall::working_copy(const at::Tensor& t) const {
-  if (!substitutes(t)) return std::nullopt;
+  if (source_of(t) != nullptr) {
+    c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
+    return cast_through_cache(t, dtype_, /*always_cache=*/true).tensor;
+  }
+  // A view of a registered buffer (view ops hand a buffer its own data, below) is read as a
+  // cast of itself, made for this call: the op sees the working dtype, and writes through the
+  // view went to the buffer. Tensors without the key (activations) leave at the first test.
+  if (carries_substitution_key(t) && t.scalar_type() != dtype_ && t.is_floating_point() &&
+      viewed_buffer(session_->working_copy_sources, t) != nullptr) {
+    c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
+    return t.to(dtype_);
+  }
+  return std::nullopt;
+}
+
+std::optional<at::Tensor> SubstitutionCall::view_working_copy(const at::Tensor& t) const {
+  const WorkingCopySource* source = source_of(t);
+  if (source == nullptr || source->buffer) return std::nullopt;
   c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
   return cast_through_cache(t, dtype_, /*always_cache=*/true).tensor;
 }
 
 std::optional<at::Tensor> SubstitutionCall::private_copy(const at::Tensor& t) const {
-  if (!substitutes(t)) return std::nullopt;
+  if (source_of(t) == nullptr) return std::nullopt;
   c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
   return t.to(dtype_);
 }
@@ -273,13 +325,17 @@ void remark_if_source(c10::TensorImpl* impl) {
   }
 }
 
-WorkingCopySources make_working_copy_sources(const std::vector<at::Tensor>& tensors) {
+WorkingCopySources make_working_copy_sources(const std::vector<at::Tensor>& tensors,
+                                             const std::vector<at::Tensor>& parameters) {
   ensure_substitution_registered();
+  std::unordered_set<const c10::TensorImpl*> parameter_impls;
+  for (const auto& p : parameters) parameter_impls.insert(p.unsafeGetTensorImpl());
   WorkingCopySources sources;
   for (const auto& t : tensors) {
     sources.emplace(t.unsafeGetTensorImpl(),
                     WorkingCopySource{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
-                                      t.scalar_type()});
+                                      t.scalar_type(),
+                                      parameter_impls.count(t.unsafeGetTensorImpl()) == 0});
   }
   return sources;
 }
@@ -306,7 +362,10 @@ c10::ScalarType dtype_ops_see(const at::Tensor& t) {
   const c10::ScalarType own = t.scalar_type();
   if (!carries_substitution_key(t) || !t.is_floating_point()) return own;
   const std::shared_ptr<const Session> session = current_session();
-  if (session->working_copy_sources.count(t.unsafeGetTensorImpl()) == 0) return own;
+  if (session->working_copy_sources.count(t.unsafeGetTensorImpl()) == 0 &&
+      viewed_buffer(session->working_copy_sources, t) == nullptr) {
+    return own;
+  }
   const c10::ScalarType working = working_copy_dtype_now(*session);
   return working == c10::ScalarType::Undefined ? own : working;
 }

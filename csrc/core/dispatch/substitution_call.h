@@ -24,6 +24,8 @@ namespace amp::detail {
 // other threads dispatch). Views and detached aliases of a source carry it too (torch copies a
 // tensor's key set to them), so this is only the first, constant-time filter.
 bool carries_substitution_key(const at::Tensor& t);
+// The registered buffer `t` is a view of (nullptr: none, or a parameter's view).
+const WorkingCopySource* viewed_buffer(const WorkingCopySources& sources, const at::Tensor& t);
 
 // The dispatch keys below the substitution key, to redispatch with.
 inline c10::DispatchKeySet below_substitution(c10::DispatchKeySet keys) {
@@ -51,15 +53,20 @@ class SubstitutionCall {
   bool active() const { return active_; }
   // The working copy standing for `t`, or nullopt when `t` is not a registered source (or is
   // already in the working dtype). Throws when a source was cast after initialize.
+  // A view of a registered buffer gets a cast of its own, made for this call.
   std::optional<at::Tensor> working_copy(const at::Tensor& t) const;
+  // For a view op's arguments: a registered parameter's working copy; buffers (nullopt) keep
+  // their own data, so that writes through the view reach them (substitution.cpp).
+  std::optional<at::Tensor> view_working_copy(const at::Tensor& t) const;
   // A copy of `t` in the working dtype made for this call alone (not cached), for an argument
   // the op writes although its schema does not say so (the running statistics of batch norm);
   // nullopt as for working_copy.
   std::optional<at::Tensor> private_copy(const at::Tensor& t) const;
 
  private:
-  // Whether `t` is a registered source this call substitutes (throws as working_copy does).
-  bool substitutes(const at::Tensor& t) const;
+  // The registered source `t` is when this call substitutes it, else nullptr (throws as
+  // working_copy does).
+  const WorkingCopySource* source_of(const at::Tensor& t) const;
 
   bool active_ = false;
   c10::ScalarType dtype_ = c10::ScalarType::Undefined;

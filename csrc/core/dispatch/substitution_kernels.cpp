@@ -37,17 +37,20 @@
 namespace amp::detail {
 namespace {
 
-// The kernel of op `Op` (one of ATen's at::_ops structs), from its signature.
-template <class Op, class Signature = typename Op::schema>
+// The kernel of op `Op` (one of ATen's at::_ops structs), from its signature. `kView`: a view op,
+// which hands registered buffers their own data (substitution.cpp, returns_a_view).
+template <class Op, bool kView, class Signature = typename Op::schema>
 struct Substituted;
 
-template <class Op, class Ret, class... Args>
-struct Substituted<Op, Ret(Args...)> {
+template <class Op, bool kView, class Ret, class... Args>
+struct Substituted<Op, kView, Ret(Args...)> {
   static Ret call(c10::DispatchKeySet keys, Args... args) {
     const SubstitutionCall call;
     if (!call.active()) return Op::redispatch(below_substitution(keys), args...);
     // Tensors as the op below should see them: through the call's working copies.
-    auto working = [&call](const at::Tensor& t) { return call.working_copy(t); };
+    auto working = [&call](const at::Tensor& t) {
+      return kView ? call.view_working_copy(t) : call.working_copy(t);
+    };
     return Op::redispatch(below_substitution(keys), rewrite_tensor_arg(args, working)...);
   }
 };
@@ -59,9 +62,9 @@ std::string op_name() {
   return name;
 }
 
-template <class... Ops>
+template <bool kView, class... Ops>
 void register_unboxed(torch::Library& lib) {
-  (lib.impl(op_name<Ops>().c_str(), TORCH_FN(Substituted<Ops>::call)), ...);
+  (lib.impl(op_name<Ops>().c_str(), TORCH_FN((Substituted<Ops, kView>::call))), ...);
 }
 
 // The dispatched form of set_data (TorchScript's aten::set_data; Tensor::set_data itself goes
@@ -75,13 +78,15 @@ void set_data_keeping_key(c10::DispatchKeySet keys, at::Tensor& self, const at::
 
 void register_substitution_kernels(torch::Library& aten_on_key) {
   // add_: LibTorch's Linear adds its bias in place on inputs of more than two dimensions.
-  register_unboxed<at::_ops::linear, at::_ops::mm, at::_ops::addmm, at::_ops::matmul, at::_ops::bmm,
-                   at::_ops::baddbmm, at::_ops::conv1d, at::_ops::conv2d, at::_ops::conv3d,
-                   at::_ops::embedding, at::_ops::layer_norm, at::_ops::group_norm,
-                   at::_ops::add_Tensor, at::_ops::add__Tensor, at::_ops::sub_Tensor,
-                   at::_ops::mul_Tensor, at::_ops::div_Tensor, at::_ops::t, at::_ops::transpose_int,
-                   at::_ops::view, at::_ops::reshape, at::_ops::permute, at::_ops::unsqueeze,
-                   at::_ops::expand>(aten_on_key);
+  register_unboxed</*kView=*/false, at::_ops::linear, at::_ops::mm, at::_ops::addmm,
+                   at::_ops::matmul, at::_ops::bmm, at::_ops::baddbmm, at::_ops::conv1d,
+                   at::_ops::conv2d, at::_ops::conv3d, at::_ops::embedding, at::_ops::layer_norm,
+                   at::_ops::group_norm, at::_ops::add_Tensor, at::_ops::add__Tensor,
+                   at::_ops::sub_Tensor, at::_ops::mul_Tensor, at::_ops::div_Tensor>(aten_on_key);
+  // reshape returns a view where it can (its schema says Tensor(a), as the boxed test asks).
+  register_unboxed</*kView=*/true, at::_ops::t, at::_ops::transpose_int, at::_ops::view,
+                   at::_ops::reshape, at::_ops::permute, at::_ops::unsqueeze, at::_ops::expand>(
+      aten_on_key);
   aten_on_key.impl("aten::set_data", TORCH_FN(set_data_keeping_key));
 }
 
