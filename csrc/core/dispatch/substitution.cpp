@@ -332,10 +332,10 @@ WorkingCopySources make_working_copy_sources(const std::vector<at::Tensor>& tens
   for (const auto& p : parameters) parameter_impls.insert(p.unsafeGetTensorImpl());
   WorkingCopySources sources;
   for (const auto& t : tensors) {
-    sources.emplace(t.unsafeGetTensorImpl(),
-                    WorkingCopySource{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
-                                      t.scalar_type(),
-                                      parameter_impls.count(t.unsafeGetTensorImpl()) == 0});
+    sources.emplace(
+        t.unsafeGetTensorImpl(),
+        WorkingCopySource{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
+                          t.scalar_type(), parameter_impls.count(t.unsafeGetTensorImpl()) == 0});
   }
   return sources;
 }
