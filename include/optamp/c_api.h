@@ -108,7 +108,9 @@ typedef struct optamp_model_tensors {
   size_t num_reduced;
   optamp_tensor* const* keep_fp32; /* batch-norm / keep-in-fp32 modules' tensors */
   size_t num_keep_fp32;
-  optamp_tensor* const* parameters; /* every parameter, for the optimizer checks */
+  /* every parameter, for the optimizer checks; the `reduced` tensors not among them are
+   * buffers, whose views O2/O5 hand their own data */
+  optamp_tensor* const* parameters;
   size_t num_parameters;
   const char* const* parameter_names; /* NULL, or num_parameters names ("fc1.weight") */
   const void* const* identities;      /* the model objects (optamp_model_boundary); optional */

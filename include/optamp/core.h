@@ -24,7 +24,8 @@ namespace amp::core {
 struct OPTAMP_API ModelTensors {
   std::vector<at::Tensor> reduced;      // seen as working copies (O2/O5) or cast (O3)
   std::vector<at::Tensor> keep_fp32;    // batch-norm / keep_in_fp32 modules' tensors
-  std::vector<at::Tensor> parameters;   // every parameter, for the optimizer checks
+  std::vector<at::Tensor> parameters;   // every parameter (optimizer checks; the reduced tensors
+                                        // not among them are buffers, own data to view ops)
   std::vector<std::string> names;       // names[i] names parameters[i] ("fc1.weight"), optional
   std::vector<const void*> identities;  // the model objects, for model_boundary(model); optional
 };
