@@ -358,8 +358,8 @@ def test_the_compile_tests_model_tells_o2_from_o1():
 
 @pytest.mark.parametrize("level", ["O2", "O5"])
 def test_compiled_o2_o5_forward_sees_working_copies_in_one_graph(level):
-    # The issue: the fake tensors AOTAutograd traces with carry no dispatch key, so a compiled
-    # O2 model ran with fp32 parameters. The boundary now casts them in the graph.
+    # Found 2026-12-05: the fake tensors AOTAutograd traces with carry no dispatch key, so a
+    # compiled O2 model ran with fp32 parameters. The boundary now casts them in the graph.
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(0)
@@ -452,7 +452,7 @@ def _norm_statistics(level, backend, keep_batchnorm_fp32):
 @pytest.mark.parametrize("keep_batchnorm_fp32", [None, False])
 @pytest.mark.parametrize("level", ["O2", "O5"])
 def test_running_statistics_follow_training_eager_and_compiled(level, keep_batchnorm_fp32):
-    # The report: the running statistics of a registered norm (batch norm under
+    # Found 2026-12-05: the running statistics of a registered norm (batch norm under
     # keep_batchnorm_fp32=False, an InstanceNorm tracking them at any O2/O5) never moved in
     # eager runs (the kernel updated a working copy), and a compiled forward failed.
     reference = _norm_statistics(None, None, None)[1]
@@ -489,8 +489,8 @@ class BufferViews(torch.nn.Module):
 
 @pytest.mark.parametrize("level", ["O2", "O5"])
 def test_writes_through_a_buffers_views_reach_it_eager_and_compiled(level):
-    # The report: at O2/O5 a view op on a registered buffer returned a view of its working copy,
-    # so `buffer[0] = x` in a training forward wrote into the copy and was lost.
+    # Found 2026-12-05: at O2/O5 a view op on a registered buffer returned a view of its working
+    # copy, so `buffer[0] = x` in a training forward wrote into the copy and was lost.
     low = torch.float16 if level == "O2" else torch.bfloat16
     results = []
     for backend in [None, "aot_eager"]:
