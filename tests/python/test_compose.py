@@ -607,3 +607,42 @@ def test_the_guards_old_name_is_a_deprecated_alias_of_lift_no_grad_gate():
     assert isinstance(guard, optamp.lift_no_grad_gate)
     with guard:  # still a working guard
         assert optamp.is_casting_enabled() is False  # nothing initialized: no rules
+
+
+# ---- native torch.autocast(enabled=False) regions -----------------------------------------
+
+
+def _rotary_angles(positions):
+    """Hugging Face's rotary embedding: the angles in fp32, under autocast(enabled=False)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    with torch.autocast(device_type="cpu", enabled=False):  # "Force float32", as HF says
+        return inv_freq[None, :, None].float() @ positions[None, None, :].float()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_native_region_that_disables_autocast_keeps_optamp_out(level):
+    # Found 2026-12-05: optamp cast inside such regions, so at O1 the rotary angles of positions
+    # up to 4096 came out of an fp16 matmul, up to 2.8 radians off.
+    net = init(torch.nn.Linear(4, 4), None, level)
+    positions = torch.arange(4096.0)
+    x = torch.randn(2, 4, requires_grad=True)  # a training forward: the level's rules apply
+    expected = (1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)))[None, :, None].double()
+    angles = _rotary_angles(positions)
+    assert angles.dtype == torch.float32
+    torch.testing.assert_close(angles, (expected @ positions[None, None, :].double()).float())
+    low = torch.bfloat16 if level in ("O4", "O5") else torch.float16
+    assert (x @ x.t().float()).dtype == low, "outside the region the rules apply again"
+
+    @torch.autocast(device_type="cpu", enabled=False)
+    def decorated(a):
+        return a @ a.t()
+
+    assert decorated(x.detach()).dtype == torch.float32
+    with pytest.raises(RuntimeError, match="inside"):
+        with torch.autocast(device_type="cpu", enabled=False):
+            raise RuntimeError("inside")
+    assert (x @ x.t().float()).dtype == low, "an exception leaves the region as well"
+    with torch.autocast(device_type="cpu", enabled=False):
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):  # native on: native casts
+            assert (x @ x.t()).dtype == torch.bfloat16
+    del net
