@@ -233,9 +233,9 @@ def initialize(
     _warn_fused_sgd_on_cpu(opt_list)
     global _properties
     _properties = props
-    working_copy_sources = [t for t in reduced if t.is_floating_point()]
+    substituted = props.model_cast == ModelCast.WORKING_COPIES
     _compile.on_initialize(
-        props.casts, working_copy_sources if props.model_cast == ModelCast.WORKING_COPIES else [])
+        props.casts, [t for t in reduced if t.is_floating_point()] if substituted else [])
     ab._precision.start(model_list)  # python -m optamp.ab --precision-steps: from here
 
     models_out = model_list if models_was_list else model_list[0]

@@ -267,10 +267,12 @@ const WorkingCopySource* viewed_buffer(const WorkingCopySources& sources, const 
   return nullptr;
 }
 
+bool SubstitutionCall::may_stand_for_a_source(const at::Tensor& t) const {
+  return carries_substitution_key(t) && t.scalar_type() != dtype_ && t.is_floating_point();
+}
+
 const WorkingCopySource* SubstitutionCall::source_of(const at::Tensor& t) const {
-  if (!carries_substitution_key(t) || t.scalar_type() == dtype_ || !t.is_floating_point()) {
-    return nullptr;
-  }
+  if (!may_stand_for_a_source(t)) return nullptr;
   const auto& sources = session_->working_copy_sources;
   const auto source = sources.find(t.unsafeGetTensorImpl());
   if (source == sources.end()) return nullptr;  // a view or detached alias of a source
@@ -292,8 +294,7 @@ std::optional<at::Tensor> SubstitutionCall::working_copy(const at::Tensor& t) co
   // A view of a registered buffer (view ops hand a buffer its own data, below) is read as a
   // cast of itself, made for this call: the op sees the working dtype, and writes through the
   // view went to the buffer. Tensors without the key (activations) leave at the first test.
-  if (carries_substitution_key(t) && t.scalar_type() != dtype_ && t.is_floating_point() &&
-      viewed_buffer(session_->working_copy_sources, t) != nullptr) {
+  if (may_stand_for_a_source(t) && viewed_buffer(session_->working_copy_sources, t) != nullptr) {
     c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
     return t.to(dtype_);
   }

@@ -64,6 +64,9 @@ class SubstitutionCall {
   std::optional<at::Tensor> private_copy(const at::Tensor& t) const;
 
  private:
+  // The constant-time filter both lookups start with: `t` carries the key (a source, or a view or
+  // alias of one), is floating and not already in the working dtype.
+  bool may_stand_for_a_source(const at::Tensor& t) const;
   // The registered source `t` is when this call substitutes it, else nullptr (throws as
   // working_copy does).
   const WorkingCopySource* source_of(const at::Tensor& t) const;
