@@ -4,7 +4,13 @@ the model (O2, O3, O5); at O2/O5 the inputs follow where ops see the working cop
 tests/cpp/test_model_boundary.cpp (same table)."""
 import collections
 import copy
+import functools
 import gc
+import inspect
+import io
+import os
+import subprocess
+import sys
 import threading
 import weakref
 
@@ -149,6 +155,86 @@ def test_a_deep_copy_runs_its_own_weights_as_a_plain_model(fresh):
     with torch.no_grad():
         assert ema(torch.randn(2, 4)).dtype == F32
     assert model(torch.randn(2, 4)).abs().sum() > 0 and model.seen == F16
+
+
+def test_a_deep_copy_initialized_after_reset_gets_the_boundary(fresh):
+    model = probe("O2")
+    copied = copy.deepcopy(model)
+    optamp.reset()
+    init(copied, torch.optim.SGD(copied.parameters(), lr=0.1), "O2")
+    assert copied(torch.randn(2, 4)).dtype == F32 and copied.seen == F16
+
+
+def _sequential():
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def _save_and_load(model, path):
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    assert loaded.forward.__func__ is type(model).forward
+    assert loaded.__dict__["_optamp_boundary"] is None
+    x = torch.randn(2, 4)
+    with torch.no_grad():  # under no_grad neither model meets the level's rules
+        assert torch.equal(loaded(x), model(x))
+    return loaded
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_model_saved_whole_loads_as_a_plain_module_without_optamp(fresh, level, tmp_path):
+    # torch.save(model) pickles the instance's attributes, the forward wrapper among them. A
+    # bound method pickles as getattr(model, its function's name), which failed at load ("has no
+    # attribute '_boundary_forward'"): the checkpoint saved, and could not be read back.
+    model = _sequential()
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), level)
+    _save_and_load(model, tmp_path / "model.pt")
+    # A process without optamp on its path reads it as well (the pickle names no optamp class).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import sys, torch; m = torch.load(sys.argv[1], weights_only=False); "
+            "assert 'optamp' not in sys.modules; print(tuple(m(torch.ones(1, 4)).shape))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model.pt")], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "(1, 3)"
+
+
+def test_a_model_cast_in_place_saved_whole_keeps_its_fp32_state_dict(fresh, tmp_path):
+    # O3 casts the model itself; its state_dict hook (fp32 checkpoints, as Apex's) is pickled
+    # with it, so loading it needs optamp importable.
+    model = _sequential()
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), "O3")
+    loaded = _save_and_load(model, tmp_path / "model.pt")
+    assert loaded[0].weight.dtype == F16
+    assert loaded.state_dict()["0.weight"].dtype == F32
+
+
+def _doubled(model, x):
+    return torch.nn.Sequential.forward(model, x) * 2
+
+
+def test_a_pickled_model_keeps_its_own_instance_forward(fresh):
+    model = _sequential()
+    model.forward = functools.partial(_doubled, model)
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2")
+    loaded = torch.load(io.BytesIO(_saved(model)), weights_only=False)
+    assert isinstance(loaded.forward, functools.partial) and loaded.forward.args[0] is loaded
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), torch.nn.Sequential.forward(loaded, x) * 2)
+
+
+def _saved(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    return buffer.getvalue()
+
+
+def test_the_forwards_signature_is_the_models_own(fresh):
+    # Libraries map inputs onto forward's parameters (inspect.signature(model.forward)); the
+    # wrapper's own (*args, **kwargs) would hide them.
+    model = probe("O2")
+    assert list(inspect.signature(model.forward).parameters) == ["x"]
+    assert "Probe" in repr(model.forward)
 
 
 def test_reset_restores_the_forward_the_model_had(fresh):
