@@ -4,14 +4,22 @@ needs to call .half()". The dtypes come from the compiled core (``_C._model_boun
 C++'s ``amp::forward`` asks too, so both fronts cast the same tensors.
 
 The boundary belongs to the models ``initialize`` was given, as in C++ (``amp::forward`` casts
-nothing for any other module). The wrapper (``BoundaryForward``) holds the model it was put on and
-the forward it wraps, if the model had its own instance ``forward``; it is not a closure over the
-model, so that ``copy.deepcopy(model)`` (an EMA copy, say) gets a forward that runs the copy, not
-one that still runs the original's. The copy is not an initialized model, so its forward is a
-plain one (its ``_Owner`` mark deep-copies to None). A pickled model (``torch.save(model)``)
-stores the forward it had before ``initialize``, so it loads without optamp, as a plain module.
+nothing for any other module). The wrapper is a method bound to the model (``types.MethodType``:
+torch reads ``forward.__func__`` and ``forward.__code__``), not a closure over it, so that
+``copy.deepcopy(model)`` (an EMA copy, say) gets a forward bound to the copy, not one that still
+runs the original's; the copy is not an initialized model, so its forward is a plain one (its
+``_Owner`` mark deep-copies to None). The forward it wraps, if the model had its own instance
+``forward``, is kept on the model as well, for the same reason.
+
+Its function is made for each model from ``_boundary_forward``'s code, named ``forward``: a bound
+method pickles as ``getattr(model, its function's name)``, so ``torch.save(model)`` stores
+``getattr(model, "forward")``, which at load time (before the model's attributes are restored)
+is the class's forward, and the owner mark pickles as None: a model saved whole loads as a plain
+module, without optamp. (Named ``_boundary_forward``, it saved and then failed to load.) The
+function's ``__signature__`` is the wrapped forward's, so ``inspect.signature(model.forward)``
+shows the model's parameters rather than ``(*args, **kwargs)``.
 """
-import copy
+import inspect
 import sys
 import threading
 import types
@@ -23,6 +31,7 @@ import torch
 from . import _C, _compile
 from ._tree import map_tensors
 
+_INNER = "_optamp_inner_forward"  # the model's own instance forward, if it had one
 _OWNER = "_optamp_boundary"  # an _Owner on a model initialize was given
 
 
@@ -80,12 +89,12 @@ def _inner_forward(self: torch.nn.Module, inner: Optional[Callable[..., Any]],
     return type(self).forward(self, *args, **kwargs)
 
 
-def _boundary_forward(self: torch.nn.Module, inner: Optional[Callable[..., Any]],
-                      args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+def _boundary_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     inputs, outputs = _dtypes_now() if self.__dict__.get(_OWNER) is not None else (None, None)
     cast_in, cast_out = _caster(inputs), _output_caster(outputs)
     if cast_in is not None:
         args, kwargs = map_tensors(args, cast_in), map_tensors(kwargs, cast_in)
+    inner = self.__dict__.get(_INNER)
     working_copies = _compile.working_copies_for_trace() if cast_in is not None else None
     if working_copies is not None:
         with working_copies:
@@ -95,47 +104,30 @@ def _boundary_forward(self: torch.nn.Module, inner: Optional[Callable[..., Any]]
     return output if cast_out is None else map_tensors(output, cast_out)
 
 
-class BoundaryForward:
-    """``model.forward`` of a model with the boundary: calls the model's own forward (``inner``,
-    an instance attribute it had, else its class's) between the boundary's casts.
-
-    Where the wrapper should not show, it stands for the forward it wraps: ``__wrapped__`` is
-    that forward (``inspect.signature(model.forward)`` gives its parameters, which libraries
-    that map inputs onto them read), and pickling stores it instead of the wrapper, so a model
-    saved whole by ``torch.save(model)`` loads as the plain module it was (a bound method
-    pickles as ``getattr(model, name)``, which fails at load for a function the class lacks).
-    A deep copy gets a wrapper of its own (see the module's docstring)."""
-
-    def __init__(self, model: torch.nn.Module, inner: Optional[Callable[..., Any]]) -> None:
-        self.__self__ = model
-        self.inner = inner
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _boundary_forward(self.__self__, self.inner, args, kwargs)
-
-    @property
-    def __wrapped__(self) -> Callable[..., Any]:
-        model = self.__self__
-        if self.inner is not None:
-            return self.inner
-        return types.MethodType(type(model).forward, model)
-
-    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
-        if self.inner is not None:
-            return copy.copy, (self.inner,)  # pickles as the forward the model had
-        # Called while the loaded model's attributes are still empty: its class's forward.
-        return getattr, (self.__self__, "forward")
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "BoundaryForward":
-        return BoundaryForward(copy.deepcopy(self.__self__, memo), copy.deepcopy(self.inner, memo))
-
-    def __repr__(self) -> str:
-        inner = "its class's forward" if self.inner is None else repr(self.inner)
-        return f"<optamp model boundary of a {type(self.__self__).__name__} around {inner}>"
-
-
 def _is_wrapper(value: object) -> bool:
-    return isinstance(value, BoundaryForward)
+    return (isinstance(value, types.MethodType)
+            and getattr(value.__func__, "__code__", None) is _boundary_forward.__code__)
+
+
+def _signature_with_self(forward: Callable[..., Any]) -> Optional[inspect.Signature]:
+    """``forward``'s signature as a function's (a leading ``self``, which binding drops)."""
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):  # a callable inspect cannot read: the wrapper's own then
+        return None
+    this = inspect.Parameter("_optamp_self", inspect.Parameter.POSITIONAL_ONLY)
+    return signature.replace(parameters=[this, *signature.parameters.values()])
+
+
+def _bound_boundary_forward(model: torch.nn.Module,
+                            own: Optional[Callable[..., Any]]) -> types.MethodType:
+    """The wrapper for ``model`` (see the module's docstring for its name and signature)."""
+    function = types.FunctionType(_boundary_forward.__code__, _boundary_forward.__globals__,
+                                  "forward")
+    function.__qualname__ = _boundary_forward.__qualname__
+    wrapped = own if own is not None else types.MethodType(type(model).forward, model)
+    function.__signature__ = _signature_with_self(wrapped)  # type: ignore[attr-defined]
+    return types.MethodType(function, model)
 
 
 def _compiled_module_inside(model: torch.nn.Module) -> torch.nn.Module:
@@ -157,11 +149,14 @@ def wrap(model: torch.nn.Module) -> None:
     model = _compiled_module_inside(model)
     with _lock:
         own = model.__dict__.get("forward")
-        if not _is_wrapper(own):
-            model.__dict__["forward"] = BoundaryForward(model, own)
-        elif model.__dict__.get(_OWNER) is not None:
+        if _is_wrapper(own):
+            if model.__dict__.get(_OWNER) is None:  # a deep copy of an initialized model
+                model.__dict__[_OWNER] = _Owner()
+                _wrapped.append(weakref.ref(model))
             return
-        # else a deep copy of an initialized model: its wrapper was a plain forward until now
+        if own is not None:
+            model.__dict__[_INNER] = own
+        model.__dict__["forward"] = _bound_boundary_forward(model, own)
         model.__dict__[_OWNER] = _Owner()
         _wrapped.append(weakref.ref(model))
 
@@ -174,7 +169,7 @@ def unwrap_all() -> None:
             if model is None or not _is_wrapper(model.__dict__.get("forward")):
                 continue
             model.__dict__.pop(_OWNER, None)
-            inner = model.__dict__["forward"].inner
+            inner = model.__dict__.pop(_INNER, None)
             if inner is None:
                 del model.__dict__["forward"]
             else:

@@ -4,10 +4,8 @@ the model (O2, O3, O5); at O2/O5 the inputs follow where ops see the working cop
 tests/cpp/test_model_boundary.cpp (same table)."""
 import collections
 import copy
-import functools
 import gc
 import inspect
-import io
 import os
 import subprocess
 import sys
@@ -208,33 +206,31 @@ def test_a_model_cast_in_place_saved_whole_keeps_its_fp32_state_dict(fresh, tmp_
     assert loaded.state_dict()["0.weight"].dtype == F32
 
 
-def _doubled(model, x):
-    return torch.nn.Sequential.forward(model, x) * 2
-
-
-def test_a_pickled_model_keeps_its_own_instance_forward(fresh):
-    model = _sequential()
-    model.forward = functools.partial(_doubled, model)
-    init(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2")
-    loaded = torch.load(io.BytesIO(_saved(model)), weights_only=False)
-    assert isinstance(loaded.forward, functools.partial) and loaded.forward.args[0] is loaded
-    x = torch.randn(2, 4)
-    with torch.no_grad():
-        assert torch.equal(loaded(x), torch.nn.Sequential.forward(loaded, x) * 2)
-
-
-def _saved(model):
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    return buffer.getvalue()
-
-
-def test_the_forwards_signature_is_the_models_own(fresh):
+def test_the_forward_looks_like_a_method_with_the_models_signature(fresh):
     # Libraries map inputs onto forward's parameters (inspect.signature(model.forward)); the
-    # wrapper's own (*args, **kwargs) would hide them.
+    # wrapper's own (*args, **kwargs) would hide them. torch reads forward.__func__ / __code__
+    # (torch.export, Dynamo), so it stays a bound method.
     model = probe("O2")
     assert list(inspect.signature(model.forward).parameters) == ["x"]
-    assert "Probe" in repr(model.forward)
+    assert model.forward.__self__ is model and model.forward.__code__ is not None
+    model.forward = lambda x, *, scale=2.0: Probe.forward(model, x) * scale
+    optamp.reset()
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), "O5")
+    assert list(inspect.signature(model.forward).parameters) == ["x", "scale"]
+
+
+def test_torch_export_and_jit_trace_take_an_initialized_model(fresh):
+    # What users run to deploy a trained model (docs/python.md, "Exporting"): both trace what
+    # ops see, so they trace under no_grad, where the model is its fp32 self.
+    model = _sequential()
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2")
+    model.eval()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        expected = model(x)
+        traced = torch.jit.trace(model, x)
+        exported = torch.export.export(model, (x,)).module()
+        assert torch.equal(traced(x), expected) and torch.equal(exported(x), expected)
 
 
 def test_reset_restores_the_forward_the_model_had(fresh):
