@@ -316,6 +316,49 @@ TEST_F(ScaleLossTest, AccumulationWithDelayUnscaleAndWithStashingBothGiveTheUnsc
   EXPECT_EQ(loss_scaler().growth_tracker().item<int>(), 1 + 3);
 }
 
+// An embedding with sparse gradients (nn.Embedding(sparse=True)); torch's GradScaler unscales
+// their values, and so does the guard, stash included.
+at::Tensor sparse_loss(const at::Tensor& table, int b) {
+  at::manual_seed(2000 + b);
+  const auto ids = at::randint(0, table.size(0), {4, 3});
+  return at::embedding(table, ids, -1, false, /*sparse=*/true).pow(2).sum() * (b + 1);
+}
+
+TEST_F(ScaleLossTest, SparseGradientsAreUnscaledAccumulatedAndSkippedLikeDenseOnes) {
+  core::configure_loss_scalers(props());
+  at::manual_seed(0);
+  const auto start = at::randn({10, 4});
+  at::Tensor expected;
+  {
+    auto ref = start.clone().requires_grad_();
+    for (int b = 0; b < 3; ++b) sparse_loss(ref, b).backward();
+    expected = ref.grad().to_dense();
+  }
+  for (bool delay : {true, false}) {
+    auto table = start.clone().requires_grad_();
+    torch::optim::SGD opt(std::vector<at::Tensor>{table}, torch::optim::SGDOptions(0.1));
+    for (int b = 0; b < 3; ++b) {
+      auto scaled = scale_loss(sparse_loss(table, b), opt, {0, /*delay_unscale=*/delay && b < 2});
+      scaled.backward();
+    }
+    ASSERT_TRUE(table.grad().is_sparse());
+    EXPECT_TRUE(at::equal(table.grad().to_dense(), expected)) << "delay=" << delay;
+    EXPECT_FALSE(loss_scaler().last_step_skipped());
+    opt.step();
+    EXPECT_TRUE(all_close(table.detach(), start - 0.1 * expected, testing::tolerance(at::kFloat)));
+  }
+  auto table = start.clone().requires_grad_();
+  torch::optim::SGD opt(std::vector<at::Tensor>{table}, torch::optim::SGDOptions(0.1));
+  {
+    auto scaled = scale_loss(sparse_loss(table, 0) * kInf, opt);
+    scaled.backward();
+  }
+  EXPECT_TRUE(loss_scaler().last_step_skipped());
+  EXPECT_FALSE(table.grad().defined());
+  opt.step();
+  EXPECT_TRUE(at::equal(table.detach(), start));
+}
+
 TEST_F(ScaleLossTest, StashedGradOfAParamUnusedByTheNextMicroBatchIsKept) {
   core::configure_loss_scalers(props());
   Model m;

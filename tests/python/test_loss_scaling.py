@@ -440,3 +440,107 @@ def test_reducers_are_released_before_the_interpreter_exits():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["exiting", "group", "released"], proc.stdout
+
+
+class _SparseModel(torch.nn.Module):
+    """An nn.Embedding(sparse=True) (word2vec-style, recommendation models) and a dense head."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(50, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.table(ids).mean(1))
+
+
+def _sparse_batch(step):
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, 50, (6, 4), generator=gen), torch.randint(0, 3, (6,), generator=gen)
+
+
+# The embedding's gradient at each level against fp32's (its rows: the table's own dtype).
+SPARSE_TOLERANCE = {"O1": 2e-3, "O2": 2e-3, "O3": 2e-2, "O4": 2e-2, "O5": 2e-2}
+
+
+@pytest.mark.parametrize("level", list(SPARSE_TOLERANCE))
+def test_sparse_gradients_are_unscaled_as_torch_grad_scaler_does(fresh, level):
+    # Refused with a ValueError until 2026-12-05 ("sparse gradients are not supported"), where
+    # torch.amp.GradScaler unscales their values.
+    model = _SparseModel()
+    reference = _SparseModel()
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    optamp.initialize(model, opt, opt_level=level, verbosity=0)
+    for step in range(3):
+        ids, target = _sparse_batch(step)
+        reference.zero_grad()
+        torch.nn.functional.cross_entropy(reference(ids), target).backward()
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(ids), target)
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        grad = model.table.weight.grad
+        assert grad.is_sparse and not optamp.loss_scaler().last_step_skipped
+        if grad.dtype == torch.float16:
+            assert grad.is_coalesced()  # as GradScaler: duplicates summed before the check
+        tol = SPARSE_TOLERANCE[level]
+        torch.testing.assert_close(grad.to_dense().float(), reference.table.weight.grad.to_dense(),
+                                   rtol=tol, atol=tol * 1e-1)
+        untouched = model.table.weight.detach().clone()
+        opt.step()
+        rows = torch.zeros(50, dtype=torch.bool)
+        rows[ids.flatten()] = True
+        assert torch.equal(model.table.weight.detach()[~rows], untouched[~rows])
+        assert not torch.equal(model.table.weight.detach()[rows], untouched[rows])
+        with torch.no_grad():
+            reference.table.weight.copy_(model.table.weight.float())
+            reference.head.weight.copy_(model.head.weight.float())
+            reference.head.bias.copy_(model.head.bias.float())
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_sparse_gradients_skip_an_overflow_and_accumulate(fresh, cpu_buckets, level):
+    model = _SparseModel()
+    opt = torch.optim.SparseAdam(list(model.table.parameters()), lr=0.1)
+    head = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    optamp.initialize(model, [opt, head], opt_level=level, verbosity=0)
+    for step in range(2):  # the second step's copies come from the step's batch (buckets)
+        ids, target = _sparse_batch(step)
+        for opts in (opt, head):
+            opts.zero_grad()
+        before = model.table.weight.detach().clone()
+        loss = torch.nn.functional.cross_entropy(model(ids), target)
+        with optamp.scale_loss(loss * math.inf, [opt, head]) as scaled:
+            scaled.backward()
+        assert optamp.loss_scaler().last_step_skipped and model.table.weight.grad is None
+        opt.step()
+        assert torch.equal(model.table.weight.detach(), before)
+        # Two micro-batches, the first's gradient stashed by the second guard: their sum.
+        parts = []
+        for micro in range(2):
+            ids, target = _sparse_batch(10 + micro)
+            loss = torch.nn.functional.cross_entropy(model(ids), target)
+            with optamp.scale_loss(loss, [opt, head]) as scaled:
+                scaled.backward()
+            parts.append(model.table.weight.grad.to_dense().clone())
+        assert not optamp.loss_scaler().last_step_skipped
+        torch.testing.assert_close(parts[1] - parts[0], _grad_of_batch(model, 11),
+                                   rtol=2e-2, atol=1e-4)
+        opt.step()
+        head.step()
+        assert not torch.equal(model.table.weight.detach(), before)
+
+
+def _grad_of_batch(model, step):
+    """The table's gradient for one batch alone, unscaled (the same level's casts)."""
+    saved = model.table.weight.grad
+    model.table.weight.grad = None
+    ids, target = _sparse_batch(step)
+    loss = torch.nn.functional.cross_entropy(model(ids), target)
+    loss.backward()
+    grad = model.table.weight.grad.to_dense().clone()
+    model.table.weight.grad = saved
+    model.head.weight.grad = None
+    model.head.bias.grad = None
+    return grad

@@ -54,7 +54,7 @@ struct ConvertGradientsBackward final : torch::autograd::Node {
       const at::Tensor& grad = grads[i];
       if (grad.scalar_type() == dtypes[i]) {
         converted[i] = grad;
-      } else if (!grad.is_non_overlapping_and_dense()) {
+      } else if (grad.layout() != c10::kStrided || !grad.is_non_overlapping_and_dense()) {
         converted[i] = grad.to(dtypes[i]);  // the engine's conversion, on its own
       } else {
         group_of(groups, grad, dtypes[i]).add(grad, i);

@@ -149,6 +149,21 @@ at::Tensor flag_for(std::vector<std::pair<c10::Device, at::Tensor>>& flags,
   return flags.back().second;
 }
 
+// grads[k] += stashes[k] for sparse gradients already unscaled (sparse addition in place), and,
+// when the stashes are checked, a check of the sums' values (a multiplication by one).
+void add_sparse_stashes(const std::vector<at::Tensor>& grads,
+                        const std::vector<at::Tensor>& stashes, const at::Tensor& flag,
+                        bool check) {
+  if (grads.empty()) return;
+  std::vector<at::Tensor> sums;
+  for (size_t k = 0; k < grads.size(); ++k) {
+    at::Tensor grad = grads[k];  // a handle to the same TensorImpl: add_ updates the gradient
+    grad.add_(stashes[k]);
+    sums.push_back(grad._values());
+  }
+  if (check) ops::unscale_check_(sums, flag, at::ones({1}, flag.options()));
+}
+
 }  // namespace
 
 void LossScaler::check_gradients(const std::vector<at::Tensor>& grads,
@@ -159,16 +174,18 @@ void LossScaler::check_gradients(const std::vector<at::Tensor>& grads,
   for (size_t i = 0; i < grads.size(); ++i) {
     const auto& g = grads[i];
     TORCH_CHECK_VALUE(g.defined(), "grads[", i, "] must be defined");
-    TORCH_CHECK_VALUE(g.layout() == at::kStrided, "grads[", i,
-                      "] must be a dense (strided) tensor, got ", g.layout(),
-                      "; sparse gradients are not supported by loss scaling");
+    TORCH_CHECK_VALUE(g.layout() == at::kStrided || g.layout() == at::kSparse, "grads[", i,
+                      "] must be a dense (strided) or sparse COO tensor, got ", g.layout(),
+                      "; other layouts are not supported by loss scaling");
     const auto t = g.scalar_type();
     TORCH_CHECK_VALUE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, "grads[", i,
                       "] must be float32, float16 or bfloat16, got ", t);
     if (!stashed.empty() && stashed[i].defined()) {
       const auto& s = stashed[i];
-      TORCH_CHECK_VALUE(s.scalar_type() == t && s.sizes() == g.sizes() && s.device() == g.device(),
-                        "stashed[", i, "] must match grads[", i, "] in dtype, shape and device");
+      TORCH_CHECK_VALUE(s.scalar_type() == t && s.sizes() == g.sizes() &&
+                            s.device() == g.device() && s.layout() == g.layout(),
+                        "stashed[", i, "] must match grads[", i,
+                        "] in dtype, shape, device and layout");
     }
   }
 }
@@ -178,9 +195,12 @@ void LossScaler::unscale_into(const std::vector<at::Tensor>& grads,
                               DeviceFlags& found, bool check_stash) const {
   // Validate everything before touching anything: never leave grads half-unscaled.
   check_gradients(grads, stashed);
+  // A sparse gradient is unscaled through its values (an alias of its data); one with a stash
+  // (sparse too) gets the stash added after the unscale, and the sum is checked on its own,
+  // since its nonzeros are not the stash's.
   struct DeviceGroup {
     c10::Device device;
-    std::vector<at::Tensor> plain, out, stash;
+    std::vector<at::Tensor> plain, out, stash, sparse_out, sparse_stash;
   };
   std::vector<DeviceGroup> groups;
   for (size_t i = 0; i < grads.size(); ++i) {
@@ -188,8 +208,15 @@ void LossScaler::unscale_into(const std::vector<at::Tensor>& grads,
     DeviceGroup* group = nullptr;
     for (auto& dg : groups)
       if (dg.device == g.device()) group = &dg;
-    if (!group) group = &groups.emplace_back(DeviceGroup{g.device(), {}, {}, {}});
-    if (!stashed.empty() && stashed[i].defined()) {
+    if (!group) group = &groups.emplace_back(DeviceGroup{g.device(), {}, {}, {}, {}, {}});
+    const bool has_stash = !stashed.empty() && stashed[i].defined();
+    if (g.is_sparse()) {
+      group->plain.push_back(g._values());
+      if (has_stash) {
+        group->sparse_out.push_back(g);
+        group->sparse_stash.push_back(stashed[i]);
+      }
+    } else if (has_stash) {
       group->out.push_back(g);
       group->stash.push_back(stashed[i]);
     } else {
@@ -202,6 +229,7 @@ void LossScaler::unscale_into(const std::vector<at::Tensor>& grads,
                                ? inv_scale
                                : inv_scale.to(dg.device, /*non_blocking=*/true);
     if (!dg.plain.empty()) ops::unscale_check_(dg.plain, flag, inv);
+    add_sparse_stashes(dg.sparse_out, dg.sparse_stash, flag, check_stash);
     if (dg.out.empty()) continue;
     if (check_stash) {
       ops::axpby_check_(dg.out, dg.out, dg.stash, inv, 1.0, flag);

@@ -224,7 +224,8 @@ std::string floor_message(const ScaleLossState& s, const LossScaler& scaler,
   std::ostringstream names;
   int count = 0;
   for (size_t k = 0; k < grads.size(); ++k) {
-    if (!at::isfinite(grads[k]).all().item<bool>()) {
+    const at::Tensor& g = grads[k];
+    if (!at::isfinite(g.is_sparse() ? g._values() : g).all().item<bool>()) {
       names << (count++ ? ", " : "") << describe_param(s, grad_param[k]);
     }
   }
@@ -239,6 +240,15 @@ std::string floor_message(const ScaleLossState& s, const LossScaler& scaler,
       << ". Parameters with non-finite gradients in the last step: "
       << (count ? names.str() : std::string("(none: the stashed gradients overflowed)"));
   return msg.str();
+}
+
+// As torch's GradScaler: an fp16 sparse gradient is coalesced before its values are checked,
+// since duplicate indices summed later (by the optimizer) could overflow where each was finite.
+void coalesce_if_half_sparse(at::Tensor& grad) {
+  if (grad.defined() && grad.is_sparse() && grad.scalar_type() == at::kHalf &&
+      !grad.is_coalesced()) {
+    grad = grad.coalesce();
+  }
 }
 
 void finish_normally(ScaleLossState& s) {
@@ -259,6 +269,7 @@ void finish_normally(ScaleLossState& s) {
     for (size_t i = 0; i < s.params.size(); ++i) {
       const Pending* rec = s.stashed_here[i] ? nullptr : b.find(s.params[i]);
       at::Tensor stash = s.stashed_here[i] ? s.stashes[i] : rec ? rec->stash : at::Tensor();
+      coalesce_if_half_sparse(s.params[i].mutable_grad());
       const at::Tensor& g = s.params[i].grad();
       if (g.defined()) {
         grads.push_back(g);
