@@ -1,13 +1,25 @@
-"""Walking the tensors inside (nested) lists, tuples, named tuples and dicts: what the forward
-wrapper of ``cast_model_outputs`` and the custom-function wrappers cast."""
+"""Walking the tensors inside (nested) lists, tuples, named tuples, dicts and dataclasses: what
+the model boundary casts and the custom-function wrappers cast."""
+import collections
+import copy
+import dataclasses
 from typing import Any, Callable, List
 
 import torch
 
 
+def _is_dataclass_instance(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` with every tensor ``t`` inside it replaced by ``fn(t)``, containers rebuilt with
-    their own type (named tuples included); anything else is returned as it is."""
+    their own type (named tuples included); anything else is returned as it is.
+
+    A dict subclass other than ``OrderedDict`` is copied and its values replaced
+    (``copy.copy``), so one whose constructor takes no key/value pairs (``defaultdict``, an
+    output class) keeps its type and attributes; a dataclass instance (a model's output record)
+    is rebuilt with ``dataclasses.replace`` (fields with ``init=False`` are left to it)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
@@ -15,13 +27,23 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(map_tensors(v, fn) for v in value)
     if isinstance(value, dict):
-        return type(value)((k, map_tensors(v, fn)) for k, v in value.items())
+        items = [(key, map_tensors(item, fn)) for key, item in value.items()]
+        if type(value) in (dict, collections.OrderedDict):
+            return type(value)(items)
+        mapped = copy.copy(value)
+        for key, item in items:
+            mapped[key] = item
+        return mapped
+    if _is_dataclass_instance(value):
+        changes = {f.name: map_tensors(getattr(value, f.name), fn)
+                   for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **changes)
     return value
 
 
 def tensors_in(value: Any, out: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Appends the tensors inside ``value`` to ``out`` in order (dicts: their values); returns
-    ``out``."""
+    """Appends the tensors inside ``value`` to ``out`` in order (dicts: their values;
+    dataclasses: their fields); returns ``out``."""
     if isinstance(value, torch.Tensor):
         out.append(value)
     elif isinstance(value, (list, tuple)):
@@ -30,4 +52,7 @@ def tensors_in(value: Any, out: List[torch.Tensor]) -> List[torch.Tensor]:
     elif isinstance(value, dict):
         for v in value.values():
             tensors_in(v, out)
+    elif _is_dataclass_instance(value):
+        for f in dataclasses.fields(value):
+            tensors_in(getattr(value, f.name), out)
     return out

@@ -4,6 +4,7 @@ the model (O2, O3, O5); at O2/O5 the inputs follow where ops see the working cop
 tests/cpp/test_model_boundary.cpp (same table)."""
 import collections
 import copy
+import dataclasses
 import gc
 import inspect
 import os
@@ -109,6 +110,47 @@ def test_tensors_inside_containers_and_keywords(fresh):
     assert model.seen == [BF16, BF16, torch.int64, BF16]
     assert isinstance(out, Out) and out.h.dtype == F32 and out.index.dtype == torch.int64
     assert [t.dtype for t in more] == [F32, F32]
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    hidden: tuple
+    step: int = 0
+
+
+class _Record(dict):
+    """An output class that is a dict with attributes (as Hugging Face's ModelOutput is)."""
+
+    def __init__(self, **fields):
+        super().__init__(**fields)
+        self.note = "kept"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_outputs_in_dataclasses_and_dict_subclasses_are_cast(fresh, compiled):
+    # Returned unchanged (fp16 at O2) from a dataclass until 2026-12-05, and a dict subclass
+    # whose constructor takes no key/value pairs (defaultdict) made the boundary raise.
+    class Records(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            table = collections.defaultdict(list, h=h)
+            return _Output(h, (h, h.argmax(1)), 3), table, _Record(h=h)
+
+    model = Records()
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2")
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    out, table, record = run(torch.randn(2, 4))
+    assert isinstance(out, _Output) and out.step == 3
+    assert out.logits.dtype == F32 and out.hidden[0].dtype == F32
+    assert out.hidden[1].dtype == torch.int64
+    assert isinstance(table, collections.defaultdict) and table.default_factory is list
+    assert table["h"].dtype == F32
+    assert isinstance(record, _Record) and record.note == "kept" and record["h"].dtype == F32
 
 
 def test_gradients_flow_back_through_the_boundary_in_the_inputs_dtype(fresh):
