@@ -63,6 +63,17 @@ def _as_list(value: object, what: str, kind: Type[_T], kind_name: str) -> Tuple[
     return items, was_list
 
 
+def _is_batch_norm(module: torch.nn.Module) -> bool:
+    """A batch norm, eager or scripted (a TorchScript module is no ``_BatchNorm``; its type keeps
+    the module path of the class it was scripted from)."""
+    if isinstance(module, _BatchNorm):
+        return True
+    if isinstance(module, torch.jit.ScriptModule):
+        name: str = module._c._type().qualified_name()
+        return name.startswith("__torch__.torch.nn.modules.batchnorm.")
+    return False
+
+
 def _collect_models(
     models: List[torch.nn.Module], keep_batchnorm: bool
 ) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor], List[str]]:
@@ -79,7 +90,7 @@ def _collect_models(
             )
         prefix = f"models[{k}]." if len(models) > 1 else ""
         for mod_name, module in model.named_modules(remove_duplicate=True):
-            keep_this = (keep_batchnorm and isinstance(module, _BatchNorm)) or module in _fp32_marks
+            keep_this = (keep_batchnorm and _is_batch_norm(module)) or module in _fp32_marks
             target = keep if keep_this else reduced
             for p_name, p in module.named_parameters(recurse=False):
                 if id(p) in seen:
@@ -128,6 +139,39 @@ def _collect_optimizers(optimizers: List[torch.optim.Optimizer]) -> List[Dict[st
             }
         )
     return out
+
+
+def _refuse_script_modules_cast_in_place(models: List[torch.nn.Module], cast: Any) -> None:
+    """O3 keeps a model cast in place saving fp32 state dicts through a state_dict hook, which a
+    ScriptModule cannot take; refused before anything is changed."""
+    if cast != ModelCast.IN_PLACE:
+        return
+    for index, model in enumerate(models):
+        if isinstance(model, torch.jit.ScriptModule):
+            raise ValueError(
+                f"models[{index}] is a TorchScript module ({type(model).__name__}), which a level "
+                "that casts the model in place (O3, or master_weights=False) cannot take: its "
+                "fp32 state_dict needs a state_dict hook, which ScriptModules do not support. "
+                "Use O2/O5 (fp32 master weights), or initialize the eager model and script it "
+                "afterwards")
+
+
+def _flush_torchscript_plans(models: List[torch.nn.Module]) -> None:
+    """Drops the execution plans TorchScript made for the models' methods before initialize.
+
+    While casting is on, a thread runs TorchScript unoptimized (the core's carried_state.cpp
+    says why: the optimizer's symbolic gradients assume the dtypes it recorded), but a method
+    already optimized by earlier training steps keeps its plan; flushed, it is planned afresh.
+    ``_debug_flush_compilation_cache`` is TorchScript's own reset of a method's executor."""
+    for model in models:
+        for module in model.modules():
+            if not isinstance(module, torch.jit.ScriptModule):
+                continue
+            for name in module._c._method_names():  # the methods, not the boundary's forward
+                method = module._c._get_method(name)
+                flush = getattr(method, "_debug_flush_compilation_cache", None)
+                if flush is not None:
+                    flush()
 
 
 def _fp32_state_dict(module: torch.nn.Module, state_dict: Dict[str, Any], prefix: str,
@@ -215,6 +259,7 @@ def initialize(
         opt_level = "O0"
     _distributed.check_process_group(process_group)
     preview = _C.resolve(opt_level, **overrides)  # validates the options before collecting
+    _refuse_script_modules_cast_in_place(model_list, preview.model_cast)
     with _lock:
         reduced, keep, parameters, names = _collect_models(
             model_list, bool(preview.keep_batchnorm_fp32)
@@ -230,6 +275,8 @@ def initialize(
         if props.model_cast == ModelCast.IN_PLACE:
             for model in model_list:
                 _state_dict_hooks.append(model.register_state_dict_post_hook(_fp32_state_dict))
+        if props.casts:
+            _flush_torchscript_plans(model_list)
     _warn_fused_sgd_on_cpu(opt_list)
     global _properties
     _properties = props

@@ -1,8 +1,11 @@
 """optamp composed with the rest of PyTorch's training stack: activation checkpointing (both
 variants), state carried by at::ThreadLocalState (torch.jit.fork), inference under no_grad /
-inference_mode, the ungated option, and torch.compile."""
+inference_mode, the ungated option, torch.compile and TorchScript models."""
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint  # imported before initialize, as users do
 
 import optamp
@@ -646,3 +649,70 @@ def test_a_native_region_that_disables_autocast_keeps_optamp_out(level):
         with torch.autocast(device_type="cpu", dtype=torch.bfloat16):  # native on: native casts
             assert (x @ x.t()).dtype == torch.bfloat16
     del net
+
+
+# ---- TorchScript models ------------------------------------------------------------------------
+
+
+def _scripted_net():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                              torch.nn.Linear(32, 4))
+    reference = copy.deepcopy(net)
+    return torch.jit.script(net), reference
+
+
+def _scripted_batch(step):
+    gen = torch.Generator().manual_seed(50 + step)
+    return torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+
+
+@pytest.mark.parametrize("before", ["nothing", "evaluated", "trained"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_a_scripted_model_trains_as_its_eager_self(fresh, level, before):
+    # TorchScript's optimizer differentiates a profiled function symbolically, assuming the
+    # dtypes it recorded; optamp's casts below the graph broke its second training step
+    # ("expected scalar type Half but found Float" in a batch norm's backward). While casting is
+    # on, the thread runs TorchScript unoptimized, and initialize drops plans made before it.
+    model, reference = _scripted_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3 if before != "nothing" else 0):
+        x, y = _scripted_batch(100 + step)
+        for net, optimizer in ((model, opt), (reference, ref_opt)):
+            if before == "evaluated":
+                with torch.no_grad():
+                    net(x)
+            else:
+                optimizer.zero_grad()
+                F.cross_entropy(net(x), y).backward()
+                optimizer.step()
+    init(model, opt, level)
+    assert not torch._C._get_graph_executor_optimize()
+    assert "AutocastXLA" not in str(torch._C._dispatch_keys(model[1].weight))  # kept fp32
+    for step in range(4):
+        x, y = _scripted_batch(step)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        with optamp.disable_casts():
+            ref_opt.zero_grad()
+            ref_loss = F.cross_entropy(reference(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+        tol = 2e-2 if level == "O5" else 2e-3
+        torch.testing.assert_close(loss.detach().float(), ref_loss.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(model[1].running_mean, reference[1].running_mean,
+                               rtol=2e-2, atol=2e-3)
+    optamp.reset()
+    assert torch._C._get_graph_executor_optimize()  # the user's setting is back
+
+
+def test_a_scripted_model_is_refused_where_the_model_is_cast_in_place(fresh):
+    model, _ = _scripted_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"models\[0\] is a TorchScript module .* O2/O5"):
+        optamp.initialize(model, opt, opt_level="O3", verbosity=0)
+    assert not optamp.is_initialized() and model[0].weight.dtype == torch.float32

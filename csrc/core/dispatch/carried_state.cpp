@@ -2,6 +2,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/jit/python/update_graph_executor_opt.h>
 
 namespace amp::detail {
 namespace {
@@ -16,6 +17,25 @@ constexpr c10::ScalarType kDisabledTag = c10::ScalarType::Bool;
 
 bool is_region_dtype(c10::ScalarType t) {
   return t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16;
+}
+
+// TorchScript's graph executor, once it has profiled a function, differentiates whole subgraphs
+// symbolically, with gradient formulas that take each op's output to have the dtypes its graph
+// recorded. Casts made below the graph (optamp's kernels) break that: a scripted model's second
+// training step failed in a batch norm's backward ("expected scalar type Half but found Float").
+// Native autocast avoids it by inserting its casts into the graph (the JIT's autocast pass), which
+// optamp's lists cannot do. So while casting is on on a thread, that thread runs TorchScript
+// unoptimized (its setting is per thread): each op is dispatched, and differentiated, as in eager
+// mode. The user's own setting comes back when casting goes off.
+thread_local bool torchscript_optimized_before = true;
+
+void follow_casting_in_torchscript(bool casting_on) {
+  if (casting_on) {
+    torchscript_optimized_before = torch::jit::getGraphExecutorOptimize();
+    torch::jit::setGraphExecutorOptimize(false);
+  } else {
+    torch::jit::setGraphExecutorOptimize(torchscript_optimized_before);
+  }
 }
 
 }  // namespace
@@ -35,6 +55,7 @@ void set_thread_key(bool on) {
   const bool was_on = thread_key_on();
   c10::impl::tls_set_dispatch_key_included(kCastKey, on);
   c10::impl::tls_set_dispatch_key_excluded(kCastKey, !on);
+  if (on != was_on) follow_casting_in_torchscript(on);
   // Turned on from off: the level's mode, whatever the slot held (its default is a dtype).
   if (on && !was_on)
     at::autocast::set_autocast_dtype(c10::DeviceType::PrivateUse1, kFollowLevelTag);
