@@ -651,6 +651,71 @@ def test_a_native_region_that_disables_autocast_keeps_optamp_out(level):
     del net
 
 
+# ---- torch.amp.custom_fwd / custom_bwd Functions ------------------------------------------------
+
+
+class _Fp32Only(torch.autograd.Function):
+    """A Function whose kernel takes fp32 only, declared as torch.amp's docs say."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, x, w):
+        assert x.dtype == torch.float32 and w.dtype == torch.float32, "an fp32-only kernel"
+        assert not optamp.is_casting_enabled(), "the forward runs with casts off"
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        assert grad.dtype == torch.float32
+        return grad @ w.t(), x.t() @ grad
+
+
+class _SavesWhatItGot(torch.autograd.Function):
+    """custom_fwd without cast_inputs: the backward multiplies what the forward saved."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w.t(), x.t() @ grad
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_custom_fwd_functions_get_their_inputs_as_under_native_autocast(fresh, level):
+    # Found 2026-12-05: custom_fwd(cast_inputs=torch.float32) asks native autocast whether to
+    # cast, so under optamp an fp16 activation reached an fp32-only forward; and custom_bwd's
+    # disabled region made the backward of a forward optamp had widened fail ("expected m1 and
+    # m2 to have the same dtype").
+    layer = torch.nn.Linear(8, 8)
+    init(layer, torch.optim.SGD(layer.parameters(), lr=0.1), level)
+    low = torch.bfloat16 if level in ("O4", "O5") else torch.float16
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    for function in (_Fp32Only, _SavesWhatItGot):
+        x.grad = w.grad = None
+        h = x.to(low)  # an activation the level made reduced
+        out = function.apply(h, w)
+        assert out.dtype == torch.float32
+        out.sum().backward()
+        with torch.no_grad():  # the references in fp32 (the no_grad gate)
+            grad_x = (torch.ones(4, 8) @ w.t()).to(low).float()  # back through the cast to h
+            grad_w = h.float().t() @ torch.ones(4, 8)
+        torch.testing.assert_close(x.grad, grad_x, **tol(low))
+        torch.testing.assert_close(w.grad, grad_w, **tol(low))
+    assert optamp.is_casting_enabled() and torch.is_autocast_enabled("cpu") is False
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # native: torch's answer
+        assert torch.is_autocast_enabled("cpu") is True
+
+
 # ---- TorchScript models ------------------------------------------------------------------------
 
 
