@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "cache/autograd_cast.h"
 #include "cache/companion_casts.h"
 #include "dispatch/registration.h"
 #include "dispatch/substitution.h"
@@ -300,7 +301,10 @@ at::Tensor cast_model_output(const at::Tensor& output, c10::ScalarType dtype) {
   // Only where a loss would take it (the fp32 loss rule for this dtype) and only in a training
   // forward: until a loss takes it, the companion holds the reduced output (an activation the
   // size of a language model's logits), and a step's end (scale_loss) drops what no loss took.
-  if (dtype != c10::ScalarType::Float || !output.requires_grad() || !c10::GradMode::is_enabled()) {
+  // Nor for functorch's wrappers (torch.func.grad/vmap through the model), which have no storage
+  // to hold the companion by: they keep the plain cast.
+  if (dtype != c10::ScalarType::Float || !output.requires_grad() || !c10::GradMode::is_enabled() ||
+      !detail::is_plain_for_autograd(output)) {
     return cast;
   }
   const CastRules rules = cast_rules_now(output.device().type());

@@ -716,6 +716,43 @@ def test_custom_fwd_functions_get_their_inputs_as_under_native_autocast(fresh, l
         assert torch.is_autocast_enabled("cpu") is True
 
 
+# ---- torch.func transforms ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_per_sample_gradients_with_torch_func_through_an_initialized_model(fresh, level):
+    # vmap(grad(...)) over functional_call (per-sample gradients, as differential-privacy
+    # trainers compute them) ran into "Cannot access storage of TensorWrapper" at O2/O5: the
+    # boundary's fp32 output kept a companion by storage, which functorch's wrappers lack. (The
+    # parameters functional_call is given are not the model's registered ones: at O2/O5 a layer
+    # norm gets them in fp32 beside fp16 activations, which functorch's layer-norm backward
+    # refuses; docs/python.md.)
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+    reference = copy.deepcopy(model)
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), level)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+
+    def per_sample(net):
+        def loss(params, xi, yi):
+            out = functional_call(net, params, (xi.unsqueeze(0),))
+            return F.cross_entropy(out.float(), yi.unsqueeze(0))
+
+        params = {k: v.detach() for k, v in net.named_parameters()}
+        return vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+
+    grads = per_sample(model)
+    with optamp.disable_casts():
+        expected = per_sample(reference)
+    low = torch.bfloat16 if level in ("O4", "O5") else torch.float16
+    for name, value in grads.items():
+        assert value.shape == (6, *dict(model.named_parameters())[name].shape)
+        row = "train_bfloat16" if low == torch.bfloat16 else "train_float16"
+        torch.testing.assert_close(value.float(), expected[name], **tol(row))
+
+
 # ---- TorchScript models ------------------------------------------------------------------------
 
 
