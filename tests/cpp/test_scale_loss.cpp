@@ -359,6 +359,32 @@ TEST_F(ScaleLossTest, SparseGradientsAreUnscaledAccumulatedAndSkippedLikeDenseOn
   EXPECT_TRUE(at::equal(table.detach(), start));
 }
 
+TEST_F(ScaleLossTest, BackwardOnTheLossInsteadOfTheScaledLossWarns) {
+  // The slip gives unscaled gradients that the exit divides by the scale: training would go on
+  // with gradients 65536 times too small and nothing said.
+  core::configure_loss_scalers(props());
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  const std::string needle = "finished without a backward through its scaled loss, but 3 of";
+  ::testing::internal::CaptureStderr();
+  {
+    const auto loss = m.loss(batch(0));
+    auto scaled = scale_loss(loss, opt);
+    loss.backward();
+  }
+  std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find(needle), std::string::npos) << err;
+  opt.zero_grad();
+  ::testing::internal::CaptureStderr();
+  {  // the right call, and a guard whose backward never ran, say nothing
+    auto scaled = scale_loss(m.loss(batch(1)), opt);
+    scaled.backward();
+  }
+  { auto unused = scale_loss(m.loss(batch(2)), opt); }
+  err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("without a backward"), std::string::npos) << err;
+}
+
 TEST_F(ScaleLossTest, StashedGradOfAParamUnusedByTheNextMicroBatchIsKept) {
   core::configure_loss_scalers(props());
   Model m;

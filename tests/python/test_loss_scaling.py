@@ -544,3 +544,19 @@ def _grad_of_batch(model, step):
     model.head.weight.grad = None
     model.head.bias.grad = None
     return grad
+
+
+def test_backward_on_the_loss_instead_of_the_scaled_loss_warns(fresh):
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    optamp.initialize(model, opt, opt_level="O1", verbosity=0)
+    loss = model(torch.randn(3, 4)).float().pow(2).mean()
+    with pytest.warns(UserWarning, match="without a backward through its scaled loss, but 2 of"):
+        with optamp.scale_loss(loss, opt):
+            loss.backward()  # the slip: the gradients are not scaled
+    opt.zero_grad()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with optamp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+            scaled.backward()

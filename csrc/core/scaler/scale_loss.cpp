@@ -126,6 +126,8 @@ struct ScaleLossState {
   // False once the guard has finished: a backward through scaled_loss then raises (its
   // gradients would stay multiplied by the scale, since nothing unscales them any more).
   std::shared_ptr<std::atomic<bool>> live = std::make_shared<std::atomic<bool>>(true);
+  // Set when a backward passed through scaled_loss (from the autograd engine's thread).
+  std::shared_ptr<std::atomic<bool>> backpropagated = std::make_shared<std::atomic<bool>>(false);
   std::vector<at::Tensor> params;
   core::ParamLabeler labeler;        // names the caller's i-th parameter
   std::vector<size_t> caller_index;  // params[j] is the caller's caller_index[j]-th parameter
@@ -320,6 +322,26 @@ void finish_normally(ScaleLossState& s) {
   TORCH_CHECK(floor_error.empty(), floor_error);
 }
 
+// `loss.backward()` in place of `scaled_loss.backward()` inside the guard (Apex's and GradScaler's
+// users make that slip too) gives unscaled gradients, which the guard's exit then divides by the
+// scale: training goes on, silently, with gradients thousands of times too small. Seen here as
+// gradients that appeared during the guard (its parameters had none at entry) while no backward
+// passed through the scaled loss.
+void warn_if_the_scaled_loss_was_bypassed(const ScaleLossState& s) {
+  if (s.backpropagated->load()) return;
+  size_t appeared = 0;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    appeared += s.stashed_here[i] && s.params[i].grad().defined();
+  }
+  if (appeared == 0) return;
+  TORCH_WARN("amp: scale_loss guard (loss_id ", s.options.loss_id, ") finished without a backward ",
+             "through its scaled loss, but ", appeared, " of its parameters received gradients ",
+             "inside it: they were not scaled, and unscaling divides them by the loss scale. ",
+             "Call backward on the scaled loss the guard gives (C++: `scaled.backward()`; ",
+             "Python: `with amp.scale_loss(loss, optimizer) as scaled_loss: ",
+             "scaled_loss.backward()`), not on the loss itself.");
+}
+
 void finish(ScaleLossState& s, bool unwinding) {
   if (s.finished) return;
   s.finished = true;
@@ -332,6 +354,7 @@ void finish(ScaleLossState& s, bool unwinding) {
     restore(s);
     return;
   }
+  warn_if_the_scaled_loss_was_bypassed(s);
   finish_normally(s);
 }
 
@@ -484,15 +507,16 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
   LossScaler::ScaledLossValue scaled = scaler.scale_for_step(loss);
   s->scaled_loss = std::move(scaled.scaled);
   s->inv_scale = std::move(scaled.inv_scale);
-  s->scaled_loss.register_hook(
-      [live = s->live, loss_id = options.loss_id](const at::Tensor& /*grad*/) {
-        TORCH_CHECK(live->load(),
-                    "backward through the scaled loss of a scale_loss guard (loss_id ", loss_id,
-                    ") that has already finished: its gradients would stay multiplied by the "
-                    "loss scale, since the guard unscales only on its own exit. Call backward "
-                    "inside the guard (C++: while the ScaledLoss lives; Python: inside the "
-                    "`with amp.scale_loss(...) as scaled_loss:` block).");
-      });
+  s->scaled_loss.register_hook([live = s->live, reached = s->backpropagated,
+                                loss_id = options.loss_id](const at::Tensor& /*grad*/) {
+    reached->store(true);
+    TORCH_CHECK(live->load(), "backward through the scaled loss of a scale_loss guard (loss_id ",
+                loss_id,
+                ") that has already finished: its gradients would stay multiplied by the "
+                "loss scale, since the guard unscales only on its own exit. Call backward "
+                "inside the guard (C++: while the ScaledLoss lives; Python: inside the "
+                "`with amp.scale_loss(...) as scaled_loss:` block).");
+  });
 
   s->stashed_here.assign(s->params.size(), false);
   s->stashes.resize(s->params.size());
