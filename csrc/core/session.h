@@ -49,9 +49,11 @@ using WorkingCopySources = std::unordered_map<const c10::TensorImpl*, WorkingCop
 
 // The end of the error when a model tensor's dtype is no longer the one the session recorded.
 inline constexpr char kCastAfterInitialize[] =
-    ": the model was cast after initialize (e.g. model->to(torch::kDouble)), which optamp does "
-    "not follow. Call amp::reset(), cast the model, and initialize again (or cast before "
-    "initialize); moving it to another device is fine.";
+    ": the model was cast after initialize (e.g. model->to(torch::kDouble)), or its data replaced "
+    "by a tensor of another dtype (at O2/O5, parameters_to_vector / views of the parameters in "
+    "grad mode see the fp16/bf16 working copies: build such a vector under no_grad), which "
+    "optamp does not follow. Call amp::reset(), cast the model, and initialize again (or cast "
+    "before initialize); moving it to another device is fine.";
 
 // A model parameter as initialize left it: its dtype (scale_loss refuses one cast since) and the
 // model's name for it ("fc1.weight"; empty when the front gave none), which error messages use.

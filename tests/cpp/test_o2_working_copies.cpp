@@ -358,6 +358,12 @@ TEST_F(Initialize, O2OwnDataOpsStayFp32AndViewsReuseTheCopy) {
   EXPECT_EQ(w.clone().scalar_type(), at::kFloat);
   EXPECT_EQ(w.to(at::kDouble).scalar_type(), at::kDouble);
   EXPECT_EQ(w.t().scalar_type(), at::kHalf);  // views see the working copy
+  // Comparisons of the parameter's own values see the master: allclose of the fp16 copy and an
+  // fp32 tensor raised, and a composite's inner ops would have compared rounded values.
+  const at::Tensor saved = w.detach().clone();
+  EXPECT_TRUE(at::allclose(w, saved, /*rtol=*/0, /*atol=*/0));
+  EXPECT_TRUE(at::isclose(w, saved, /*rtol=*/0, /*atol=*/0).all().item<bool>());
+  EXPECT_EQ(w.resolve_conj().scalar_type(), at::kFloat);
   auto x = at::randn({2, 16});
   at::matmul(x, w.t());
   const auto before = cast_count();

@@ -39,6 +39,48 @@ def test_only_registered_parameters_carry_the_key_until_reset():
     assert _KEY not in _keys(net.fc.weight)
 
 
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_reading_and_comparing_a_parameters_values_sees_the_master(level):
+    # What users write to inspect weights, in grad mode: tolist() printed fp16-rounded values of
+    # an fp32 parameter, and allclose against a saved fp32 copy raised "Half did not match Float".
+    net = _init(_Net(), level)
+    try:
+        w = net.fc.weight
+        with torch.no_grad():
+            w.copy_(torch.full_like(w, 1.0 / 3.0))
+        saved = w.detach().clone()
+        assert w.tolist() == saved.tolist() and w.tolist()[0][0] == saved[0, 0].item()
+        assert torch.allclose(w, saved, rtol=0, atol=0)
+        assert bool(torch.isclose(w, saved, rtol=0, atol=0).all())
+        torch.testing.assert_close(w, saved, rtol=0, atol=0)
+        assert (w * 1).dtype != torch.float32, "other ops still see the working copy"
+    finally:
+        optamp.reset()
+
+
+def test_a_flat_vector_of_the_parameters_under_no_grad_round_trips_the_masters():
+    # torch.nn.utils.parameters_to_vector in grad mode views the working copies (fp16), and
+    # vector_to_parameters of that vector replaced the fp32 masters' data: the next step says so,
+    # naming the way out; under no_grad the vector is the masters'.
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    optamp.reset()
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    optamp.initialize(net, opt, opt_level="O2", verbosity=0)
+    try:
+        with torch.no_grad():
+            flat = parameters_to_vector(net.parameters())
+            vector_to_parameters(flat * 1, net.parameters())
+        assert flat.dtype == torch.float32 and net[0].weight.dtype == torch.float32
+        vector_to_parameters(parameters_to_vector(net.parameters()).detach(), net.parameters())
+        with pytest.raises(ValueError, match="parameters_to_vector .* under no_grad"):
+            with optamp.scale_loss(net(torch.randn(3, 4)).float().sum(), opt) as scaled:
+                scaled.backward()
+    finally:
+        optamp.reset()
+
+
 def test_module_to_and_data_assignment_keep_substitution():
     net = _init(_Net())
     try:

@@ -93,6 +93,17 @@ constexpr const char* kOwnDataOps[] = {
     "aten::cuda",
     "aten::contiguous",
     "aten::equal",
+    "aten::resolve_conj",  // Tensor.tolist() reads through these: it printed fp16-rounded values
+    "aten::resolve_neg",
+};
+
+// Comparisons of a tensor's own values (`torch.allclose(w, saved)`, `assert_close`) that torch
+// composes of other ops: a fallthrough would still substitute those inner calls, so these run
+// with substitution off throughout. With the working copy they compared fp16-rounded values, and
+// allclose of the fp16 copy and an fp32 tensor raised "Half did not match Float".
+constexpr const char* kOwnValuesOps[] = {
+    "aten::allclose",
+    "aten::isclose",
 };
 
 // torch's fused optimizer steps write every tensor list they take (parameters, grads, states,
@@ -204,6 +215,12 @@ void substitute_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys
   }
 }
 
+void without_substitution(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                          torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard masters(kSubstituteKey);
+  op.redispatchBoxed(below_substitution(keys), stack);
+}
+
 void ensure_substitution_registered() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -223,9 +240,16 @@ void ensure_substitution_registered() {
       return std::any_of(std::begin(kOwnDataOps), std::end(kOwnDataOps), named) ||
              std::any_of(std::begin(kOptimizerStepOps), std::end(kOptimizerStepOps), named);
     };
+    const auto reads_own_values = [](const std::string& op) {
+      return std::any_of(std::begin(kOwnValuesOps), std::end(kOwnValuesOps),
+                         [&op](const char* listed) { return op == listed; });
+    };
     for (const auto& name : dispatcher.getAllOpNames()) {
       if (falls_through(name.name)) {
         kernels->impl(qualified(name).c_str(), torch::CppFunction::makeFallthrough());
+      } else if (reads_own_values(name.name)) {
+        kernels->impl(qualified(name).c_str(),
+                      torch::CppFunction::makeFromBoxedFunction<&without_substitution>());
       }
     }
     register_substitution_kernels(*kernels);
