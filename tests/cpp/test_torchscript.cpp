@@ -10,6 +10,9 @@
 #include <torch/nn/module.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
+#include <string>
+
 #include "optamp/amp.h"
 #include "test_util.h"
 
@@ -94,6 +97,104 @@ TEST_F(TorchScript, AScriptedFunctionTrainsUnderCastingAsItsEagerSelf) {
   EXPECT_TRUE(all_close(net->mean, reference->mean, testing::tolerance("train_float16")));
   reset();
   EXPECT_TRUE(torch::jit::getGraphExecutorOptimize());
+}
+
+// A torch::jit::Module (what torch::jit::load returns for a model exported from Python) is no
+// torch::nn::Module: docs/cpp.md's recipe registers its parameters and buffers in a holder module
+// for amp::initialize. The holder's tensors are the scripted module's own, so O2's working copies
+// are what its forward sees, and its optimizer steps the scripted module's weights.
+struct TensorHolderImpl : torch::nn::Module {};  // a child holder: the batch norm's tensors
+TORCH_MODULE(TensorHolder);
+
+struct ScriptedHolderImpl : torch::nn::Module {
+  // Tensors whose name starts with one of `fp32_prefixes` go to the child `fp32`, which
+  // keep_in_fp32 marks: the holder cannot find the scripted module's batch norms by type.
+  ScriptedHolderImpl(const torch::jit::Module& scripted, const std::vector<std::string>& fp32_names)
+      : fp32(register_module("fp32", TensorHolder())) {
+    const auto owner = [&](const std::string& name) -> torch::nn::Module& {
+      const bool keep = std::find(fp32_names.begin(), fp32_names.end(), name) != fp32_names.end();
+      return keep ? static_cast<torch::nn::Module&>(*fp32) : *this;
+    };
+    for (const auto& p : scripted.named_parameters()) {
+      owner(p.name).register_parameter(holder_name(p.name), p.value);
+    }
+    for (const auto& b : scripted.named_buffers()) {
+      owner(b.name).register_buffer(holder_name(b.name), b.value);
+    }
+  }
+  static std::string holder_name(std::string name) {  // "fc.weight" is no valid name here
+    std::replace(name.begin(), name.end(), '.', '_');
+    return name;
+  }
+  TensorHolder fp32;
+};
+TORCH_MODULE(ScriptedHolder);
+
+torch::jit::Module scripted_linear_norm() {
+  Net net;  // the same weights as Net's, as a scripted module
+  torch::jit::Module scripted("ScriptedNet");
+  scripted.register_parameter("w1", net->w1.detach().clone(), false);
+  scripted.register_parameter("b1", net->b1.detach().clone(), false);
+  scripted.register_parameter("gamma", net->gamma.detach().clone(), false);
+  scripted.register_parameter("beta", net->beta.detach().clone(), false);
+  scripted.register_buffer("mean", net->mean.detach().clone());
+  scripted.register_buffer("var", net->var.detach().clone());
+  scripted.register_parameter("w2", net->w2.detach().clone(), false);
+  scripted.define(R"JIT(
+def forward(self, x):
+    h = torch.linear(x, self.w1, self.b1)
+    h = torch.batch_norm(h, self.gamma, self.beta, self.mean, self.var, True, 0.1, 1e-5,
+                         False)
+    return torch.linear(torch.relu(h), self.w2)
+)JIT");
+  return scripted;
+}
+
+TEST_F(TorchScript, AJitModuleFineTunesThroughAHolderModuleAtO2) {
+  auto scripted = scripted_linear_norm();
+  ScriptedHolder holder(scripted, std::vector<std::string>{"gamma", "beta", "mean", "var"});
+  keep_in_fp32(*holder->fp32);
+  torch::optim::SGD opt(holder->parameters(), torch::optim::SGDOptions(0.1));
+  auto unit = torch::jit::compile(kSource);
+  Net reference;
+  torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+  Options quiet;
+  quiet.verbosity = 0;
+  initialize(holder, opt, "O2", quiet);
+  const auto has_working_copy = [&](const char* name) {
+    return scripted.attr(name).toTensor().key_set().has(c10::DispatchKey::AutocastXLA);
+  };
+  EXPECT_TRUE(has_working_copy("w1"));
+  EXPECT_FALSE(has_working_copy("gamma")) << "kept fp32 through the marked child holder";
+  for (int step = 0; step < 4; ++step) {
+    const auto x = batch(step);
+    opt.zero_grad();
+    // The holder has no boundary: inputs in the model dtype, as amp::forward would pass them.
+    const auto out = scripted.forward({x.to(at::kHalf)}).toTensor();
+    EXPECT_EQ(out.scalar_type(), at::kHalf) << "the forward saw the working copies";
+    const auto loss = out.to(at::kFloat).pow(2).mean();
+    {
+      auto scaled = scale_loss(loss, opt);
+      scaled.backward();
+    }
+    opt.step();
+    ref_opt.zero_grad();
+    at::Tensor ref_loss;
+    {
+      disable_casts off;
+      ref_loss = run(*unit, reference->inputs(x)).pow(2).mean();
+      ref_loss.backward();
+    }
+    ref_opt.step();
+    EXPECT_TRUE(all_close(loss.detach(), ref_loss.detach(), testing::tolerance("train_float16")))
+        << "step " << step;
+  }
+  EXPECT_EQ(scripted.attr("w1").toTensor().scalar_type(), at::kFloat) << "fp32 masters";
+  // The batch norm ran on fp32 tensors (kept) and its running statistics moved as fp32's.
+  EXPECT_TRUE(all_close(scripted.attr("mean").toTensor(), reference->mean,
+                        testing::tolerance("train_float16")));
+  EXPECT_TRUE(all_close(scripted.attr("w1").toTensor(), reference->w1,
+                        testing::tolerance("train_float16")));
 }
 
 TEST_F(TorchScript, TheUsersOwnSettingComesBackWhenCastingGoesOff) {
