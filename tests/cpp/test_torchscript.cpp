@@ -54,6 +54,26 @@ at::Tensor batch(int step) {
   return at::randn({8, 16});
 }
 
+// One training step through a scale_loss guard.
+void scaled_step(const at::Tensor& loss, torch::optim::Optimizer& opt) {
+  {
+    auto scaled = scale_loss(loss, opt);
+    scaled.backward();
+  }
+  opt.step();
+}
+
+// One step of the fp32 reference: the script function on the reference's tensors, casts off.
+at::Tensor reference_step(torch::jit::CompilationUnit& unit, Net& reference,
+                          torch::optim::Optimizer& opt, const at::Tensor& x) {
+  disable_casts off;
+  opt.zero_grad();
+  const auto loss = run(unit, reference->inputs(x)).pow(2).mean();
+  loss.backward();
+  opt.step();
+  return loss.detach();
+}
+
 class TorchScript : public ::testing::Test {
  protected:
   void TearDown() override {
@@ -77,21 +97,9 @@ TEST_F(TorchScript, AScriptedFunctionTrainsUnderCastingAsItsEagerSelf) {
     const auto x = batch(step);
     opt.zero_grad();
     const auto loss = run(*unit, net->inputs(x)).to(at::kFloat).pow(2).mean();
-    EXPECT_EQ(loss.scalar_type(), at::kFloat);
-    {
-      auto scaled = scale_loss(loss, opt);
-      scaled.backward();
-    }
-    opt.step();
-    ref_opt.zero_grad();
-    at::Tensor ref_loss;
-    {
-      disable_casts off;
-      ref_loss = run(*unit, reference->inputs(x)).pow(2).mean();
-      ref_loss.backward();
-    }
-    ref_opt.step();
-    EXPECT_TRUE(all_close(loss.detach(), ref_loss.detach(), testing::tolerance("train_float16")))
+    scaled_step(loss, opt);
+    const auto ref_loss = reference_step(*unit, reference, ref_opt, x);
+    EXPECT_TRUE(all_close(loss.detach(), ref_loss, testing::tolerance("train_float16")))
         << "step " << step;
   }
   EXPECT_TRUE(all_close(net->mean, reference->mean, testing::tolerance("train_float16")));
@@ -173,20 +181,9 @@ TEST_F(TorchScript, AJitModuleFineTunesThroughAHolderModuleAtO2) {
     const auto out = scripted.forward({x.to(at::kHalf)}).toTensor();
     EXPECT_EQ(out.scalar_type(), at::kHalf) << "the forward saw the working copies";
     const auto loss = out.to(at::kFloat).pow(2).mean();
-    {
-      auto scaled = scale_loss(loss, opt);
-      scaled.backward();
-    }
-    opt.step();
-    ref_opt.zero_grad();
-    at::Tensor ref_loss;
-    {
-      disable_casts off;
-      ref_loss = run(*unit, reference->inputs(x)).pow(2).mean();
-      ref_loss.backward();
-    }
-    ref_opt.step();
-    EXPECT_TRUE(all_close(loss.detach(), ref_loss.detach(), testing::tolerance("train_float16")))
+    scaled_step(loss, opt);
+    const auto ref_loss = reference_step(*unit, reference, ref_opt, x);
+    EXPECT_TRUE(all_close(loss.detach(), ref_loss, testing::tolerance("train_float16")))
         << "step " << step;
   }
   EXPECT_EQ(scripted.attr("w1").toTensor().scalar_type(), at::kFloat) << "fp32 masters";

@@ -654,6 +654,11 @@ def test_a_native_region_that_disables_autocast_keeps_optamp_out(level):
 # ---- torch.amp.custom_fwd / custom_bwd Functions ------------------------------------------------
 
 
+def _matmul_grads(ctx, grad):
+    x, w = ctx.saved_tensors
+    return grad @ w.t(), x.t() @ grad
+
+
 class _Fp32Only(torch.autograd.Function):
     """A Function whose kernel takes fp32 only, declared as torch.amp's docs say."""
 
@@ -668,9 +673,8 @@ class _Fp32Only(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx, grad):
-        x, w = ctx.saved_tensors
         assert grad.dtype == torch.float32
-        return grad @ w.t(), x.t() @ grad
+        return _matmul_grads(ctx, grad)
 
 
 class _SavesWhatItGot(torch.autograd.Function):
@@ -685,8 +689,7 @@ class _SavesWhatItGot(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        return grad @ w.t(), x.t() @ grad
+        return _matmul_grads(ctx, grad)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
