@@ -43,6 +43,8 @@ class _Owner:
 
     def __reduce__(self) -> Tuple[Any, Tuple[()]]:
         return type(None), ()  # loads as None: a model loaded from a pickle is not initialized
+
+
 _lock = threading.Lock()
 _wrapped: List["weakref.ref[torch.nn.Module]"] = []
 
