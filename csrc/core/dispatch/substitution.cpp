@@ -215,6 +215,12 @@ void substitute_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys
   }
 }
 
+template <std::size_t N>
+bool listed(const char* const (&ops)[N], const std::string& op) {
+  return std::any_of(std::begin(ops), std::end(ops),
+                     [&op](const char* name) { return op == name; });
+}
+
 void without_substitution(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                           torch::jit::Stack* stack) {
   c10::impl::ExcludeDispatchKeyGuard masters(kSubstituteKey);
@@ -235,19 +241,10 @@ void ensure_substitution_registered() {
     static auto* kernels =
         new torch::Library(torch::Library::IMPL, "aten", kSubstituteKey, __FILE__, __LINE__);
     auto& dispatcher = c10::Dispatcher::singleton();
-    auto falls_through = [](const std::string& op) {
-      const auto named = [&op](const char* excluded) { return op == excluded; };
-      return std::any_of(std::begin(kOwnDataOps), std::end(kOwnDataOps), named) ||
-             std::any_of(std::begin(kOptimizerStepOps), std::end(kOptimizerStepOps), named);
-    };
-    const auto reads_own_values = [](const std::string& op) {
-      return std::any_of(std::begin(kOwnValuesOps), std::end(kOwnValuesOps),
-                         [&op](const char* listed) { return op == listed; });
-    };
     for (const auto& name : dispatcher.getAllOpNames()) {
-      if (falls_through(name.name)) {
+      if (listed(kOwnDataOps, name.name) || listed(kOptimizerStepOps, name.name)) {
         kernels->impl(qualified(name).c_str(), torch::CppFunction::makeFallthrough());
-      } else if (reads_own_values(name.name)) {
+      } else if (listed(kOwnValuesOps, name.name)) {
         kernels->impl(qualified(name).c_str(),
                       torch::CppFunction::makeFromBoxedFunction<&without_substitution>());
       }
@@ -296,7 +293,10 @@ bool SubstitutionCall::may_stand_for_a_source(const at::Tensor& t) const {
 }
 
 const WorkingCopySource* SubstitutionCall::source_of(const at::Tensor& t) const {
-  if (!may_stand_for_a_source(t)) return nullptr;
+  return may_stand_for_a_source(t) ? registered_source(t) : nullptr;
+}
+
+const WorkingCopySource* SubstitutionCall::registered_source(const at::Tensor& t) const {
   const auto& sources = session_->working_copy_sources;
   const auto source = sources.find(t.unsafeGetTensorImpl());
   if (source == sources.end()) return nullptr;  // a view or detached alias of a source
@@ -311,14 +311,15 @@ const WorkingCopySource* SubstitutionCall::source_of(const at::Tensor& t) const 
 }
 
 std::optional<at::Tensor> SubstitutionCall::working_copy(const at::Tensor& t) const {
-  if (source_of(t) != nullptr) {
+  if (!may_stand_for_a_source(t)) return std::nullopt;  // activations leave here
+  if (registered_source(t) != nullptr) {
     c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
     return cast_through_cache(t, dtype_, /*always_cache=*/true).tensor;
   }
   // A view of a registered buffer (view ops hand a buffer its own data, below) is read as a
   // cast of itself, made for this call: the op sees the working dtype, and writes through the
-  // view went to the buffer. Tensors without the key (activations) leave at the first test.
-  if (may_stand_for_a_source(t) && viewed_buffer(session_->working_copy_sources, t) != nullptr) {
+  // view went to the buffer.
+  if (viewed_buffer(session_->working_copy_sources, t) != nullptr) {
     c10::impl::ExcludeDispatchKeyGuard no_casting(kCastKey);
     return t.to(dtype_);
   }

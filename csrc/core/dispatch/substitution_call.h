@@ -70,6 +70,8 @@ class SubstitutionCall {
   // The registered source `t` is when this call substitutes it, else nullptr (throws as
   // working_copy does).
   const WorkingCopySource* source_of(const at::Tensor& t) const;
+  // source_of without the filter, for a `t` that passed it.
+  const WorkingCopySource* registered_source(const at::Tensor& t) const;
 
   bool active_ = false;
   c10::ScalarType dtype_ = c10::ScalarType::Undefined;
