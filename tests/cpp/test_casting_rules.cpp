@@ -260,8 +260,8 @@ TEST_F(Casting, NoGradRunsInGivenDtypesUnlessInAnAutocastRegion) {
 }
 
 // Under the gate a call runs in the dtypes it is given, except one that could not run them: a
-// lower op, or a promote op torch does not promote itself, given a reduced tensor made while
-// autograd recorded and an fp32 one (spectral_norm's power iteration at O2/O5).
+// listed op torch does not promote itself (lower, promote, fp32) given a reduced tensor made
+// while autograd recorded and an fp32 one (spectral_norm's power iteration at O2/O5).
 TEST_F(Casting, UnderTheGateMixedWidthsThatCannotRunAreWidened) {
   for (const char* level : {"O1", "O2", "O4", "O5"}) {
     SCOPED_TRACE(level);
@@ -278,6 +278,8 @@ TEST_F(Casting, UnderTheGateMixedWidthsThatCannotRunAreWidened) {
     auto v = randn({3});
     EXPECT_EQ(at::mv(a, v).scalar_type(), at::kFloat);           // boxed kernel
     EXPECT_EQ(at::dot(v.to(low), v).scalar_type(), at::kFloat);  // promote, not native
+    // fp32 list: CUDA's layer norm takes no weights of another width than its input
+    EXPECT_EQ(at::layer_norm(a, {3}, v, v).scalar_type(), at::kFloat);
     before = cast_count();
     EXPECT_EQ(at::mm(a, b.to(low)).scalar_type(), low);                // one width: as given
     EXPECT_EQ(at::add(a, b.t()).scalar_type(), at::kFloat);            // torch promotes it
@@ -286,6 +288,37 @@ TEST_F(Casting, UnderTheGateMixedWidthsThatCannotRunAreWidened) {
     {
       disable_casts off;  // nothing at all
       EXPECT_THROW(at::mm(a, b), c10::Error);
+    }
+    TearDown();
+  }
+}
+
+// O2/O3/O5 leave the fp32 list out, so an fp32 activation (a positional encoding made in the
+// forward and added to fp16 embeddings) reached a layer norm with fp16 weights and failed
+// ("mixed dtype (CPU): expect parameter to have scalar type of Float"; on CUDA "expected scalar
+// type"), where torch.autocast runs layer norms in fp32. Such a call now runs widened.
+TEST_F(Casting, LevelsWithoutTheFp32ListWidenMixedCallsThatCannotRun) {
+  for (const char* level : {"O2", "O3", "O5"}) {
+    SCOPED_TRACE(level);
+    enable(level);
+    const ScalarType low = level[1] == '5' ? at::kBFloat16 : at::kHalf;
+    auto x = randn({2, 3, 8});
+    auto w = randn({8}).to(low);
+    auto b = randn({8}).to(low);
+    auto before = cast_count();
+    auto widened = at::layer_norm(x, {8}, w, b);  // unboxed kernel (a hot op)
+    EXPECT_EQ(widened.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(widened, at::layer_norm(x, {8}, w.to(at::kFloat), b.to(at::kFloat))));
+    EXPECT_EQ(cast_count(), before + 2);
+    auto grouped = at::group_norm(x.transpose(1, 2), 1, w, b);  // boxed kernel
+    EXPECT_EQ(grouped.scalar_type(), at::kFloat);
+    before = cast_count();
+    EXPECT_EQ(at::layer_norm(x.to(low), {8}, w, b).scalar_type(), low);  // one width: as given
+    EXPECT_EQ(at::exp(x.to(low)).scalar_type(), low);                    // one tensor: as given
+    EXPECT_EQ(cast_count(), before);
+    {
+      disable_casts off;  // nothing at all
+      EXPECT_THROW(at::layer_norm(x, {8}, w, b), c10::Error);
     }
     TearDown();
   }

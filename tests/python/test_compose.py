@@ -821,3 +821,61 @@ def test_a_scripted_model_is_refused_where_the_model_is_cast_in_place(fresh):
     with pytest.raises(ValueError, match=r"models\[0\] is a TorchScript module .* O2/O5"):
         optamp.initialize(model, opt, opt_level="O3", verbosity=0)
     assert not optamp.is_initialized() and model[0].weight.dtype == torch.float32
+
+
+class _SinusoidalNet(torch.nn.Module):
+    """Embeddings plus a positional encoding made in the forward (fp32, as torch.zeros makes it),
+    then a layer norm and a group norm: the classic transformer input stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+        self.group = torch.nn.GroupNorm(4, 16)
+        self.out = torch.nn.Linear(16, 50)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], dtype=torch.float32)[:, None]
+        freq = torch.exp(torch.arange(0, 16, 2, dtype=torch.float32) * (-9.2 / 16))
+        encoding = torch.zeros(idx.shape[1], 16)
+        encoding[:, 0::2] = torch.sin(pos * freq)
+        encoding[:, 1::2] = torch.cos(pos * freq)
+        x = self.norm(self.emb(idx) + encoding)
+        x = self.group(self.body(x).transpose(1, 2)).transpose(1, 2)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_an_fp32_tensor_made_in_the_forward_reaches_reduced_norm_weights(fresh, level):
+    # O2/O3/O5 leave the fp32 list out, and the fp16 embeddings plus the fp32 encoding are fp32:
+    # the layer norm met fp32 input and fp16 weights and failed ("mixed dtype (CPU): expect
+    # parameter to have scalar type of Float"; CUDA's "expected scalar type") where torch.autocast
+    # runs layer norms in fp32. Such a call now runs widened, at the masters' values.
+    torch.manual_seed(0)
+    model = _SinusoidalNet()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    init(model, opt, level)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        idx = torch.randint(0, 50, (4, 12), generator=gen)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(idx).float().flatten(0, 1), idx.flatten())
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        with optamp.disable_casts():
+            ref_opt.zero_grad()
+            ref_loss = F.cross_entropy(reference(idx).flatten(0, 1), idx.flatten())
+            ref_loss.backward()
+            ref_opt.step()
+        torch.testing.assert_close(loss.detach().float(), ref_loss.detach(), **tol(
+            "train_bfloat16" if level in ("O4", "O5") else "train_float16"))
+    # A submodule called directly (past the model's boundary) with fp32 input: as native.
+    x = torch.randn(4, 12, 16)
+    with optamp.disable_casts():
+        expected = reference.body(x)
+    torch.testing.assert_close(model.body(x).float(), expected, **tol(
+        "train_bfloat16" if level in ("O4", "O5") else "train_float16"))

@@ -169,9 +169,11 @@ CallPlan CastKernel::plan(std::optional<c10::DeviceType> device) const {
   p.policy = listed.value_or(CastPolicy::kLower);
   if (!listed || !policy_applies(p.policy, decision.rules)) {
     p.native_owns = decision.native_owns;
-    p.widen_if_mixed = listed && policy_applies(p.policy, decision.gated) &&
-                       (p.policy == CastPolicy::kLower ||
-                        (p.policy == CastPolicy::kPromote && !promotes_natively_));
+    // A level casts on this thread, but not this call: the no_grad gate holds its rules back, or
+    // they leave this policy out (the fp32 list at O2/O3/O5; promote and the fp32 losses at O3).
+    // The call runs as given where it can.
+    const bool level_casts = decision.rules != RuleSet::kNone || decision.gated != RuleSet::kNone;
+    p.widen_if_mixed = listed && level_casts && !promotes_natively_;
     return p;
   }
   // NotImplementedError in Python, as Apex raised (a RuntimeError subclass, c10::Error in C++).
@@ -193,7 +195,7 @@ bool CastKernel::plan_promotion(const PromoteWidth& width, CallPlan& p) const {
   return true;
 }
 
-bool CastKernel::plan_gated_widening(const PromoteWidth& width, CallPlan& p) const {
+bool CastKernel::plan_mixed_widening(const PromoteWidth& width, CallPlan& p) const {
   // Mixed widths among 0-dim tensors alone are left to torch's promotion, which ranks them below
   // the others: the call runs as given, as everything under the gate does.
   if (!width.mixed_dimensioned) return false;
@@ -234,7 +236,7 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
     if (!device && t.defined()) device = t.device().type();
     return std::nullopt;
   });
-  auto width_of_call = [&] {  // a gated widening's or a promote call's, once per call
+  auto width_of_call = [&] {  // a mixed widening's or a promote call's, once per call
     PromoteWidth width;
     rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
       width.add(t);
@@ -243,7 +245,7 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
     return width;
   };
   CallPlan p = plan(device);
-  if (p.widen_if_mixed) plan_gated_widening(width_of_call(), p);
+  if (p.widen_if_mixed) plan_mixed_widening(width_of_call(), p);
   if (!p.cast) {
     std::optional<c10::impl::ExcludeDispatchKeyGuard> stay_out;
     if (p.native_owns) stay_out.emplace(kCastKey);
@@ -253,7 +255,7 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
   // Casts must not come back into optamp's kernels (nor should composite ops' inner calls).
   c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);
   if (p.widen_if_mixed) {
-    // a gated widening: its width is planned (plan_gated_widening)
+    // a mixed widening: its width is planned (plan_mixed_widening)
   } else if (p.policy == CastPolicy::kPromote) {
     if (!plan_promotion(width_of_call(), p)) {
       op.redispatchBoxed(below, stack);

@@ -30,8 +30,8 @@ struct CallPlan {
   bool native_owns = false;  // (when not casting) native autocast owns the call: stay out below
   CastPolicy policy = CastPolicy::kLower;
   c10::ScalarType target = c10::ScalarType::Undefined;  // lower: the level's; fp32: Float
-  // (when not casting) the no_grad gate holds back a call the level would cast, of an op that
-  // cannot run mixed widths: plan_gated_widening looks at its inputs.
+  // (when not casting) a listed op that cannot run mixed widths, whose policy the no_grad gate
+  // holds back or the level's rules leave out: plan_mixed_widening looks at its inputs.
   bool widen_if_mixed = false;
 };
 
@@ -61,13 +61,16 @@ class CastKernel final : public c10::OperatorKernel {
   CallPlan plan(std::optional<c10::DeviceType> device) const;
   // a promote call whose width is known: whether to cast, to what (plan.target);
   bool plan_promotion(const PromoteWidth& width, CallPlan& plan) const;
-  // a call the no_grad gate holds back (plan.widen_if_mixed) whose width is known: whether to
-  // widen its inputs after all (they mix widths among its tensors with dimensions), to what. Why:
-  // under the gate ops run in the dtypes they are given, but a lower-list op (mm, conv, ...) or a
-  // promote op that torch does not promote by itself (dot, bilinear, ...) given a reduced tensor
-  // made while autograd recorded and an fp32 one (a master weight, a buffer) cannot run at all;
-  // torch.autocast and Apex cast such a call to fp16, the gate keeps fp32 (docs/casting.md).
-  bool plan_gated_widening(const PromoteWidth& width, CallPlan& plan) const;
+  // a call left uncast (plan.widen_if_mixed) whose width is known: whether to widen its inputs
+  // after all (they mix widths among its tensors with dimensions), to what. Why: such calls run
+  // in the dtypes they are given, but a listed op that torch does not promote by itself (mm,
+  // conv, dot, layer_norm, group_norm, ...) given a reduced tensor and an fp32 one cannot run at
+  // all. Under the gate: an activation made while autograd recorded meeting a master weight or a
+  // buffer (torch.autocast and Apex cast such a call to fp16, the gate keeps fp32). At O2/O3/O5,
+  // whose rules leave the fp32 list out: an fp32 activation (a tensor made in the forward and
+  // added to a reduced one) meeting a layer norm's reduced weights, which torch.autocast's fp32
+  // list and Apex's O1 run in fp32 (docs/casting.md).
+  bool plan_mixed_widening(const PromoteWidth& width, CallPlan& plan) const;
   // one argument under a casting plan: the cast tensor, or nullopt to keep it.
   std::optional<at::Tensor> cast_argument(const at::Tensor& t, const CallPlan& plan) const;
   // the verbosity-2 log line of a cast from `from` to the plan's target (made by cast_argument,

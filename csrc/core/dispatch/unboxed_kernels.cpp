@@ -116,20 +116,20 @@ struct Unboxed<Op, Ret(Args...)> {
       if (!device && t.defined()) device = t.device().type();
     };
     (visit_tensor_arg(args, first_device), ...);
-    auto width_of_call = [&] {  // a gated widening's or a promote call's, once per call
+    auto width_of_call = [&] {  // a mixed widening's or a promote call's, once per call
       PromoteWidth width;
       (visit_tensor_arg(args, [&width](const at::Tensor& t) { width.add(t); }), ...);
       return width;
     };
     CallPlan p = k.plan(device);
-    if (p.widen_if_mixed) k.plan_gated_widening(width_of_call(), p);
+    if (p.widen_if_mixed) k.plan_mixed_widening(width_of_call(), p);
     if (!p.cast) {
       std::optional<c10::impl::ExcludeDispatchKeyGuard> stay_out;
       if (p.native_owns) stay_out.emplace(kCastKey);
       return Op::redispatch(below, args...);
     }
     c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);
-    if (!p.widen_if_mixed) {  // (a gated widening has its width planned)
+    if (!p.widen_if_mixed) {  // (a mixed widening has its width planned)
       if constexpr (std::is_same_v<Ret, at::Tensor>) {
         if (auto fused = Fused<Op>::call(k, p, args...)) return *std::move(fused);
       }
