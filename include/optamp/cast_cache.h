@@ -32,4 +32,12 @@ OPTAMP_API std::int64_t cast_count();
 // on the CPU (benchmarks/step_icount.py --launches).
 OPTAMP_API bool set_gradient_buckets_on_cpu(bool enabled);
 
+// Off: every gradient keeps its own conversion, on every device (on by default; returns the
+// previous setting). A bucket delivers its gradients when its first layer's arrives, so code that
+// reads a module's parameter gradients once the gradients of the module's inputs are computed
+// would find none yet. FSDP2's fully_shard does (its reduce-scatter runs then, and a gradient
+// that comes later is never reduced): Python's initialize turns buckets off for a model with
+// sharded (DTensor) parameters, and reset turns them on again.
+OPTAMP_API bool set_gradient_buckets(bool enabled);
+
 }  // namespace amp

@@ -246,6 +246,9 @@ void bind_frontend(py::module_& m) {
   m.def("_set_gradient_buckets_on_cpu", &amp::set_gradient_buckets_on_cpu, py::arg("enabled"),
         "Tests and benchmarks: convert CPU gradients a bucket at a time, as a GPU's are; returns "
         "the previous setting.");
+  m.def("_set_gradient_buckets", &amp::set_gradient_buckets, py::arg("enabled"),
+        "Off: every gradient keeps its own conversion (initialize, for a sharded model); returns "
+        "the previous setting.");
 }
 
 }  // namespace amp::python

@@ -135,6 +135,14 @@ void bind_scaler(py::module_& m) {
   m.attr("FLOOR_SKIP_LIMIT") = LossScaler::kFloorSkipLimit;
   m.def("loss_scaler", &core::loss_scaler_ptr, py::arg("loss_id") = 0);
   m.def(
+      "_hold_reduced_flag",
+      [](const py::object& flag) {
+        last_reduced_flag() = ReducedFlag{flag, py::cast<at::Tensor>(flag)};
+      },
+      py::arg("flag"),
+      "Hold a flag a collective reduced in Python outside a reducer (optamp._dtensor), as the "
+      "reducers' flags are held: see last_reduced_flag in bindings/scaler.cpp.");
+  m.def(
       "_release_reduced_flag", [] { last_reduced_flag() = ReducedFlag{}; },
       "Drops the overflow flag the last found_inf reducer was handed (kept until the next "
       "reduction: see last_reduced_flag in bindings/scaler.cpp).");

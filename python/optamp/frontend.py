@@ -8,6 +8,8 @@ here). What needs Python objects lives here: the model boundary's forward wrappe
 as in Apex) and the fp32 state_dict hook of models cast in place.
 """
 import enum
+import itertools
+import sys
 import threading
 import warnings
 import weakref
@@ -17,7 +19,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
-from . import _C, _boundary, _compile, _distributed, ab
+from . import _C, _boundary, _compile, _distributed, _dtensor, ab
 
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 OptimizerArg = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
@@ -156,6 +158,44 @@ def _refuse_script_modules_cast_in_place(models: List[torch.nn.Module], cast: An
                 "afterwards")
 
 
+def _sharded_tensor(models: List[torch.nn.Module],
+                    optimizers: List[torch.optim.Optimizer]) -> Optional[Tuple[int, str]]:
+    """(model index, name) of the first DTensor parameter or buffer of the models ((-1, "") for
+    one only an optimizer holds), or None: FSDP2's ``fully_shard`` and tensor parallelism shard
+    them."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return None  # no DTensor can exist
+    from torch.distributed.tensor import DTensor
+
+    for index, model in enumerate(models):
+        for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+            if isinstance(tensor, DTensor):
+                return index, name
+    for opt in optimizers:
+        if any(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]):
+            return -1, ""
+    return None
+
+
+def _refuse_sharded_models_cast(sharded: Optional[Tuple[int, str]], cast: Any,
+                                opt_level: str) -> None:
+    """A level that casts the model (O2/O3/O5) cannot keep a sharded model: FSDP2 gathers its
+    DTensor shards into new unsharded parameters for every forward, which O2/O5's working
+    copies never see (the run was silently O1/O4) and O3's in-place cast breaks. FSDP2 has its
+    own way to hold fp32 shards and compute with fp16/bf16 parameters; refused before anything
+    is changed."""
+    if cast == ModelCast.NONE or sharded is None or sharded[0] < 0:
+        return
+    index, name = sharded
+    raise ValueError(
+        f"models[{index}] has sharded (DTensor) parameters ({name}: FSDP2's fully_shard or "
+        f"tensor parallelism), which opt_level {opt_level} cannot cast: FSDP2 gathers the shards "
+        "into new parameters for every forward. For O2's arrangement (fp32 sharded master "
+        "weights, fp16/bf16 compute) pass fully_shard(..., mp_policy=MixedPrecisionPolicy("
+        "param_dtype=torch.float16, reduce_dtype=torch.float32)) and initialize with O1 (O4 "
+        "for bfloat16), which casts the ops and scales the sharded gradients' loss")
+
+
 def _flush_torchscript_plans(models: List[torch.nn.Module]) -> None:
     """Drops the execution plans TorchScript made for the models' methods before initialize.
 
@@ -260,6 +300,9 @@ def initialize(
     _distributed.check_process_group(process_group)
     preview = _C.resolve(opt_level, **overrides)  # validates the options before collecting
     _refuse_script_modules_cast_in_place(model_list, preview.model_cast)
+    sharded = _sharded_tensor(model_list, opt_list)
+    _refuse_sharded_models_cast(sharded, preview.model_cast if preview.enabled else ModelCast.NONE,
+                                preview.opt_level)
     with _lock:
         reduced, keep, parameters, names = _collect_models(
             model_list, bool(preview.keep_batchnorm_fp32)
@@ -269,6 +312,11 @@ def initialize(
             reduced, keep, parameters, names, opts, opt_level, **overrides
         )
         _distributed.set_process_group(process_group if props.enabled else None, props.num_losses)
+        if sharded is not None:
+            _dtensor.install()  # the unscale ops on DTensor gradients
+            # FSDP2 reduce-scatters a module's gradients when the gradients of its inputs are
+            # computed: none may wait in a bucket (cast_cache.h, set_gradient_buckets).
+            _C._set_gradient_buckets(False)
         if props.model_boundary != (None, None):
             for model in model_list:
                 _boundary.wrap(model)
@@ -341,6 +389,7 @@ def reset() -> None:
     global _properties
     with _lock:
         _C._reset_core()  # the loss scalers and their found-inf reducers go with it
+        _C._set_gradient_buckets(True)
         _distributed.set_process_group(None, 0)
         _boundary.unwrap_all()
         for handle in _state_dict_hooks:

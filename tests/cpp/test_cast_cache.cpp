@@ -2,6 +2,7 @@
 // after in-place updates and optimizer steps, separate no_grad entries, dropped at the outermost
 // region exit and by the scale_loss guard, bounded over many iterations.
 #include <ATen/ATen.h>
+#include <ATen/native/Resize.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/variable.h>
@@ -241,6 +242,32 @@ TEST_F(Casting, ManyParametersStayCachedAndAreReCastTogether) {
     EXPECT_EQ(detail::cache_entries_waiting_for_recast(), static_cast<std::size_t>(params));
     clear_cache();
   }
+}
+
+// FSDP2 frees a gathered parameter's storage (resize to 0 bytes) between its module's uses and
+// gathers it again, in the same tensor, before the next: the next step's batch re-cast read such
+// a parameter while another layer's use made the batch ("its data is not allocated yet"). It
+// waits, and is re-cast with the next batch once its data is back.
+TEST_F(Casting, ABatchReCastLeavesParametersWhoseStorageIsFreedForLater) {
+  enable("O1");
+  auto first = randn({4, 3}).requires_grad_();
+  auto gathered = randn({4, 3}).requires_grad_();
+  for (const auto& w : {first, gathered}) detail::cast_through_cache(w, at::kHalf);
+  detail::notify_weights_may_change();  // the step
+  const auto values = gathered.detach().clone();
+  at::native::resize_bytes_cpu(gathered.storage().unsafeGetStorageImpl(), 0);  // resize_(0)
+  auto copy = detail::cast_through_cache(first, at::kHalf);  // the batch: first only
+  EXPECT_FALSE(copy.performed_cast);
+  EXPECT_EQ(detail::cache_entries_waiting_for_recast(), 1u);
+  at::native::resize_bytes_cpu(gathered.storage().unsafeGetStorageImpl(), values.nbytes());
+  {
+    at::NoGradGuard no_grad;  // gathered again
+    gathered.copy_(values * 2);
+  }
+  auto regathered = detail::cast_through_cache(gathered, at::kHalf);
+  EXPECT_FALSE(regathered.performed_cast);  // its own batch
+  EXPECT_EQ(detail::cache_entries_waiting_for_recast(), 0u);
+  EXPECT_TRUE(at::equal(regathered.tensor, (values * 2).to(at::kHalf)));
 }
 
 TEST_F(Casting, RealOptimizerStepIsSeenByTheNextForward) {

@@ -2,6 +2,7 @@
 // accumulation both ways, multiple losses/optimizers, the floor error, state_dict round trips,
 // every user error, exception safety, and a 1,000-step fault-injection run.
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -383,6 +384,41 @@ TEST_F(ScaleLossTest, BackwardOnTheLossInsteadOfTheScaledLossWarns) {
   { auto unused = scale_loss(m.loss(batch(2)), opt); }
   err = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(err.find("without a backward"), std::string::npos) << err;
+}
+
+TEST_F(ScaleLossTest, AScaledLossThatReachesNoneOfTheOptimizersParametersWarns) {
+  // An optimizer over other tensors than the forward used (built before FSDP2's fully_shard
+  // replaced the model's parameters) stepped nothing, every step, and nothing said so; torch's
+  // GradScaler raises there.
+  core::configure_loss_scalers(props());
+  Model m, other;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  const std::string needle = "gave no gradient to any of its optimizers' 3 trainable parameters";
+  ::testing::internal::CaptureStderr();
+  {
+    auto scaled = scale_loss(other.loss(batch(0)), opt);
+    scaled.backward();
+  }
+  std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find(needle), std::string::npos) << err;
+  ::testing::internal::CaptureStderr();
+  {  // a loss that reaches them, autograd::grad (a gradient penalty's), frozen ones: nothing
+    auto scaled = scale_loss(m.loss(batch(1)), opt);
+    scaled.backward();
+  }
+  opt.zero_grad();
+  {
+    auto scaled = scale_loss(m.loss(batch(1)), opt);
+    torch::autograd::grad({scaled.loss()}, m.params());
+  }
+  opt.zero_grad();
+  for (auto& p : m.params()) p.requires_grad_(false);
+  {
+    auto scaled = scale_loss(other.loss(batch(2)), opt);
+    scaled.backward();
+  }
+  err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("gave no gradient"), std::string::npos) << err;
 }
 
 TEST_F(ScaleLossTest, StashedGradOfAParamUnusedByTheNextMicroBatchIsKept) {

@@ -879,3 +879,58 @@ def test_an_fp32_tensor_made_in_the_forward_reaches_reduced_norm_weights(fresh, 
         expected = reference.body(x)
     torch.testing.assert_close(model.body(x).float(), expected, **tol(
         "train_bfloat16" if level in ("O4", "O5") else "train_float16"))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_working_copy_model_runs_its_norms_in_an_autocast_region(fresh, level, grad):
+    # In an amp.autocast() region the fp32 list applies at O2/O5 too: a layer norm widened its
+    # fp16 input, but substitution then handed it the fp16 working copies of its weights
+    # ("mixed dtype (CPU): expect parameter to have scalar type of Float"; seen generating
+    # with a KV cache under no_grad inside a region). It reads the fp32 masters now.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
+                                torch.nn.Linear(16, 16), torch.nn.GroupNorm(4, 16))
+    reference = copy.deepcopy(model)
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), level)
+    x = torch.randn(8, 16)
+    low = torch.float16 if level == "O2" else torch.bfloat16
+    with torch.set_grad_enabled(grad), optamp.autocast(dtype=low):
+        out = model(x)
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=low):
+        expected = reference(x)  # the same model under native autocast
+    torch.testing.assert_close(out.float(), expected.float(), **tol(
+        "train_float16" if level == "O2" else "train_bfloat16"))
+
+
+class _WeightedClassifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 3)
+        self.register_buffer("class_weight", torch.tensor([1.0, 2.0, 0.5]))
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_model_buffer_passed_to_an_fp32_loss_reaches_it_in_fp32(fresh, level):
+    # A class-weight buffer handed to cross_entropy reached the fp32 loss as its fp16 working
+    # copy ("expected scalar type Float but found Half"): the loss's cast kernel left the fp32
+    # buffer as it was, and substitution below it then replaced it. It gets the buffer's own
+    # data now (a copy: substitution replaces any view of a registered buffer).
+    torch.manual_seed(0)
+    model = _WeightedClassifier()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, level)
+    x, y = torch.randn(6, 8), torch.tensor([0, 1, 2, 0, 1, 2])
+    loss = F.cross_entropy(model(x), y, weight=model.class_weight)
+    with optamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    with optamp.disable_casts():
+        expected = F.cross_entropy(reference(x), y, weight=reference.class_weight)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.detach(), expected.detach(), **tol(
+        "train_float16" if level == "O2" else "train_bfloat16"))
+    assert model.class_weight.dtype == torch.float32

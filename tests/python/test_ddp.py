@@ -1,5 +1,5 @@
-"""optamp under DistributedDataParallel: 2 processes, gloo on loopback, O1 and O2 (NCCL twins
-run where GPUs are visible).
+"""optamp under DistributedDataParallel and FSDP2's fully_shard: 2 processes, gloo on loopback,
+O1 and O2 (NCCL twins run where GPUs are visible).
 
 One rank injects inf into its loss at one step; DDP averages gradients, so both ranks see the
 non-finite values, skip that step and end with identical parameters. DDP's gradients are
@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from common_utils import tol
 
 STEPS, BAD_STEP = 20, 7
 SPAWN_TIMEOUT_S = 180  # a hung collective fails the test instead of stalling the suite
@@ -216,3 +218,116 @@ def test_process_group_makes_model_parallel_ranks_skip_together(tmp_path, use_gr
     _spawn(_mp_worker, (2, _free_port(), use_group, str(tmp_path)))
     skipped = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     assert skipped == ([[2], [2]] if use_group else [[], [2]])
+
+
+FSDP_STEPS, FSDP_BAD_STEP = 6, 3
+
+
+def _fsdp_batches(step):
+    """Both ranks' batches of one step (each rank can then compute the unsharded reference)."""
+    out = []
+    for rank in (0, 1):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        out.append((torch.randn(4, 4, generator=gen), torch.randint(0, 3, (4,), generator=gen)))
+    return out
+
+
+def _fsdp_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.ReLU(),
+                               torch.nn.Linear(8, 3))
+
+
+def _check_sharded_flag_reduction(rank):
+    """optamp's unscale op on a DTensor whose shard overflows on rank 1 only: every rank's flag
+    says so, the shards are unscaled locally."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = torch.full((2,), 4.0)
+    if rank == 1:
+        local[1] = float("inf")
+    grad = DTensor.from_local(local, init_device_mesh("cpu", (2,)), [Shard(0)], run_check=False)
+    found = torch.zeros(1)
+    torch.ops.optamp.unscale_check_([grad], found, torch.full((1,), 0.5))
+    assert found.item() == 1.0, (rank, found)
+    assert grad.to_local()[0].item() == 2.0
+
+
+def _fsdp_worker(rank, world, port, level, param_dtype, out_dir):
+    """FSDP2: shard, build the optimizer, initialize (the order FSDP2 needs: fully_shard replaces
+    the parameters). One rank's loss is infinite at FSDP_BAD_STEP."""
+    import optamp
+    from common_utils import graph_node_names
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    _init(rank, world, port)
+    optamp._C._set_gradient_buckets_on_cpu(True)  # as on a GPU: FSDP2 must still have none
+    try:
+        model, reference = _fsdp_model(), _fsdp_model()
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        for module in (model[0], model[3], model):
+            fully_shard(module, mp_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+        # Shards only: a collective's tensors dropped on gloo's thread while the interpreter
+        # exits abort the rank (torch's own full_tensor() before destroy_process_group does so
+        # in about 1 run of 6, without optamp).
+        before = [p.to_local().clone() for p in model.parameters()]
+        for refused in ("O2", "O3", "O5"):
+            try:
+                optamp.initialize(model, opt, opt_level=refused, verbosity=0)
+                raise AssertionError(f"{refused} was not refused")
+            except ValueError as e:
+                assert "models[0] has sharded (DTensor) parameters (0.weight" in str(e), e
+                assert "MixedPrecisionPolicy" in str(e), e
+            assert not optamp.is_initialized()
+        assert all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
+        model, opt = optamp.initialize(model, opt, opt_level=level, verbosity=0)
+        _check_sharded_flag_reduction(rank)
+        skipped, buckets = [], 0
+        for step in range(FSDP_STEPS):
+            batches = _fsdp_batches(step)
+            x, y = batches[rank]
+            opt.zero_grad()
+            out = model(x)
+            buckets += graph_node_names(out).count("ConvertGradientsBackward")
+            loss = F.cross_entropy(out.float(), y)
+            if step == FSDP_BAD_STEP and rank == 1:
+                loss = loss * float("inf")
+            with optamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            if optamp.loss_scaler().last_step_skipped:
+                skipped.append(step)
+            if step != FSDP_BAD_STEP:  # the unsharded fp32 reference: the ranks' mean loss
+                with optamp.disable_casts():
+                    ref_opt.zero_grad()
+                    sum(F.cross_entropy(reference(bx), by) for bx, by in batches).div(2).backward()
+                    ref_opt.step()
+        torch.save({"shards": [p.to_local() for p in model.parameters()],
+                    "reference": [p.detach() for p in reference.parameters()],
+                    "skipped": skipped, "buckets": buckets}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("level,param_dtype", [("O1", None), ("O4", None),
+                                               ("O1", torch.float16)])
+def test_fsdp2_sharded_gradients_are_unscaled_and_ranks_skip_together(tmp_path, level,
+                                                                     param_dtype):
+    # The unscale op used to fail on FSDP2's DTensor gradients ("Operator
+    # optamp.unscale_check_.default does not have a sharding strategy registered"), where
+    # torch.amp.GradScaler works; O2/O3/O5 silently trained as O1/O4 or failed in the forward.
+    # The cast cache's batch then read a gathered parameter FSDP2 had freed ("its data is not
+    # allocated yet", the second step), and a gradient bucket could deliver a module's
+    # gradients after FSDP2's reduce-scatter had run without them.
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    _spawn(_fsdp_worker, (2, _free_port(), level, param_dtype, str(tmp_path)))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["skipped"] == r1["skipped"] == [FSDP_BAD_STEP]
+    assert r0["buckets"] == r1["buckets"] == 0
+    tolerance = tol("train_bfloat16" if level == "O4" else "train_float16")
+    for s0, s1, ref in zip(r0["shards"], r1["shards"], r0["reference"]):
+        torch.testing.assert_close(torch.cat([s0, s1]), ref, **tolerance)  # dim-0 shards

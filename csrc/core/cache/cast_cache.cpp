@@ -1,5 +1,6 @@
 #include "cache/cast_cache.h"
 
+#include <ATen/EmptyTensor.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <algorithm>
@@ -61,6 +62,16 @@ struct Entry {
 // a ToCopyBackward node (a subclass, a tensor with a forward-mode tangent) is made afresh.
 bool batch_recast(const at::Tensor& source, bool records_autograd) {
   return records_autograd && is_plain_for_autograd(source) && source.is_non_overlapping_and_dense();
+}
+
+// Whether the source's storage holds its data now. FSDP2 frees a gathered (unsharded) parameter's
+// storage after its module's forward and backward (resize to 0 bytes) and gathers it again
+// before the next use: a batch that read it between the two failed ("The tensor has a non-zero
+// number of elements, but its data is not allocated yet"), in the next step's first forward.
+bool holds_its_data(const at::Tensor& source) {
+  const auto needed = at::detail::computeStorageNbytes(
+      source.sizes(), source.strides(), source.element_size(), source.storage_offset());
+  return source.storage().nbytes() >= needed;
 }
 
 class CastCache {
@@ -243,6 +254,10 @@ class CastCache {
       if (!source.defined() || !batch_recast(source, /*records_autograd=*/true)) {
         dropped.push_back(std::move(e));
         it = entries_.erase(it);
+        continue;
+      }
+      if (!holds_its_data(source)) {  // waits on: re-cast with the next batch, once it does
+        ++it;
         continue;
       }
       recast.emplace_back(&e, std::move(source));

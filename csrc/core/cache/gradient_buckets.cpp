@@ -103,6 +103,7 @@ struct ConvertGradientsBackward final : torch::autograd::Node {
 };
 
 std::atomic<bool> g_cpu_buckets{false};
+std::atomic<bool> g_buckets{true};
 
 }  // namespace
 
@@ -113,6 +114,7 @@ std::atomic<bool> g_cpu_buckets{false};
 // whose autograd is not only the engine's never reach here (the cache's batch holds plain ones).
 bool GradientBuckets::admits(const at::Tensor& source) {
   namespace impl = torch::autograd::impl;
+  if (!g_buckets.load(std::memory_order_relaxed)) return false;
   if (source.is_cpu() && !g_cpu_buckets.load(std::memory_order_relaxed)) return false;
   if (!source.is_leaf() || !source.requires_grad() || !is_plain_for_autograd(source)) return false;
   if (!impl::hooks(source).empty() || impl::post_acc_grad_hooks(source) != nullptr) return false;
@@ -159,4 +161,5 @@ at::Tensor alias_with_own_edge(const at::Tensor& copy, const at::Tensor& source)
 
 namespace amp {
 bool set_gradient_buckets_on_cpu(bool enabled) { return detail::g_cpu_buckets.exchange(enabled); }
+bool set_gradient_buckets(bool enabled) { return detail::g_buckets.exchange(enabled); }
 }  // namespace amp

@@ -208,9 +208,12 @@ bool CastKernel::plan_mixed_widening(const PromoteWidth& width, CallPlan& p) con
 std::optional<at::Tensor> CastKernel::cast_argument(const at::Tensor& t, const CallPlan& p) const {
   if (!is_castable(t)) return std::nullopt;
   if (t.scalar_type() == p.target) {
-    // A model tensor that ops see as its working copy (O2/O5), widened back to its own dtype by a
-    // promote call: the master itself, through an alias, which substitution does not replace.
-    if (p.policy == CastPolicy::kPromote && dtype_ops_see(t) != p.target) return t.alias();
+    // A model tensor that ops see as its working copy (O2/O5), wanted in its own dtype (a promote
+    // call's widening, or an fp32-list op in an amp::autocast region): the master itself, through
+    // an alias, which substitution does not replace. Left as it is, substitution below handed
+    // the op the reduced copy beside widened activations (a layer norm of an O2 model in a
+    // region failed: "mixed dtype (CPU): expect parameter to have scalar type of Float").
+    if (dtype_ops_see(t) != p.target) return own_data_past_substitution(t);
     return std::nullopt;
   }
   if (p.policy != CastPolicy::kLower && p.policy != CastPolicy::kPromote &&

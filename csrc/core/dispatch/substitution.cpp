@@ -396,6 +396,15 @@ c10::ScalarType dtype_ops_see(const at::Tensor& t) {
   return working == c10::ScalarType::Undefined ? own : working;
 }
 
+at::Tensor own_data_past_substitution(const at::Tensor& t) {
+  const std::shared_ptr<const Session> session = current_session();
+  const auto& sources = session->working_copy_sources;
+  const auto it = sources.find(t.unsafeGetTensorImpl());
+  const bool buffer =
+      it != sources.end() ? it->second.buffer : viewed_buffer(sources, t) != nullptr;
+  return buffer ? t.clone() : t.alias();  // clone: a fallthrough on the key (own data)
+}
+
 void activate_substitution_thread(bool on) {
   if (on) ensure_substitution_registered();
   set_substitution_key(on);

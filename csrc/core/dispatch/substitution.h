@@ -36,6 +36,11 @@ bool is_working_copy_source(const at::Tensor& t);
 // and substitution applies, else its own. The cast kernels run above substitution: a promote call
 // weighs a model tensor in the dtype its op will get.
 c10::ScalarType dtype_ops_see(const at::Tensor& t);
+// `t`'s own data for an op below substitution, where its cast kernel wants a model tensor in its
+// own (fp32) dtype: an alias of a parameter (substitution replaces registered tensors, not their
+// aliases), a copy of a buffer (substitution replaces any view over a registered buffer's
+// storage, so that writes through views reach the buffer and reads see the working copy).
+at::Tensor own_data_past_substitution(const at::Tensor& t);
 
 // This thread's substitution on/off (with the casting key, by initialize and reset); registers
 // the key's kernels first when turning it on.

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <atomic>
@@ -128,6 +129,9 @@ struct ScaleLossState {
   std::shared_ptr<std::atomic<bool>> live = std::make_shared<std::atomic<bool>>(true);
   // Set when a backward passed through scaled_loss (from the autograd engine's thread).
   std::shared_ptr<std::atomic<bool>> backpropagated = std::make_shared<std::atomic<bool>>(false);
+  // Set when such a backward accumulates into .grad everywhere it reaches (a plain backward, not
+  // torch.autograd.grad nor backward(inputs=...)).
+  std::shared_ptr<std::atomic<bool>> accumulated = std::make_shared<std::atomic<bool>>(false);
   std::vector<at::Tensor> params;
   core::ParamLabeler labeler;        // names the caller's i-th parameter
   std::vector<size_t> caller_index;  // params[j] is the caller's caller_index[j]-th parameter
@@ -342,6 +346,27 @@ void warn_if_the_scaled_loss_was_bypassed(const ScaleLossState& s) {
              "scaled_loss.backward()`), not on the loss itself.");
 }
 
+// A backward through the scaled loss that reached none of the guard's trainable parameters: the
+// optimizers hold other tensors than the forward used (built before FSDP's fully_shard replaced
+// the model's parameters, or over a model re-created since). Each step then changes nothing,
+// silently; torch's GradScaler raises there ("No inf checks were recorded for this optimizer").
+void warn_if_no_parameter_got_a_gradient(const ScaleLossState& s) {
+  if (!s.accumulated->load()) return;
+  size_t trainable = 0;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    const bool stashed = s.stashed_here[i] && s.stashes[i].defined();
+    if (s.params[i].grad().defined() || stashed || !s.stashed_here[i]) return;
+    trainable += s.params[i].requires_grad();
+  }
+  if (trainable == 0) return;
+  TORCH_WARN("amp: scale_loss guard (loss_id ", s.options.loss_id, "): the backward of the ",
+             "scaled loss gave no gradient to any of its optimizers' ", trainable,
+             " trainable parameters, so their step changes nothing. The optimizers do not hold ",
+             "the tensors the forward used: build them over the model's parameters after any ",
+             "wrapper that replaces them (FSDP's fully_shard: shard first, then build the ",
+             "optimizer and call initialize) and pass initialize and scale_loss those optimizers.");
+}
+
 void finish(ScaleLossState& s, bool unwinding) {
   if (s.finished) return;
   s.finished = true;
@@ -355,6 +380,7 @@ void finish(ScaleLossState& s, bool unwinding) {
     return;
   }
   warn_if_the_scaled_loss_was_bypassed(s);
+  warn_if_no_parameter_got_a_gradient(s);
   finish_normally(s);
 }
 
@@ -508,8 +534,11 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
   s->scaled_loss = std::move(scaled.scaled);
   s->inv_scale = std::move(scaled.inv_scale);
   s->scaled_loss.register_hook([live = s->live, reached = s->backpropagated,
+                                accumulated = s->accumulated,
                                 loss_id = options.loss_id](const at::Tensor& /*grad*/) {
     reached->store(true);
+    const auto* asked_for = torch::autograd::get_current_graph_task_exec_info();
+    if (asked_for == nullptr || asked_for->empty()) accumulated->store(true);
     TORCH_CHECK(live->load(), "backward through the scaled loss of a scale_loss guard (loss_id ",
                 loss_id,
                 ") that has already finished: its gradients would stay multiplied by the "
