@@ -160,40 +160,47 @@ def _refuse_script_modules_cast_in_place(models: List[torch.nn.Module], cast: An
 
 def _sharded_tensor(models: List[torch.nn.Module],
                     optimizers: List[torch.optim.Optimizer]) -> Optional[Tuple[int, str]]:
-    """(model index, name) of the first DTensor parameter or buffer of the models ((-1, "") for
-    one only an optimizer holds), or None: FSDP2's ``fully_shard`` and tensor parallelism shard
-    them."""
-    if "torch.distributed.tensor" not in sys.modules:
-        return None  # no DTensor can exist
-    from torch.distributed.tensor import DTensor
+    """(model index, what) for the first sharded part of the models: a DTensor parameter or
+    buffer (FSDP2's ``fully_shard``, tensor parallelism) or an FSDP1 ``FullyShardedDataParallel``
+    module; (-1, "") for DTensors only an optimizer holds; None when nothing is sharded."""
+    if "torch.distributed.tensor" in sys.modules:  # otherwise no DTensor can exist
+        from torch.distributed.tensor import DTensor
 
-    for index, model in enumerate(models):
-        for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-            if isinstance(tensor, DTensor):
-                return index, name
-    for opt in optimizers:
-        if any(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]):
-            return -1, ""
+        for index, model in enumerate(models):
+            for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+                if isinstance(tensor, DTensor):
+                    return index, (f"sharded (DTensor) parameters ({name}: FSDP2's "
+                                   "fully_shard or tensor parallelism)")
+        for opt in optimizers:
+            if any(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]):
+                return -1, ""
+    if "torch.distributed.fsdp" in sys.modules:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        for index, model in enumerate(models):
+            for name, module in model.named_modules():
+                if isinstance(module, FullyShardedDataParallel):
+                    return index, f"an FSDP1 FullyShardedDataParallel module ({name or 'itself'})"
     return None
 
 
 def _refuse_sharded_models_cast(sharded: Optional[Tuple[int, str]], cast: Any,
                                 opt_level: str) -> None:
-    """A level that casts the model (O2/O3/O5) cannot keep a sharded model: FSDP2 gathers its
-    DTensor shards into new unsharded parameters for every forward, which O2/O5's working
-    copies never see (the run was silently O1/O4) and O3's in-place cast breaks. FSDP2 has its
-    own way to hold fp32 shards and compute with fp16/bf16 parameters; refused before anything
-    is changed."""
+    """A level that casts the model (O2/O3/O5) cannot keep a sharded model: FSDP gathers the
+    shards into new parameters (FSDP2) or views of a flat parameter (FSDP1) for every forward,
+    which O2/O5's working copies never see (the run was silently O1/O4) and O3's in-place cast
+    breaks. FSDP has its own way to hold fp32 shards and compute with fp16/bf16 parameters;
+    refused before anything is changed."""
     if cast == ModelCast.NONE or sharded is None or sharded[0] < 0:
         return
-    index, name = sharded
+    index, what = sharded
     raise ValueError(
-        f"models[{index}] has sharded (DTensor) parameters ({name}: FSDP2's fully_shard or "
-        f"tensor parallelism), which opt_level {opt_level} cannot cast: FSDP2 gathers the shards "
-        "into new parameters for every forward. For O2's arrangement (fp32 sharded master "
-        "weights, fp16/bf16 compute) pass fully_shard(..., mp_policy=MixedPrecisionPolicy("
-        "param_dtype=torch.float16, reduce_dtype=torch.float32)) and initialize with O1 (O4 "
-        "for bfloat16), which casts the ops and scales the sharded gradients' loss")
+        f"models[{index}] has {what}, which opt_level {opt_level} cannot cast: FSDP gathers the "
+        "shards into new parameters for every forward. For O2's arrangement (fp32 sharded master "
+        "weights, fp16/bf16 compute) pass FSDP's mixed precision policy (FSDP2: fully_shard(..., "
+        "mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)); "
+        "FSDP1: mixed_precision=MixedPrecision(param_dtype=torch.float16)) and initialize with O1 "
+        "(O4 for bfloat16), which casts the ops and scales the sharded gradients' loss")
 
 
 def _flush_torchscript_plans(models: List[torch.nn.Module]) -> None:

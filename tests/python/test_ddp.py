@@ -254,38 +254,52 @@ def _check_sharded_flag_reduction(rank):
     assert grad.to_local()[0].item() == 2.0
 
 
-def _fsdp_worker(rank, world, port, level, param_dtype, out_dir):
-    """FSDP2: shard, build the optimizer, initialize (the order FSDP2 needs: fully_shard replaces
-    the parameters). One rank's loss is infinite at FSDP_BAD_STEP."""
+def _shard(model, kind, param_dtype):
+    """FSDP2 (fully_shard per Linear and the root) or FSDP1 (one FullyShardedDataParallel with
+    the original parameters), with fp16/bf16 parameters for the forward where param_dtype."""
+    from torch.distributed import fsdp
+
+    if kind == "fsdp1":
+        policy = fsdp.MixedPrecision(param_dtype=param_dtype) if param_dtype else None
+        return fsdp.FullyShardedDataParallel(model, device_id=torch.device("cpu"),
+                                             use_orig_params=True, mixed_precision=policy)
+    policy = fsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for module in (model[0], model[3], model):
+        fsdp.fully_shard(module, mp_policy=policy)
+    return model
+
+
+def _fsdp_worker(rank, world, port, kind, level, param_dtype, out_dir):
+    """Shard, build the optimizer, initialize (the order FSDP needs: sharding replaces the
+    parameters). One rank's loss is infinite at FSDP_BAD_STEP."""
     import optamp
     from common_utils import graph_node_names
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     _init(rank, world, port)
-    optamp._C._set_gradient_buckets_on_cpu(True)  # as on a GPU: FSDP2 must still have none
+    optamp._C._set_gradient_buckets_on_cpu(True)  # as on a GPU: FSDP must still have none
     try:
-        model, reference = _fsdp_model(), _fsdp_model()
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        for module in (model[0], model[3], model):
-            fully_shard(module, mp_policy=policy)
+        model, reference = _shard(_fsdp_model(), kind, param_dtype), _fsdp_model()
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
         # Shards only: a collective's tensors dropped on gloo's thread while the interpreter
         # exits abort the rank (torch's own full_tensor() before destroy_process_group does so
         # in about 1 run of 6, without optamp).
-        before = [p.to_local().clone() for p in model.parameters()]
+        local = (lambda p: p.to_local()) if kind == "fsdp2" else (lambda p: p.detach())
+        before = [local(p).clone() for p in model.parameters()]
+        refusal = ("models[0] has sharded (DTensor) parameters (0.weight" if kind == "fsdp2" else
+                   "models[0] has an FSDP1 FullyShardedDataParallel module (itself)")
         for refused in ("O2", "O3", "O5"):
             try:
                 optamp.initialize(model, opt, opt_level=refused, verbosity=0)
                 raise AssertionError(f"{refused} was not refused")
             except ValueError as e:
-                assert "models[0] has sharded (DTensor) parameters (0.weight" in str(e), e
-                assert "MixedPrecisionPolicy" in str(e), e
+                assert refusal in str(e) and "MixedPrecision" in str(e), e
             assert not optamp.is_initialized()
-        assert all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
+        assert all(torch.equal(a, local(p)) for a, p in zip(before, model.parameters()))
         model, opt = optamp.initialize(model, opt, opt_level=level, verbosity=0)
-        _check_sharded_flag_reduction(rank)
-        skipped, buckets = [], 0
+        if kind == "fsdp2":
+            _check_sharded_flag_reduction(rank)
+        skipped, buckets, losses, ref_losses = [], 0, [], []
         for step in range(FSDP_STEPS):
             batches = _fsdp_batches(step)
             x, y = batches[rank]
@@ -300,22 +314,27 @@ def _fsdp_worker(rank, world, port, level, param_dtype, out_dir):
             opt.step()
             if optamp.loss_scaler().last_step_skipped:
                 skipped.append(step)
-            if step != FSDP_BAD_STEP:  # the unsharded fp32 reference: the ranks' mean loss
-                with optamp.disable_casts():
+            with optamp.disable_casts():  # the unsharded fp32 reference: the ranks' mean loss
+                ref = [F.cross_entropy(reference(bx), by) for bx, by in batches]
+                if step != FSDP_BAD_STEP:
+                    losses.append(loss.detach().float())
+                    ref_losses.append(ref[rank].detach())
                     ref_opt.zero_grad()
-                    sum(F.cross_entropy(reference(bx), by) for bx, by in batches).div(2).backward()
+                    sum(ref).div(2).backward()
                     ref_opt.step()
-        torch.save({"shards": [p.to_local() for p in model.parameters()],
+        torch.save({"shards": [local(p) for p in model.parameters()],
                     "reference": [p.detach() for p in reference.parameters()],
+                    "losses": torch.stack(losses), "reference_losses": torch.stack(ref_losses),
                     "skipped": skipped, "buckets": buckets}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("level,param_dtype", [("O1", None), ("O4", None),
-                                               ("O1", torch.float16)])
-def test_fsdp2_sharded_gradients_are_unscaled_and_ranks_skip_together(tmp_path, level,
-                                                                     param_dtype):
+@pytest.mark.parametrize("kind,level,param_dtype", [
+    ("fsdp2", "O1", None), ("fsdp2", "O4", None), ("fsdp2", "O1", torch.float16),
+    ("fsdp1", "O1", torch.float16)])
+def test_fsdp_sharded_gradients_are_unscaled_and_ranks_skip_together(tmp_path, kind, level,
+                                                                    param_dtype):
     # The unscale op used to fail on FSDP2's DTensor gradients ("Operator
     # optamp.unscale_check_.default does not have a sharding strategy registered"), where
     # torch.amp.GradScaler works; O2/O3/O5 silently trained as O1/O4 or failed in the forward.
@@ -324,10 +343,14 @@ def test_fsdp2_sharded_gradients_are_unscaled_and_ranks_skip_together(tmp_path, 
     # gradients after FSDP2's reduce-scatter had run without them.
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    _spawn(_fsdp_worker, (2, _free_port(), level, param_dtype, str(tmp_path)))
+    # FSDP1 (flat parameters, plain tensors) got O2/O5's silent O1/O4 too; it is refused alike.
+    _spawn(_fsdp_worker, (2, _free_port(), kind, level, param_dtype, str(tmp_path)))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["skipped"] == r1["skipped"] == [FSDP_BAD_STEP]
     assert r0["buckets"] == r1["buckets"] == 0
     tolerance = tol("train_bfloat16" if level == "O4" else "train_float16")
-    for s0, s1, ref in zip(r0["shards"], r1["shards"], r0["reference"]):
-        torch.testing.assert_close(torch.cat([s0, s1]), ref, **tolerance)  # dim-0 shards
+    for r in (r0, r1):
+        torch.testing.assert_close(r["losses"], r["reference_losses"], **tolerance)
+    if kind == "fsdp2":  # dim-0 shards (FSDP1's are views of a flat parameter's shard)
+        for s0, s1, ref in zip(r0["shards"], r1["shards"], r0["reference"]):
+            torch.testing.assert_close(torch.cat([s0, s1]), ref, **tolerance)
