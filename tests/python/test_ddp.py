@@ -47,10 +47,27 @@ def _init(rank, world, port, backend="gloo"):
                             timeout=datetime.timedelta(seconds=60))
 
 
+def _amp_step(model, opt, x, y, poisoned):
+    """One optamp training step (an infinite loss where ``poisoned``): the loss, the gradient
+    buckets its graph holds, and whether the step was skipped."""
+    import optamp
+    from common_utils import graph_node_names
+
+    opt.zero_grad()
+    out = model(x)
+    buckets = graph_node_names(out).count("ConvertGradientsBackward")
+    loss = F.cross_entropy(out, y)
+    if poisoned:
+        loss = loss * float("inf")
+    with optamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    return loss, buckets, optamp.loss_scaler().last_step_skipped
+
+
 def _worker(rank, world, port, level, out_dir, backend="gloo"):
     """gloo: CPU. nccl: one GPU per rank (cuda:rank), DDP with device_ids."""
     import optamp
-    from common_utils import graph_node_names
 
     _init(rank, world, port, backend)
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
@@ -71,16 +88,9 @@ def _worker(rank, world, port, level, out_dir, backend="gloo"):
         for step in range(STEPS):
             x, y = torch.randn(4, 4, generator=gen), torch.randint(0, 3, (4,), generator=gen)
             x, y = x.to(device), y.to(device)
-            opt.zero_grad()
-            out = ddp(x)
-            buckets += graph_node_names(out).count("ConvertGradientsBackward")
-            loss = F.cross_entropy(out, y)
-            if step == BAD_STEP and rank == 1:
-                loss = loss * float("inf")
-            with optamp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-            opt.step()
-            if optamp.loss_scaler().last_step_skipped:
+            _, step_buckets, was_skipped = _amp_step(ddp, opt, x, y, step == BAD_STEP and rank == 1)
+            buckets += step_buckets
+            if was_skipped:
                 skipped.append(step)
         torch.save({"params": [p.detach().cpu() for p in model.parameters()], "skipped": skipped,
                     "scale": optamp.loss_scaler().loss_scale(), "buckets": buckets},
@@ -273,7 +283,6 @@ def _fsdp_worker(rank, world, port, kind, level, param_dtype, out_dir):
     """Shard, build the optimizer, initialize (the order FSDP needs: sharding replaces the
     parameters). One rank's loss is infinite at FSDP_BAD_STEP."""
     import optamp
-    from common_utils import graph_node_names
 
     _init(rank, world, port)
     optamp._C._set_gradient_buckets_on_cpu(True)  # as on a GPU: FSDP must still have none
@@ -303,16 +312,10 @@ def _fsdp_worker(rank, world, port, kind, level, param_dtype, out_dir):
         for step in range(FSDP_STEPS):
             batches = _fsdp_batches(step)
             x, y = batches[rank]
-            opt.zero_grad()
-            out = model(x)
-            buckets += graph_node_names(out).count("ConvertGradientsBackward")
-            loss = F.cross_entropy(out.float(), y)
-            if step == FSDP_BAD_STEP and rank == 1:
-                loss = loss * float("inf")
-            with optamp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-            opt.step()
-            if optamp.loss_scaler().last_step_skipped:
+            loss, step_buckets, was_skipped = _amp_step(model, opt, x, y,
+                                                        step == FSDP_BAD_STEP and rank == 1)
+            buckets += step_buckets
+            if was_skipped:
                 skipped.append(step)
             with optamp.disable_casts():  # the unsharded fp32 reference: the ranks' mean loss
                 ref = [F.cross_entropy(reference(bx), by) for bx, by in batches]
