@@ -158,8 +158,8 @@ def _refuse_script_modules_cast_in_place(models: List[torch.nn.Module], cast: An
                 "afterwards")
 
 
-def _sharded_tensor(models: List[torch.nn.Module],
-                    optimizers: List[torch.optim.Optimizer]) -> Optional[Tuple[int, str]]:
+def _sharded_part(models: List[torch.nn.Module],
+                  optimizers: List[torch.optim.Optimizer]) -> Optional[Tuple[int, str]]:
     """(model index, what) for the first sharded part of the models: a DTensor parameter or
     buffer (FSDP2's ``fully_shard``, tensor parallelism) or an FSDP1 ``FullyShardedDataParallel``
     module; (-1, "") for DTensors only an optimizer holds; None when nothing is sharded."""
@@ -307,7 +307,7 @@ def initialize(
     _distributed.check_process_group(process_group)
     preview = _C.resolve(opt_level, **overrides)  # validates the options before collecting
     _refuse_script_modules_cast_in_place(model_list, preview.model_cast)
-    sharded = _sharded_tensor(model_list, opt_list)
+    sharded = _sharded_part(model_list, opt_list)
     _refuse_sharded_models_cast(sharded, preview.model_cast if preview.enabled else ModelCast.NONE,
                                 preview.opt_level)
     with _lock:
