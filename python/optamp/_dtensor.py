@@ -18,7 +18,7 @@ import torch
 
 from . import _C
 
-_HANDLED = ("unscale_check_", "axpby_check_")
+_HANDLED = ("unscale_check_", "axpby_check_")  # the ops with a found_inf flag (multi_tensor.cpp)
 
 
 def _local(arg: Any, meshes: List[Tuple[Any, Tuple[Any, ...]]]) -> Any:
@@ -56,15 +56,15 @@ def _reduce_flag(found_inf: torch.Tensor, meshes: List[Tuple[Any, Tuple[Any, ...
 
 
 def _handler(flag_index: int) -> Callable[..., None]:
+    """The handler of an op whose overflow flag is its argument ``flag_index``."""
     def handle(op_call: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         meshes: List[Tuple[Any, Tuple[Any, ...]]] = []
         with torch.no_grad():
             local_args = _local(args, meshes)
             local_kwargs = {k: _local(v, meshes) for k, v in kwargs.items()}
             op_call(*local_args, **local_kwargs)
-            flag = local_args[flag_index] if flag_index < len(local_args) else None
-            if flag is None:
-                flag = local_kwargs["found_inf"]
+            flag = (local_args[flag_index] if flag_index < len(local_args) else
+                    local_kwargs["found_inf"])
             _reduce_flag(flag, meshes)
 
     return handle
@@ -78,9 +78,8 @@ def install() -> None:
     from torch.distributed.tensor import DTensor
 
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    # found_inf's position in each schema (multi_tensor.cpp).
-    flag_at = {"unscale_check_": 1, "axpby_check_": 5}
     for name in _HANDLED:
         op = getattr(torch.ops.optamp, name).default
         if op not in handlers:
-            handlers[op] = _handler(flag_at[name])
+            flag_index = [a.name for a in op._schema.arguments].index("found_inf")
+            handlers[op] = _handler(flag_index)
