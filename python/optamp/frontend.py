@@ -13,7 +13,8 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type, TypeVar, Union
+from typing import (Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Type,
+                    TypeVar, Union)
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -158,49 +159,91 @@ def _refuse_script_modules_cast_in_place(models: List[torch.nn.Module], cast: An
                 "afterwards")
 
 
-def _sharded_part(models: List[torch.nn.Module],
-                  optimizers: List[torch.optim.Optimizer]) -> Optional[Tuple[int, str]]:
-    """(model index, what) for the first sharded part of the models: a DTensor parameter or
-    buffer (FSDP2's ``fully_shard``, tensor parallelism) or an FSDP1 ``FullyShardedDataParallel``
-    module; (-1, "") for DTensors only an optimizer holds; None when nothing is sharded."""
-    if "torch.distributed.tensor" in sys.modules:  # otherwise no DTensor can exist
-        from torch.distributed.tensor import DTensor
+class _Sharded(NamedTuple):
+    """The first sharded part of the models. ``model_index`` is -1 for DTensors only an optimizer
+    holds. ``gathered``: FSDP (FSDP2's ``fully_shard``, FSDP1) gathers the shards into new
+    parameters for every forward; tensor parallelism's DTensor parameters are the ones the
+    forward uses."""
 
-        for index, model in enumerate(models):
-            for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-                if isinstance(tensor, DTensor):
-                    return index, (f"sharded (DTensor) parameters ({name}: FSDP2's "
-                                   "fully_shard or tensor parallelism)")
-        for opt in optimizers:
-            if any(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]):
-                return -1, ""
-    if "torch.distributed.fsdp" in sys.modules:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+    model_index: int
+    what: str
+    gathered: bool
 
-        for index, model in enumerate(models):
-            for name, module in model.named_modules():
-                if isinstance(module, FullyShardedDataParallel):
-                    return index, f"an FSDP1 FullyShardedDataParallel module ({name or 'itself'})"
+
+def _fsdp_module(model: torch.nn.Module) -> Optional[str]:
+    """What names the model's first FSDP2 (``fully_shard``) or FSDP1 module, if it has one."""
+    if "torch.distributed.fsdp" not in sys.modules:  # otherwise no FSDP module can exist
+        return None
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            return f"FSDP2's fully_shard ({name or 'itself'})"
+        if isinstance(module, FullyShardedDataParallel):
+            return f"an FSDP1 FullyShardedDataParallel module ({name or 'itself'})"
     return None
 
 
-def _refuse_sharded_models_cast(sharded: Optional[Tuple[int, str]], cast: Any,
-                                opt_level: str) -> None:
-    """A level that casts the model (O2/O3/O5) cannot keep a sharded model: FSDP gathers the
-    shards into new parameters (FSDP2) or views of a flat parameter (FSDP1) for every forward,
-    which O2/O5's working copies never see (the run was silently O1/O4) and O3's in-place cast
-    breaks. FSDP has its own way to hold fp32 shards and compute with fp16/bf16 parameters;
-    refused before anything is changed."""
-    if cast == ModelCast.NONE or sharded is None or sharded[0] < 0:
+def _sharded_part(models: List[torch.nn.Module],
+                  optimizers: List[torch.optim.Optimizer]) -> Optional[_Sharded]:
+    """The first sharded part of the models: a DTensor parameter or buffer (FSDP2's
+    ``fully_shard``, tensor parallelism) or an FSDP1 ``FullyShardedDataParallel`` module; None
+    when nothing is sharded."""
+    for index, model in enumerate(models):
+        fsdp = _fsdp_module(model)
+        dtensor = _dtensor_name(model)
+        if dtensor is not None:
+            owner = f": {fsdp}" if fsdp else ", tensor parallelism"
+            return _Sharded(index, f"sharded (DTensor) parameters ({dtensor}{owner})",
+                            fsdp is not None)
+        if fsdp is not None:
+            return _Sharded(index, fsdp, True)
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor
+
+        for opt in optimizers:
+            if any(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]):
+                return _Sharded(-1, "", False)
+    return None
+
+
+def _dtensor_name(model: torch.nn.Module) -> Optional[str]:
+    """The name of the model's first DTensor parameter or buffer."""
+    if "torch.distributed.tensor" not in sys.modules:  # otherwise no DTensor can exist
+        return None
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if isinstance(tensor, DTensor):
+            return name
+    return None
+
+
+def _refuse_sharded_models_cast(sharded: Optional[_Sharded], cast: Any, opt_level: str) -> None:
+    """Levels that cannot keep a sharded model, refused before anything is changed.
+
+    FSDP gathers the shards into new parameters (FSDP2) or views of a flat parameter (FSDP1)
+    for every forward, which O2/O5's working copies never see (the run was silently O1/O4) and
+    O3's in-place cast breaks; FSDP has its own way to hold fp32 shards and compute with
+    fp16/bf16 parameters. Tensor parallelism's DTensor parameters are the forward's own, so
+    O2/O5 cast them as any parameter (a working copy per step, cast by the DTensor); only an
+    in-place cast (O3) is refused: it replaces the DTensor's data, not its local shard's."""
+    if cast == ModelCast.NONE or sharded is None or sharded.model_index < 0:
         return
-    index, what = sharded
-    raise ValueError(
-        f"models[{index}] has {what}, which opt_level {opt_level} cannot cast: FSDP gathers the "
-        "shards into new parameters for every forward. For O2's arrangement (fp32 sharded master "
-        "weights, fp16/bf16 compute) pass FSDP's mixed precision policy (FSDP2: fully_shard(..., "
-        "mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)); "
-        "FSDP1: mixed_precision=MixedPrecision(param_dtype=torch.float16)) and initialize with O1 "
-        "(O4 for bfloat16), which casts the ops and scales the sharded gradients' loss")
+    if sharded.gathered:
+        raise ValueError(
+            f"models[{sharded.model_index}] has {sharded.what}, which opt_level {opt_level} cannot "
+            "cast: FSDP gathers the shards into new parameters for every forward. For O2's "
+            "arrangement (fp32 sharded master weights, fp16/bf16 compute) pass FSDP's mixed "
+            "precision policy (FSDP2: fully_shard(..., mp_policy=MixedPrecisionPolicy("
+            "param_dtype=torch.float16, reduce_dtype=torch.float32)); FSDP1: mixed_precision="
+            "MixedPrecision(param_dtype=torch.float16)) and initialize with O1 (O4 for "
+            "bfloat16), which casts the ops and scales the sharded gradients' loss")
+    if cast == ModelCast.IN_PLACE:
+        raise ValueError(
+            f"models[{sharded.model_index}] has {sharded.what}, which opt_level {opt_level} cannot "
+            "cast in place: a DTensor parameter's local shard would keep its dtype. Use O2 (fp32 "
+            "master weights, fp16 working copies; O5 for bfloat16) or O1/O4")
 
 
 def _flush_torchscript_plans(models: List[torch.nn.Module]) -> None:
@@ -256,8 +299,9 @@ def initialize(
     """Apex's ``amp.initialize``: set up ``opt_level`` for the model(s) and optimizer(s).
 
     Returns ``model`` alone when ``optimizers`` is None, else ``(model, optimizer)``, each a
-    single object or a list as passed (hence the ``Any`` return type). The objects are the ones passed in (optamp changes no
-    optimizer and, except O3's in-place cast and the forward wrapper, no model).
+    single object or a list as passed (hence the ``Any`` return type). The objects are the ones
+    passed in (optamp changes no optimizer and, except O3's in-place cast and the forward
+    wrapper, no model).
 
     The models' forward gets Apex's boundary wherever the model is cast (O2, O3, O5):
     floating inputs are cast to the model's dtype and floating outputs to

@@ -357,3 +357,95 @@ def test_fsdp_sharded_gradients_are_unscaled_and_ranks_skip_together(tmp_path, k
     if kind == "fsdp2":  # dim-0 shards (FSDP1's are views of a flat parameter's shard)
         for s0, s1, ref in zip(r0["shards"], r1["shards"], r0["reference"]):
             torch.testing.assert_close(torch.cat([s0, s1]), ref, **tolerance)
+
+
+TP_STEPS, TP_BAD_STEP = 5, 2
+
+
+def _tp_model():
+    """Column- then row-parallel Linears (DTensor parameters) and plain replicated ones. Tanh, not
+    ReLU: a ReLU mask that flips between fp16 and fp32 changes a gradient row, not a rounding."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8),
+                               torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+
+
+def _tp_local(p):
+    """A parameter's local shard and the dim it is sharded on (None: whole)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return p.detach().clone(), None
+    shard = [pl.dim for pl in p.placements if isinstance(pl, Shard)]
+    return p.to_local().detach().clone(), (shard[0] if shard else None)
+
+
+def _tp_worker(rank, world, port, level, out_dir):
+    """Tensor parallelism: both ranks take the same batch; one rank's loss is infinite at
+    TP_BAD_STEP. The unsharded fp32 reference trains on the same batches."""
+    import optamp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    _init(rank, world, port)
+    try:
+        model, reference = _tp_model(), _tp_model()
+        parallelize_module(model, init_device_mesh("cpu", (world,)),
+                           {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+        before = [_tp_local(p)[0] for p in model.parameters()]
+        try:  # O3 casts in place, which a DTensor's local shard would not follow
+            optamp.initialize(model, opt, opt_level="O3", verbosity=0)
+            raise AssertionError("O3 was not refused")
+        except ValueError as e:
+            assert ("models[0] has sharded (DTensor) parameters (0.weight, tensor parallelism)"
+                    in str(e) and "cannot cast in place" in str(e)), e
+        assert not optamp.is_initialized()
+        assert all(torch.equal(a, _tp_local(p)[0]) for a, p in zip(before, model.parameters()))
+        model, opt = optamp.initialize(model, opt, opt_level=level, verbosity=0)
+        norm_dtypes = []  # O2/O5 run the layer norm on its working copies, O1 leaves it fp32
+        model[3].register_forward_hook(lambda m, i, o: norm_dtypes.append(o.dtype))
+        skipped, losses, ref_losses = [], [], []
+        for step in range(TP_STEPS):
+            x, y = _fsdp_batches(step)[0]
+            loss, _, was_skipped = _amp_step(model, opt, x, y, step == TP_BAD_STEP and rank == 1)
+            if was_skipped:
+                skipped.append(step)
+            with optamp.disable_casts():
+                ref = F.cross_entropy(reference(x), y)
+                if step != TP_BAD_STEP:
+                    losses.append(loss.detach().float())
+                    ref_losses.append(ref.detach())
+                    ref_opt.zero_grad()
+                    ref.backward()
+                    ref_opt.step()
+        torch.save({"shards": [_tp_local(p) for p in model.parameters()],
+                    "reference": [p.detach() for p in reference.parameters()],
+                    "losses": torch.stack(losses), "reference_losses": torch.stack(ref_losses),
+                    "skipped": skipped, "norm_dtypes": set(norm_dtypes)},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("level,norm_dtype", [
+    ("O1", torch.float32), ("O2", torch.float16), ("O5", torch.bfloat16)])
+def test_tensor_parallel_models_train_at_o1_o2_o5_and_ranks_skip_together(tmp_path, level,
+                                                                         norm_dtype):
+    # O2/O5 were refused with FSDP's reason (FSDP gathers new parameters every forward), which
+    # does not hold here: tensor parallelism's DTensor parameters are the forward's own, and their
+    # working copies are DTensors cast by the DTensor. Only O3's in-place cast is refused.
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    _spawn(_tp_worker, (2, _free_port(), level, str(tmp_path)))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["skipped"] == r1["skipped"] == [TP_BAD_STEP]
+    assert r0["norm_dtypes"] == r1["norm_dtypes"] == {norm_dtype}
+    tolerance = tol("train_bfloat16" if level == "O5" else "train_float16")
+    for r in (r0, r1):
+        torch.testing.assert_close(r["losses"], r["reference_losses"], **tolerance)
+    for (s0, dim), (s1, _), ref in zip(r0["shards"], r1["shards"], r0["reference"]):
+        whole = s0 if dim is None else torch.cat([s0, s1], dim)
+        torch.testing.assert_close(whole, ref, **tolerance)
