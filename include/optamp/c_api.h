@@ -201,8 +201,10 @@ OPTAMP_C_API optamp_status optamp_scale_loss_begin(
  * overflowed: its gradients were reset. Frees the guard, also on error; on error *skipped_out
  * is 1 (do not step). */
 OPTAMP_C_API optamp_status optamp_scale_loss_finish(optamp_scaled_loss* guard, int* skipped_out);
-/* Ends the guard on an error path (an exception in your backward): gradients stay as they are,
- * stashed ones are restored, nothing is unscaled. Frees the guard. */
+/* Ends the guard on an error path (an exception in your backward): nothing is checked, gradients
+ * that appeared inside the guard are dropped, earlier micro-batches' gradients are divided by the
+ * scale again (with what the interrupted backward added), delayed ones stay scaled. Frees the
+ * guard. */
 OPTAMP_C_API optamp_status optamp_scale_loss_abandon(optamp_scaled_loss* guard);
 /* amp::step's decision for the parameters of the optimizer(s) you are about to step: *skip_out
  * is 1 when a guard over any of them overflowed since the last call (their gradients are then

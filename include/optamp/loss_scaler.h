@@ -106,9 +106,23 @@ class OPTAMP_API LossScaler {
   // the scale. Without `on_device`, waits for the overflow flag (the step's one device->host sync;
   // none when the scaler checks nothing). With it, nothing waits: the caller's optimizer skips on
   // the device with result.found_inf, and the host learns the outcome later.
+  // `carried`: rescale()'s flags for gradients the step accumulates onto. An overflow they
+  // carried was counted by the step that made it (which made the optimizers skip), so a device
+  // whose carried flag is set counts no overflow here (on_device; its gradients hold it still).
   StepResult finish_step(const std::vector<at::Tensor>& grads,
                          const std::vector<at::Tensor>& stashed, const at::Tensor& inv_scale,
-                         bool on_device = false);
+                         bool on_device = false, const std::vector<at::Tensor>& carried = {});
+
+  // Gradient accumulation without delay_unscale: gradients an earlier step left unscaled in .grad
+  // are multiplied by the scale `inv_scale` inverts (exact for a power of two), so the next
+  // backward accumulates onto them at its own loss's scale and finish_step unscales the sum.
+  // Whatever reads .grad during that backward (DDP's all-reduce after no_sync, a post-accumulate
+  // hook) sees the whole sum, as under torch's GradScaler, where a stash kept beside .grad and
+  // added back after the unscale hid it. With `flags`, also returns, per device, whether they
+  // held a non-finite value before the multiplication (for finish_step's `carried`). Nothing to
+  // do with a fixed scale of 1.
+  std::vector<at::Tensor> rescale(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale,
+                                  bool flags) const;
 
   // --- the same step in two calls (one thread at a time): unscale any number of times, then
   // update() once. -------------------------------------------------------------------------------

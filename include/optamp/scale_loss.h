@@ -52,8 +52,9 @@ class OPTAMP_API ScaledLoss {
   ScaledLoss(const ScaledLoss&) = delete;
   ScaledLoss& operator=(const ScaledLoss&) = delete;
   // Finishes the step (see above). Errors surface as exceptions, except while another exception
-  // is unwinding the stack: then the grads are left scaled (never half-unscaled), stashed grads
-  // are restored, and nothing is thrown.
+  // is unwinding the stack: then nothing is checked or thrown, gradients that appeared inside the
+  // guard are dropped, earlier micro-batches' gradients are divided by the scale again (with what
+  // the interrupted backward added to them), and delay_unscale's scaled ones stay scaled.
   ~ScaledLoss() noexcept(false);
 
   // loss.float() * scale.

@@ -18,7 +18,7 @@ namespace {
 const double kScaleFloor = LossScaler::kScaleFloor;  // an addressable copy for def_readonly_static
 
 // Owns a C++ guard. Python ends it with finish(); a guard that is garbage-collected unfinished
-// is treated like an exception exit (stashes restored, nothing unscaled, nothing raised).
+// is treated like an exception exit (ScaledLoss's destructor while unwinding; nothing raised).
 struct PyScaledLoss {
   std::unique_ptr<ScaledLoss> guard;
   // With device_skip: where the guard leaves its overflow flag for the optimizers.

@@ -299,7 +299,7 @@ TEST_F(ScaleLossTest, LogsTheApexMessageAtVerbosityOneOnly) {
   EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
 }
 
-TEST_F(ScaleLossTest, AccumulationWithDelayUnscaleAndWithStashingBothGiveTheUnscaledSum) {
+TEST_F(ScaleLossTest, AccumulationWithDelayUnscaleAndWithRescalingBothGiveTheUnscaledSum) {
   core::configure_loss_scalers(props());
   const auto expected = plain_grads(Model(), {0, 1, 2});
   for (bool delay : {true, false}) {
@@ -317,8 +317,33 @@ TEST_F(ScaleLossTest, AccumulationWithDelayUnscaleAndWithStashingBothGiveTheUnsc
   EXPECT_EQ(loss_scaler().growth_tracker().item<int>(), 1 + 3);
 }
 
+// What a backward's readers of .grad see (DDP's all-reduce after no_sync, a post-accumulate hook):
+// the whole accumulated sum at the guard's scale, as under torch's GradScaler, not only the
+// current micro-batch's gradient.
+TEST_F(ScaleLossTest, AccumulatedGradientsAreAtTheScaleOfTheBackwardThatAddsToThem) {
+  core::configure_loss_scalers(props());
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  {
+    auto s = scale_loss(m.loss(batch(0)), opt);
+    s.backward();
+  }
+  std::vector<at::Tensor> seen;
+  {
+    auto s = scale_loss(m.loss(batch(1)), opt);
+    s.backward();
+    seen = grads(m.params());
+  }
+  const double scale = loss_scaler().loss_scale();
+  const auto expected = plain_grads(Model(), {0, 1});
+  for (size_t i = 0; i < seen.size(); ++i) {
+    EXPECT_TRUE(at::equal(seen[i], expected[i] * scale)) << i;
+  }
+  EXPECT_TRUE(all_equal(grads(m.params()), expected));
+}
+
 // An embedding with sparse gradients (nn.Embedding(sparse=True)); torch's GradScaler unscales
-// their values, and so does the guard, stash included.
+// their values, and so does the guard, accumulated ones included.
 at::Tensor sparse_loss(const at::Tensor& table, int b) {
   at::manual_seed(2000 + b);
   const auto ids = at::randint(0, table.size(0), {4, 3});
@@ -374,6 +399,14 @@ TEST_F(ScaleLossTest, BackwardOnTheLossInsteadOfTheScaledLossWarns) {
     loss.backward();
   }
   std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find(needle), std::string::npos) << err;
+  ::testing::internal::CaptureStderr();
+  {  // the same slip on a later micro-batch, whose gradients accumulate onto the earlier ones
+    const auto loss = m.loss(batch(1));
+    auto scaled = scale_loss(loss, opt);
+    loss.backward();
+  }
+  err = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find(needle), std::string::npos) << err;
   opt.zero_grad();
   ::testing::internal::CaptureStderr();
@@ -724,7 +757,7 @@ TEST_F(ScaleLossTest, AGuardOnAnotherThreadHoldsItsParametersUntilItFinishes) {
   s.backward();
 }
 
-TEST_F(ScaleLossTest, ExceptionInsideTheGuardRestoresStashAndDoesNotThrowAgain) {
+TEST_F(ScaleLossTest, ExceptionInsideTheGuardLeavesGradientsUnscaledAndDoesNotThrowAgain) {
   core::configure_loss_scalers(props());
   Model m;
   torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
@@ -733,14 +766,21 @@ TEST_F(ScaleLossTest, ExceptionInsideTheGuardRestoresStashAndDoesNotThrowAgain) 
     s.backward();
   }
   const auto before = grads(m.params());
-  try {
+  try {  // before the backward: the gradients of entry, bit for bit (rescaled and back)
+    auto s = scale_loss(m.loss(batch(1)), opt);
+    throw std::runtime_error("user error");
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "user error");
+  }
+  EXPECT_TRUE(all_equal(grads(m.params()), before)) << "the accumulated grads are unscaled again";
+  try {  // after it: what it added, unscaled (nothing stays multiplied by the scale)
     auto s = scale_loss(m.loss(batch(1)), opt);
     s.backward();
     throw std::runtime_error("user error");
   } catch (const std::runtime_error& e) {
     EXPECT_STREQ(e.what(), "user error");
   }
-  EXPECT_TRUE(all_equal(grads(m.params()), before)) << "stashed (unscaled) grads restored";
+  EXPECT_TRUE(all_equal(grads(m.params()), plain_grads(Model(), {0, 1})));
   EXPECT_EQ(loss_scaler().growth_tracker().item<int>(), 1) << "no update while unwinding";
   auto s = scale_loss(m.loss(batch(2)), opt);  // the guard was released
   s.backward();

@@ -381,8 +381,10 @@ def _tp_local(p):
 
 
 def _tp_worker(rank, world, port, level, out_dir):
-    """Tensor parallelism: both ranks take the same batch; one rank's loss is infinite at
-    TP_BAD_STEP. The unsharded fp32 reference trains on the same batches."""
+    """Tensor parallelism: both ranks take the same batch, in two micro-batches with a plain
+    guard each (the second accumulates onto the first's unscaled DTensor and plain gradients);
+    one rank's loss is infinite at TP_BAD_STEP. The unsharded fp32 reference trains on the same
+    batches."""
     import optamp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -410,9 +412,17 @@ def _tp_worker(rank, world, port, level, out_dir):
         skipped, losses, ref_losses = [], [], []
         for step in range(TP_STEPS):
             x, y = _fsdp_batches(step)[0]
-            loss, _, was_skipped = _amp_step(model, opt, x, y, step == TP_BAD_STEP and rank == 1)
-            if was_skipped:
+            opt.zero_grad()
+            for half in (slice(0, 2), slice(2, 4)):
+                loss = F.cross_entropy(model(x[half]), y[half]) / 2
+                if step == TP_BAD_STEP and rank == 1 and half.start:
+                    loss = loss * float("inf")
+                with optamp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            loss = F.cross_entropy(model(x), y)  # the loss of the step, as the reference's
+            if optamp.loss_scaler().last_step_skipped:
                 skipped.append(step)
+            opt.step()
             with optamp.disable_casts():
                 ref = F.cross_entropy(reference(x), y)
                 if step != TP_BAD_STEP:
@@ -449,3 +459,60 @@ def test_tensor_parallel_models_train_at_o1_o2_o5_and_ranks_skip_together(tmp_pa
     for (s0, dim), (s1, _), ref in zip(r0["shards"], r1["shards"], r0["reference"]):
         whole = s0 if dim is None else torch.cat([s0, s1], dim)
         torch.testing.assert_close(whole, ref, **tolerance)
+
+
+ACCUMULATE = 3
+
+
+def _no_sync_worker(rank, world, port, level, fused, out_dir):
+    """Gradient accumulation under DDP: no_sync on all but the last micro-batch, a plain
+    (non-delayed) scale_loss on each. The unsharded fp32 reference trains on both ranks'
+    micro-batches."""
+    import contextlib
+
+    import optamp
+
+    _init(rank, world, port)
+    try:
+        model, reference = _fsdp_model(), _fsdp_model()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused)
+        ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+        model, opt = optamp.initialize(model, opt, opt_level=level, verbosity=0)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        for step in range(4):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for micro in range(ACCUMULATE):
+                batches = _fsdp_batches(ACCUMULATE * step + micro)
+                x, y = batches[rank]
+                last = micro == ACCUMULATE - 1
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    loss = F.cross_entropy(ddp(x), y) / ACCUMULATE
+                    with optamp.scale_loss(loss, opt) as scaled:
+                        scaled.backward()
+                with optamp.disable_casts():
+                    ref = sum(F.cross_entropy(reference(bx), by) for bx, by in batches)
+                    (ref / (2 * ACCUMULATE)).backward()
+            opt.step()
+            ref_opt.step()
+        torch.save({"params": [p.detach() for p in model.parameters()],
+                    "reference": [p.detach() for p in reference.parameters()]},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("level,fused", [("O1", False), ("O2", False), ("O2", True)])
+def test_accumulation_under_ddp_no_sync_without_delay_unscale_keeps_ranks_equal(tmp_path, level,
+                                                                               fused):
+    # Each guard used to take the gradients of earlier micro-batches out of .grad (a stash) and
+    # add them back after its unscale, so DDP's all-reduce on the last micro-batch averaged only
+    # that micro-batch's gradients: every rank kept its own sum of the others and the ranks'
+    # parameters drifted apart (4e-2 after 8 steps), silently. The guard now multiplies them by
+    # its scale instead, and the backward accumulates onto them, as under torch's GradScaler.
+    # fused: the optimizer skips on the device (the rescale's carried flags).
+    _spawn(_no_sync_worker, (2, _free_port(), level, fused, str(tmp_path)))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    for p0, p1, ref in zip(r0["params"], r1["params"], r0["reference"]):
+        assert torch.equal(p0, p1)
+        torch.testing.assert_close(p0, ref, **tol("train_float16"))

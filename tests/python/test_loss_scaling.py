@@ -186,6 +186,7 @@ def test_process_group_flag_skips_on_a_remote_overflow_with_any_grad_layout(
     assert changed == [not remote_overflow] * 2
     # Per call only: the next guard without process_group reduces nothing.
     assert not optamp.loss_scaler().has_found_inf_reducer
+    opt.zero_grad()
     with optamp.scale_loss(model(torch.randn(2, 4)).sum(), opt) as scaled:
         scaled.backward()
     assert len(calls) == 1

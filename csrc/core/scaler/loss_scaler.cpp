@@ -164,6 +164,37 @@ void add_sparse_stashes(const std::vector<at::Tensor>& grads,
   if (check) ops::unscale_check_(sums, flag, at::ones({1}, flag.options()));
 }
 
+// The dense tensors that hold the gradients' values (a sparse gradient's values alias its data),
+// grouped by device, and apart where they are tensor subclasses (a tensor-parallel model's DTensor
+// gradients beside plain ones: DTensor refuses a foreach op over a mix of the two).
+struct ValueGroup {
+  c10::Device device;
+  bool subclass;
+  std::vector<at::Tensor> values;
+};
+std::vector<ValueGroup> values_by_device(const std::vector<at::Tensor>& grads) {
+  std::vector<ValueGroup> groups;
+  for (const auto& g : grads) {
+    const bool subclass = g.key_set().has(c10::DispatchKey::Python);
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const ValueGroup& group) {
+      return group.device == g.device() && group.subclass == subclass;
+    });
+    if (it == groups.end()) it = groups.insert(groups.end(), ValueGroup{g.device(), subclass, {}});
+    it->values.push_back(g.is_sparse() ? g._values() : g);
+  }
+  return groups;
+}
+
+// Clears each device's flag where the carried flag of its device is set.
+void discount_carried(std::vector<std::pair<c10::Device, at::Tensor>>& found,
+                      const std::vector<at::Tensor>& carried) {
+  for (const auto& c : carried) {
+    for (auto& [device, flag] : found) {
+      if (device == c.device()) flag.mul_(1 - c);
+    }
+  }
+}
+
 }  // namespace
 
 void LossScaler::check_gradients(const std::vector<at::Tensor>& grads,
@@ -262,7 +293,8 @@ bool LossScaler::update() {
 
 LossScaler::StepResult LossScaler::finish_step(const std::vector<at::Tensor>& grads,
                                                const std::vector<at::Tensor>& stashed,
-                                               const at::Tensor& inv_scale, bool on_device) {
+                                               const at::Tensor& inv_scale, bool on_device,
+                                               const std::vector<at::Tensor>& carried) {
   TORCH_CHECK_VALUE(
       inv_scale.defined() && inv_scale.numel() == 1 && inv_scale.scalar_type() == at::kFloat,
       "inv_scale must be a one-element float32 tensor");
@@ -275,7 +307,31 @@ LossScaler::StepResult LossScaler::finish_step(const std::vector<at::Tensor>& gr
     unscale_into(grads, any_stash ? stashed : std::vector<at::Tensor>{}, inv_scale, found,
                  /*check_stash=*/!on_device);
   }
+  discount_carried(found, carried);
   return update_from(std::move(found), on_device);
+}
+
+std::vector<at::Tensor> LossScaler::rescale(const std::vector<at::Tensor>& grads,
+                                            const at::Tensor& inv_scale, bool flags) const {
+  const bool identity = !impl_->dynamic_ && impl_->fixed_scale_ == 1.0;  // nothing to multiply
+  flags = flags && impl_->checks_;
+  if (grads.empty() || (identity && !flags)) return {};
+  check_gradients(grads, {});
+  DeviceFlags found;
+  const at::Tensor scale = at::reciprocal(inv_scale).reshape({});  // 0-dim: a foreach scalar
+  for (auto& [device, subclass, values] : values_by_device(grads)) {
+    const at::Tensor on_device =
+        scale.device() == device ? scale : scale.to(device, /*non_blocking=*/true);
+    // The flags say what the gradients held, not what the multiplication made: a gradient the
+    // scale pushes out of range is a new overflow, which finish_step's check counts.
+    if (flags) {
+      ops::unscale_check_(values, flag_for(found, device), at::ones({1}, on_device.options()));
+    }
+    if (!identity) at::_foreach_mul_(values, on_device);
+  }
+  std::vector<at::Tensor> out;
+  for (auto& [device, flag] : found) out.push_back(std::move(flag));
+  return out;
 }
 
 LossScaler::StepResult LossScaler::update_from(DeviceFlags found_list, bool on_device) {

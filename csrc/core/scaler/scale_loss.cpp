@@ -1,4 +1,4 @@
-// The tensor-level scale_loss (optamp/core.h): the guard's state, stashing for gradient
+// The tensor-level scale_loss (optamp/core.h): the guard's state, rescaling for gradient
 // accumulation, the fused unscale/check at its end, overflow handling, and the records amp::step
 // reads. The torch::optim overloads and amp::step: scale_loss.cpp.
 #include "optamp/core.h"
@@ -51,14 +51,12 @@ std::optional<size_t> first_shared(const ParamsByAddress& mine, const ParamsByAd
 //  - live: the parameters of each live guard (nesting on the same optimizer is an error). One
 //    entry per guard, not per parameter: there is rarely more than one live guard (usually none),
 //    so a step's guard costs no per-parameter hashing here.
-//  - pending: parameters whose .grad holds *scaled* gradients after a guard with delay_unscale,
-//    with the already-unscaled gradient that guard stashed at its entry. (A live guard keeps its
-//    own stashes; only delay_unscale hands them on to a later guard.)
+//  - pending: parameters whose .grad holds *scaled* gradients after a guard with delay_unscale
+//    (the next guard must not scale them again, and amp::step must not step them).
 //  - overflowed: parameters a guard reset after an overflow since their last amp::step. A later
 //    guard's backward refills those grads, so only this record lets amp::step skip the step.
 struct Pending {
   c10::weak_intrusive_ptr<c10::TensorImpl> param;
-  at::Tensor stash;  // undefined when the param had no gradient at entry
 };
 
 struct Book {
@@ -102,9 +100,8 @@ struct Book {
 };
 
 Book& book() {
-  // Leaked, as the published session and the cast cache are: a delay_unscale stash is a device
-  // tensor, and at process exit the CUDA runtime may be shutting down before static destructors
-  // run (a guard on another thread may also still be ending).
+  // Leaked, as the published session and the cast cache are: at process exit a guard on another
+  // thread may still be ending.
   static auto* instance = new Book();
   return *instance;
 }
@@ -137,11 +134,15 @@ struct ScaleLossState {
   std::vector<size_t> caller_index;  // params[j] is the caller's caller_index[j]-th parameter
   std::string label(size_t j) const { return labeler(caller_index[j]); }
   ParamsByAddress by_address;  // params, sorted by address (Book::live)
-  // stashed_here[i]: this guard took params[i]'s gradient at entry into stashes[i] (undefined if
-  // it had none) and restores it when unwinding. Otherwise an earlier delay_unscale guard's
-  // record (Book::pending) holds the stash, and the grads accumulate on.
-  std::vector<bool> stashed_here;
-  std::vector<at::Tensor> stashes;
+  // Gradient accumulation (docs/loss_scaling.md): at entry, params[i] had no gradient (fresh),
+  // an unscaled one, which the guard multiplied by the scale (rescaled: the backward accumulates
+  // onto it at the same scale), or a scaled one from a delay_unscale guard (neither).
+  std::vector<bool> fresh;
+  std::vector<size_t> rescaled;
+  // The rescaled gradients as the backward found them (tensor and version): one it changed got a
+  // gradient inside the guard.
+  std::vector<std::pair<c10::TensorImpl*, int64_t>> rescaled_as;
+  std::vector<at::Tensor> carried;  // the rescale's non-finite flags (LossScaler::rescale)
   int uncaught_at_entry = 0;
   bool finished = false;
   bool skipped = false;  // this guard's own step overflowed (not another thread's)
@@ -188,36 +189,38 @@ void refuse_live_params(const Book& b, const ScaleLossState& s, const char* owne
   }
 }
 
-// Unwinding (or an explicit abort): grads stay as they are, except that parameters this guard
-// stashed get their stashed (already unscaled) gradient back; no unscale, no throw.
+// Unwinding (or an explicit abort): no check, no scale update. Gradients that appeared inside the
+// guard are dropped and rescaled ones are divided by the scale again, which gives back the
+// gradients of entry where the backward did not reach them, and adds the (unscaled) part it
+// computed before the error where it did; delayed (scaled) ones stay as they are.
 void restore(ScaleLossState& s) {
   for (size_t i = 0; i < s.params.size(); ++i) {
-    if (s.stashed_here[i]) s.params[i].mutable_grad() = std::move(s.stashes[i]);
+    if (s.fresh[i]) s.params[i].mutable_grad() = at::Tensor();
+  }
+  for (size_t i : s.rescaled) {
+    const at::Tensor& grad = s.params[i].grad();
+    if (!grad.defined()) continue;
+    at::Tensor values = grad.is_sparse() ? grad._values() : grad;
+    values.mul_(s.inv_scale.to(values.device()).reshape({}));
   }
 }
 
-// The end of every guard, however it ended: its parameters are free for other guards, and its
-// stashes (the unscale has added them, unwinding has put them back, or delay_unscale's records
-// hold them) are not kept alive until the guard object itself goes.
+// The end of every guard, however it ended: its parameters are free for other guards.
 void release_guard(ScaleLossState& s) {
-  s.stashes.clear();
   auto& b = book();
   std::lock_guard<std::mutex> lock(b.mutex);
   const auto it = std::find(b.live.begin(), b.live.end(), &s.by_address);
   if (it != b.live.end()) b.live.erase(it);
 }
 
-// delay_unscale: the grads stay scaled, so the stashes this guard took go to records that the
-// next guard (and amp::step's check) finds.
-void hand_on_stashes(ScaleLossState& s) {
+// delay_unscale: the grads stay scaled, which records say to the next guard (and amp::step).
+void record_scaled_grads(ScaleLossState& s) {
   auto& b = book();
   std::lock_guard<std::mutex> lock(b.mutex);
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    if (!s.stashed_here[i]) continue;
-    const at::Tensor& p = s.params[i];
+  for (const at::Tensor& p : s.params) {
     b.pending.insert_or_assign(
         p.unsafeGetTensorImpl(),
-        Pending{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()), s.stashes[i]});
+        Pending{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr())});
   }
 }
 
@@ -244,7 +247,8 @@ std::string floor_message(const ScaleLossState& s, const LossScaler& scaler,
       << ") because of non-finite gradients; the model diverged"
       << (scaler.dynamic() ? " or min_loss_scale is too high" : "")
       << ". Parameters with non-finite gradients in the last step: "
-      << (count ? names.str() : std::string("(none: the stashed gradients overflowed)"));
+      << (count ? names.str()
+                : std::string("(none now: the overflow was in an earlier step's gradients)"));
   return msg.str();
 }
 
@@ -258,52 +262,38 @@ void coalesce_if_half_sparse(at::Tensor& grad) {
 }
 
 void finish_normally(ScaleLossState& s) {
-  if (s.options.delay_unscale) return hand_on_stashes(s);  // grads stay scaled
+  if (s.options.delay_unscale) return record_scaled_grads(s);  // grads stay scaled
   LossScaler& scaler = *s.scaler;
 
-  // Gather grads and stashes (records stay until the unscale succeeded).
-  std::vector<at::Tensor> grads, stashes;
+  std::vector<at::Tensor> grads;
   std::vector<size_t> grad_param;
-  std::vector<std::pair<size_t, at::Tensor>> stash_only;
-  bool any_stash = false;
   grads.reserve(s.params.size());  // growing them copied every tensor again (refcounts)
-  stashes.reserve(s.params.size());
   grad_param.reserve(s.params.size());
-  {
-    auto& b = book();
-    std::lock_guard<std::mutex> lock(b.mutex);
-    for (size_t i = 0; i < s.params.size(); ++i) {
-      const Pending* rec = s.stashed_here[i] ? nullptr : b.find(s.params[i]);
-      at::Tensor stash = s.stashed_here[i] ? s.stashes[i] : rec ? rec->stash : at::Tensor();
-      coalesce_if_half_sparse(s.params[i].mutable_grad());
-      const at::Tensor& g = s.params[i].grad();
-      if (g.defined()) {
-        grads.push_back(g);
-        stashes.push_back(stash);
-        grad_param.push_back(i);
-        any_stash |= stash.defined();
-      } else if (stash.defined()) {
-        stash_only.emplace_back(i, stash);
-      }
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    coalesce_if_half_sparse(s.params[i].mutable_grad());
+    const at::Tensor& g = s.params[i].grad();
+    if (g.defined()) {
+      grads.push_back(g);
+      grad_param.push_back(i);
     }
   }
 
+  // The records of delay_unscale guards before this one stay until the unscale succeeded.
   auto settle_book = [&s](bool overflowed) {
     auto& b = book();
     std::lock_guard<std::mutex> lock(b.mutex);
     for (size_t i = 0; i < s.params.size(); ++i) {
-      if (!s.stashed_here[i]) b.pending.erase(s.params[i].unsafeGetTensorImpl());
+      if (!b.pending.empty()) b.pending.erase(s.params[i].unsafeGetTensorImpl());
       if (overflowed) b.mark_overflowed(s.params[i]);
     }
   };
-  if (!any_stash) stashes.clear();
-  LossScaler::check_gradients(grads, stashes);  // bad gradients: an error, nothing changed
+  LossScaler::check_gradients(grads, {});  // bad gradients: an error, nothing changed
   LossScaler::StepResult result;
   try {
     // Unscale with this guard's own 1/scale and overflow flag; the step's only device->host sync,
     // none when the optimizers skip on the device.
-    result = scaler.finish_step(grads, stashes, s.inv_scale,
-                                /*on_device=*/static_cast<bool>(s.device_skip));
+    result = scaler.finish_step(grads, {}, s.inv_scale,
+                                /*on_device=*/static_cast<bool>(s.device_skip), s.carried);
   } catch (...) {
     // A found_inf reducer failed (e.g. a collective timed out), or the unscale itself: whether
     // this or another rank overflowed is unknown, so this step is skipped as on an overflow, and
@@ -318,8 +308,6 @@ void finish_normally(ScaleLossState& s) {
       result.floor_limit ? floor_message(s, scaler, result, grads, grad_param) : std::string();
   if (result.skipped) {
     for (auto& p : s.params) p.mutable_grad() = at::Tensor();
-  } else {
-    for (auto& [i, stash] : stash_only) s.params[i].mutable_grad() = stash;
   }
   if (result.found_inf.defined()) s.device_skip(result.found_inf);
   notify_weights_may_change();
@@ -330,12 +318,17 @@ void finish_normally(ScaleLossState& s) {
 // users make that slip too) gives unscaled gradients, which the guard's exit then divides by the
 // scale: training goes on, silently, with gradients thousands of times too small. Seen here as
 // gradients that appeared during the guard (its parameters had none at entry) while no backward
-// passed through the scaled loss.
+// passed through the scaled loss, or rescaled gradients that it changed.
 void warn_if_the_scaled_loss_was_bypassed(const ScaleLossState& s) {
   if (s.backpropagated->load()) return;
   size_t appeared = 0;
   for (size_t i = 0; i < s.params.size(); ++i) {
-    appeared += s.stashed_here[i] && s.params[i].grad().defined();
+    appeared += s.fresh[i] && s.params[i].grad().defined();
+  }
+  for (size_t k = 0; k < s.rescaled.size(); ++k) {
+    const at::Tensor& grad = s.params[s.rescaled[k]].grad();
+    appeared += grad.defined() &&
+                std::make_pair(grad.unsafeGetTensorImpl(), grad._version()) != s.rescaled_as[k];
   }
   if (appeared == 0) return;
   TORCH_WARN("amp: scale_loss guard (loss_id ", s.options.loss_id, ") finished without a backward ",
@@ -354,8 +347,7 @@ void warn_if_no_parameter_got_a_gradient(const ScaleLossState& s) {
   if (!s.accumulated->load()) return;
   size_t trainable = 0;
   for (size_t i = 0; i < s.params.size(); ++i) {
-    const bool stashed = s.stashed_here[i] && s.stashes[i].defined();
-    if (s.params[i].grad().defined() || stashed || !s.stashed_here[i]) return;
+    if (s.params[i].grad().defined() || !s.fresh[i]) return;
     trainable += s.params[i].requires_grad();
   }
   if (trainable == 0) return;
@@ -365,6 +357,22 @@ void warn_if_no_parameter_got_a_gradient(const ScaleLossState& s) {
              "the tensors the forward used: build them over the model's parameters after any ",
              "wrapper that replaces them (FSDP's fully_shard: shard first, then build the ",
              "optimizer and call initialize) and pass initialize and scale_loss those optimizers.");
+}
+
+// Gradients an earlier guard left unscaled are brought to this guard's scale (LossScaler::rescale):
+// the backward accumulates onto them, and anything that reads .grad in between (DDP's all-reduce
+// after no_sync) sees the whole sum. The common step (grads reset before it) has none.
+void rescale_accumulated(ScaleLossState& s) {
+  if (s.rescaled.empty()) return;
+  std::vector<at::Tensor> grads;
+  grads.reserve(s.rescaled.size());
+  for (size_t i : s.rescaled) grads.push_back(s.params[i].grad());
+  const std::vector<size_t> rescaled = std::exchange(s.rescaled, {});  // restore() until done
+  s.carried = s.scaler->rescale(grads, s.inv_scale, /*flags=*/static_cast<bool>(s.device_skip));
+  s.rescaled = rescaled;
+  s.rescaled_as.reserve(grads.size());
+  for (const at::Tensor& g : grads)
+    s.rescaled_as.emplace_back(g.unsafeGetTensorImpl(), g._version());
 }
 
 void finish(ScaleLossState& s, bool unwinding) {
@@ -547,19 +555,26 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
                 "`with amp.scale_loss(...) as scaled_loss:` block).");
   });
 
-  s->stashed_here.assign(s->params.size(), false);
-  s->stashes.resize(s->params.size());
-  std::lock_guard<std::mutex> lock(b.mutex);
-  refuse_live_params(b, *s, owner_kind);  // again: another thread's guard may have begun since
-  // From here on nothing throws: a guard registered in Book::live is always released by its end.
-  b.live.push_back(&s->by_address);
-  for (size_t i = 0; i < s->params.size(); ++i) {
-    at::Tensor& p = s->params[i];
-    if (b.find(p)) continue;  // grads already scaled (a delayed micro-batch came before)
-    s->stashes[i] = std::exchange(p.mutable_grad(), at::Tensor());  // backward writes a new one
-    s->stashed_here[i] = true;
+  s->fresh.assign(s->params.size(), false);
+  {
+    std::lock_guard<std::mutex> lock(b.mutex);
+    refuse_live_params(b, *s, owner_kind);  // again: another thread's guard may have begun since
+    // From here on nothing throws until the guard exists: a guard registered in Book::live is
+    // always released by its end.
+    b.live.push_back(&s->by_address);
+    for (size_t i = 0; i < s->params.size(); ++i) {
+      const at::Tensor& p = s->params[i];
+      if (b.find(p)) continue;  // grads already scaled (a delayed micro-batch came before)
+      if (p.grad().defined()) {
+        s->rescaled.push_back(i);
+      } else {
+        s->fresh[i] = true;
+      }
+    }
   }
-  return ScaledLossAccess::make(std::move(s));
+  ScaledLoss guard = ScaledLossAccess::make(std::move(s));
+  rescale_accumulated(*ScaledLossAccess::state(guard));  // throws: the guard ends unwinding
+  return guard;
 }
 
 bool take_step_overflows(const std::vector<at::Tensor>& params, const ParamLabeler& labels) {
