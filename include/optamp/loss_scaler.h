@@ -117,10 +117,10 @@ class OPTAMP_API LossScaler {
   // are multiplied by the scale `inv_scale` inverts (exact for a power of two), so the next
   // backward accumulates onto them at its own loss's scale and finish_step unscales the sum.
   // Whatever reads .grad during that backward (DDP's all-reduce after no_sync, a post-accumulate
-  // hook) sees the whole sum, as under torch's GradScaler, where a stash kept beside .grad and
-  // added back after the unscale hid it. With `flags`, also returns, per device, whether they
-  // held a non-finite value before the multiplication (for finish_step's `carried`). Nothing to
-  // do with a fixed scale of 1.
+  // hook) sees the whole sum, as under torch's GradScaler (a stash kept beside .grad until the
+  // unscale, as Apex kept, hides the earlier part). With `flags`, also returns, per device, whether
+  // they held a non-finite value before the multiplication (for finish_step's `carried`). Nothing
+  // to do with a fixed scale of 1.
   std::vector<at::Tensor> rescale(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale,
                                   bool flags) const;
 
