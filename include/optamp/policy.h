@@ -27,10 +27,14 @@ enum class CastPolicy : std::uint8_t {
   // As kFp32, at every level that casts (O1-O5, regions): what register_float_op registers, so
   // a registered op (a loss, say) runs in fp32 whatever the level does to the model.
   kFp32Always,
+  // Ops that need their source in self's dtype (in-place `index_add_`, `scatter_add_`, ...):
+  // floating inputs of another width are cast to self's, at every level that casts. Where a
+  // reduced buffer meets a widened value (an fp32 softmax's product at O2/O5) they failed.
+  kMatchSelf,
 };
 
-// "lower", "fp32", "fp32 (loss)", "promote", "banned", "fp32 (always)" (as policy_report()
-// prints them).
+// "lower", "fp32", "fp32 (loss)", "promote", "banned", "fp32 (always)", "match self" (as
+// policy_report() prints them).
 OPTAMP_API const char* to_string(CastPolicy policy);
 
 // Which policies apply: chosen by the level (or an amp::autocast region), per call after the

@@ -139,7 +139,8 @@ void bind_frontend(py::module_& m) {
       .value("FP32_LOSS", CastPolicy::kFp32Loss)
       .value("PROMOTE", CastPolicy::kPromote)
       .value("BANNED", CastPolicy::kBanned)
-      .value("FP32_ALWAYS", CastPolicy::kFp32Always);
+      .value("FP32_ALWAYS", CastPolicy::kFp32Always)
+      .value("MATCH_SELF", CastPolicy::kMatchSelf);
   py::enum_<RuleSet>(m, "RuleSet", "Which policies apply (set by the level or a region).")
       .value("NONE", RuleSet::kNone)
       .value("FULL_LISTS", RuleSet::kFullLists)

@@ -168,6 +168,7 @@ class CastPolicy:
     PROMOTE: ClassVar[CastPolicy]
     BANNED: ClassVar[CastPolicy]
     FP32_ALWAYS: ClassVar[CastPolicy]
+    MATCH_SELF: ClassVar[CastPolicy]
     __members__: ClassVar[Dict[str, CastPolicy]]
     def __init__(self, value: int) -> None: ...
     @property

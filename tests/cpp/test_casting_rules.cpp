@@ -441,5 +441,37 @@ TEST_F(Casting, AnExplicitResultDtypeIsLeftAlone) {
       at::kHalf);
 }
 
+
+TEST_F(Casting, OpsThatNeedTheSourceInSelfsDtypeGetIt) {
+  // A mixture-of-experts router at O2: `out = zeros_like(x)` (fp16, the model's input), an fp32
+  // softmax weight times an expert's fp16 output (fp32), then out.index_add_(0, tokens, y):
+  // "index_add_(): self (Half) and source (Float) must have the same scalar type".
+  for (const char* level : {"O1", "O2", "O3", "O4", "O5"}) {
+    SCOPED_TRACE(level);
+    enable(level);
+    const ScalarType low = (level[1] == '4' || level[1] == '5') ? at::kBFloat16 : at::kHalf;
+    const auto idx = at::tensor({0, 2, 2}, at::kLong);
+    const auto src = randn({3, 4});
+    auto out = at::zeros({3, 4}, low);
+    auto before = cast_count();
+    out.index_add_(0, idx, src);
+    EXPECT_EQ(cast_count(), before + 1);
+    EXPECT_EQ(out.scalar_type(), low);
+    EXPECT_TRUE(at::equal(out, at::zeros({3, 4}, low).index_add_(0, idx, src.to(low))));
+    auto wide = at::zeros({3, 4});  // a reduced source into an fp32 buffer
+    wide.scatter_add_(0, idx.unsqueeze(1).expand({3, 4}).contiguous(), src.to(low));
+    EXPECT_EQ(wide.scalar_type(), at::kFloat);
+    EXPECT_EQ(at::index_add(out, 0, idx, src).scalar_type(), low);  // out of place: self's too
+    before = cast_count();
+    out.index_add_(0, idx, src.to(low));  // one width: as given
+    EXPECT_EQ(cast_count(), before);
+    {
+      disable_casts off;  // nothing at all: torch's error
+      EXPECT_THROW(out.index_add_(0, idx, src), c10::Error);
+    }
+    TearDown();
+  }
+}
+
 }  // namespace
 }  // namespace amp

@@ -556,3 +556,49 @@ def test_a_loss_registered_as_fp32_trains_at_every_level(how):
     proc = subprocess.run([sys.executable, "-c", _BCE_EVERY_LEVEL, how], env=env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+class _Experts(torch.nn.Module):
+    """A top-2 mixture of experts routed by index_add_ into a buffer made from the input."""
+
+    def __init__(self, d=8, experts=3):
+        super().__init__()
+        self.gate = torch.nn.Linear(d, experts)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(experts))
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, x):
+        weights, chosen = F.softmax(self.gate(x), dim=-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot].unsqueeze(-1))
+        return self.head(x + out)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_a_mixture_of_experts_router_trains_at_every_level(fresh, level):
+    # At O2/O5 the buffer is fp16/bf16 (zeros_like of the cast input) and the routed value fp32
+    # (the softmax is fp32 at every level): index_add_ refused the mix, as it does under native
+    # autocast. Ops that need their source in self's dtype now get it (policy "match self").
+    torch.manual_seed(0)
+    model, reference = _Experts(), _Experts()
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model, opt = init(model, opt, opt_level=level)
+    for step in range(3):
+        x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+        loss = F.cross_entropy(model(x).float(), y)
+        opt.zero_grad()
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        with optamp.disable_casts():
+            ref_loss = F.cross_entropy(reference(x), y)
+            ref_opt.zero_grad()
+            ref_loss.backward()
+            ref_opt.step()
+        row = "train_bfloat16" if level in ("O4", "O5") else "train_float16"
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **tol(row))
+    assert "aten::index_add_: match self" in optamp.policy_report()

@@ -118,6 +118,9 @@ CastKernel::CastKernel(const c10::FunctionSchema& schema)
   const auto& args = schema.arguments();
   for (std::size_t i = 0; i < args.size(); ++i) {
     const auto& arg = args[i];
+    if (arg.name() == "self" && arg.type()->kind() == c10::TypeKind::TensorType) {
+      self_index_ = static_cast<int>(i);
+    }
     if (arg.alias_info() && arg.alias_info()->isWrite()) continue;  // in-place / out=
     const c10::TypePtr& type = arg.type();
     if (arg.name() == "dtype" && is_scalar_type_arg(arg)) {
@@ -195,6 +198,19 @@ bool CastKernel::plan_promotion(const PromoteWidth& width, CallPlan& p) const {
   return true;
 }
 
+bool CastKernel::plan_match_self(torch::jit::Stack& stack, std::size_t base, CallPlan& p) const {
+  if (self_index_ < 0) return false;
+  const at::Tensor& self = stack[base + self_index_].toTensor();
+  if (!self.defined() || !self.is_floating_point()) return false;
+  p.target = self.scalar_type();
+  bool differs = false;
+  rewrite_tensors(slots_, stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
+    differs = differs || (is_castable(t) && dtype_ops_see(t) != p.target);  // O2/O5: its copy's
+    return std::nullopt;
+  });
+  return differs;
+}
+
 bool CastKernel::plan_mixed_widening(const PromoteWidth& width, CallPlan& p) const {
   // Mixed widths among 0-dim tensors alone are left to torch's promotion, which ranks them below
   // the others: the call runs as given, as everything under the gate does.
@@ -217,7 +233,7 @@ std::optional<at::Tensor> CastKernel::cast_argument(const at::Tensor& t, const C
     return std::nullopt;
   }
   if (p.policy != CastPolicy::kLower && p.policy != CastPolicy::kPromote &&
-      !is_reduced_float(t.scalar_type())) {
+      p.policy != CastPolicy::kMatchSelf && !is_reduced_float(t.scalar_type())) {
     return std::nullopt;  // fp32 policy: only reduced inputs are widened
   }
   log_cast(t.scalar_type(), p);
@@ -261,6 +277,11 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
     // a mixed widening: its width is planned (plan_mixed_widening)
   } else if (p.policy == CastPolicy::kPromote) {
     if (!plan_promotion(width_of_call(), p)) {
+      op.redispatchBoxed(below, stack);
+      return;
+    }
+  } else if (p.policy == CastPolicy::kMatchSelf) {
+    if (!plan_match_self(*stack, base, p)) {
       op.redispatchBoxed(below, stack);
       return;
     }

@@ -61,6 +61,8 @@ class CastKernel final : public c10::OperatorKernel {
   CallPlan plan(std::optional<c10::DeviceType> device) const;
   // a promote call whose width is known: whether to cast, to what (plan.target);
   bool plan_promotion(const PromoteWidth& width, CallPlan& plan) const;
+  // a match-self call: whether its other floating inputs need self's dtype (plan.target);
+  bool plan_match_self(torch::jit::Stack& stack, std::size_t base, CallPlan& plan) const;
   // a call left uncast (plan.widen_if_mixed) whose width is known: whether to widen its inputs
   // after all (they mix widths among its tensors with dimensions), to what. Why: such calls run
   // in the dtypes they are given, but a listed op that torch does not promote by itself (mm,
@@ -91,6 +93,7 @@ class CastKernel final : public c10::OperatorKernel {
   std::vector<Slot> slots_;  // read-only tensor arguments (written ones are never cast)
   std::size_t num_arguments_;
   int dtype_index_ = -1;                        // the op's `ScalarType? dtype` argument, if any
+  int self_index_ = -1;                         // its `self` tensor argument (kMatchSelf's target)
   Fp32Replacement fp32_replacement_ = nullptr;  // the op's row in kFp32Replacements, if any
   bool promotes_natively_ = false;              // see promotes_natively() (policy_table.h)
   std::string name_;

@@ -24,6 +24,8 @@ const char* to_string(CastPolicy policy) {
       return "banned";
     case CastPolicy::kFp32Always:
       return "fp32 (always)";
+    case CastPolicy::kMatchSelf:
+      return "match self";
   }
   return "?";
 }
@@ -43,7 +45,9 @@ const char* to_string(RuleSet rules) {
 }
 
 bool policy_applies(CastPolicy policy, RuleSet rules) {
-  if (policy == CastPolicy::kFp32Always) return rules != RuleSet::kNone;
+  if (policy == CastPolicy::kFp32Always || policy == CastPolicy::kMatchSelf) {
+    return rules != RuleSet::kNone;
+  }
   switch (rules) {
     case RuleSet::kFullLists:
       return true;

@@ -182,6 +182,28 @@ constexpr OpName kPromoteOps[] = {
     {"aten::tensordot", ""}, {"aten::embedding_bag", ""}, {"aten::embedding_bag", "padding_idx"},
 };
 
+// match self: in place (and out of place, for the same call written either way), the source must
+// have self's dtype.
+constexpr OpName kMatchSelfOps[] = {
+    {"aten::index_add_", ""},
+    {"aten::index_add", ""},
+    {"aten::index_copy_", ""},
+    {"aten::index_put_", ""},
+    {"aten::scatter_", "src"},
+    {"aten::scatter", "src"},
+    {"aten::scatter_", "reduce"},
+    {"aten::scatter_add_", ""},
+    {"aten::scatter_add", ""},
+    {"aten::scatter_reduce_", "two"},
+    {"aten::scatter_reduce", "two"},
+    {"aten::masked_scatter_", ""},
+    {"aten::masked_scatter", ""},
+    {"aten::index_reduce_", ""},
+    {"aten::index_reduce", ""},
+    {"aten::put_", ""},
+    {"aten::put", ""},
+};
+
 // The promote ops that do the promotion themselves, bit for bit as a cast would, gradients included
 // (checked per op by tests/python/test_casting.py; atan2 is not: its backward computes in the
 // inputs' own dtypes): a cast first only adds an op and an autograd node per call.
@@ -471,6 +493,15 @@ const std::vector<TableEntry>& table_of(ListSet set) {
 }
 
 const std::vector<TableEntry>& builtin_table() { return table_of(ListSet::kApex); }
+
+const std::vector<TableEntry>& match_self_ops() {
+  static const std::vector<TableEntry> ops = [] {
+    std::vector<TableEntry> t;
+    append(t, kMatchSelfOps, CastPolicy::kMatchSelf);
+    return t;
+  }();
+  return ops;
+}
 
 bool promotes_natively(const char* name, const char* overload) {
   for (const auto& op : kNativelyPromotingOps) {

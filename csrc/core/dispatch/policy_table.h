@@ -37,4 +37,10 @@ const std::vector<TableEntry>& builtin_table();
 // them instead of casting first. `name` "aten::add", `overload` "Tensor".
 bool promotes_natively(const char* name, const char* overload);
 
+// The ops that need their source in self's dtype (CastPolicy::kMatchSelf), the same whichever
+// lists are in use: torch errs on a mix ("index_add_(): self (Half) and source (Float) must have
+// the same scalar type") where no table casts, and a reduced buffer meets an fp32 value at
+// O2/O5 (the fp32 softmax's product). Entries are {"aten::index_add_", ""}-style names.
+const std::vector<TableEntry>& match_self_ops();
+
 }  // namespace amp::detail

@@ -79,6 +79,14 @@ void register_builtin_tables_locked(Registry& r) {
       kernel_locked(r, *op).set_policy(set, entry.policy, entry.message);
     }
   }
+  for (const TableEntry& entry : match_self_ops()) {  // with either lists
+    auto op = dispatcher.findSchema({entry.name, entry.overload});
+    if (!op) {
+      r.skipped.push_back(qualified({entry.name, entry.overload}));
+      continue;
+    }
+    kernel_locked(r, *op).set_policy_everywhere(CastPolicy::kMatchSelf);
+  }
 }
 
 bool writes_an_argument(const c10::FunctionSchema& schema) {
