@@ -441,7 +441,6 @@ TEST_F(Casting, AnExplicitResultDtypeIsLeftAlone) {
       at::kHalf);
 }
 
-
 TEST_F(Casting, OpsThatNeedTheSourceInSelfsDtypeGetIt) {
   // A mixture-of-experts router at O2: `out = zeros_like(x)` (fp16, the model's input), an fp32
   // softmax weight times an expert's fp16 output (fp32), then out.index_add_(0, tokens, y):
