@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
 
@@ -66,26 +67,27 @@ CastKernel& kernel_locked(Registry& r, const c10::OperatorHandle& op) {
 }
 
 // Every table's rows, into one kernel per operator that holds the op's row of each table.
+// The entry's operator in this LibTorch, or nullopt, recorded as skipped (`where`: its table).
+std::optional<c10::OperatorHandle> find_listed(Registry& r, const TableEntry& entry,
+                                               const std::string& where) {
+  auto op = c10::Dispatcher::singleton().findSchema({entry.name, entry.overload});
+  if (!op) r.skipped.push_back(qualified({entry.name, entry.overload}) + where);
+  return op;
+}
+
 void register_builtin_tables_locked(Registry& r) {
-  auto& dispatcher = c10::Dispatcher::singleton();
   for (int i = 0; i < kNumListSets; ++i) {
     const auto set = static_cast<ListSet>(i);
     for (const TableEntry& entry : table_of(set)) {
-      auto op = dispatcher.findSchema({entry.name, entry.overload});
-      if (!op) {
-        r.skipped.push_back(qualified({entry.name, entry.overload}) + " (" + to_string(set) + ")");
-        continue;
+      const std::string where = std::string(" (") + to_string(set) + ")";
+      if (auto op = find_listed(r, entry, where)) {
+        kernel_locked(r, *op).set_policy(set, entry.policy, entry.message);
       }
-      kernel_locked(r, *op).set_policy(set, entry.policy, entry.message);
     }
   }
   for (const TableEntry& entry : match_self_ops()) {  // with either lists
-    auto op = dispatcher.findSchema({entry.name, entry.overload});
-    if (!op) {
-      r.skipped.push_back(qualified({entry.name, entry.overload}));
-      continue;
-    }
-    kernel_locked(r, *op).set_policy_everywhere(CastPolicy::kMatchSelf);
+    if (auto op = find_listed(r, entry, ""))
+      kernel_locked(r, *op).set_policy_everywhere(entry.policy);
   }
 }
 

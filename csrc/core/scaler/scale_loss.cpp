@@ -138,10 +138,15 @@ struct ScaleLossState {
   // an unscaled one, which the guard multiplied by the scale (rescaled: the backward accumulates
   // onto it at the same scale), or a scaled one from a delay_unscale guard (neither).
   std::vector<bool> fresh;
-  std::vector<size_t> rescaled;
-  // The rescaled gradients as the backward found them (tensor and version): one it changed got a
-  // gradient inside the guard.
-  std::vector<std::pair<c10::TensorImpl*, int64_t>> rescaled_as;
+  std::vector<size_t> unscaled;  // the params with an unscaled gradient at entry
+  // Once the rescale succeeded: each such param, with its gradient as the backward found it
+  // (tensor and version; one the backward changed got a gradient inside the guard).
+  struct Rescaled {
+    size_t param;
+    c10::TensorImpl* grad;
+    int64_t version;
+  };
+  std::vector<Rescaled> rescaled;
   std::vector<at::Tensor> carried;  // the rescale's non-finite flags (LossScaler::rescale)
   int uncaught_at_entry = 0;
   bool finished = false;
@@ -197,8 +202,8 @@ void restore(ScaleLossState& s) {
   for (size_t i = 0; i < s.params.size(); ++i) {
     if (s.fresh[i]) s.params[i].mutable_grad() = at::Tensor();
   }
-  for (size_t i : s.rescaled) {
-    const at::Tensor& grad = s.params[i].grad();
+  for (const auto& r : s.rescaled) {
+    const at::Tensor& grad = s.params[r.param].grad();
     if (!grad.defined()) continue;
     at::Tensor values = grad.is_sparse() ? grad._values() : grad;
     values.mul_(s.inv_scale.to(values.device()).reshape({}));
@@ -325,10 +330,10 @@ void warn_if_the_scaled_loss_was_bypassed(const ScaleLossState& s) {
   for (size_t i = 0; i < s.params.size(); ++i) {
     appeared += s.fresh[i] && s.params[i].grad().defined();
   }
-  for (size_t k = 0; k < s.rescaled.size(); ++k) {
-    const at::Tensor& grad = s.params[s.rescaled[k]].grad();
-    appeared += grad.defined() &&
-                std::make_pair(grad.unsafeGetTensorImpl(), grad._version()) != s.rescaled_as[k];
+  for (const auto& r : s.rescaled) {
+    const at::Tensor& grad = s.params[r.param].grad();
+    appeared +=
+        grad.defined() && (grad.unsafeGetTensorImpl() != r.grad || grad._version() != r.version);
   }
   if (appeared == 0) return;
   TORCH_WARN("amp: scale_loss guard (loss_id ", s.options.loss_id, ") finished without a backward ",
@@ -363,16 +368,15 @@ void warn_if_no_parameter_got_a_gradient(const ScaleLossState& s) {
 // the backward accumulates onto them, and anything that reads .grad in between (DDP's all-reduce
 // after no_sync) sees the whole sum. The common step (grads reset before it) has none.
 void rescale_accumulated(ScaleLossState& s) {
-  if (s.rescaled.empty()) return;
+  if (s.unscaled.empty()) return;
   std::vector<at::Tensor> grads;
-  grads.reserve(s.rescaled.size());
-  for (size_t i : s.rescaled) grads.push_back(s.params[i].grad());
-  const std::vector<size_t> rescaled = std::exchange(s.rescaled, {});  // restore() until done
+  grads.reserve(s.unscaled.size());
+  for (size_t i : s.unscaled) grads.push_back(s.params[i].grad());
   s.carried = s.scaler->rescale(grads, s.inv_scale, /*flags=*/static_cast<bool>(s.device_skip));
-  s.rescaled = rescaled;
-  s.rescaled_as.reserve(grads.size());
-  for (const at::Tensor& g : grads)
-    s.rescaled_as.emplace_back(g.unsafeGetTensorImpl(), g._version());
+  s.rescaled.reserve(grads.size());  // from here on restore() divides them again
+  for (size_t k = 0; k < grads.size(); ++k) {
+    s.rescaled.push_back({s.unscaled[k], grads[k].unsafeGetTensorImpl(), grads[k]._version()});
+  }
 }
 
 void finish(ScaleLossState& s, bool unwinding) {
@@ -566,7 +570,7 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
       const at::Tensor& p = s->params[i];
       if (b.find(p)) continue;  // grads already scaled (a delayed micro-batch came before)
       if (p.grad().defined()) {
-        s->rescaled.push_back(i);
+        s->unscaled.push_back(i);
       } else {
         s->fresh[i] = true;
       }
