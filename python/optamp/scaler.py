@@ -7,7 +7,8 @@ and Apex's state-dict layout (``_apex_layout.py``). Imports go one way: ``fronte
 defined before, so ``optamp.scaler.check_process_group`` and the others still import."""
 import contextlib
 from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple,
+                    TypeVar, Union, cast)
 
 import torch
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:  # torch.distributed is imported only when a process group is 
     from torch.distributed import ProcessGroup
 
 OptimizerArg = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 __all__ = [
     "FoundInfReducer",
@@ -110,6 +112,28 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int = 0,
     the device; the flag is dropped after the step. The scaler's ``last_step_skipped`` and
     counters then wait for the device only when they are read.
     """
+    guard, opts = _open_guard(loss, optimizers, loss_id, delay_unscale, process_group)
+    try:
+        yield guard.loss
+    except BaseException:
+        _unwind_guard(guard)
+        raise
+    _close_guard(guard, opts, loss_id, delay_unscale, process_group)
+
+
+def _eager(fn: _Fn) -> _Fn:
+    """``fn`` run outside torch.compile's tracing (``torch.compiler.disable``). The guard's two
+    halves and its step hooks are: a compiled training step (``torch.compile(train_step)`` with
+    the ``with scale_loss(...)`` block inside, or a compiled ``optimizer.step``) then breaks its
+    graph at them and runs them eagerly, instead of tracing into pybind calls Dynamo cannot
+    trace (a warning per call) and into attribute writes on the optimizer (``found_inf``, the
+    hooks' handles), which Dynamo refuses. Eager callers pay one wrapper call (~0.4 us) each."""
+    return cast(_Fn, torch.compiler.disable(fn))
+
+
+@_eager
+def _open_guard(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int, delay_unscale: bool,
+                process_group: Optional["ProcessGroup"]) -> Tuple[Any, List[Any]]:
     check_process_group(process_group)
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss must be a torch.Tensor (the loss of this step), got "
@@ -122,11 +146,17 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int = 0,
     device_skip = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in opts)
     guard = _C._scale_loss(loss, params, loss_id, delay_unscale, group_sizes,
                            [id(opt) for opt in opts], device_skip)
-    try:
-        yield guard.loss
-    except BaseException:
-        guard.finish(True)
-        raise
+    return guard, opts
+
+
+@_eager
+def _unwind_guard(guard: Any) -> None:
+    guard.finish(True)
+
+
+@_eager
+def _close_guard(guard: Any, opts: List[Any], loss_id: int, delay_unscale: bool,
+                 process_group: Optional["ProcessGroup"]) -> None:
     if process_group is None or delay_unscale:
         skipped = guard.finish(False)
     else:
@@ -224,7 +254,7 @@ def _at_next_step(optimizer: torch.optim.Optimizer, handle_name: str,
         getattr(opt, handle_name).remove()
         setattr(opt, handle_name, None)
 
-    setattr(holder, handle_name, register(once))
+    setattr(holder, handle_name, register(_eager(once)))
 
 
 def loss_scaler(loss_id: int = 0) -> _C.LossScaler:

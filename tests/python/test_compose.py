@@ -2,6 +2,7 @@
 variants), state carried by at::ThreadLocalState (torch.jit.fork), inference under no_grad /
 inference_mode, the ungated option, torch.compile and TorchScript models."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -576,6 +577,63 @@ def test_initialize_turns_the_autograd_cache_off_and_reset_restores_it():
     init(CNet(), None, "O0")
     assert functorch_config.enable_autograd_cache == before, "O0 casts nothing"
     del net
+
+
+def _compiled_step_run(level, fused, compiled):
+    """The parameters after each of four AdamW steps, the third with an inf loss, and the skipped
+    steps; the whole training step (``"train_step"``: forward, guard, step) or only
+    ``optimizer.step`` (``"optimizer_step"``) compiled with aot_eager, or all eager (None)."""
+    torch.manual_seed(0)
+    net = CNet()
+    kind = {"fused": True} if fused else {"foreach": True}
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05, **kind)
+    net, opt = init(net, opt, level)
+    optimizer_step = opt.step
+    if compiled == "optimizer_step":
+        optimizer_step = torch.compile(opt.step, backend="aot_eager")
+
+    def train_step(x, y, factor):
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x).float(), y) * factor
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        optimizer_step()
+
+    step = train_step
+    if compiled == "train_step":
+        step = torch.compile(train_step, backend="aot_eager")
+    gen = torch.Generator().manual_seed(1)
+    params = []
+    for i in range(4):
+        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        step(x, y, torch.tensor(float("inf") if i == 2 else 1.0))
+        with torch.no_grad():
+            params.append([p.detach().clone() for p in net.parameters()])
+    skipped = optamp.loss_scaler(0).skipped_steps
+    optamp.reset()
+    return params, skipped
+
+
+@pytest.mark.parametrize("compiled", ["train_step", "optimizer_step"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_compiled_training_step_skips_and_trains_as_eager(fresh, level, fused, compiled):
+    # Found 2026-12-05: compiling a step with the guard inside (or only a fused optimizer's
+    # step) made Dynamo trace the guard's attribute writes on the optimizer (found_inf) and
+    # fail ("Attempted setattr on a user-defined object"); a foreach step warned about tracing
+    # optamp._C. The guard's halves and its step hooks now run outside Dynamo's tracing.
+    eager = _compiled_step_run(level, fused, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _compiled_step_run(level, fused, compiled)
+    assert eager[1] == got[1] == 1, "the inf step is skipped, eager and compiled"
+    torch.testing.assert_close(got[0][2], got[0][1], rtol=0, atol=0, msg="the skip changed nothing")
+    # torch's fused kernels are not traced (the same kernel runs); a traced foreach AdamW rounds
+    # differently from eager's (7e-7 without optamp), which the fp16 forwards then amplify.
+    exact = dict(rtol=0, atol=0) if fused else dict(rtol=0, atol=2e-3)
+    torch.testing.assert_close(got[0], eager[0], **exact)
+    about_optamp = [str(w.message) for w in caught if "optamp" in str(w.message)]
+    assert not about_optamp, about_optamp
 
 
 class RegionInsideForward(torch.nn.Module):
