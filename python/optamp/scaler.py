@@ -6,6 +6,7 @@ and Apex's state-dict layout (``_apex_layout.py``). Imports go one way: ``fronte
 ``scaler.py`` -> those two -> ``_C``. The reducer helpers are re-exported here, where they were
 defined before, so ``optamp.scaler.check_process_group`` and the others still import."""
 import contextlib
+import functools
 from collections.abc import Mapping, MutableMapping
 from typing import (TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple,
                     TypeVar, Union, cast)
@@ -122,13 +123,22 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int = 0,
 
 
 def _eager(fn: _Fn) -> _Fn:
-    """``fn`` run outside torch.compile's tracing (``torch.compiler.disable``). The guard's two
-    halves and its step hooks are: a compiled training step (``torch.compile(train_step)`` with
-    the ``with scale_loss(...)`` block inside, or a compiled ``optimizer.step``) then breaks its
-    graph at them and runs them eagerly, instead of tracing into pybind calls Dynamo cannot
-    trace (a warning per call) and into attribute writes on the optimizer (``found_inf``, the
-    hooks' handles), which Dynamo refuses. Eager callers pay one wrapper call (~0.4 us) each."""
-    return cast(_Fn, torch.compiler.disable(fn))
+    """``fn``, run outside torch.compile's tracing. The guard's two halves and its step hooks
+    are: a compiled training step (``torch.compile(train_step)`` with the ``with scale_loss(...)``
+    block inside, or a compiled ``optimizer.step``) then breaks its graph at them and runs them
+    eagerly, instead of tracing into pybind calls Dynamo cannot trace (a warning per call) and
+    into attribute writes on the optimizer (``found_inf``, the hooks' handles), which Dynamo
+    refuses. ``torch.compiler.disable``'s wrapper costs ~18K host instructions a call, so eager
+    calls skip it: Dynamo reads ``is_compiling()`` as True while it traces."""
+    outside = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return outside(*args)
+        return fn(*args)
+
+    return cast(_Fn, call)
 
 
 @_eager
@@ -250,11 +260,16 @@ def _at_next_step(optimizer: torch.optim.Optimizer, handle_name: str,
         return
 
     def once(opt: Any, args: Any, kwargs: Any) -> None:
-        action(opt)
-        getattr(opt, handle_name).remove()
-        setattr(opt, handle_name, None)
+        _run_once(opt, handle_name, action)
 
-    setattr(holder, handle_name, register(_eager(once)))
+    setattr(holder, handle_name, register(once))
+
+
+@_eager  # a compiled optimizer.step traces its hooks
+def _run_once(optimizer: Any, handle_name: str, action: Callable[[Any], None]) -> None:
+    action(optimizer)
+    getattr(optimizer, handle_name).remove()
+    setattr(optimizer, handle_name, None)
 
 
 def loss_scaler(loss_id: int = 0) -> _C.LossScaler:
