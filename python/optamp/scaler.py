@@ -122,15 +122,35 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int = 0,
     _close_guard(guard, opts, loss_id, delay_unscale, process_group)
 
 
+# What torch.compiler.disable's wrapper does (torch 2.11, torch/_dynamo/eval_frame.py,
+# DisableContext), without importing torch._dynamo, which took 1.7 s of `import optamp`:
+# Dynamo graph-breaks at a callable carrying the mark instead of tracing into it; the call then
+# runs eagerly, its own frame never compiled (as torch's wrapper, whose file Dynamo skips) and
+# with Dynamo's frame callback off, so the frames it calls are not compiled either.
+# tests/python/test_compose.py holds these to torch's.
+DYNAMO_DISABLE_MARK = "_torchdynamo_disable"
+_frames = torch._C._dynamo.eval_frame
+
+
 def _eager(fn: _Fn) -> _Fn:
     """``fn``, run outside torch.compile's tracing. The guard's two halves and its step hooks
     are: a compiled training step (``torch.compile(train_step)`` with the ``with scale_loss(...)``
     block inside, or a compiled ``optimizer.step``) then breaks its graph at them and runs them
     eagerly, instead of tracing into pybind calls Dynamo cannot trace (a warning per call) and
     into attribute writes on the optimizer (``found_inf``, the hooks' handles), which Dynamo
-    refuses. ``torch.compiler.disable``'s wrapper costs ~18K host instructions a call, so eager
-    calls skip it: Dynamo reads ``is_compiling()`` as True while it traces."""
-    outside = torch.compiler.disable(fn)
+    refuses. Eager calls go around the wrapper: Dynamo reads ``is_compiling()`` as True while it
+    traces."""
+
+    def outside(*args: Any) -> Any:
+        prior = _frames.set_eval_frame(None)
+        try:
+            return fn(*args)
+        finally:
+            _frames.set_eval_frame(prior)
+
+    setattr(outside, DYNAMO_DISABLE_MARK, True)
+    skip = _frames._FrameExecStrategy(_frames._FrameAction.SKIP, _frames._FrameAction.DEFAULT)
+    _frames.set_code_exec_strategy(outside.__code__, skip)
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
