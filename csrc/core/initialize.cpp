@@ -239,7 +239,8 @@ Properties initialize(const ModelTensors& model, const std::vector<OptimizerTens
   Properties scaler_properties = p;
   if (!p.enabled) scaler_properties.loss_scale = LossScale::fixed(1.0);
   auto scalers = make_loss_scalers(scaler_properties);
-  ensure_registered();  // key conflicts surface here, still before any change
+  ensure_registered();          // key conflicts surface here, still before any change
+  register_own_autocast_ops();  // libraries loaded since (their ops were not cast before either)
   warn_fp16_epsilon(p, opts);
 
   // ---- apply ------------------------------------------------------------------------------

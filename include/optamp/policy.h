@@ -31,10 +31,15 @@ enum class CastPolicy : std::uint8_t {
   // floating inputs of another width are cast to self's, at every level that casts. Where a
   // reduced buffer meets a widened value (an fp32 softmax's product at O2/O5) they failed.
   kMatchSelf,
+  // Ops of other libraries that register their own autocast kernel (torchvision's nms,
+  // roi_align, ...; `torch.library.register_autocast`): that kernel casts them, as it does under
+  // torch.autocast, with the level's low dtype, at every level that casts. Found when amp
+  // initializes; a table entry or a registration of the op takes precedence.
+  kOwnAutocast,
 };
 
-// "lower", "fp32", "fp32 (loss)", "promote", "banned", "fp32 (always)", "match self" (as
-// policy_report() prints them).
+// "lower", "fp32", "fp32 (loss)", "promote", "banned", "fp32 (always)", "match self",
+// "own autocast" (as policy_report() prints them).
 OPTAMP_API const char* to_string(CastPolicy policy);
 
 // Which policies apply: chosen by the level (or an amp::autocast region), per call after the

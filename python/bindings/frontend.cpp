@@ -140,7 +140,8 @@ void bind_frontend(py::module_& m) {
       .value("PROMOTE", CastPolicy::kPromote)
       .value("BANNED", CastPolicy::kBanned)
       .value("FP32_ALWAYS", CastPolicy::kFp32Always)
-      .value("MATCH_SELF", CastPolicy::kMatchSelf);
+      .value("MATCH_SELF", CastPolicy::kMatchSelf)
+      .value("OWN_AUTOCAST", CastPolicy::kOwnAutocast);
   py::enum_<RuleSet>(m, "RuleSet", "Which policies apply (set by the level or a region).")
       .value("NONE", RuleSet::kNone)
       .value("FULL_LISTS", RuleSet::kFullLists)

@@ -169,6 +169,7 @@ class CastPolicy:
     BANNED: ClassVar[CastPolicy]
     FP32_ALWAYS: ClassVar[CastPolicy]
     MATCH_SELF: ClassVar[CastPolicy]
+    OWN_AUTOCAST: ClassVar[CastPolicy]
     __members__: ClassVar[Dict[str, CastPolicy]]
     def __init__(self, value: int) -> None: ...
     @property

@@ -1,7 +1,10 @@
 // Registering policies: user ops (register_half_op and friends, the out= overloads they skip),
+// other libraries' ops with their own autocast kernels (found at registration and initialize),
 // the errors naming the op, the policy report, every table entry registered on this LibTorch,
 // the key conflict with another backend, and the argument walker on a Tensor?[] custom op.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
@@ -37,6 +40,73 @@ TORCH_LIBRARY_IMPL(optamp_test, CompositeExplicitAutograd, m) {
       if (x && x->defined()) return x->clone();
     }
     return at::Tensor();
+  });
+}
+
+// "Another library" with its own autocast kernels, as torchvision registers them for nms and
+// roi_align: `pair_sum`'s CPU kernel refuses inputs of two dtypes or in fp16 (torchvision's nms:
+// "dets should have the same type as scores", "nms_kernel not implemented for 'Half'"), and its
+// autocast kernel casts both to fp32; `low_mm`'s autocast kernel casts to native autocast's
+// lower-precision dtype (an extension's matmul-like op). `kept` (any dtypes, the first one's
+// result) has one too, for a registration to override.
+namespace own_autocast {
+
+at::Tensor call(const char* name, const at::Tensor& a, const at::Tensor& b) {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow(name, "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>()
+      .call(a, b);
+}
+
+at::Tensor pair_sum_cpu(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "pair_sum: a and b must have the same dtype");
+  TORCH_CHECK(a.scalar_type() == at::kFloat, "pair_sum not implemented for ", a.scalar_type());
+  return a + b;
+}
+
+// What torchvision's autocast kernels do: exclude the key, cast, call the op again.
+template <bool kToLow>
+at::Tensor autocast_kernel_of(const char* name, const at::Tensor& a, const at::Tensor& b) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
+  const at::ScalarType to =
+      kToLow ? at::autocast::get_lower_precision_fp_from_device_type(at::kCPU) : at::kFloat;
+  return call(name, at::autocast::cached_cast(to, a, at::kCPU),
+              at::autocast::cached_cast(to, b, at::kCPU));
+}
+
+}  // namespace own_autocast
+
+TORCH_LIBRARY(optamp_test_own, m) {
+  m.def("pair_sum(Tensor a, Tensor b) -> Tensor");
+  m.def("low_mm(Tensor a, Tensor b) -> Tensor");
+  m.def("kept(Tensor a, Tensor b) -> Tensor");
+  m.def("weighted(Tensor x, Tensor w) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(optamp_test_own, CPU, m) {
+  m.impl("pair_sum", &own_autocast::pair_sum_cpu);
+  m.impl("low_mm", [](const at::Tensor& a, const at::Tensor& b) { return at::mm(a, b); });
+  m.impl("kept", [](const at::Tensor& a, const at::Tensor& b) { return a + b.to(a.dtype()); });
+}
+// Differentiable through its decomposition (as a deformable convolution is through its own
+// backward): the weight's gradient reaches the master.
+TORCH_LIBRARY_IMPL(optamp_test_own, CompositeImplicitAutograd, m) {
+  m.impl("weighted", [](const at::Tensor& x, const at::Tensor& w) {
+    TORCH_CHECK(x.scalar_type() == w.scalar_type(), "weighted: x and w must have the same dtype");
+    return at::mm(x, w);
+  });
+}
+TORCH_LIBRARY_IMPL(optamp_test_own, AutocastCPU, m) {
+  m.impl("pair_sum", [](const at::Tensor& a, const at::Tensor& b) {
+    return own_autocast::autocast_kernel_of<false>("optamp_test_own::pair_sum", a, b);
+  });
+  m.impl("low_mm", [](const at::Tensor& a, const at::Tensor& b) {
+    return own_autocast::autocast_kernel_of<true>("optamp_test_own::low_mm", a, b);
+  });
+  m.impl("kept", [](const at::Tensor& a, const at::Tensor& b) {
+    return own_autocast::autocast_kernel_of<false>("optamp_test_own::kept", a, b);
+  });
+  m.impl("weighted", [](const at::Tensor& x, const at::Tensor& w) {
+    return own_autocast::autocast_kernel_of<false>("optamp_test_own::weighted", x, w);
   });
 }
 
@@ -135,6 +205,105 @@ TEST_F(Casting, EveryTableEntryIsRegisteredOnThisLibTorch) {
         << report;
   }
   EXPECT_NE(report.find("skipped (not in this LibTorch): 0\n"), std::string::npos) << report;
+}
+
+// Found 2026-12-05: torchvision's detection models failed at every casting level (nms given fp16
+// scores and fp32 boxes at O1, fp16 both at O2/O3/O5, which its CPU kernel lacks), where
+// torch.autocast runs them: torchvision's own autocast kernels cast them to fp32. optamp now
+// calls such a kernel where native autocast would (CastPolicy::kOwnAutocast).
+TEST_F(Casting, AnotherLibrarysAutocastKernelsCastItsOps) {
+  const auto a = randn({4}, at::kHalf);
+  const auto b = randn({4});
+  enable("O0");
+  OPTAMP_EXPECT_THROW_WITH(own_autocast::call("optamp_test_own::pair_sum", a, b), c10::Error,
+                           "same dtype");  // as given: what the op refuses
+  for (const char* level : {"O1", "O2", "O3", "O4", "O5"}) {
+    SCOPED_TRACE(level);
+    enable(level);
+    const auto sum = own_autocast::call("optamp_test_own::pair_sum", a, b);
+    EXPECT_EQ(sum.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(sum, a.to(at::kFloat) + b));
+    const auto both_low = own_autocast::call("optamp_test_own::pair_sum", a, b.to(at::kHalf));
+    EXPECT_EQ(both_low.scalar_type(), at::kFloat) << "fp16 alone, which the kernel lacks";
+    // A kernel that casts to native autocast's lower-precision dtype gets the level's.
+    const auto product =
+        own_autocast::call("optamp_test_own::low_mm", randn({2, 3}), randn({3, 2}));
+    EXPECT_EQ(product.scalar_type(), resolve(level).low_dtype());
+  }
+  // Native autocast's own settings on this thread are left as they were.
+  EXPECT_EQ(at::autocast::get_autocast_dtype(at::kCPU), at::kBFloat16);
+  EXPECT_TRUE(at::autocast::is_autocast_cache_enabled());
+  EXPECT_NE(policy_report().find("optamp_test_own::pair_sum: own autocast"), std::string::npos);
+}
+
+TEST_F(Casting, AnOwnAutocastKernelSeesAWeightsNewValuesAfterAnInPlaceStep) {
+  // Native autocast caches casts of leaf weights until its region ends, and optamp never enters
+  // one: with the cache on, the second call would read the weight from before the step.
+  enable("O1");
+  const auto w = at::full({2, 2}, 1.0).requires_grad_();
+  const auto x = at::eye(2);
+  EXPECT_TRUE(at::equal(own_autocast::call("optamp_test_own::low_mm", x, w).to(at::kFloat),
+                        at::full({2, 2}, 1.0)));
+  {
+    at::NoGradGuard no_grad;
+    w.add_(1.0);  // an optimizer step
+  }
+  EXPECT_TRUE(at::equal(own_autocast::call("optamp_test_own::low_mm", x, w).to(at::kFloat),
+                        at::full({2, 2}, 2.0)));
+}
+
+TEST_F(Casting, ARegistrationOverridesAnOpsOwnAutocast) {
+  register_half_op("optamp_test_own::kept");
+  enable("O1");
+  const auto report = policy_report();
+  EXPECT_NE(report.find("optamp_test_own::kept: lower"), std::string::npos) << report;
+  EXPECT_EQ(own_autocast::call("optamp_test_own::kept", randn({2}), randn({2})).scalar_type(),
+            at::kHalf)
+      << "lowered by the registration, then summed as given, not widened by its own kernel";
+}
+
+TEST_F(CastingInitialized, AnOwnAutocastOpGivenAModelWeightAtO2O5GetsItsMaster) {
+  // torchvision's deform_conv2d takes its layer's weight: at O2/O5 the kernel casts the master
+  // like its other inputs; substitution below it handed the op the fp16 working copy instead,
+  // beside the fp32 input ("must have the same dtype").
+  for (const char* level : {"O2", "O5"}) {
+    SCOPED_TRACE(level);
+    auto model = std::make_shared<OneWeight>();
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    initialize(model, opt, level, quiet());
+    const auto x = randn({2, 4});
+    const auto y = own_autocast::call("optamp_test_own::weighted", x, model->w);
+    EXPECT_EQ(y.scalar_type(), at::kFloat);
+    y.sum().backward();
+    at::NoGradGuard fp32;  // the gate: the references are plain fp32 products
+    EXPECT_TRUE(at::equal(y, at::mm(x, model->w)));
+    ASSERT_TRUE(model->w.grad().defined());
+    EXPECT_TRUE(at::equal(model->w.grad(), at::mm(x.t(), at::ones({2, 3}))));
+    reset();
+  }
+}
+
+TEST_F(CastingInitialized, InitializeFindsTheAutocastKernelsOfLibrariesLoadedSince) {
+  enable("O1");  // optamp's kernels are registered: a later library is not seen yet
+  static torch::Library late(torch::Library::DEF, "optamp_test_late", std::nullopt, __FILE__,
+                             __LINE__);
+  late.def("pair_sum(Tensor a, Tensor b) -> Tensor");
+  static torch::Library late_cpu(torch::Library::IMPL, "optamp_test_late", c10::DispatchKey::CPU,
+                                 __FILE__, __LINE__);
+  late_cpu.impl("pair_sum", &own_autocast::pair_sum_cpu);
+  static torch::Library late_autocast(torch::Library::IMPL, "optamp_test_late",
+                                      c10::DispatchKey::AutocastCPU, __FILE__, __LINE__);
+  late_autocast.impl("pair_sum", [](const at::Tensor& a, const at::Tensor& b) {
+    return own_autocast::autocast_kernel_of<false>("optamp_test_late::pair_sum", a, b);
+  });
+  EXPECT_EQ(policy_report().find("optamp_test_late::pair_sum"), std::string::npos);
+  auto model = std::make_shared<OneWeight>();
+  torch::optim::SGD opt(model->parameters(), 0.1);
+  initialize(model, opt, "O1", quiet());
+  EXPECT_NE(policy_report().find("optamp_test_late::pair_sum: own autocast"), std::string::npos);
+  const auto sum =
+      own_autocast::call("optamp_test_late::pair_sum", randn({2}, at::kHalf), randn({2}));
+  EXPECT_EQ(sum.scalar_type(), at::kFloat);
 }
 
 // The casting kernel and the O2/O5 substitution share one walker over tensor arguments; the

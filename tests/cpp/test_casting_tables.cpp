@@ -100,8 +100,10 @@ INSTANTIATE_TEST_SUITE_P(Levels, CastingTable,
 
 // The one vocabulary: which policies each rule set applies (docs/design.md, "Policies per level").
 TEST(CastPolicies, EachRuleSetAppliesItsPolicies) {
-  const CastPolicy all[] = {CastPolicy::kLower, CastPolicy::kFp32, CastPolicy::kFp32Loss,
-                            CastPolicy::kPromote, CastPolicy::kBanned};
+  const CastPolicy all[] = {CastPolicy::kLower,     CastPolicy::kFp32,
+                            CastPolicy::kFp32Loss,  CastPolicy::kPromote,
+                            CastPolicy::kBanned,    CastPolicy::kFp32Always,
+                            CastPolicy::kMatchSelf, CastPolicy::kOwnAutocast};
   auto applied = [&](RuleSet rules) {
     std::string out;
     for (const CastPolicy p : all) {
@@ -110,9 +112,13 @@ TEST(CastPolicies, EachRuleSetAppliesItsPolicies) {
     return out;
   };
   EXPECT_EQ(applied(RuleSet::kNone), "");
-  EXPECT_EQ(applied(RuleSet::kFullLists), "lower, fp32, fp32 (loss), promote, banned");
-  EXPECT_EQ(applied(RuleSet::kMasterWeights), "lower, fp32 (loss), promote, banned");
-  EXPECT_EQ(applied(RuleSet::kPureLow), "lower");
+  // The last three apply wherever anything is cast: registered fp32 ops, ops that need their
+  // source in self's dtype, other libraries' ops with their own autocast kernels.
+  const std::string everywhere = "fp32 (always), match self, own autocast";
+  EXPECT_EQ(applied(RuleSet::kFullLists),
+            "lower, fp32, fp32 (loss), promote, banned, " + everywhere);
+  EXPECT_EQ(applied(RuleSet::kMasterWeights), "lower, fp32 (loss), promote, banned, " + everywhere);
+  EXPECT_EQ(applied(RuleSet::kPureLow), "lower, " + everywhere);
   EXPECT_STREQ(to_string(RuleSet::kMasterWeights), "master weights");
   // Only the banned entries carry a message, and each of them does.
   for (const auto& entry : detail::builtin_table()) {

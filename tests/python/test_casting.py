@@ -602,3 +602,59 @@ def test_a_mixture_of_experts_router_trains_at_every_level(fresh, level):
         row = "train_bfloat16" if level in ("O4", "O5") else "train_float16"
         torch.testing.assert_close(loss.detach(), ref_loss.detach(), **tol(row))
     assert "aten::index_add_: match self" in optamp.policy_report()
+
+
+# An op of another library with its own autocast kernel, as torchvision registers for nms: its
+# kernel refuses what nms refuses on the CPU (two dtypes, or fp16), its autocast rule casts to fp32.
+@torch.library.custom_op("optamp_pytest::keep_top", mutates_args=())
+def _keep_top(boxes: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
+    if boxes.dtype != scores.dtype:
+        raise RuntimeError("dets should have the same type as scores")
+    if scores.dtype != torch.float32:
+        raise NotImplementedError(f'"keep_top" not implemented for {scores.dtype}')
+    return (scores - boxes[:, 2:].sum(-1) * 1e-3).topk(k).indices
+
+
+torch.library.register_autocast("optamp_pytest::keep_top", "cpu", torch.float32)
+
+
+class _Proposals(torch.nn.Module):
+    """A detector's shape: scores from the model, fp32 anchor boxes from the data, the op keeps the
+    best proposals, and the head is trained on them."""
+
+    def __init__(self):
+        super().__init__()
+        self.score = torch.nn.Linear(8, 1)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, anchors):
+        keep = torch.ops.optamp_pytest.keep_top(anchors, self.score(x).squeeze(-1), 4)
+        return self.head(x[keep]), keep
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "O4", "O5"])
+def test_an_op_with_its_own_autocast_kernel_runs_it_as_under_torch_autocast(fresh, level):
+    # Found 2026-12-05: torchvision's detection models failed at every casting level (nms: fp16
+    # scores beside fp32 boxes at O1, fp16 both at O2/O3/O5, which its CPU kernel lacks), where
+    # torch.autocast trains them through torchvision's own autocast kernels. optamp now runs them.
+    torch.manual_seed(0)
+    model = _Proposals()
+    x, anchors, y = torch.randn(16, 8), torch.rand(16, 4) * 100, torch.randint(0, 3, (16,))
+    low = torch.bfloat16 if level in ("O4", "O5") else torch.float16
+    with torch.autocast("cpu", dtype=low):
+        native_keep = model(x, anchors)[1]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, opt_level=level)
+    logits, keep = model(x, anchors)
+    assert torch.equal(keep, native_keep), "the same proposals as under torch.autocast"
+    for _ in range(2):
+        logits, keep = model(x, anchors)
+        loss = F.cross_entropy(logits.float(), y[keep])
+        opt.zero_grad()
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert torch.isfinite(loss)
+    assert "optamp_pytest::keep_top: own autocast" in optamp.policy_report()
+    with torch.no_grad():  # the gate: the op runs as given, on the fp32 model
+        assert model(x, anchors)[1].dtype == torch.int64

@@ -2,6 +2,7 @@
 // Tensor[] / Tensor?[] slots of the boxed stack and redispatch below optamp's key.
 #include "dispatch/cast_kernel.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
@@ -81,7 +82,67 @@ Fp32Replacement fp32_replacement_of(const std::string& name) {
   return nullptr;
 }
 
+// The native autocast key of `device` that other libraries register kernels on (none for
+// PrivateUse1: its key is optamp's own).
+std::optional<c10::DispatchKey> native_autocast_key(c10::DeviceType device) {
+  switch (device) {
+    case c10::DeviceType::CPU:
+      return c10::DispatchKey::AutocastCPU;
+    case c10::DeviceType::CUDA:
+      return c10::DispatchKey::AutocastCUDA;
+    case c10::DeviceType::XPU:
+      return c10::DispatchKey::AutocastXPU;
+    case c10::DeviceType::MPS:
+      return c10::DispatchKey::AutocastMPS;
+    default:
+      return std::nullopt;
+  }
+}
+
+// Native autocast's per-thread dtype and cache switch for one call, restored after it.
+class NativeAutocastSettings {
+ public:
+  NativeAutocastSettings(c10::DeviceType device, ScalarType low)
+      : device_(device),
+        dtype_(at::autocast::get_autocast_dtype(device)),
+        cache_(at::autocast::is_autocast_cache_enabled()) {
+    at::autocast::set_autocast_dtype(device, low);
+    // Native autocast empties its cast cache only when a torch.autocast region ends, and optamp
+    // never enters one: a cached cast of a weight would outlive the optimizer step that changes
+    // the weight in place.
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~NativeAutocastSettings() {
+    at::autocast::set_autocast_dtype(device_, dtype_);
+    at::autocast::set_autocast_cache_enabled(cache_);
+  }
+  NativeAutocastSettings(const NativeAutocastSettings&) = delete;
+  NativeAutocastSettings& operator=(const NativeAutocastSettings&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  ScalarType dtype_;
+  bool cache_;
+};
+
 }  // namespace
+
+std::optional<c10::DispatchKey> own_autocast_key(const c10::OperatorHandle& op,
+                                                 c10::DeviceType device) {
+  const std::optional<c10::DispatchKey> key = native_autocast_key(device);
+  if (!key || !op.hasKernelForDispatchKey(*key)) return std::nullopt;
+  return key;
+}
+
+void run_own_autocast(const c10::OperatorHandle& op, c10::DispatchKey key,
+                      c10::DispatchKeySet below, torch::jit::Stack* stack, c10::DeviceType device,
+                      ScalarType low) {
+  NativeAutocastSettings settings(device, low);
+  // The kernel casts, excludes its own key and calls the op again; optamp's key is excluded by
+  // the caller, so that call goes straight to the backend.
+  const auto after = below & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, key);
+  op.redispatchBoxed(c10::DispatchKeySet(key) | after, stack);
+}
 
 namespace {
 
@@ -107,6 +168,13 @@ std::optional<CastPolicy> CastKernel::policy(ListSet set) const {
   const std::uint8_t stored = policies_[static_cast<int>(set)].load(std::memory_order_relaxed);
   if (stored == kUnlisted) return std::nullopt;
   return static_cast<CastPolicy>(stored);
+}
+
+bool CastKernel::listed() const {
+  for (const auto& p : policies_) {
+    if (p.load(std::memory_order_relaxed) != kUnlisted) return true;
+  }
+  return false;
 }
 
 CastKernel::CastKernel(const c10::FunctionSchema& schema)
@@ -185,8 +253,10 @@ CallPlan CastKernel::plan(std::optional<c10::DeviceType> device) const {
       banned_message_.load() != nullptr ? banned_message_.load()
                                         : "this op is banned under optamp casting");
   p.cast = true;
-  // fp32, fp32 losses, and banned treated as a loss at O2/O5 compute in fp32.
-  p.target = p.policy == CastPolicy::kLower ? decision.low : ScalarType::Float;
+  // fp32, fp32 losses, and banned treated as a loss at O2/O5 compute in fp32; an op's own
+  // autocast kernel is told the level's low dtype.
+  const bool low = p.policy == CastPolicy::kLower || p.policy == CastPolicy::kOwnAutocast;
+  p.target = low ? decision.low : ScalarType::Float;
   return p;
 }
 
@@ -273,6 +343,22 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
   }
   // Casts must not come back into optamp's kernels (nor should composite ops' inner calls).
   c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);
+  if (p.policy == CastPolicy::kOwnAutocast) {
+    const std::optional<c10::DispatchKey> key = own_autocast_key(op, *device);
+    if (!key) {
+      op.redispatchBoxed(below, stack);  // none for this device: as native autocast runs it
+      return;
+    }
+    // Model tensors at O2/O5 go in as their masters (an alias past substitution), to be cast by
+    // the kernel like the other inputs: its inner call would otherwise meet substitution, which
+    // hands the op a working copy beside the inputs the kernel widened.
+    rewrite_tensors(slots_, *stack, base, [](const at::Tensor& t) -> std::optional<at::Tensor> {
+      if (!t.defined() || dtype_ops_see(t) == t.scalar_type()) return std::nullopt;
+      return own_data_past_substitution(t);
+    });
+    run_own_autocast(op, *key, below, stack, *device, p.target);
+    return;
+  }
   if (p.widen_if_mixed) {
     // a mixed widening: its width is planned (plan_mixed_widening)
   } else if (p.policy == CastPolicy::kPromote) {

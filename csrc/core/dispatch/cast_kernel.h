@@ -40,6 +40,16 @@ struct CallPlan {
 // kFp32Replacements).
 using Fp32Replacement = std::optional<at::Tensor> (*)(const torch::jit::Stack&, std::size_t base);
 
+// A CastPolicy::kOwnAutocast call: the op's own autocast key for `device` (a library's kernel,
+// such as torchvision's roi_align), nullopt where it has none there;
+std::optional<c10::DispatchKey> own_autocast_key(const c10::OperatorHandle& op,
+                                                 c10::DeviceType device);
+// runs that kernel with `low` as native autocast's dtype for the call and its cast cache off, as
+// torch.autocast would run it. The caller has excluded optamp's key.
+void run_own_autocast(const c10::OperatorHandle& op, c10::DispatchKey key,
+                      c10::DispatchKeySet below, torch::jit::Stack* stack, c10::DeviceType device,
+                      c10::ScalarType low);
+
 class CastKernel final : public c10::OperatorKernel {
  public:
   // Listed in no table until set_policy.
@@ -50,6 +60,8 @@ class CastKernel final : public c10::OperatorKernel {
   void set_policy_everywhere(CastPolicy policy);
   // nullopt: the op is not in that table (the kernel only redispatches).
   std::optional<CastPolicy> policy(ListSet set) const;
+  // Whether any table or registration gave the op a policy.
+  bool listed() const;
 
   // The boxed kernel (any schema).
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,

@@ -26,6 +26,8 @@ const char* to_string(CastPolicy policy) {
       return "fp32 (always)";
     case CastPolicy::kMatchSelf:
       return "match self";
+    case CastPolicy::kOwnAutocast:
+      return "own autocast";
   }
   return "?";
 }
@@ -45,7 +47,8 @@ const char* to_string(RuleSet rules) {
 }
 
 bool policy_applies(CastPolicy policy, RuleSet rules) {
-  if (policy == CastPolicy::kFp32Always || policy == CastPolicy::kMatchSelf) {
+  if (policy == CastPolicy::kFp32Always || policy == CastPolicy::kMatchSelf ||
+      policy == CastPolicy::kOwnAutocast) {
     return rules != RuleSet::kNone;
   }
   switch (rules) {

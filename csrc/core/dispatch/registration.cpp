@@ -91,6 +91,31 @@ void register_builtin_tables_locked(Registry& r) {
   }
 }
 
+// Whether another library gave `op` a native autocast kernel (for any device optamp casts on).
+bool has_own_autocast(const c10::OperatorHandle& op) {
+  for (auto key : {c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA,
+                   c10::DispatchKey::AutocastXPU, c10::DispatchKey::AutocastMPS}) {
+    if (op.hasKernelForDispatchKey(key)) return true;
+  }
+  return false;
+}
+
+// Ops outside ATen that come with their own autocast kernel (torchvision's nms, roi_align, ...):
+// under torch.autocast that kernel casts them, and it does under optamp too, unless a table or a
+// registration gave the op a policy. ATen's autocast kernels are torch's lists, which optamp
+// replaces with its own (or copies, OpLists::kTorch). Libraries load at any time, so each
+// initialize looks again.
+void register_own_autocast_ops_locked(Registry& r) {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) == 0) continue;
+    auto op = dispatcher.findOp(name);
+    if (!op || !has_own_autocast(*op)) continue;
+    CastKernel& kernel = kernel_locked(r, *op);
+    if (!kernel.listed()) kernel.set_policy_everywhere(CastPolicy::kOwnAutocast);
+  }
+}
+
 bool writes_an_argument(const c10::FunctionSchema& schema) {
   for (const auto& arg : schema.arguments()) {
     if (arg.alias_info() && arg.alias_info()->isWrite()) return true;
@@ -147,7 +172,15 @@ void ensure_registered() {
       new torch::Library(torch::Library::IMPL, "_", kCastKey, __FILE__, __LINE__);
   fallback->fallback(torch::CppFunction::makeFallthrough());
   register_builtin_tables_locked(r);
+  register_own_autocast_ops_locked(r);
   r.registered = true;
+}
+
+void register_own_autocast_ops() {
+  ensure_registered();
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  register_own_autocast_ops_locked(r);
 }
 
 void activate_thread(bool on) {

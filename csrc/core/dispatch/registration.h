@@ -18,6 +18,10 @@ std::string qualified(const c10::OperatorName& name);
 // Throws a c10::Error naming the conflict if another library owns the key.
 void ensure_registered();
 
+// Gives CastPolicy::kOwnAutocast to the ops of libraries loaded since the last look that have
+// their own autocast kernel and no policy (ensure_registered looks once; initialize again).
+void register_own_autocast_ops();
+
 // Turns casting on/off for this thread (registers first when turning on).
 void activate_thread(bool on);
 
