@@ -109,7 +109,7 @@ void register_own_autocast_ops_locked(Registry& r) {
   auto& dispatcher = c10::Dispatcher::singleton();
   for (const auto& name : dispatcher.getAllOpNames()) {
     if (name.name.rfind("aten::", 0) == 0) continue;
-    auto op = dispatcher.findOp(name);
+    auto op = dispatcher.findSchema(name);  // an impl without a def has no schema to read
     if (!op || !has_own_autocast(*op)) continue;
     CastKernel& kernel = kernel_locked(r, *op);
     if (!kernel.listed()) kernel.set_policy_everywhere(CastPolicy::kOwnAutocast);
