@@ -239,8 +239,9 @@ Properties initialize(const ModelTensors& model, const std::vector<OptimizerTens
   Properties scaler_properties = p;
   if (!p.enabled) scaler_properties.loss_scale = LossScale::fixed(1.0);
   auto scalers = make_loss_scalers(scaler_properties);
-  ensure_registered();          // key conflicts surface here, still before any change
-  register_own_autocast_ops();  // libraries loaded since (their ops were not cast before either)
+  // Registers optamp's kernels (key conflicts surface here, still before any change) and gives
+  // the ops of libraries loaded since the last look their own autocast kernels.
+  register_own_autocast_ops();
   warn_fp16_epsilon(p, opts);
 
   // ---- apply ------------------------------------------------------------------------------

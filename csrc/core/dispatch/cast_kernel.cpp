@@ -82,23 +82,6 @@ Fp32Replacement fp32_replacement_of(const std::string& name) {
   return nullptr;
 }
 
-// The native autocast key of `device` that other libraries register kernels on (none for
-// PrivateUse1: its key is optamp's own).
-std::optional<c10::DispatchKey> native_autocast_key(c10::DeviceType device) {
-  switch (device) {
-    case c10::DeviceType::CPU:
-      return c10::DispatchKey::AutocastCPU;
-    case c10::DeviceType::CUDA:
-      return c10::DispatchKey::AutocastCUDA;
-    case c10::DeviceType::XPU:
-      return c10::DispatchKey::AutocastXPU;
-    case c10::DeviceType::MPS:
-      return c10::DispatchKey::AutocastMPS;
-    default:
-      return std::nullopt;
-  }
-}
-
 // Native autocast's per-thread dtype and cache switch for one call, restored after it.
 class NativeAutocastSettings {
  public:
@@ -125,15 +108,18 @@ class NativeAutocastSettings {
   bool cache_;
 };
 
-}  // namespace
-
+// A CastPolicy::kOwnAutocast call: the op's own autocast key for `device` (a library's kernel,
+// such as torchvision's roi_align), nullopt where it has none there.
 std::optional<c10::DispatchKey> own_autocast_key(const c10::OperatorHandle& op,
                                                  c10::DeviceType device) {
-  const std::optional<c10::DispatchKey> key = native_autocast_key(device);
-  if (!key || !op.hasKernelForDispatchKey(*key)) return std::nullopt;
-  return key;
+  for (const NativeAutocastKey& native : kNativeAutocastKeys) {
+    if (native.device == device && op.hasKernelForDispatchKey(native.key)) return native.key;
+  }
+  return std::nullopt;
 }
 
+// Runs the op's kernel on `key` with `low` as native autocast's dtype for the call and its cast
+// cache off, as torch.autocast would run it. The caller has excluded optamp's key.
 void run_own_autocast(const c10::OperatorHandle& op, c10::DispatchKey key,
                       c10::DispatchKeySet below, torch::jit::Stack* stack, c10::DeviceType device,
                       ScalarType low) {
@@ -143,8 +129,6 @@ void run_own_autocast(const c10::OperatorHandle& op, c10::DispatchKey key,
   const auto after = below & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, key);
   op.redispatchBoxed(c10::DispatchKeySet(key) | after, stack);
 }
-
-namespace {
 
 // Schemas store a ScalarType argument under its "fake" type (int); the real type says what it is.
 bool is_scalar_type_arg(const c10::Argument& arg) {

@@ -40,15 +40,18 @@ struct CallPlan {
 // kFp32Replacements).
 using Fp32Replacement = std::optional<at::Tensor> (*)(const torch::jit::Stack&, std::size_t base);
 
-// A CastPolicy::kOwnAutocast call: the op's own autocast key for `device` (a library's kernel,
-// such as torchvision's roi_align), nullopt where it has none there;
-std::optional<c10::DispatchKey> own_autocast_key(const c10::OperatorHandle& op,
-                                                 c10::DeviceType device);
-// runs that kernel with `low` as native autocast's dtype for the call and its cast cache off, as
-// torch.autocast would run it. The caller has excluded optamp's key.
-void run_own_autocast(const c10::OperatorHandle& op, c10::DispatchKey key,
-                      c10::DispatchKeySet below, torch::jit::Stack* stack, c10::DeviceType device,
-                      c10::ScalarType low);
+// The native autocast key of each device other libraries register autocast kernels on
+// (CastPolicy::kOwnAutocast); not PrivateUse1's, which is optamp's own.
+struct NativeAutocastKey {
+  c10::DeviceType device;
+  c10::DispatchKey key;
+};
+inline constexpr NativeAutocastKey kNativeAutocastKeys[] = {
+    {c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU},
+    {c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA},
+    {c10::DeviceType::XPU, c10::DispatchKey::AutocastXPU},
+    {c10::DeviceType::MPS, c10::DispatchKey::AutocastMPS},
+};
 
 class CastKernel final : public c10::OperatorKernel {
  public:

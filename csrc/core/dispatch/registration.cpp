@@ -93,9 +93,8 @@ void register_builtin_tables_locked(Registry& r) {
 
 // Whether another library gave `op` a native autocast kernel (for any device optamp casts on).
 bool has_own_autocast(const c10::OperatorHandle& op) {
-  for (auto key : {c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA,
-                   c10::DispatchKey::AutocastXPU, c10::DispatchKey::AutocastMPS}) {
-    if (op.hasKernelForDispatchKey(key)) return true;
+  for (const NativeAutocastKey& native : kNativeAutocastKeys) {
+    if (op.hasKernelForDispatchKey(native.key)) return true;
   }
   return false;
 }
@@ -177,10 +176,15 @@ void ensure_registered() {
 }
 
 void register_own_autocast_ops() {
-  ensure_registered();
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  register_own_autocast_ops_locked(r);
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (r.registered) {
+      register_own_autocast_ops_locked(r);
+      return;
+    }
+  }
+  ensure_registered();  // the first registration looks too
 }
 
 void activate_thread(bool on) {

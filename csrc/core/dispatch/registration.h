@@ -20,6 +20,7 @@ void ensure_registered();
 
 // Gives CastPolicy::kOwnAutocast to the ops of libraries loaded since the last look that have
 // their own autocast kernel and no policy (ensure_registered looks once; initialize again).
+// Registers first where nothing is (throwing as ensure_registered does), looking once.
 void register_own_autocast_ops();
 
 // Turns casting on/off for this thread (registers first when turning on).
