@@ -32,6 +32,24 @@ namespace {
 
 using StateMap = ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>>;
 
+// What torch's fused kernels take, checked before any state is made: dense gradients, real
+// parameters (torch's fused=True refuses complex ones too; the unfused optimizers step them).
+void check_fusable(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                   const char* optimizer) {
+  for (const auto& group : groups) {
+    for (const auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      TORCH_CHECK_VALUE(!p.grad().is_sparse(), optimizer,
+                        " needs dense gradients, got a sparse one for a parameter of shape ",
+                        p.sizes());
+      TORCH_CHECK_VALUE(!p.is_complex(), optimizer,
+                        " needs real parameters (float32, float16 or bfloat16), got ",
+                        p.scalar_type(), " for a parameter of shape ", p.sizes(),
+                        "; step complex parameters with torch::optim's Adam, AdamW or SGD");
+    }
+  }
+}
+
 // The step's overflow flag where a launch on `device` reads it (none: no guard since the last
 // step, so nothing to skip).
 std::optional<at::Tensor> found_inf_on(const at::Tensor& found_inf, c10::Device device) {
@@ -81,14 +99,12 @@ at::Tensor& device_step(detail::DeviceSteps& steps, const at::Tensor& p, int64_t
 template <typename Options, typename State>
 void fused_step(std::vector<torch::optim::OptimizerParamGroup>& groups, StateMap& state,
                 detail::DeviceSteps& steps, const at::Tensor& found_inf, bool decoupled) {
+  check_fusable(groups, decoupled ? "FusedAdamW" : "FusedAdam");
   for (auto& group : groups) {
     const auto& o = static_cast<const Options&>(group.options());
     std::vector<Bucket> buckets;
     for (const auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      TORCH_CHECK_VALUE(!p.grad().is_sparse(), decoupled ? "FusedAdamW" : "FusedAdam",
-                        " needs dense gradients, got a sparse one for a parameter of shape ",
-                        p.sizes());
       State& s = state_of<State>(state, p, o.amsgrad());
       Bucket& b = bucket_for(buckets, p);
       b.params.push_back(p);
@@ -259,6 +275,7 @@ bool fused_kernel_is_wrong_for(const SgdBucket& b) {
 
 void fused_sgd_step(std::vector<torch::optim::OptimizerParamGroup>& groups, StateMap& state,
                     const at::Tensor& found_inf) {
+  check_fusable(groups, "FusedSGD");
   std::optional<bool> skipped_first;  // the one host read, made at most once per step
   for (auto& group : groups) {
     const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
@@ -266,10 +283,6 @@ void fused_sgd_step(std::vector<torch::optim::OptimizerParamGroup>& groups, Stat
     std::vector<SgdBucket> buckets;
     for (const auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      TORCH_CHECK_VALUE(!p.grad().is_sparse(),
-                        "FusedSGD needs dense gradients, got a sparse one for a parameter of "
-                        "shape ",
-                        p.sizes());
       const auto it = o.momentum() != 0 ? state.find(p.unsafeGetTensorImpl()) : state.end();
       const bool creates = o.momentum() != 0 && it == state.end();
       if (creates && damped) {

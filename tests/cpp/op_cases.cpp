@@ -17,7 +17,7 @@ namespace {
 // One parsed argument: a tensor to build, a list, a literal or a reference to an earlier one.
 struct Arg {
   enum Kind { kTensor, kIndex, kList, kInt, kFloat, kBool, kNone, kStr, kDtype, kRef } kind;
-  std::string tensor_kind;    // n, r, u, c, hi, signs, logp; "cpu_i" / "i" for kIndex
+  std::string tensor_kind;    // n, r, u, c, hi, signs, logp, z; "cpu_i" / "i" for kIndex
   std::vector<int64_t> ints;  // the shape (kTensor) or the values (kIndex)
   std::vector<int64_t> view;  // kIndex: the shape to view the values as (may be empty)
   std::vector<Arg> items;     // kList
@@ -149,7 +149,7 @@ class Parser {
       return a;
     }
     if (word == "n" || word == "r" || word == "u" || word == "c" || word == "hi" ||
-        word == "signs" || word == "logp") {
+        word == "signs" || word == "logp" || word == "z") {
       a.kind = Arg::kTensor;
       a.tensor_kind = word;
       expect('(');
@@ -173,6 +173,7 @@ at::Tensor make_tensor(const Arg& a, at::ScalarType t, at::Device device) {
   if (k == "c") return at::rand(a.ints, in) - 0.5;
   if (k == "hi") return at::rand(a.ints, fp32) + 0.5;
   if (k == "logp") return at::log_softmax(at::randn(a.ints, fp32), -1).to(t);
+  if (k == "z") return at::randn(a.ints, fp32.dtype(at::kComplexFloat));  // complex64 always
   TORCH_CHECK(k == "signs" && a.ints.size() == 1, "tests/op_cases.txt: bad tensor ", k);
   return (at::arange(a.ints[0], fp32).remainder(2) * -2 + 1).to(t);  // +1, -1, +1, ...
 }
@@ -251,9 +252,11 @@ std::vector<OpCase> load_all() {
     std::string result;
     row >> c.policy >> c.name >> result;
     std::getline(row, c.arguments);
-    TORCH_CHECK(result == "-" || result == "bool", "tests/op_cases.txt: result ", result, " of ",
-                c.name, " must be - or bool");
+    TORCH_CHECK(result == "-" || result == "bool" || result == "complex64",
+                "tests/op_cases.txt: result ", result, " of ", c.name,
+                " must be -, bool or complex64");
     if (result == "bool") c.result = at::kBool;
+    if (result == "complex64") c.result = at::kComplexFloat;
     out.push_back(std::move(c));
   }
   return out;

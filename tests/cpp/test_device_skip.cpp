@@ -220,6 +220,31 @@ TEST_F(DeviceSkip, FoundInfMustBeAOneElementFloatTensor) {
   EXPECT_FALSE(opt.take_found_inf().defined());
 }
 
+// What torch's fused kernels cannot step is refused before anything changes: a sparse gradient,
+// a complex parameter (a spectral layer's: the unfused optimizers step those). The real
+// parameter beside it, listed first, is not stepped and gets no state either.
+TEST_F(DeviceSkip, FusedOptimizersRefuseSparseGradientsAndComplexParametersUpFront) {
+  auto real = at::ones({3}, at::requires_grad());
+  auto complex = at::ones({2}, at::kComplexFloat).requires_grad_();
+  real.mutable_grad() = at::ones({3});
+  complex.mutable_grad() = at::ones({2}, at::kComplexFloat);
+  FusedAdam adam(std::vector<at::Tensor>{real, complex});
+  FusedSGD sgd(std::vector<at::Tensor>{real, complex}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  OPTAMP_EXPECT_THROW_WITH(adam.step(), c10::ValueError, "FusedAdam needs real parameters",
+                           "ComplexFloat", "torch::optim's Adam, AdamW or SGD");
+  OPTAMP_EXPECT_THROW_WITH(sgd.step(), c10::ValueError, "FusedSGD needs real parameters",
+                           "ComplexFloat");
+  EXPECT_TRUE(at::equal(real, at::ones({3})));
+  EXPECT_TRUE(adam.state().empty());
+  EXPECT_TRUE(sgd.state().empty());
+  auto table = at::ones({4, 2}, at::requires_grad());
+  table.mutable_grad() = at::ones({4, 2}).to_sparse();
+  FusedAdamW adamw(std::vector<at::Tensor>{real, table});
+  OPTAMP_EXPECT_THROW_WITH(adamw.step(), c10::ValueError, "FusedAdamW needs dense gradients",
+                           "[4, 2]");
+  EXPECT_TRUE(adamw.state().empty());
+}
+
 // ---- no host read in a step ------------------------------------------------------------------
 
 class DeviceSkipLevels : public testing::OnDevices<DeviceSkip, std::string> {};

@@ -385,6 +385,58 @@ TEST_F(ScaleLossTest, SparseGradientsAreUnscaledAccumulatedAndSkippedLikeDenseOn
   EXPECT_TRUE(at::equal(table.detach(), start));
 }
 
+// A complex parameter (a spectral layer's weights) is unscaled and checked as the float pairs it
+// is made of: its gradient comes back exactly unscaled, an inf in an imaginary part alone skips
+// the step bitwise. torch's GradScaler refuses complex gradients ("not implemented for
+// 'ComplexFloat'").
+TEST_F(ScaleLossTest, ComplexGradientsAreUnscaledAndCheckedAsTheirFloatPairs) {
+  core::configure_loss_scalers(props());
+  at::manual_seed(0);
+  const auto start = at::randn({4, 3}, at::kComplexFloat);
+  const auto x = at::randn({5, 4}, at::kComplexFloat);
+  auto loss_of = [&x](const at::Tensor& w) { return at::view_as_real(x.mm(w)).pow(2).mean(); };
+  auto ref = start.clone().requires_grad_();
+  loss_of(ref).backward();
+  auto w = start.clone().requires_grad_();
+  torch::optim::SGD opt(std::vector<at::Tensor>{w}, torch::optim::SGDOptions(0.1));
+  {
+    auto scaled = scale_loss(loss_of(w), opt);
+    scaled.backward();
+  }
+  EXPECT_FALSE(loss_scaler().last_step_skipped());
+  EXPECT_TRUE(at::equal(w.grad(), ref.grad()));  // a power-of-two scale: exact
+  opt.step();
+  const auto stepped = w.detach().clone();
+  EXPECT_TRUE(at::equal(stepped, start - 0.1 * ref.grad()));
+  opt.zero_grad();
+  {
+    auto scaled = scale_loss(loss_of(w), opt);
+    scaled.backward();
+    at::view_as_real(w.grad())[1][2][1].fill_(kInf);  // one imaginary part
+  }
+  EXPECT_TRUE(loss_scaler().last_step_skipped());
+  EXPECT_FALSE(w.grad().defined());
+  opt.step();
+  EXPECT_TRUE(at::equal(w.detach(), stepped));
+  // A conjugate view (its conj bit set) is unscaled through the memory it shares, and checked.
+  LossScaler scaler(props(), 0);
+  const auto base = at::randn({3}, at::kComplexFloat) * 4;
+  at::Tensor conj_grad = base.conj();
+  ASSERT_TRUE(conj_grad.is_conj());
+  const auto expected = (base / scaler.loss_scale()).conj().resolve_conj();
+  scaler.unscale({conj_grad});
+  EXPECT_FALSE(scaler.update());
+  EXPECT_TRUE(at::equal(conj_grad.resolve_conj(), expected));
+  at::view_as_real(base)[0][1].fill_(-kInf);  // through the view's memory
+  scaler.unscale({conj_grad});
+  EXPECT_TRUE(scaler.update());
+  // A double-precision complex parameter is refused, as a float64 one is.
+  auto d = at::randn({3}, at::kComplexDouble).requires_grad_();
+  torch::optim::SGD opt_d(std::vector<at::Tensor>{d}, torch::optim::SGDOptions(0.1));
+  OPTAMP_EXPECT_THROW_WITH(scale_loss(at::view_as_real(d).sum(), opt_d), c10::ValueError,
+                           "float32, float16, bfloat16, complex64 or complex32", "ComplexDouble");
+}
+
 TEST_F(ScaleLossTest, BackwardOnTheLossInsteadOfTheScaledLossWarns) {
   // The slip gives unscaled gradients that the exit divides by the scale: training would go on
   // with gradients 65536 times too small and nothing said.

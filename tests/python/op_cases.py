@@ -52,6 +52,9 @@ class In:
     def logp(self, *shape):
         return torch.log_softmax(torch.randn(*shape, device=self.d), -1).to(self.t)
 
+    def z(self, *shape):  # complex64 whatever t is: there is no fp16/bf16 spectrum to hand over
+        return torch.randn(*shape, dtype=torch.complex64, device=self.d)
+
 
 # ---- tests/op_cases.txt ----------------------------------------------------------------------
 
@@ -60,7 +63,7 @@ _TOKEN = re.compile(r"""\s*(?:
   | (?P<str>"[^"]*")
   | (?P<ref>\$\d+)
   | (?P<index>(?:cpu_)?i)\[(?P<values>[-\d,]*)\](?:\((?P<view>[\d,]+)\))?
-  | (?P<kind>n|r|u|c|hi|signs|logp)\((?P<shape>[\d,]+)\)
+  | (?P<kind>n|r|u|c|hi|signs|logp|z)\((?P<shape>[\d,]+)\)
   | (?P<open>\[) | (?P<close>\]) | (?P<comma>,)
   | (?P<number>-?\d+(?:\.\d*)?(?:e-?\d+)?)
   | (?P<word>none|true|false|float32)

@@ -25,7 +25,8 @@ def test_every_table_entry_has_a_python_case():
                             capture_output=True, text=True, check=True, timeout=120).stdout
     entries = {"lower": set(), "fp32": set(), "promote": set()}
     for line in report.splitlines()[1:]:
-        m = re.fullmatch(r"  aten::(\S+): (lower|fp32|fp32 \(loss\)|promote|banned)", line)
+        m = re.fullmatch(r"  aten::(\S+): (lower|fp32|fp32 \((?:loss|always)\)|promote|banned)",
+                         line)
         if m and m.group(2) != "banned":
             entries[m.group(2).split()[0]].add(m.group(1))
     assert sum(map(len, entries.values())) > 100, report
@@ -54,8 +55,8 @@ def _check_listed_ops(low, device, lower, fp32, promote):
         assert run(f).dtype == low, name
         assert run(m).dtype == low, name
     for name, run in fp32.items():
-        assert run(m).dtype == torch.float32, name
-        assert run(f).dtype == torch.float32, name
+        assert run(m).dtype == RESULT.get(name, torch.float32), name
+        assert run(f).dtype == RESULT.get(name, torch.float32), name
     for name, run in promote.items():
         before = optamp.cast_count()
         assert run(m).dtype == RESULT.get(name, torch.float32), name

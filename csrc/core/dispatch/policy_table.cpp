@@ -8,7 +8,9 @@
 
 #include <ATen/autocast_mode.h>
 
+#include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <string_view>
 
 namespace amp::detail {
@@ -168,6 +170,21 @@ constexpr OpName kFp32LossOps[] = {
     {"aten::triplet_margin_loss", ""},
     {"aten::ctc_loss", "IntList"},
     {"aten::ctc_loss", "Tensor"},
+};
+
+// fp32 (always): FFTs, at every level that casts (O3 too). ATen has no bf16 FFT on any device and
+// no fp16 FFT on the CPU ("Unsupported dtype Half"); cuFFT's fp16 takes power-of-two sizes only
+// and gives complex32 results, which few ops accept. Apex's lists leave them out (its O1 fed
+// them fp32 activations; at O2 an FFT model failed), torch's CPU list has them in fp32; here an
+// fp16/bf16 activation or working copy (an stft window) is widened wherever the FFT runs.
+constexpr OpName kFp32AlwaysOps[] = {
+    {"aten::fft_fft", ""},    {"aten::fft_ifft", ""},   {"aten::fft_fft2", ""},
+    {"aten::fft_ifft2", ""},  {"aten::fft_fftn", ""},   {"aten::fft_ifftn", ""},
+    {"aten::fft_rfft", ""},   {"aten::fft_irfft", ""},  {"aten::fft_rfft2", ""},
+    {"aten::fft_irfft2", ""}, {"aten::fft_rfftn", ""},  {"aten::fft_irfftn", ""},
+    {"aten::fft_hfft", ""},   {"aten::fft_ihfft", ""},  {"aten::fft_hfft2", ""},
+    {"aten::fft_ihfft2", ""}, {"aten::fft_hfftn", ""},  {"aten::fft_ihfftn", ""},
+    {"aten::stft", ""},       {"aten::stft", "center"}, {"aten::istft", ""},
 };
 
 // promote: Apex's CASTS.
@@ -425,13 +442,27 @@ void append(std::vector<TableEntry>& table, const OpName (&ops)[N], CastPolicy p
   for (const OpName& op : ops) table.push_back({op.name, op.overload, policy, nullptr});
 }
 
-// torch's fp32 rows: fp32 (loss) for losses and softmaxes, fp32 otherwise.
+template <std::size_t N>
+bool contains(const OpName (&ops)[N], const OpName& op) {
+  return std::any_of(std::begin(ops), std::end(ops), [&op](const OpName& listed) {
+    return std::string_view(listed.name) == op.name &&
+           std::string_view(listed.overload) == op.overload;
+  });
+}
+
+// torch's fp32 rows: fp32 (loss) for losses and softmaxes, fp32 (always) for FFTs, fp32
+// otherwise; then the FFTs torch does not list (all of them in its CUDA list).
 template <std::size_t N>
 void append_torch_fp32(std::vector<TableEntry>& table, const OpName (&ops)[N]) {
   for (const OpName& op : ops) {
-    const CastPolicy policy =
-        is_loss_or_softmax(op.name) ? CastPolicy::kFp32Loss : CastPolicy::kFp32;
+    const CastPolicy policy = is_loss_or_softmax(op.name)    ? CastPolicy::kFp32Loss
+                              : contains(kFp32AlwaysOps, op) ? CastPolicy::kFp32Always
+                                                             : CastPolicy::kFp32;
     table.push_back({op.name, op.overload, policy, nullptr});
+  }
+  for (const OpName& fft : kFp32AlwaysOps) {
+    if (!contains(ops, fft))
+      table.push_back({fft.name, fft.overload, CastPolicy::kFp32Always, nullptr});
   }
 }
 
@@ -440,6 +471,7 @@ std::vector<TableEntry> make_apex_table() {
   append(t, kLowerOps, CastPolicy::kLower);
   append(t, kFp32Ops, CastPolicy::kFp32);
   append(t, kFp32LossOps, CastPolicy::kFp32Loss);
+  append(t, kFp32AlwaysOps, CastPolicy::kFp32Always);
   append(t, kPromoteOps, CastPolicy::kPromote);
   for (const BannedOp& b : kBannedOps) {
     t.push_back({b.op.name, b.op.overload, CastPolicy::kBanned, b.message});

@@ -149,6 +149,16 @@ at::Tensor flag_for(std::vector<std::pair<c10::Device, at::Tensor>>& flags,
   return flags.back().second;
 }
 
+// A complex gradient (a complex64 parameter's: spectral layers, complex-valued networks) is
+// unscaled and checked as the float pairs it is made of: a real factor scales both parts, and it
+// is finite where both are. The view aliases the gradient, so the kernels update it in place. A
+// conjugate view is read through its conjugate (the same memory): neither the factor nor the
+// finiteness sees the sign of the imaginary part.
+at::Tensor as_real(const at::Tensor& t) {
+  if (!t.is_complex()) return t;
+  return at::view_as_real(t.is_conj() ? t.conj() : t);
+}
+
 // grads[k] += stashes[k] for sparse gradients already unscaled (sparse addition in place), and,
 // when the stashes are checked, a check of the sums' values (a multiplication by one).
 void add_sparse_stashes(const std::vector<at::Tensor>& grads,
@@ -159,7 +169,7 @@ void add_sparse_stashes(const std::vector<at::Tensor>& grads,
   for (size_t k = 0; k < grads.size(); ++k) {
     at::Tensor grad = grads[k];  // a handle to the same TensorImpl: add_ updates the gradient
     grad.add_(stashes[k]);
-    sums.push_back(grad._values());
+    sums.push_back(as_real(grad._values()));
   }
   if (check) ops::unscale_check_(sums, flag, at::ones({1}, flag.options()));
 }
@@ -180,7 +190,7 @@ std::vector<ValueGroup> values_by_device(const std::vector<at::Tensor>& grads) {
       return group.device == g.device() && group.subclass == subclass;
     });
     if (it == groups.end()) it = groups.insert(groups.end(), ValueGroup{g.device(), subclass, {}});
-    it->values.push_back(g.is_sparse() ? g._values() : g);
+    it->values.push_back(as_real(g.is_sparse() ? g._values() : g));
   }
   return groups;
 }
@@ -209,8 +219,10 @@ void LossScaler::check_gradients(const std::vector<at::Tensor>& grads,
                       "] must be a dense (strided) or sparse COO tensor, got ", g.layout(),
                       "; other layouts are not supported by loss scaling");
     const auto t = g.scalar_type();
-    TORCH_CHECK_VALUE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, "grads[", i,
-                      "] must be float32, float16 or bfloat16, got ", t);
+    TORCH_CHECK_VALUE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16 ||
+                          t == at::kComplexFloat || t == at::kComplexHalf,
+                      "grads[", i,
+                      "] must be float32, float16, bfloat16, complex64 or complex32, got ", t);
     if (!stashed.empty() && stashed[i].defined()) {
       const auto& s = stashed[i];
       TORCH_CHECK_VALUE(s.scalar_type() == t && s.sizes() == g.sizes() &&
@@ -242,16 +254,16 @@ void LossScaler::unscale_into(const std::vector<at::Tensor>& grads,
     if (!group) group = &groups.emplace_back(DeviceGroup{g.device(), {}, {}, {}, {}, {}});
     const bool has_stash = !stashed.empty() && stashed[i].defined();
     if (g.is_sparse()) {
-      group->plain.push_back(g._values());
+      group->plain.push_back(as_real(g._values()));
       if (has_stash) {
         group->sparse_out.push_back(g);
         group->sparse_stash.push_back(stashed[i]);
       }
     } else if (has_stash) {
-      group->out.push_back(g);
-      group->stash.push_back(stashed[i]);
+      group->out.push_back(as_real(g));
+      group->stash.push_back(as_real(stashed[i]));
     } else {
-      group->plain.push_back(g);
+      group->plain.push_back(as_real(g));
     }
   }
   for (auto& dg : groups) {

@@ -525,9 +525,11 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
   check_parameter_dtypes(s->params, [&state](size_t j) { return state.label(j); });
   for (size_t i = 0; i < s->params.size(); ++i) {
     const auto t = s->params[i].scalar_type();
-    TORCH_CHECK_VALUE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16,
-                      "parameters must be float32, float16 or bfloat16 for loss scaling, got ", t,
-                      " for ", param_label(s->params[i], s->label(i)));
+    TORCH_CHECK_VALUE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16 ||
+                          t == at::kComplexFloat || t == at::kComplexHalf,
+                      "parameters must be float32, float16, bfloat16, complex64 or complex32 for "
+                      "loss scaling, got ",
+                      t, " for ", param_label(s->params[i], s->label(i)));
   }
   LossScaler& scaler = *scaler_ptr;
   s->scaler = scaler_ptr;
