@@ -26,7 +26,7 @@ enum class CastPolicy : std::uint8_t {
   kBanned,    // refuse with the table's message (O1/O4, regions); an fp32 loss at O2/O5
   // As kFp32, at every level that casts (O1-O5, regions): what register_float_op registers, so
   // a registered op (a loss, say) runs in fp32 whatever the level does to the model; built in
-  // for the FFTs, which have no bf16 kernel anywhere and no fp16 one on the CPU.
+  // for the ops ATen has no fp16/bf16 kernels for (FFTs, linear algebra, cdist, quantile).
   kFp32Always,
   // Ops that need their source in self's dtype (in-place `index_add_`, `scatter_add_`, ...):
   // floating inputs of another width are cast to self's, at every level that casts. Where a

@@ -17,7 +17,7 @@ namespace {
 // One parsed argument: a tensor to build, a list, a literal or a reference to an earlier one.
 struct Arg {
   enum Kind { kTensor, kIndex, kList, kInt, kFloat, kBool, kNone, kStr, kDtype, kRef } kind;
-  std::string tensor_kind;    // n, r, u, c, hi, signs, logp, z; "cpu_i" / "i" for kIndex
+  std::string tensor_kind;    // n, r, u, c, hi, signs, logp, z, spd; "cpu_i" / "i" / "i32" (kIndex)
   std::vector<int64_t> ints;  // the shape (kTensor) or the values (kIndex)
   std::vector<int64_t> view;  // kIndex: the shape to view the values as (may be empty)
   std::vector<Arg> items;     // kList
@@ -137,7 +137,7 @@ class Parser {
       a.flag = word == "true";
       return a;
     }
-    if (word == "i" || word == "cpu_i") {
+    if (word == "i" || word == "cpu_i" || word == "i32") {
       a.kind = Arg::kIndex;
       a.tensor_kind = word;
       expect('[');
@@ -149,7 +149,7 @@ class Parser {
       return a;
     }
     if (word == "n" || word == "r" || word == "u" || word == "c" || word == "hi" ||
-        word == "signs" || word == "logp" || word == "z") {
+        word == "signs" || word == "logp" || word == "z" || word == "spd") {
       a.kind = Arg::kTensor;
       a.tensor_kind = word;
       expect('(');
@@ -174,13 +174,18 @@ at::Tensor make_tensor(const Arg& a, at::ScalarType t, at::Device device) {
   if (k == "hi") return at::rand(a.ints, fp32) + 0.5;
   if (k == "logp") return at::log_softmax(at::randn(a.ints, fp32), -1).to(t);
   if (k == "z") return at::randn(a.ints, fp32.dtype(at::kComplexFloat));  // complex64 always
+  if (k == "spd") {  // symmetric positive definite, made in fp32, handed over in dtype t
+    const auto m = at::randn({a.ints[0], a.ints[0]}, fp32);
+    return (m.mm(m.t()) + at::eye(a.ints[0], fp32) * a.ints[0]).to(t);
+  }
   TORCH_CHECK(k == "signs" && a.ints.size() == 1, "tests/op_cases.txt: bad tensor ", k);
   return (at::arange(a.ints[0], fp32).remainder(2) * -2 + 1).to(t);  // +1, -1, +1, ...
 }
 
 at::Tensor make_index(const Arg& a, at::Device device) {
   at::Tensor t = at::tensor(a.ints, at::kLong);
-  if (a.tensor_kind == "i") t = t.to(device);
+  if (a.tensor_kind == "i32") t = t.to(at::kInt);  // LU / LDL pivots
+  if (a.tensor_kind != "cpu_i") t = t.to(device);
   return a.view.empty() ? t : t.view(a.view);
 }
 
@@ -252,11 +257,12 @@ std::vector<OpCase> load_all() {
     std::string result;
     row >> c.policy >> c.name >> result;
     std::getline(row, c.arguments);
-    TORCH_CHECK(result == "-" || result == "bool" || result == "complex64",
+    TORCH_CHECK(result == "-" || result == "bool" || result == "complex64" || result == "int64",
                 "tests/op_cases.txt: result ", result, " of ", c.name,
-                " must be -, bool or complex64");
+                " must be -, bool, complex64 or int64");
     if (result == "bool") c.result = at::kBool;
     if (result == "complex64") c.result = at::kComplexFloat;
+    if (result == "int64") c.result = at::kLong;
     out.push_back(std::move(c));
   }
   return out;

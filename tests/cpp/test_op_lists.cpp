@@ -41,9 +41,9 @@ std::set<std::string> registered_on(c10::DispatchKey key) {
   return names;
 }
 
-// torch's rows plus the FFTs every table keeps fp32 at every level (ATen has no bf16 FFT and no
-// fp16 one on the CPU): the Apex table's only built-in fp32 (always) entries.
-std::set<std::string> with_ffts(std::set<std::string> names) {
+// torch's rows plus the ops every table keeps fp32 at every level (FFTs, linear algebra, cdist,
+// quantile: ATen has no fp16/bf16 kernels for them): the Apex table's fp32 (always) entries.
+std::set<std::string> with_fp32_always(std::set<std::string> names) {
   for (const auto& entry : detail::table_of(ListSet::kApex)) {
     if (entry.policy == CastPolicy::kFp32Always) {
       names.insert(detail::qualified({entry.name, entry.overload}));
@@ -66,12 +66,12 @@ void expect_same_ops(const std::set<std::string>& table, const std::set<std::str
 
 TEST(OpLists, TorchCpuTableIsExactlyAutocastCpusKernels) {
   expect_same_ops(names_in(ListSet::kTorchCpu),
-                  with_ffts(registered_on(c10::DispatchKey::AutocastCPU)), "AutocastCPU");
+                  with_fp32_always(registered_on(c10::DispatchKey::AutocastCPU)), "AutocastCPU");
 }
 
 TEST(OpLists, TorchOtherTableIsExactlyAutocastCudasKernels) {
   expect_same_ops(names_in(ListSet::kTorchOther),
-                  with_ffts(registered_on(c10::DispatchKey::AutocastCUDA)), "AutocastCUDA");
+                  with_fp32_always(registered_on(c10::DispatchKey::AutocastCUDA)), "AutocastCUDA");
 }
 
 TEST(OpLists, LossesAndSoftmaxesAreFp32LossInEveryTable) {
@@ -89,20 +89,25 @@ TEST(OpLists, LossesAndSoftmaxesAreFp32LossInEveryTable) {
   }
 }
 
-TEST(OpLists, FftsAreFp32AlwaysInEveryTable) {
-  // So an FFT of a reduced activation runs (widened) at every level, whichever lists are chosen.
-  for (const ListSet set : {ListSet::kApex, ListSet::kTorchCpu, ListSet::kTorchOther}) {
-    size_t ffts = 0;
+TEST(OpLists, OpsWithoutReducedKernelsAreFp32AlwaysInEveryTable) {
+  // So an FFT, a decomposition or a cdist of a reduced tensor runs widened at every level,
+  // whichever lists are chosen.
+  const std::set<std::string> always = with_fp32_always({});
+  EXPECT_EQ(always.size(), 79u);
+  for (const char* op : {"aten::fft_rfft", "aten::stft.center", "aten::linalg_slogdet",
+                         "aten::linalg_householder_product", "aten::cdist", "aten::quantile"}) {
+    EXPECT_TRUE(always.count(op)) << op;
+  }
+  for (const ListSet set : {ListSet::kTorchCpu, ListSet::kTorchOther}) {
+    std::set<std::string> found;
     for (const auto& entry : detail::table_of(set)) {
-      const std::string name = entry.name;
-      if (name.rfind("aten::fft_", 0) != 0 && name != "aten::stft" && name != "aten::istft") {
-        continue;
-      }
-      ++ffts;
+      const std::string name = detail::qualified({entry.name, entry.overload});
+      if (!always.count(name)) continue;
+      found.insert(name);
       EXPECT_EQ(entry.policy, CastPolicy::kFp32Always)
           << name << " in " << detail::to_string(set) << " is " << to_string(entry.policy);
     }
-    EXPECT_EQ(ffts, 21u) << detail::to_string(set);
+    EXPECT_EQ(found, always) << detail::to_string(set);
   }
 }
 

@@ -55,6 +55,10 @@ class In:
     def z(self, *shape):  # complex64 whatever t is: there is no fp16/bf16 spectrum to hand over
         return torch.randn(*shape, dtype=torch.complex64, device=self.d)
 
+    def spd(self, n):  # symmetric positive definite, made in fp32, handed over in dtype t
+        m = torch.randn(n, n, device=self.d)
+        return (m @ m.T + n * torch.eye(n, device=self.d)).to(self.t)
+
 
 # ---- tests/op_cases.txt ----------------------------------------------------------------------
 
@@ -62,8 +66,8 @@ _TOKEN = re.compile(r"""\s*(?:
     (?P<name>[A-Za-z_]\w*)=                              # keyword
   | (?P<str>"[^"]*")
   | (?P<ref>\$\d+)
-  | (?P<index>(?:cpu_)?i)\[(?P<values>[-\d,]*)\](?:\((?P<view>[\d,]+)\))?
-  | (?P<kind>n|r|u|c|hi|signs|logp|z)\((?P<shape>[\d,]+)\)
+  | (?P<index>(?:cpu_)?i(?:32)?)\[(?P<values>[-\d,]*)\](?:\((?P<view>[\d,]+)\))?
+  | (?P<kind>n|r|u|c|hi|signs|logp|z|spd)\((?P<shape>[\d,]+)\)
   | (?P<open>\[) | (?P<close>\]) | (?P<comma>,)
   | (?P<number>-?\d+(?:\.\d*)?(?:e-?\d+)?)
   | (?P<word>none|true|false|float32)
@@ -107,8 +111,11 @@ def _parse(text):
             values, view = _ints(m["values"]), _ints(m["view"] or "")
             cpu = m["index"] == "cpu_i"
 
+            pivots = m["index"].endswith("32")  # LU / LDL pivots are int32
+
             def index(inp, built):
                 t = torch.tensor(values) if cpu else inp.idx(*values)
+                t = t.int() if pivots else t
                 return t.view(view) if view else t
 
             return index

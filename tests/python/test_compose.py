@@ -1059,3 +1059,48 @@ def test_a_model_with_complex_weights_and_ffts_trains_at_every_level(fresh, leve
     opt.step()
     for before, after in zip(stepped, model.parameters()):
         assert torch.equal(before, after.detach())
+
+
+class _LinalgNet(torch.nn.Module):
+    """Linear algebra on working copies and reduced activations: a normalizing flow's invertible
+    1x1 convolution (slogdet of its weight, as Glow's), an orthogonal layer parametrized by
+    Householder reflections, and a Gaussian-process-style head (an RBF kernel from cdist, solved
+    through its Cholesky factor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = torch.nn.Parameter(torch.linalg.qr(torch.randn(4, 4))[0])
+        self.ortho = torch.nn.utils.parametrizations.orthogonal(
+            torch.nn.Linear(8, 6), orthogonal_map="householder")
+        self.feature = torch.nn.Linear(6, 3)
+
+    def forward(self, x):  # x: [batch, 4, 2]
+        z = torch.einsum("ij,bjk->bik", self.mix, x).flatten(1)
+        log_det = 2 * torch.linalg.slogdet(self.mix)[1]
+        f = self.feature(torch.tanh(self.ortho(z)))
+        kernel = torch.exp(-torch.cdist(f, f) ** 2) + 0.1 * torch.eye(f.shape[0])
+        alpha = torch.cholesky_solve(f, torch.linalg.cholesky(kernel))
+        return alpha.float().pow(2).mean() - 0.01 * log_det.float()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_linear_algebra_of_reduced_tensors_runs_widened_at_every_level(fresh, level):
+    # ATen has no fp16/bf16 decompositions, solvers, determinants or (on the CPU) cdist: the
+    # flow's slogdet of an fp16 working copy failed at O2/O3/O5 ("Low precision dtypes not
+    # supported"), the Householder product at O2/O3/O5 ("orgqr_cpu" not implemented for 'Half'),
+    # the cdist of an fp16 activation at every level. They run widened to fp32 now.
+    torch.manual_seed(0)
+    model = _LinalgNet()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    init(model, opt, level)
+    x = torch.randn(5, 4, 2)
+    loss = model(x)
+    with optamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    assert not optamp.loss_scaler(0).last_step_skipped
+    reference(x).backward()
+    low = torch.bfloat16 if level in ("O4", "O5") else torch.float16
+    row = "train_" + str(low).split(".")[1]
+    torch.testing.assert_close(loss.detach(), reference(x).detach(), **tol(row))
+    torch.testing.assert_close(model.mix.grad.float(), reference.mix.grad, **tol(row))  # O3: fp16

@@ -172,19 +172,97 @@ constexpr OpName kFp32LossOps[] = {
     {"aten::ctc_loss", "Tensor"},
 };
 
-// fp32 (always): FFTs, at every level that casts (O3 too). ATen has no bf16 FFT on any device and
-// no fp16 FFT on the CPU ("Unsupported dtype Half"); cuFFT's fp16 takes power-of-two sizes only
-// and gives complex32 results, which few ops accept. Apex's lists leave them out (its O1 fed
-// them fp32 activations; at O2 an FFT model failed), torch's CPU list has them in fp32; here an
-// fp16/bf16 activation or working copy (an stft window) is widened wherever the FFT runs.
+// fp32 (always): ops ATen has no fp16/bf16 kernel for, at every level that casts (O3 too), so a
+// reduced activation or working copy reaching one is widened instead of failing. Apex's lists
+// leave them out (its O1 fed most of them fp32 activations; at O2 they failed); torch's CPU list
+// has most of them as fp32 rows (O1/O4 only), its CUDA list only cdist.
+// FFTs: no bf16 FFT on any device, no fp16 one on the CPU ("Unsupported dtype Half"); cuFFT's
+// fp16 takes power-of-two sizes only and gives complex32 results, which few ops accept.
+// Linear algebra: no fp16/bf16 decompositions, solvers or determinants on any device ("Low
+// precision dtypes not supported"; "lu_cpu" not implemented for 'Half'): a normalizing flow's
+// slogdet of a weight, orthogonal parametrizations (Cayley, Householder), Gaussian-process
+// heads. Distances and quantiles: no fp16/bf16 cdist/pdist kernel on the CPU (torch's CUDA
+// autocast lists cdist in fp32 too); quantile takes float or double only.
 constexpr OpName kFp32AlwaysOps[] = {
-    {"aten::fft_fft", ""},    {"aten::fft_ifft", ""},   {"aten::fft_fft2", ""},
-    {"aten::fft_ifft2", ""},  {"aten::fft_fftn", ""},   {"aten::fft_ifftn", ""},
-    {"aten::fft_rfft", ""},   {"aten::fft_irfft", ""},  {"aten::fft_rfft2", ""},
-    {"aten::fft_irfft2", ""}, {"aten::fft_rfftn", ""},  {"aten::fft_irfftn", ""},
-    {"aten::fft_hfft", ""},   {"aten::fft_ihfft", ""},  {"aten::fft_hfft2", ""},
-    {"aten::fft_ihfft2", ""}, {"aten::fft_hfftn", ""},  {"aten::fft_ihfftn", ""},
-    {"aten::stft", ""},       {"aten::stft", "center"}, {"aten::istft", ""},
+    {"aten::fft_fft", ""},
+    {"aten::fft_ifft", ""},
+    {"aten::fft_fft2", ""},
+    {"aten::fft_ifft2", ""},
+    {"aten::fft_fftn", ""},
+    {"aten::fft_ifftn", ""},
+    {"aten::fft_rfft", ""},
+    {"aten::fft_irfft", ""},
+    {"aten::fft_rfft2", ""},
+    {"aten::fft_irfft2", ""},
+    {"aten::fft_rfftn", ""},
+    {"aten::fft_irfftn", ""},
+    {"aten::fft_hfft", ""},
+    {"aten::fft_ihfft", ""},
+    {"aten::fft_hfft2", ""},
+    {"aten::fft_ihfft2", ""},
+    {"aten::fft_hfftn", ""},
+    {"aten::fft_ihfftn", ""},
+    {"aten::stft", ""},
+    {"aten::stft", "center"},
+    {"aten::istft", ""},
+    {"aten::cholesky", ""},
+    {"aten::cholesky_inverse", ""},
+    {"aten::cholesky_solve", ""},
+    {"aten::inverse", ""},
+    {"aten::lu_solve", ""},
+    {"aten::orgqr", ""},
+    {"aten::ormqr", ""},
+    {"aten::pinverse", ""},
+    {"aten::geqrf", ""},
+    {"aten::qr", ""},
+    {"aten::svd", ""},
+    {"aten::triangular_solve", ""},
+    {"aten::det", ""},
+    {"aten::slogdet", ""},
+    {"aten::logdet", ""},
+    {"aten::linalg_cond", ""},
+    {"aten::linalg_cond", "p_str"},
+    {"aten::linalg_matrix_rank", ""},
+    {"aten::linalg_matrix_rank", "tol_tensor"},
+    {"aten::linalg_matrix_rank", "atol_rtol_tensor"},
+    {"aten::linalg_matrix_rank", "atol_rtol_float"},
+    {"aten::linalg_solve", ""},
+    {"aten::linalg_solve_ex", ""},
+    {"aten::linalg_solve_triangular", ""},
+    {"aten::linalg_cholesky", ""},
+    {"aten::linalg_cholesky_ex", ""},
+    {"aten::linalg_inv", ""},
+    {"aten::linalg_inv_ex", ""},
+    {"aten::linalg_det", ""},
+    {"aten::linalg_slogdet", ""},
+    {"aten::linalg_lu", ""},
+    {"aten::linalg_lu_factor", ""},
+    {"aten::linalg_lu_factor_ex", ""},
+    {"aten::linalg_lu_solve", ""},
+    {"aten::linalg_ldl_factor", ""},
+    {"aten::linalg_ldl_factor_ex", ""},
+    {"aten::linalg_ldl_solve", ""},
+    {"aten::linalg_qr", ""},
+    {"aten::linalg_householder_product", ""},
+    {"aten::linalg_svd", ""},
+    {"aten::linalg_svdvals", ""},
+    {"aten::linalg_eig", ""},
+    {"aten::linalg_eigvals", ""},
+    {"aten::linalg_eigh", ""},
+    {"aten::linalg_eigvalsh", ""},
+    {"aten::linalg_lstsq", ""},
+    {"aten::linalg_pinv", ""},
+    {"aten::linalg_pinv", "atol_rtol_float"},
+    {"aten::linalg_pinv", "atol_rtol_tensor"},
+    {"aten::linalg_pinv", "rcond_tensor"},
+    {"aten::linalg_tensorinv", ""},
+    {"aten::linalg_tensorsolve", ""},
+    {"aten::cdist", ""},
+    {"aten::pdist", ""},
+    {"aten::quantile", ""},
+    {"aten::quantile", "scalar"},
+    {"aten::nanquantile", ""},
+    {"aten::nanquantile", "scalar"},
 };
 
 // promote: Apex's CASTS.
@@ -450,8 +528,8 @@ bool contains(const OpName (&ops)[N], const OpName& op) {
   });
 }
 
-// torch's fp32 rows: fp32 (loss) for losses and softmaxes, fp32 (always) for FFTs, fp32
-// otherwise; then the FFTs torch does not list (all of them in its CUDA list).
+// torch's fp32 rows: fp32 (loss) for losses and softmaxes, fp32 (always) for the ops without
+// fp16/bf16 kernels, fp32 otherwise; then those of them torch does not list (most, on CUDA).
 template <std::size_t N>
 void append_torch_fp32(std::vector<TableEntry>& table, const OpName (&ops)[N]) {
   for (const OpName& op : ops) {
@@ -460,9 +538,9 @@ void append_torch_fp32(std::vector<TableEntry>& table, const OpName (&ops)[N]) {
                                                              : CastPolicy::kFp32;
     table.push_back({op.name, op.overload, policy, nullptr});
   }
-  for (const OpName& fft : kFp32AlwaysOps) {
-    if (!contains(ops, fft))
-      table.push_back({fft.name, fft.overload, CastPolicy::kFp32Always, nullptr});
+  for (const OpName& op : kFp32AlwaysOps) {
+    if (!contains(ops, op))
+      table.push_back({op.name, op.overload, CastPolicy::kFp32Always, nullptr});
   }
 }
 
