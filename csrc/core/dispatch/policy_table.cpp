@@ -175,14 +175,14 @@ constexpr OpName kFp32LossOps[] = {
 // fp32 (always): ops ATen has no fp16/bf16 kernel for, at every level that casts (O3 too), so a
 // reduced activation or working copy reaching one is widened instead of failing. Apex's lists
 // leave them out (its O1 fed most of them fp32 activations; at O2 they failed); torch's CPU list
-// has most of them as fp32 rows (O1/O4 only), its CUDA list only cdist.
+// has most of them as fp32 rows (O1/O4 only), its CUDA list only cdist and pdist.
 // FFTs: no bf16 FFT on any device, no fp16 one on the CPU ("Unsupported dtype Half"); cuFFT's
 // fp16 takes power-of-two sizes only and gives complex32 results, which few ops accept.
 // Linear algebra: no fp16/bf16 decompositions, solvers or determinants on any device ("Low
 // precision dtypes not supported"; "lu_cpu" not implemented for 'Half'): a normalizing flow's
 // slogdet of a weight, orthogonal parametrizations (Cayley, Householder), Gaussian-process
 // heads. Distances and quantiles: no fp16/bf16 cdist/pdist kernel on the CPU (torch's CUDA
-// autocast lists cdist in fp32 too); quantile takes float or double only.
+// autocast lists both in fp32 too); quantile takes float or double only.
 constexpr OpName kFp32AlwaysOps[] = {
     {"aten::fft_fft", ""},
     {"aten::fft_ifft", ""},
