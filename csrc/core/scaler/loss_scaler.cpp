@@ -16,6 +16,7 @@
 #include "ops/multi_tensor.h"
 #include "ops/stream_capture.h"
 #include "scaler/loss_scaler_impl.h"
+#include "scaler/scalable_dtypes.h"
 #include "scaler/step_status.h"
 
 namespace amp {
@@ -219,10 +220,8 @@ void LossScaler::check_gradients(const std::vector<at::Tensor>& grads,
                       "] must be a dense (strided) or sparse COO tensor, got ", g.layout(),
                       "; other layouts are not supported by loss scaling");
     const auto t = g.scalar_type();
-    TORCH_CHECK_VALUE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16 ||
-                          t == at::kComplexFloat || t == at::kComplexHalf,
-                      "grads[", i,
-                      "] must be float32, float16, bfloat16, complex64 or complex32, got ", t);
+    TORCH_CHECK_VALUE(detail::loss_scalable(t), "grads[", i, "] must be ",
+                      detail::kLossScalableDtypes, ", got ", t);
     if (!stashed.empty() && stashed[i].defined()) {
       const auto& s = stashed[i];
       TORCH_CHECK_VALUE(s.scalar_type() == t && s.sizes() == g.sizes() &&

@@ -20,6 +20,7 @@
 #include "dispatch/cast_decision.h"
 #include "optamp/loss_scaler.h"
 #include "scaler/loss_scaler_set.h"
+#include "scaler/scalable_dtypes.h"
 #include "scaler/scale_loss.h"
 #include "session.h"
 
@@ -525,11 +526,9 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
   check_parameter_dtypes(s->params, [&state](size_t j) { return state.label(j); });
   for (size_t i = 0; i < s->params.size(); ++i) {
     const auto t = s->params[i].scalar_type();
-    TORCH_CHECK_VALUE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16 ||
-                          t == at::kComplexFloat || t == at::kComplexHalf,
-                      "parameters must be float32, float16, bfloat16, complex64 or complex32 for "
-                      "loss scaling, got ",
-                      t, " for ", param_label(s->params[i], s->label(i)));
+    TORCH_CHECK_VALUE(loss_scalable(t), "parameters must be ", kLossScalableDtypes,
+                      " for loss scaling, got ", t, " for ",
+                      param_label(s->params[i], s->label(i)));
   }
   LossScaler& scaler = *scaler_ptr;
   s->scaler = scaler_ptr;
