@@ -682,6 +682,145 @@ def test_the_guards_old_name_is_a_deprecated_alias_of_lift_no_grad_gate():
         assert optamp.is_casting_enabled() is False  # nothing initialized: no rules
 
 
+# ---- higher-order operators (torch.cond, nested_compile_region, flex_attention) ---------------
+
+LOW = {"O1": torch.float16, "O2": torch.float16, "O3": torch.float16, "O4": torch.bfloat16,
+       "O5": torch.bfloat16}
+
+
+@torch.compiler.nested_compile_region
+def _region(block, x):
+    return block(x)
+
+
+class HopNet(torch.nn.Module):
+    """Two blocks inside a higher-order operator (``cond``: one of them, by the input's sign;
+    ``region``: both, each in a nested_compile_region), or the same computation without one
+    (``plain_*``); then a head. Returns the blocks' output too."""
+
+    def __init__(self, hop):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.head = torch.nn.Linear(16, 4)
+        self.hop = hop
+
+    def forward(self, x):
+        first, second = self.blocks
+        if self.hop == "cond":
+            h = torch.cond(x.sum() > 0, lambda t: first(t), lambda t: second(t), (x,))
+        elif self.hop == "plain_cond":
+            h = first(x) if x.sum() > 0 else second(x)
+        elif self.hop == "region":
+            h = _region(second, _region(first, x))
+        else:
+            h = second(first(x))
+        return self.head(h), h
+
+
+def _train_hop(hop, level, backend, steps=3):
+    """Losses and the blocks' output dtypes of a few steps, then of a no_grad forward."""
+    torch.manual_seed(0)
+    net = HopNet(hop)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    net, opt = init(net, opt, level)
+    run = net if backend is None else torch.compile(net, backend=backend)
+    gen = torch.Generator().manual_seed(1)
+    losses, inner = [], []
+    for step in range(steps):
+        x = torch.randn(8, 16, generator=gen).abs() * (1 if step % 2 else -1)  # both branches
+        y = torch.randint(0, 4, (8,), generator=gen)
+        opt.zero_grad()
+        out, h = run(x)
+        loss = F.cross_entropy(out.float(), y)
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        losses.append(loss.item())
+        inner.append(h.dtype)
+    with torch.no_grad():  # the no_grad gate: nothing cast at the call, nothing inside
+        inner.append(run(x)[1].dtype)
+    optamp.reset()
+    return losses, inner
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("hop", ["cond", "region"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_higher_order_ops_cast_their_subgraphs_and_train_as_without_them(hop, level):
+    # Every HOP failed while optamp was initialized ("could not find kernel for
+    # HigherOrderOperator cond at dispatch key AutocastPrivateUse1"): torch makes HOPs fall
+    # through its own autocast keys only. Losses equal to the plain model's say the subgraphs'
+    # ops were cast as the level casts them (O2/O5: on working copies).
+    plain = _train_hop("plain_" + hop, level, None)
+    eager = _train_hop(hop, level, None)
+    compiled = _train_hop(hop, level, "aot_eager")
+    torch.testing.assert_close(eager[0], plain[0], rtol=0, atol=0)
+    torch.testing.assert_close(compiled[0], plain[0], rtol=0, atol=0)
+    # O2/O5: the model boundary returns fp32; O1/O4: the blocks' last linear is cast
+    grad_dtype = torch.float32 if level in ("O2", "O5") else LOW[level]
+    assert plain[1] == eager[1] == compiled[1] == [grad_dtype] * 3 + [torch.float32], level
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_inductor_compiled_nested_region_returns_what_eager_does():
+    # The region's forward runs inside an autograd.Function (no_grad: optamp's gate cast nothing
+    # there) while its backward was traced with grad mode on (cast): inductor's compiled forward
+    # returned bf16 data its caller read as fp32 (values of 1e34) before the HOP ran under the
+    # state of its call.
+    torch.manual_seed(0)
+    net = init(HopNet("region"), None, "O4")
+    x = torch.randn(8, 16)
+    eager_out, eager_h = net(x)
+    compiled_out, compiled_h = torch.compile(net)(x)
+    assert compiled_h.dtype == eager_h.dtype == torch.bfloat16
+    torch.testing.assert_close(compiled_out, eager_out, **tol(torch.bfloat16))
+    torch.testing.assert_close(compiled_h, eager_h, **tol(torch.bfloat16))
+
+
+def _flex_qkv(dtypes):
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randn(2, 2, 32, 16, generator=gen).to(dt) for dt in dtypes]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_flex_attention_is_cast_as_under_native_autocast(level):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def shift(score, b, h, q, kv):
+        return score + (q - kv) * 0.01
+
+    init(torch.nn.Linear(2, 2), None, level)
+    low = LOW[level]
+    q, k, v = _flex_qkv([torch.float32, low, torch.float32])  # k from a cast op, q and v not
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=low):
+            native = flex_attention(q, k, v, score_mod=shift)
+        with optamp.autocast():
+            ours = flex_attention(q, k, v, score_mod=shift)
+        assert ours.dtype == native.dtype == low
+        torch.testing.assert_close(ours, native, rtol=0, atol=0)
+        # The no_grad gate: no rules, no casts; flex promotes the mixed inputs (fp32).
+        assert flex_attention(q, k, v, score_mod=shift).dtype == torch.float32
+
+
+def test_a_higher_order_op_defined_after_import_falls_through_optamps_keys():
+    from torch._ops import HigherOrderOperator
+
+    class Twice(HigherOrderOperator):
+        def __init__(self):
+            super().__init__("optamp_test_twice")
+
+        def __call__(self, fn, x):
+            return super().__call__(fn, x)
+
+    twice = Twice()
+    twice.py_impl(torch._C.DispatchKey.CompositeExplicitAutograd)(lambda fn, x: fn(fn(x)))
+    twice.fallthrough(torch._C.DispatchKey.AutogradCPU)
+    lin = init(torch.nn.Linear(4, 4), None, "O1")
+    assert twice(lin, torch.randn(2, 4)).dtype == torch.float16
+
+
 # ---- native torch.autocast(enabled=False) regions -----------------------------------------
 
 
