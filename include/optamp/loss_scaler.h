@@ -132,7 +132,8 @@ class OPTAMP_API LossScaler {
   void unscale(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& stashed = {});
   // Updates the scale from the overflow flag gathered since the last update, with the single
   // device->host sync of the step (none when the scaler checks nothing). Returns true when the
-  // step must be skipped (an inf/NaN was found).
+  // step must be skipped (an inf/NaN was found). Like a guard's exit, it ends the step for the
+  // cast cache: the parameters' cached fp16/bf16 copies are made again by the next forward.
   bool update();
   // The validation of unscale() alone (ValueError naming the first bad gradient).
   static void check_gradients(const std::vector<at::Tensor>& grads,

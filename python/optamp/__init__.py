@@ -52,7 +52,7 @@ from .functions import (
 )
 from .scaler import load_state_dict, loss_scaler, scale_loss, state_dict
 from .precision import compare_with_fp32, precision_report
-from . import _autocast_flag, _checkpoint, _higher_order, _native_regions, ab
+from . import _autocast_flag, _checkpoint, _higher_order, _native_regions, _pipelining, ab
 
 
 def rules_under_no_grad() -> lift_no_grad_gate:
@@ -70,6 +70,7 @@ _checkpoint.install()  # forward and recompute of torch.utils.checkpoint under t
 _autocast_flag.install()  # torch._C._is_any_autocast_enabled(): True only where ops are cast
 _native_regions.install()  # torch.autocast(..., enabled=False): optamp's rules off inside
 _higher_order.install()  # torch.cond, flex_attention, ...: fall through optamp's keys as torch's
+_pipelining.install()  # pipeline stages: the same dtypes with grad mode on or off
 
 from ._build_info import version as __version__  # set once: project() in CMakeLists.txt
 

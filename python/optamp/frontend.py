@@ -20,7 +20,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
-from . import _C, _boundary, _compile, _distributed, _dtensor, ab
+from . import _C, _boundary, _compile, _distributed, _dtensor, _pipelining, ab
 
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 OptimizerArg = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
@@ -363,6 +363,8 @@ def initialize(
             reduced, keep, parameters, names, opts, opt_level, **overrides
         )
         _distributed.set_process_group(process_group if props.enabled else None, props.num_losses)
+        if props.enabled:
+            _pipelining.install(import_if_distributed=True)  # stages: same dtypes without grad
         if sharded is not None:
             _dtensor.install()  # the unscale ops on DTensor gradients
             # FSDP2 reduce-scatters a module's gradients when the gradients of its inputs are

@@ -338,4 +338,32 @@ TEST_F(CastingInitialized, ScaleLossGuardMakesRealOptimizerStepsVisible) {
 }
 
 }  // namespace
+// The same step through the low-level pair (LossScaler::unscale, then update), which the
+// Python front uses where a schedule runs the backward (torch.distributed.pipelining): update()
+// ends the step for the cache as the guard's exit does. Before 2026-12-06 it did not, and every
+// forward after the first ran on the first step's copy of an SGD-stepped weight.
+TEST_F(CastingInitialized, LowLevelUnscaleAndUpdateMakeRealOptimizerStepsVisible) {
+  at::manual_seed(3);
+  auto model = std::make_shared<OneWeight>();
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));
+  initialize(model, optimizer, "O1", quiet());
+  const at::Tensor& w = model->w;
+  const auto x = randn({2, 3});
+  LossScaler& scaler = loss_scaler();
+  for (int step = 0; step < 4; ++step) {
+    optimizer.zero_grad();
+    const auto out = at::linear(x, w);
+    EXPECT_TRUE(at::equal(out, at::linear(x.to(at::kHalf), w.detach().to(at::kHalf))))
+        << "stale working copy at step " << step;
+    scaler.scale(out.to(at::kFloat).pow(2).mean()).backward();
+    scaler.unscale({w.grad()});
+    ASSERT_FALSE(scaler.update());
+    EXPECT_EQ(cache_size(), 0u) << "update() must drop the cached copy";
+    const auto before = w.detach().clone();
+    optimizer.step();
+    ASSERT_FALSE(at::equal(w.detach(), before)) << "the step did not change the weight";
+  }
+  reset();
+}
+
 }  // namespace amp

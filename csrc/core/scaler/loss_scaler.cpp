@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/format.h"
+#include "common/step_events.h"
 #include "ops/multi_tensor.h"
 #include "ops/stream_capture.h"
 #include "scaler/loss_scaler_impl.h"
@@ -299,7 +300,12 @@ bool LossScaler::update() {
     found = std::move(impl_->found_inf_);
     impl_->found_inf_.clear();
   }
-  return update_from(std::move(found), /*on_device=*/false).skipped;
+  const bool skipped = update_from(std::move(found), /*on_device=*/false).skipped;
+  // The step's end, as a guard's exit is: the optimizer step comes next, and LibTorch's optimizers
+  // update through p.data(), which bumps no version counter, so the cast cache must drop its
+  // copies here (it served the first step's weights to every later forward before 2026-12-06).
+  detail::notify_weights_may_change();
+  return skipped;
 }
 
 LossScaler::StepResult LossScaler::finish_step(const std::vector<at::Tensor>& grads,

@@ -1,0 +1,87 @@
+"""``torch.distributed.pipelining`` stages cast the same with grad mode on or off.
+
+A pipeline fixes the dtypes that cross between stages when it starts: ``PipelineStage`` runs its
+module once under ``torch.no_grad()`` (``_shape_inference``) and every later forward is checked
+against that (``PipeliningShapeError``), and the next stage's receive buffers are allocated from
+it. optamp's no_grad gate casts nothing under no_grad (docs/casting.md), so at O1/O4 the
+inference saw fp32 outputs and the first training forward fp16 ones: "Stage 1 forward outputs:
+value 0 has a dtype mismatch: expected torch.float32 actual torch.float16". ``schedule.eval()``
+under ``torch.no_grad()`` after training would fail the same way the other way round. Native
+autocast casts under no_grad too, so its stages agree with themselves.
+
+So a stage's forward (``forward_one_chunk``, which ``step`` and ``eval`` run) and its shape
+inference run with the gate lifted (``lift_no_grad_gate``): inside a pipeline stage optamp's
+rules apply as with ``rules_under_no_grad=True``; a region or ``disable_casts`` around the call
+still holds. Backward is untouched.
+
+A received activation arrives in a buffer the stage allocated once per micro-batch and reuses
+every step: a leaf that requires grad, which optamp's cast cache takes for a parameter (at
+O1/O4 an fp32 activation from the previous stage is cast to fp16/bf16 through the cache), and
+which the receive overwrites without bumping its version counter. The cache then served the
+first step's activations to every later step (gradients 100% off from the second step on). So
+the buffers' versions are bumped when the stage takes them for a forward
+(``_retrieve_recv_activations``): a write the cache sees, as an in-place op's would be.
+
+torch.distributed.pipelining takes 0.9 s to import, so optamp does not import it for every
+program: :func:`install` wraps it when it is imported already (at ``import optamp`` and at
+``initialize``), and ``initialize`` imports it when a default process group exists (pipelines
+need one). A program that imports it only after both, with no process group at ``initialize``,
+is not covered.
+"""
+import functools
+import sys
+from typing import Any, Callable
+
+import torch
+
+from . import _C
+
+_MODULE = "torch.distributed.pipelining.stage"
+_MARK = "_optamp_same_rules_without_grad"
+
+
+def _gate_lifted(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _C.is_initialized():
+            return method(self, *args, **kwargs)
+        with _C.lift_no_grad_gate():
+            return method(self, *args, **kwargs)
+
+    setattr(run, _MARK, True)
+    return run
+
+
+def _versions_bumped(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        received = method(self, *args, **kwargs)
+        tensors = [t for t in received if isinstance(t, torch.Tensor)]
+        if tensors:
+            torch.autograd.graph.increment_version(tensors)
+        return received
+
+    setattr(run, _MARK, True)
+    return run
+
+
+def _wrap(stage: Any) -> None:
+    for cls, name, wrap in (
+            (stage._PipelineStageBase, "forward_one_chunk", _gate_lifted),
+            (stage.PipelineStage, "_shape_inference", _gate_lifted),
+            (stage._PipelineStageBase, "_retrieve_recv_activations", _versions_bumped)):
+        method = cls.__dict__[name]
+        if not getattr(method, _MARK, False):
+            setattr(cls, name, wrap(method))
+
+
+def install(import_if_distributed: bool = False) -> None:
+    """Idempotent. ``import_if_distributed``: import the module if a default process group
+    exists (``initialize``)."""
+    stage = sys.modules.get(_MODULE)
+    if stage is None and import_if_distributed:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            import torch.distributed.pipelining.stage as stage
+    if stage is not None:
+        _wrap(stage)
