@@ -69,7 +69,7 @@ def rules_under_no_grad() -> lift_no_grad_gate:
 _checkpoint.install()  # forward and recompute of torch.utils.checkpoint under the same rules
 _autocast_flag.install()  # torch._C._is_any_autocast_enabled(): True only where ops are cast
 _native_regions.install()  # torch.autocast(..., enabled=False): optamp's rules off inside
-_higher_order.install()  # torch.cond, flex_attention, ...: fall through optamp's keys as torch's
+_higher_order.install()  # torch.cond, flex_attention, ...: run under the optamp state of their call
 _pipelining.install()  # pipeline stages: the same dtypes with grad mode on or off
 
 from ._build_info import version as __version__  # set once: project() in CMakeLists.txt
