@@ -494,7 +494,8 @@ def _mesh_worker(rank, world, port, level, out_dir):
         skipped, losses, ref_losses = [], [], []
         for step in range(MESH_STEPS):
             gen = torch.Generator().manual_seed(step)
-            xs, ys = torch.randn(2, 8, 16, generator=gen), torch.randint(0, 4, (2, 8), generator=gen)
+            xs = torch.randn(2, 8, 16, generator=gen)
+            ys = torch.randint(0, 4, (2, 8), generator=gen)
             loss = F.cross_entropy(model(xs[dp]), ys[dp])
             if step == MESH_BAD_STEP and rank == 3:
                 loss = loss * float("inf")
@@ -509,7 +510,8 @@ def _mesh_worker(rank, world, port, level, out_dir):
                     losses.append(loss.detach().float())
                     ref_losses.append(F.cross_entropy(reference(xs[dp]), ys[dp]).detach())
                     ref_opt.zero_grad()
-                    sum(F.cross_entropy(reference(xs[i]), ys[i]) for i in range(2)).div(2).backward()
+                    both = [F.cross_entropy(reference(xs[i]), ys[i]) for i in range(2)]
+                    sum(both).div(2).backward()
                     ref_opt.step()
         with torch.no_grad():
             error = max((p.full_tensor() - r).abs().max().item()
