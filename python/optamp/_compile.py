@@ -131,11 +131,31 @@ _VIEWS: FrozenSet[str] = frozenset({
 })
 
 
-def _written_positions(name: str) -> Tuple[int, ...]:
-    """The positional arguments a call writes: an in-place method's (or dunder's) self."""
+def _schemas(func: Any) -> List[Any]:
+    """The schemas of a dispatcher op called directly (``torch.ops.ns.op.overload`` or the
+    packet ``torch.ops.ns.op``, a ``torch.library.custom_op``); [] for a Python function."""
+    schema = getattr(func, "_schema", None)
+    if isinstance(schema, torch._C.FunctionSchema):
+        return [schema]
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return [getattr(func, overload)._schema for overload in func.overloads()]
+    return []
+
+
+def _written_arguments(func: Any, name: str) -> Tuple[Tuple[int, ...], FrozenSet[str]]:
+    """The positions and keyword names of the arguments a call writes: an in-place method's (or
+    dunder's) self; for a dispatcher op, those its schema marks written (``Tensor(a!)``; any
+    overload's, for a packet), as eager substitution reads them (substitution.cpp). A custom op
+    that updates a registered buffer (a counter, a cache) then updates the buffer itself, not a
+    working copy of it (until 2026-12-06 the update was lost in a compiled O2/O5 model)."""
+    schemas = _schemas(func)
+    if schemas:
+        written = {(i, a.name) for schema in schemas for i, a in enumerate(schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write}
+        return tuple(sorted(i for i, _ in written)), frozenset(n for _, n in written)
     if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__")):
-        return (0,)
-    return ()
+        return (0,), frozenset()
+    return (), frozenset()
 
 
 def _updated_statistics(func: Callable[..., Any], args: Tuple[Any, ...],
@@ -207,7 +227,7 @@ class WorkingCopies(TorchFunctionMode):
             return func(*args, **kwargs)
         if name in _VIEWS and args and _is_buffer_or_its_view(args[0]):
             return _mark_buffer_views(func(*args, **kwargs))
-        written = _written_positions(name)
+        written, written_names = _written_arguments(func, name)
         updated = _updated_statistics(func, args, kwargs)
         # A norm's updated statistics get a copy of their own, copied back after the call, as
         # eager substitution does (csrc/core/dispatch/substitution.cpp).
@@ -221,8 +241,8 @@ class WorkingCopies(TorchFunctionMode):
             return _substituted(value, self.dtype)
 
         args = tuple(a if i in written else sub(a, i in updated) for i, a in enumerate(args))
-        kwargs = {k: v if k == "out" else sub(v, bool(updated) and k in _STATISTICS)
-                  for k, v in kwargs.items()}
+        kwargs = {k: v if k == "out" or k in written_names else
+                  sub(v, bool(updated) and k in _STATISTICS) for k, v in kwargs.items()}
         result = func(*args, **kwargs)
         for source, copy in write_back:
             source.copy_(copy)

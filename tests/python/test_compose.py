@@ -399,6 +399,47 @@ class BufferUpdatingNet(torch.nn.Module):
         return self.fc(centred) + self.fc.weight.detach().sum()
 
 
+@torch.library.custom_op("optamp_test::count_", mutates_args=("counter",))
+def _count_(x: torch.Tensor, counter: torch.Tensor) -> None:
+    counter.add_(x.float().abs().mean())
+
+
+class CountingNet(torch.nn.Module):
+    """A custom op that updates a registered buffer in place (a usage counter), called as a
+    torch.library.custom_op and through its overload packet."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.register_buffer("counter", torch.zeros(1))
+
+    def forward(self, x):
+        h = self.fc(x)
+        _count_(h.detach(), self.counter)
+        torch.ops.optamp_test.count_(h.detach(), counter=self.counter)
+        return h
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_compiled_o2_o5_custom_ops_update_registered_buffers_as_eager(level):
+    # The compiled forward's working-copy mode read written arguments by name only (in-place
+    # methods end in "_"): a custom op's `Tensor(a!)` buffer got a working copy, and the update
+    # was lost (the counter stayed 0 compiled, eager counted).
+    counters = []
+    for backend in [None, "aot_eager"]:
+        torch.manual_seed(0)
+        net = init(CountingNet(), None, level)
+        run = net if backend is None else torch.compile(net, backend=backend)
+        x = torch.randn(4, 8, requires_grad=True)
+        for _ in range(2):
+            run(x)
+        counters.append(net.counter.clone())
+        optamp.reset()
+    assert counters[0].item() > 0
+    assert torch.equal(counters[1], counters[0])
+
+
 @pytest.mark.parametrize("level", ["O2", "O5"])
 def test_compiled_o2_o5_write_buffers_and_read_own_data_as_eager(level):
     results = []
