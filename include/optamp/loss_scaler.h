@@ -109,6 +109,7 @@ class OPTAMP_API LossScaler {
   // `carried`: rescale()'s flags for gradients the step accumulates onto. An overflow they
   // carried was counted by the step that made it (which made the optimizers skip), so a device
   // whose carried flag is set counts no overflow here (on_device; its gradients hold it still).
+  // Ends the step for the cast cache, as update() does.
   StepResult finish_step(const std::vector<at::Tensor>& grads,
                          const std::vector<at::Tensor>& stashed, const at::Tensor& inv_scale,
                          bool on_device = false, const std::vector<at::Tensor>& carried = {});

@@ -292,6 +292,19 @@ void LossScaler::unscale(const std::vector<at::Tensor>& grads,
   impl_->pending_ = true;
 }
 
+namespace {
+
+// Both ways of finishing a step (the guard's finish_step, the low-level update()) end it here:
+// the optimizer step comes next, and LibTorch's optimizers update through p.data(), which bumps
+// no version counter, so the cast cache must drop its copies (through update() it did not before
+// 2026-12-06, and served the first step's weights to every later forward).
+LossScaler::StepResult end_step(LossScaler::StepResult result) {
+  detail::notify_weights_may_change();
+  return result;
+}
+
+}  // namespace
+
 bool LossScaler::update() {
   DeviceFlags found;
   {
@@ -300,12 +313,7 @@ bool LossScaler::update() {
     found = std::move(impl_->found_inf_);
     impl_->found_inf_.clear();
   }
-  const bool skipped = update_from(std::move(found), /*on_device=*/false).skipped;
-  // The step's end, as a guard's exit is: the optimizer step comes next, and LibTorch's optimizers
-  // update through p.data(), which bumps no version counter, so the cast cache must drop its
-  // copies here (it served the first step's weights to every later forward before 2026-12-06).
-  detail::notify_weights_may_change();
-  return skipped;
+  return end_step(update_from(std::move(found), /*on_device=*/false)).skipped;
 }
 
 LossScaler::StepResult LossScaler::finish_step(const std::vector<at::Tensor>& grads,
@@ -325,7 +333,7 @@ LossScaler::StepResult LossScaler::finish_step(const std::vector<at::Tensor>& gr
                  /*check_stash=*/!on_device);
   }
   discount_carried(found, carried);
-  return update_from(std::move(found), on_device);
+  return end_step(update_from(std::move(found), on_device));
 }
 
 std::vector<at::Tensor> LossScaler::rescale(const std::vector<at::Tensor>& grads,

@@ -16,7 +16,6 @@
 #include <unordered_map>
 #include <utility>
 
-#include "common/step_events.h"
 #include "dispatch/cast_decision.h"
 #include "optamp/loss_scaler.h"
 #include "scaler/loss_scaler_set.h"
@@ -316,7 +315,6 @@ void finish_normally(ScaleLossState& s) {
     for (auto& p : s.params) p.mutable_grad() = at::Tensor();
   }
   if (result.found_inf.defined()) s.device_skip(result.found_inf);
-  notify_weights_may_change();
   TORCH_CHECK(floor_error.empty(), floor_error);
 }
 
