@@ -36,6 +36,7 @@ import torch
 import torch._ops
 
 from . import _C
+from .functions import cast_floating
 
 
 
@@ -78,12 +79,6 @@ def _give_rules(hop: Any, cast_rule: Callable[[Any], Callable[..., Any]]) -> Non
     setattr(hop, _INSTALLED, True)
 
 
-def _lowered(t: torch.Tensor, low: torch.dtype) -> torch.Tensor:
-    if t.is_floating_point() and t.dtype != torch.float64 and t.dtype != low:
-        return t.to(low)
-    return t
-
-
 def _flex_attention_rule(hop: Any) -> Callable[..., Tuple[torch.Tensor, ...]]:
     def cast_then_run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       score_mod: Callable[..., Any], block_mask: Tuple[Any, ...], scale: float,
@@ -91,7 +86,7 @@ def _flex_attention_rule(hop: Any) -> Callable[..., Tuple[torch.Tensor, ...]]:
                       mask_mod_other_buffers: Tuple[Any, ...] = ()) -> Tuple[torch.Tensor, ...]:
         rules, low = _C.cast_rules_now(query.device.type)
         if low is not None and _C.policy_applies(_C.CastPolicy.LOWER, rules):
-            query, key, value = (_lowered(t, low) for t in (query, key, value))
+            query, key, value = (cast_floating(t, low) for t in (query, key, value))
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(CAST_KEY)):
             out: Tuple[torch.Tensor, ...] = hop(query, key, value, score_mod, block_mask, scale,
                                                 kernel_options, score_mod_other_buffers,

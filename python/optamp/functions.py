@@ -39,6 +39,13 @@ _POLICY = {"half": _C.CastPolicy.LOWER, "float": _C.CastPolicy.FP32_ALWAYS,
            "promote": _C.CastPolicy.PROMOTE}
 
 
+def cast_floating(t: torch.Tensor, target: Optional[torch.dtype]) -> torch.Tensor:
+    """``t`` in ``target`` if it is a floating tensor of another dtype (doubles untouched)."""
+    if t.is_floating_point() and t.dtype != torch.float64 and t.dtype != target:
+        return t.to(target)
+    return t
+
+
 def _caster(kind: str, tensors: List[torch.Tensor],
             low: Optional[torch.dtype]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     floating = [t for t in tensors if t.is_floating_point() and t.dtype != torch.float64]
@@ -53,12 +60,7 @@ def _caster(kind: str, tensors: List[torch.Tensor],
             return None
         target = torch.float32  # fp16+fp32, bf16+fp32 and fp16+bf16 all widen to fp32
 
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point() and t.dtype != torch.float64 and t.dtype != target:
-            return t.to(target)
-        return t
-
-    return cast
+    return lambda t: cast_floating(t, target)
 
 
 def _wrap(fn: F, kind: str) -> F:
