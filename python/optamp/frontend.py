@@ -21,6 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
 from . import _C, _boundary, _compile, _distributed, _dtensor, _pipelining, ab
+from ._optimizers import stepping_optimizer
 
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 OptimizerArg = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
@@ -113,6 +114,7 @@ def _collect_models(
 def _collect_optimizers(optimizers: List[torch.optim.Optimizer]) -> List[Dict[str, object]]:
     out: List[Dict[str, object]] = []
     for i, opt in enumerate(optimizers):
+        stepper = stepping_optimizer(opt)  # what scale_loss checks and skips (wrappers: the inner)
         params: List[torch.Tensor] = []
         state: List[torch.Tensor] = []
         owners: List[torch.Tensor] = []
@@ -132,13 +134,13 @@ def _collect_optimizers(optimizers: List[torch.optim.Optimizer]) -> List[Dict[st
                     owners.append(p)
         out.append(
             {
-                "identity": id(opt),
+                "identity": id(stepper),
                 "description": f"optimizer {i} ({type(opt).__name__})",
                 "parameters": params,
                 "state": state,
                 "state_owners": owners,
                 "smallest_eps": smallest_eps,
-                "steps_through_closure": isinstance(opt, torch.optim.LBFGS),  # refused
+                "steps_through_closure": isinstance(stepper, torch.optim.LBFGS),  # refused
             }
         )
     return out
@@ -418,7 +420,7 @@ def _warn_fused_sgd_on_cpu(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     unchanged: a run with such parameters (O3, or a reduced-precision model at O0) would not
     train, and nothing would say so."""
     for i, opt in enumerate(optimizers):
-        if not isinstance(opt, torch.optim.SGD):
+        if not isinstance(stepping_optimizer(opt), torch.optim.SGD):
             continue
         stuck = [p for g in opt.param_groups if g.get("fused") for p in g["params"]
                  if p.device.type == "cpu" and p.dtype in (torch.float16, torch.bfloat16)

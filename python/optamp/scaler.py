@@ -14,6 +14,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequ
 import torch
 
 from . import _C, _apex_layout
+from ._optimizers import stepping_optimizer
 from ._distributed import (
     FoundInfReducer,
     check_process_group,
@@ -112,6 +113,11 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int = 0,
     ``grad_scale=None``: the grads are unscaled already), and their kernels skip the update on
     the device; the flag is dropped after the step. The scaler's ``last_step_skipped`` and
     counters then wait for the device only when they are read.
+
+    Optimizer wrappers that step another optimizer sharing their ``param_groups`` without
+    being initialized as optimizers themselves (``PostLocalSGDOptimizer``, Accelerate's
+    ``AcceleratedOptimizer``) are taken as the optimizer they wrap, made before or after
+    ``initialize``.
     """
     guard, opts = _open_guard(loss, optimizers, loss_id, delay_unscale, process_group)
     try:
@@ -173,10 +179,12 @@ def _open_guard(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int, dela
         raise TypeError(f"delay_unscale must be a bool, got {type(delay_unscale).__name__}")
     opts = _as_optimizers(optimizers)
     params, group_sizes = _params_of(opts)
-    device_skip = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in opts)
+    steppers = [stepping_optimizer(opt) for opt in opts]
+    device_skip = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in steppers)
     guard = _C._scale_loss(loss, params, loss_id, delay_unscale, group_sizes,
-                           [id(opt) for opt in opts], device_skip)
-    return guard, opts
+                           [id(opt) for opt in steppers], device_skip)
+    return guard, steppers
+
 
 
 @_eager

@@ -356,3 +356,99 @@ def test_make_graphed_callables_trains_as_the_eager_model(fresh, level):
     for got, want in zip(model.parameters(), eager):  # and it trains as the eager model did
         torch.testing.assert_close(got.detach(), want, **tol(row))
 
+
+
+class WrappingOptimizer(torch.optim.Optimizer):
+    """An optimizer wrapper as Accelerate's AcceleratedOptimizer and torch's
+    PostLocalSGDOptimizer are: an Optimizer subclass that skips Optimizer.__init__ (so it has no
+    step hooks) and steps the optimizer it wraps."""
+
+    def __init__(self, optimizer):  # pylint: disable=super-init-not-called
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+@pytest.mark.parametrize("kind", ["adam", None])  # None: foreach AdamW, skipped on the host
+def test_a_wrapper_without_step_hooks_skips_through_the_optimizer_it_wraps(fresh, level, kind):
+    # Before 2026-12-06 the first overflow raised AttributeError ('_optimizer_step_pre_hooks')
+    # from the guard's skip hook, after the backward; and a fused optimizer behind a wrapper
+    # was never handed found_inf.
+    model = Mlp()
+    inner = (fused(kind, model.parameters()) if kind else
+             torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4, foreach=True))
+    model, opt = init(model, WrappingOptimizer(inner), opt_level=level)
+    train_step(model, opt, 0)
+    scaler = optamp.loss_scaler()
+    waits = scaler.host_waits
+    before = snapshot(model, inner)
+    with ScalarReads() as mode:
+        opt.zero_grad()
+        with optamp.scale_loss(model(batch(1)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+            model.fc2.bias.grad[0] = float("inf")
+        with optamp.scale_loss(model(batch(2)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()  # a clean guard refills the grads: the hook must still skip
+        opt.step()
+    assert mode.reads == []
+    assert scaler.host_waits - waits == (0 if kind else 2), "fused: skipped on the device"
+    assert bit_equal(snapshot(model, inner)[0], before[0])
+    assert bit_equal(snapshot(model, inner)[1], before[1])
+    assert scaler.skipped_steps == 1
+    train_step(model, opt, 3)
+    assert not bit_equal(snapshot(model, inner)[0], before[0])
+
+
+def test_a_wrapper_that_hides_its_optimizer_is_refused_before_anything_changes(fresh):
+    class Opaque(WrappingOptimizer):
+        def __init__(self, optimizer):  # pylint: disable=super-init-not-called
+            self.optimizer = optimizer
+            self._groups = [dict(g) for g in optimizer.param_groups]  # copies, not the same list
+
+        @property
+        def param_groups(self):
+            return self._groups
+
+    refusal = "optimizer Opaque subclasses torch.optim.Optimizer without running Optimizer.__init__"
+    model = Mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=refusal):
+        init(model, Opaque(inner), opt_level="O1")
+    assert not optamp.is_initialized()
+    model, inner = init(model, inner, opt_level="O1")
+    loss = model(batch(0)).pow(2).mean()
+    with pytest.raises(TypeError, match=refusal):
+        with optamp.scale_loss(loss, Opaque(inner)) as scaled:
+            scaled.backward()
+    assert all(p.grad is None for p in model.parameters()), "refused before the backward"
+    assert optamp.loss_scaler().loss_scale() == 65536.0
+
+
+def test_a_wrapper_made_after_initialize_is_the_optimizer_given_there(fresh):
+    # accelerate's order: initialize, then accelerator.prepare(model, optimizer) wraps the
+    # optimizer. Before 2026-12-06 scale_loss refused the wrapper ("must be an optimizer passed
+    # to amp::initialize").
+    model = Mlp()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
+    model, inner = init(model, inner, opt_level="O2")
+    opt = WrappingOptimizer(inner)
+    train_step(model, opt, 0)
+    before = snapshot(model, inner)
+    train_step(model, opt, 1, poison=True)
+    assert optamp.loss_scaler().last_step_skipped
+    assert bit_equal(snapshot(model, inner)[0], before[0])
+    train_step(model, inner, 2)  # the wrapped optimizer itself, as before
+    assert not bit_equal(snapshot(model, inner)[0], before[0])
