@@ -22,6 +22,14 @@ first step's activations to every later step (gradients 100% off from the second
 the buffers' versions are bumped when the stage takes them for a forward
 (``_retrieve_recv_activations``): a write the cache sees, as an in-place op's would be.
 
+A stage built by the tracer front end (``pipeline(model, ...).build_stage``) takes its
+dtypes from the graph ``torch.export`` traced, before ``initialize``: fp32. At O1/O4 its forward
+gives fp16/bf16 and failed the same check, and the next stage's receive buffers were fp32. So a
+stage's floating outputs are cast to the dtypes the pipeline recorded for them (the wrapper of
+``forward_maybe_with_nosync``, the call of the stage's module): a cast recorded by autograd, as
+the model boundary's at O2/O5; where the records came from running the stage (shape inference,
+above) they already agree and nothing is cast.
+
 torch.distributed.pipelining takes 0.9 s to import, so optamp does not import it for every
 program: :func:`install` wraps it when it is imported already (at ``import optamp`` and at
 ``initialize``), and ``initialize`` imports it when a default process group exists (pipelines
@@ -65,10 +73,36 @@ def _versions_bumped(method: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _as_recorded(value: Any, recorded: Any) -> Any:
+    if (isinstance(value, torch.Tensor) and isinstance(recorded, torch.Tensor)
+            and value.is_floating_point() and recorded.is_floating_point()
+            and value.dtype != recorded.dtype):
+        return value.to(recorded.dtype)
+    return value
+
+
+def _outputs_as_recorded(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = method(self, *args, **kwargs)
+        recorded = getattr(self, "_outputs_meta", None)
+        if not _C.is_initialized() or recorded is None:
+            return output
+        if isinstance(output, torch.Tensor):
+            return _as_recorded(output, recorded[0]) if len(recorded) == 1 else output
+        if isinstance(output, (tuple, list)) and len(output) == len(recorded):
+            return type(output)(_as_recorded(v, r) for v, r in zip(output, recorded))
+        return output
+
+    setattr(run, _MARK, True)
+    return run
+
+
 def _wrap(stage: Any) -> None:
     for cls, name, wrap in (
             (stage._PipelineStageBase, "forward_one_chunk", _gate_lifted),
             (stage.PipelineStage, "_shape_inference", _gate_lifted),
+            (stage._PipelineStageBase, "forward_maybe_with_nosync", _outputs_as_recorded),
             (stage._PipelineStageBase, "_retrieve_recv_activations", _versions_bumped)):
         method = cls.__dict__[name]
         if not getattr(method, _MARK, False):
