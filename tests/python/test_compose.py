@@ -680,6 +680,39 @@ def test_a_compiled_training_step_skips_and_trains_as_eager(fresh, level, fused,
     assert not untraceable, untraceable
 
 
+def test_compiled_autograd_is_refused_by_name_and_the_step_runs_without_it(fresh):
+    # Compiled autograd traces a backward through each node's and hook's compiled_args, which
+    # optamp's C++ nodes and the guard's hook on the scaled loss do not have; torch's own refusal
+    # named a mangled C++ type ("compiled_args nyi ... N5torch8autograd24CppFunctionTensorPreHookE").
+    from torch._dynamo import compiled_autograd
+
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = init(net, opt, "O1")
+    x = torch.randn(8, 16)
+    before = [p.detach().clone() for p in net.parameters()]
+    compiler = torch.compile(backend="aot_eager")
+    try:
+        with pytest.raises(NotImplementedError, match="optamp's scale_loss guard .*cannot run "
+                           "under compiled autograd"):
+            with optamp.scale_loss(net(x).float().pow(2).mean(), opt) as scaled:
+                with compiled_autograd._enable(compiler):
+                    scaled.backward()
+        assert all(p.grad is None for p in net.parameters()), "the guard unwound"
+        loss = net(x).float().pow(2).mean()  # O1's fp32 GELU is one op with its own node
+        with pytest.raises(NotImplementedError, match="optamp's widened GELU"):
+            with compiled_autograd._enable(compiler):
+                loss.backward()
+    finally:
+        torch._dynamo.reset()
+    opt.zero_grad()
+    with optamp.scale_loss(net(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not optamp.loss_scaler().last_step_skipped
+    assert all(not torch.equal(p, b) for p, b in zip(net.parameters(), before))
+
+
 def test_the_guards_wrapper_carries_torch_compiler_disables_mark():
     # optamp.scaler makes torch.compiler.disable's wrapper without importing torch._dynamo; the
     # attribute Dynamo reads must stay the one torch's decorator sets.

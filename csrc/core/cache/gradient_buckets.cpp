@@ -16,6 +16,7 @@
 
 #include "cache/autograd_cast.h"
 #include "cache/batched_cast.h"
+#include "common/compiled_autograd.h"
 #include "dispatch/carried_state.h"
 #include "optamp/cast_cache.h"
 
@@ -65,6 +66,9 @@ struct ConvertGradientsBackward final : torch::autograd::Node {
   }
 
   std::string name() const override { return "ConvertGradientsBackward"; }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    amp::detail::refuse_compiled_autograd("gradient buckets (ConvertGradientsBackward)");
+  }
 
  private:
   // Gradients of one dtype to be converted to one dtype: one multi-tensor copy (torch's

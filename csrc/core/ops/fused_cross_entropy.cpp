@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "cache/autograd_cast.h"
+#include "common/compiled_autograd.h"
 #include "common/dtypes.h"
 
 namespace amp::detail {
@@ -138,6 +139,9 @@ struct FusedCrossEntropyBackward final : torch::autograd::Node {
     return {op.call(grads[0].contiguous(), x, classes, row_stats, ignore_index)};
   }
   std::string name() const override { return "FusedCrossEntropyBackward"; }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    amp::detail::refuse_compiled_autograd("fused cross entropy (FusedCrossEntropyBackward)");
+  }
   void release_variables() override {
     self.reset_data();
     target.reset_data();

@@ -17,6 +17,7 @@
 #include "cache/autograd_cast.h"
 #include "cache/cast_cache.h"
 #include "cache/companion_casts.h"
+#include "common/compiled_autograd.h"
 #include "common/dtypes.h"
 
 namespace amp::detail {
@@ -53,6 +54,9 @@ struct WidenedGeluBackward final : torch::autograd::Node {
     return {op.call(g, x, approximate)};
   }
   std::string name() const override { return "WidenedGeluBackward"; }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    amp::detail::refuse_compiled_autograd("widened GELU (WidenedGeluBackward)");
+  }
   void release_variables() override { input.reset_data(); }
 };
 

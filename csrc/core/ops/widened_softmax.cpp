@@ -18,6 +18,7 @@
 #include <string>
 
 #include "cache/autograd_cast.h"
+#include "common/compiled_autograd.h"
 #include "common/dtypes.h"
 
 namespace amp::detail {
@@ -171,6 +172,9 @@ struct WidenedSoftmaxBackward final : torch::autograd::Node {
     return {op.call(grads[0], out, dim, input_dtype)};
   }
   std::string name() const override { return Softmax<Kind>::kNode; }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    amp::detail::refuse_compiled_autograd(Softmax<Kind>::kNode);
+  }
   void release_variables() override { result.reset_data(); }
 };
 

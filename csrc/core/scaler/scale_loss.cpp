@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "common/compiled_autograd.h"
 #include "dispatch/cast_decision.h"
 #include "optamp/loss_scaler.h"
 #include "scaler/loss_scaler_set.h"
@@ -164,6 +167,40 @@ std::string param_label(const at::Tensor& p, const std::string& where) {
 }
 
 namespace {
+
+// The guard's hook on the scaled loss (on its grad_fn, which has that one output): records that
+// a backward passed through it and refuses one after the guard finished. A named hook rather
+// than Tensor::register_hook's, so that compiled autograd's refusal says what refused.
+struct ScaledLossReached final : torch::autograd::FunctionPreHook {
+  ScaledLossReached(std::shared_ptr<std::atomic<bool>> live,
+                    std::shared_ptr<std::atomic<bool>> reached,
+                    std::shared_ptr<std::atomic<bool>> accumulated, int loss_id)
+      : live_(std::move(live)),
+        reached_(std::move(reached)),
+        accumulated_(std::move(accumulated)),
+        loss_id_(loss_id) {}
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    reached_->store(true);
+    const auto* asked_for = torch::autograd::get_current_graph_task_exec_info();
+    if (asked_for == nullptr || asked_for->empty()) accumulated_->store(true);
+    TORCH_CHECK(live_->load(), "backward through the scaled loss of a scale_loss guard (loss_id ",
+                loss_id_,
+                ") that has already finished: its gradients would stay multiplied by the "
+                "loss scale, since the guard unscales only on its own exit. Call backward "
+                "inside the guard (C++: while the ScaledLoss lives; Python: inside the "
+                "`with amp.scale_loss(...) as scaled_loss:` block).");
+    return grads;
+  }
+
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    refuse_compiled_autograd("scale_loss guard (its hook on the scaled loss)");
+  }
+
+ private:
+  std::shared_ptr<std::atomic<bool>> live_, reached_, accumulated_;
+  int loss_id_;
+};
 
 std::string describe_param(const ScaleLossState& s, size_t i) {
   const auto name = model_name(s.params[i]);
@@ -544,19 +581,8 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
   LossScaler::ScaledLossValue scaled = scaler.scale_for_step(loss);
   s->scaled_loss = std::move(scaled.scaled);
   s->inv_scale = std::move(scaled.inv_scale);
-  s->scaled_loss.register_hook([live = s->live, reached = s->backpropagated,
-                                accumulated = s->accumulated,
-                                loss_id = options.loss_id](const at::Tensor& /*grad*/) {
-    reached->store(true);
-    const auto* asked_for = torch::autograd::get_current_graph_task_exec_info();
-    if (asked_for == nullptr || asked_for->empty()) accumulated->store(true);
-    TORCH_CHECK(live->load(), "backward through the scaled loss of a scale_loss guard (loss_id ",
-                loss_id,
-                ") that has already finished: its gradients would stay multiplied by the "
-                "loss scale, since the guard unscales only on its own exit. Call backward "
-                "inside the guard (C++: while the ScaledLoss lives; Python: inside the "
-                "`with amp.scale_loss(...) as scaled_loss:` block).");
-  });
+  s->scaled_loss.grad_fn()->add_tensor_pre_hook(std::make_unique<ScaledLossReached>(
+      s->live, s->backpropagated, s->accumulated, options.loss_id));
 
   s->fresh.assign(s->params.size(), false);
   {
