@@ -12,6 +12,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <algorithm>
@@ -674,6 +675,18 @@ TEST_P(CrossEntropy, LogSoftmaxReadsTheReducedLogits) {
 // on. Not when the fp32 logits changed in place, for part of them, where their gradient is kept
 // or hooked, under no_grad, or at O3 (which runs losses in the model's dtype), and not from a
 // companion that is a rounding (a GELU's).
+// A gradient reversal layer: the identity forward returns a view of its input, which autograd
+// marks as made in a custom Function.
+struct ReversedGradient : torch::autograd::Function<ReversedGradient> {
+  static at::Tensor forward(torch::autograd::AutogradContext* /*ctx*/, const at::Tensor& x) {
+    return x.view_as(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* /*ctx*/,
+                                                 torch::autograd::variable_list grads) {
+    return {-grads[0]};
+  }
+};
+
 TEST_P(CrossEntropy, AModelsWidenedOutputIsReadReduced) {
   const char* op =
       device() == at::kCUDA ? "optamp::fused_cross_entropy" : "optamp::widened_log_softmax";
@@ -741,6 +754,8 @@ TEST_P(CrossEntropy, AModelsWidenedOutputIsReadReduced) {
         return wide.view({-1, 2000});
       },
       "a hook on the tensor viewed");
+  fp32_loss_reads([&] { return ReversedGradient::apply(cast_model_output(output, at::kFloat)); },
+                  "a custom Function's view of it (its backward must run)");
   enable("O3");  // losses in the model's dtype: nothing to offer
   EXPECT_FALSE(detail::find_reduced_companion(cast_model_output(output, at::kFloat))) << "at O3";
   detail::activate_thread(false);

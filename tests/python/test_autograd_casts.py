@@ -289,6 +289,45 @@ def test_a_models_widened_logits_are_read_reduced(fresh, level, low, device):
     assert kept.grad is not None and kept.grad.dtype == torch.float32
 
 
+class _ReversedGradient(torch.autograd.Function):
+    """A gradient reversal layer (domain-adversarial training): the identity forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_logits_passed_through_a_custom_function_send_their_gradient_through_it(fresh, level):
+    """A custom autograd Function that returns its input hands back a view of the model's fp32
+    output. Until 2026-12-06 the loss read the reduced companion of that view's base, so the
+    gradient went around the Function: a module's full backward hooks (which wrap the module's
+    outputs in such a Function) never ran on the initialized model, and a gradient reversal on
+    the logits was lost (the parameters got the un-reversed gradient)."""
+    model = torch.nn.Linear(16, 10)
+    init(model, opt_level=level)
+    x, y = torch.randn(8, 16), torch.randint(10, (8,))
+    F.cross_entropy(model(x), y).backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    F.cross_entropy(_ReversedGradient.apply(model(x)), y).backward()
+    for got, want in zip((p.grad for p in model.parameters()), plain):
+        torch.testing.assert_close(got, -want, rtol=0, atol=0)
+    model.zero_grad()
+    seen = []
+    handle = model.register_full_backward_hook(
+        lambda module, grad_in, grad_out: seen.append(grad_out[0].dtype))
+    F.cross_entropy(model(x), y).backward()
+    handle.remove()
+    assert seen == [torch.float32], "the hook ran, with the fp32 output's gradient"
+    for got, want in zip((p.grad for p in model.parameters()), plain):
+        torch.testing.assert_close(got, want, **tol(torch.float32))
+
+
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("level,low", [("O1", torch.float16), ("O4", torch.bfloat16)])
 def test_the_fused_loss_captures_in_a_cuda_graph(fresh, level, low):

@@ -153,12 +153,22 @@ bool gradient_is_observed(const at::TensorBase& t) {
   return fn && !fn->tensor_pre_hooks().empty();
 }
 
+// Whether `t` is a view a view op made (`logits.view(-1, vocab)`), whose gradient reaches its
+// base unchanged. A custom autograd Function that returns its input makes a view too
+// (CreationMeta::IN_CUSTOM_FUNCTION) whose node must see the gradient: a module's full backward
+// hooks wrap its outputs so (torch.nn.modules._functions.BackwardHookFunction), and reading the
+// base's companion instead never ran them.
+bool is_plain_view(const at::TensorBase& t) {
+  const auto* meta = torch::autograd::impl::get_view_autograd_meta(t);
+  return meta != nullptr && meta->get_creation_meta() == torch::autograd::CreationMeta::DEFAULT;
+}
+
 }  // namespace
 
 std::optional<at::Tensor> find_reduced_companion(const at::Tensor& source) {
   if (gradient_is_observed(source)) return std::nullopt;
   if (auto copy = find_exact(source)) return copy;
-  if (!source.is_view() || !source.is_contiguous()) return std::nullopt;
+  if (!is_plain_view(source) || !source.is_contiguous()) return std::nullopt;
   const at::TensorBase& base = source._base();
   if (base.numel() != source.numel() || base.storage_offset() != source.storage_offset() ||
       !base.is_contiguous() || gradient_is_observed(base)) {
