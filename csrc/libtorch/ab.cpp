@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 
 #include "common/format.h"
 #include "diagnostics/precision_format.h"
@@ -72,10 +73,17 @@ void arm_precision_request() {
   const std::int64_t steps = env_count(kPrecisionStepsEnv, "a step count").value_or(0);
   auto& request = precision_request();
   std::lock_guard<std::mutex> lock(request.mutex);
-  request.steps = steps;
+  request.steps = reports_here() ? steps : 0;  // the other ranks would record for nothing
 }
 
 }  // namespace
+
+bool reports_here() {
+  for (const char* name : kRankEnvs) {
+    if (const char* v = env_or_null(name)) return std::string(v) == "0";
+  }
+  return true;
+}
 
 std::string opt_level(const std::string& default_level) {
   const char* v = env_or_null(kOptLevelEnv);
@@ -126,7 +134,7 @@ Reporter::~Reporter() = default;
 bool Reporter::active() const { return file_ != nullptr; }
 
 void Reporter::report(const Metrics& metrics) {
-  if (!file_) return;
+  if (!file_ || !reports_here()) return;
   std::string fields;
   std::optional<double> step;
   for (const auto& [key, value] : metrics) {

@@ -38,6 +38,16 @@ inline constexpr const char* kMetricsEnv = "OPTAMP_AB_METRICS";
 // reports step N, and reports the report as one line.
 inline constexpr const char* kPrecisionStepsEnv = "OPTAMP_AB_PRECISION_STEPS";
 
+// Where launchers put a process's global rank: torchrun / torch.distributed.launch, Open MPI,
+// MPICH and Intel MPI.
+inline constexpr const char* kRankEnvs[] = {"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"};
+
+// Whether this process writes the run's metrics: global rank 0 of a distributed program (the first
+// of kRankEnvs that is set), any process that is not one. report() writes nothing elsewhere: every
+// rank writing into the one metrics file interleaved their losses and made step times of the gaps
+// between the ranks' lines.
+OPTAMP_API bool reports_here();
+
 // OPTAMP_OPT_LEVEL when it is set (validated: "O0".."O5"), else `default_level`.
 OPTAMP_API std::string opt_level(const std::string& default_level = "O1");
 // OPTAMP_SEED when it is set (an integer >= 0), else `default_seed`.

@@ -105,6 +105,25 @@ TEST(AbProtocol, ReporterWritesOneJsonObjectALine) {
   std::filesystem::remove(path);
 }
 
+// In a distributed program only global rank 0 writes: every rank writing into the one metrics
+// file interleaved their losses, and the runner took the gaps between ranks' lines for steps.
+TEST(AbProtocol, OnlyGlobalRankZeroReports) {
+  const std::string path = temp_path("optamp_ab_rank_test.jsonl");
+  const ScopedEnv no_mpi_rank("OMPI_COMM_WORLD_RANK", nullptr), no_pmi_rank("PMI_RANK", nullptr);
+  for (const char* rank : {"1", "0", static_cast<const char*>(nullptr)}) {
+    const ScopedEnv env("RANK", rank);
+    EXPECT_EQ(amp::ab::reports_here(), rank == nullptr || std::string(rank) == "0");
+    amp::ab::Reporter reporter(path);
+    reporter.report({{"step", 1}, {"loss", 0.5}});
+  }
+  {
+    const ScopedEnv no_rank("RANK", nullptr), mpi_rank("OMPI_COMM_WORLD_RANK", "3");
+    EXPECT_FALSE(amp::ab::reports_here());
+  }
+  EXPECT_EQ(lines_of(path).size(), 2u) << "rank 0 and a program that is not distributed";
+  std::filesystem::remove(path);
+}
+
 TEST(AbProtocol, ReporterWithoutAPathWritesNothing) {
   amp::ab::Reporter reporter("");
   EXPECT_FALSE(reporter.active());

@@ -220,6 +220,24 @@ PROBED = textwrap.dedent("""
 """)
 
 
+def test_only_global_rank_zero_reports(tmp_path, monkeypatch):
+    # Every rank writing into the one metrics file interleaved their losses, and the runner took
+    # the gaps between ranks' lines for steps.
+    for name in amp.ab.RANK_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "m.jsonl"
+    for rank in ("1", "0", None):
+        if rank is None:
+            monkeypatch.delenv("RANK")
+        else:
+            monkeypatch.setenv("RANK", rank)
+        assert amp.ab.reports_here() == (rank in ("0", None))
+        amp.ab.Reporter(str(path)).report(step=1, loss=0.5)
+    assert len(path.read_text().splitlines()) == 2, "rank 0 and a program that is not distributed"
+    monkeypatch.setenv("PMI_RANK", "2")
+    assert not amp.ab.reports_here()
+
+
 def test_precision_steps_put_each_levels_table_in_the_report(tmp_path):
     """--precision-steps 2: each level's first seed records the per-op report from initialize
     to its step 2; the report names the op and module that first overflowed at O1."""

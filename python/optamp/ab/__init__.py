@@ -12,11 +12,13 @@ what it measured, one JSON line per call::
     amp.ab.report(test_accuracy=accuracy)          # a final metric
 
 Outside the runner (no ``OPTAMP_AB_METRICS``) :func:`report` does nothing, so the calls can stay.
+In a distributed program only global rank 0 reports (:func:`reports_here`).
 The C++ twin is ``optamp/ab.h`` (``amp::ab::opt_level``, ``amp::ab::seed``, ``amp::ab::report``).
 """
 import atexit
 import json
 import os
+import sys
 import threading
 import time
 from typing import IO, TYPE_CHECKING, Any, Dict, List, Optional, Union
@@ -31,6 +33,24 @@ SEED_ENV = "OPTAMP_SEED"
 METRICS_ENV = "OPTAMP_AB_METRICS"
 PRECISION_ENV = "OPTAMP_AB_PRECISION_STEPS"
 LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
+# Where launchers put a process's global rank: torchrun / torch.distributed.launch, Open MPI,
+# MPICH and Intel MPI.
+RANK_ENVS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def reports_here() -> bool:
+    """Whether this process writes the run's metrics: global rank 0 of a distributed program
+    (the first of ``RANK_ENVS`` that is set, else ``torch.distributed``'s rank once its default
+    group exists), any process that is not one. Every rank writing into the one metrics file
+    interleaved their losses and made step times of the gaps between ranks' lines."""
+    for name in RANK_ENVS:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value == "0"
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return bool(dist.get_rank() == 0)
+    return True
 
 
 def opt_level(default: str = "O1") -> str:
@@ -107,8 +127,8 @@ class Reporter:
             _precision.after_step(int(step), self)
 
     def write_line(self, line: Dict[str, Any]) -> None:
-        """One JSON object as it is, with its time stamp."""
-        if self._file is None:
+        """One JSON object as it is, with its time stamp (on rank 0 of a distributed program)."""
+        if self._file is None or not reports_here():
             return
         text = json.dumps(dict(line, t=time.perf_counter() - self._start), allow_nan=True)
         with self._lock:
@@ -141,7 +161,8 @@ class _PrecisionRequest:
         self.lock = threading.Lock()
 
     def arm(self) -> None:
-        self.steps = _env_count(PRECISION_ENV, "a step count", 0)
+        steps = _env_count(PRECISION_ENV, "a step count", 0)
+        self.steps = steps if reports_here() else 0  # the other ranks would record for nothing
 
     def start(self, models: List["torch.nn.Module"]) -> None:
         """Called by initialize."""
@@ -194,5 +215,5 @@ def report(step: Optional[int] = None, loss: Any = None, **metrics: Any) -> None
     reporter().report(step=step, loss=loss, **metrics)
 
 
-__all__ = ["opt_level", "seed", "report", "reporter", "Reporter", "OPT_LEVEL_ENV", "SEED_ENV",
-           "METRICS_ENV"]
+__all__ = ["opt_level", "seed", "report", "reporter", "reports_here", "Reporter", "OPT_LEVEL_ENV",
+           "SEED_ENV", "METRICS_ENV", "RANK_ENVS"]
