@@ -218,6 +218,25 @@ def test_initialize_process_group_reduces_every_step_of_every_scaler(one_rank_gr
         optamp.reset()
 
 
+def test_zero_overlapped_with_ddp_is_refused(one_rank_group):
+    # overlap_with_ddp steps each bucket's parameters inside DDP's backward, on the scaled
+    # gradients, before the guard could unscale or check them (torch's GradScaler cannot skip it
+    # either).
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = torch.nn.Linear(4, 3)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1,
+                                  overlap_with_ddp=True)
+    optamp.reset()
+    try:
+        with pytest.raises(ValueError, match=r"optimizer 0 \(ZeroRedundancyOptimizer\) has "
+                           "overlap_with_ddp=True: it steps inside DDP's backward"):
+            optamp.initialize(model, opt, opt_level="O1", verbosity=0)
+        assert not optamp.is_initialized()
+    finally:
+        optamp.reset()
+
+
 def test_process_group_must_be_a_process_group():
     configure()
     model = torch.nn.Linear(2, 1)
