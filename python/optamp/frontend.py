@@ -119,9 +119,9 @@ def _collect_optimizers(optimizers: List[torch.optim.Optimizer]) -> List[Dict[st
             raise ValueError(
                 f"optimizer {i} ({type(opt).__name__}) has overlap_with_ddp=True: it steps inside "
                 "DDP's backward (hook_with_zero_step), on the gradients before the scale_loss "
-                "guard unscales and checks them, so its updates would be multiplied by the loss "
-                "scale and an overflow could not skip them. Use overlap_with_ddp=False (it then "
-                "steps in optimizer.step())")
+                "guard unscales and checks them, so an overflow could not skip its updates (and "
+                "a loss scale other than 1 would multiply them). Use overlap_with_ddp=False (it "
+                "then steps in optimizer.step())")
         params: List[torch.Tensor] = []
         state: List[torch.Tensor] = []
         owners: List[torch.Tensor] = []
