@@ -696,6 +696,36 @@ def test_accumulation_under_ddp_no_sync_without_delay_unscale_keeps_ranks_equal(
         torch.testing.assert_close(p0, ref, **tol("train_float16"))
 
 
+def _train_beside_fp32(rank, steps, overflow_step, trained, reference, reference_drops,
+                       after_skip=lambda: None, after_reference_drop=lambda: None):
+    """Adam/SGD steps on _fsdp_batches of a DDP model under optamp (its loss infinite on rank 1
+    at ``overflow_step``) and of its fp32 twin, which drops its gradients where
+    ``reference_drops(step)``, as optamp's guard does after an overflow. The steps' skips."""
+    import optamp
+
+    (ddp, opt), (ref_ddp, ref_opt) = trained, reference
+    skipped = []
+    for step in range(steps):
+        x, y = _fsdp_batches(step)[rank]
+        overflow = rank == 1 and step == overflow_step
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(x), y) * (float("inf") if overflow else 1.0)
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        skipped.append(optamp.loss_scaler().last_step_skipped)
+        if skipped[-1]:
+            after_skip()
+        ref_opt.zero_grad()
+        with optamp.disable_casts():
+            F.cross_entropy(ref_ddp(x), y).backward()
+        if reference_drops(step):
+            ref_opt.zero_grad()
+            after_reference_drop()
+        ref_opt.step()
+    return skipped
+
+
 LOCAL_SGD_STEPS, LOCAL_OVERFLOW_STEP = 8, 5  # local SGD from step 3, averaging at 3, 5 and 7
 
 
@@ -725,22 +755,9 @@ def _local_sgd_worker(rank, world, port, level, out_dir):
         ddp, opt = _local_sgd(model)
         ref_ddp, ref_opt = _local_sgd(reference)
         model, opt = optamp.initialize(model, opt, opt_level=level, verbosity=0)
-        skipped = []
-        for step in range(LOCAL_SGD_STEPS):
-            x, y = _fsdp_batches(step)[rank]
-            overflow = rank == 1 and step == LOCAL_OVERFLOW_STEP
-            opt.zero_grad()
-            loss = F.cross_entropy(ddp(x), y) * (float("inf") if overflow else 1.0)
-            with optamp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-            opt.step()
-            skipped.append(optamp.loss_scaler().last_step_skipped)
-            ref_opt.zero_grad()
-            with optamp.disable_casts():
-                F.cross_entropy(ref_ddp(x), y).backward()
-            if overflow:
-                ref_opt.zero_grad()
-            ref_opt.step()
+        skipped = _train_beside_fp32(
+            rank, LOCAL_SGD_STEPS, LOCAL_OVERFLOW_STEP, (ddp, opt), (ref_ddp, ref_opt),
+            reference_drops=lambda step: rank == 1 and step == LOCAL_OVERFLOW_STEP)
         torch.save({"params": [p.detach() for p in model.parameters()],
                     "reference": [p.detach() for p in reference.parameters()],
                     "skipped": skipped}, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -804,25 +821,11 @@ def _comm_hook_worker(rank, world, port, level, hook, out_dir):
         ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
         model, opt = optamp.initialize(model, opt, opt_level=level, verbosity=0)
         (ddp, state), (ref_ddp, ref_state) = _hooked_ddp(model, hook), _hooked_ddp(reference, hook)
-        skipped = []
-        for step in range(HOOK_STEPS):
-            x, y = _fsdp_batches(step)[rank]
-            overflow = rank == 1 and step == HOOK_OVERFLOW_STEP
-            opt.zero_grad()
-            loss = F.cross_entropy(ddp(x), y) * (float("inf") if overflow else 1.0)
-            with optamp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-            opt.step()
-            skipped.append(optamp.loss_scaler().last_step_skipped)
-            if skipped[-1]:
-                _forget_compression_memory(state)
-            ref_opt.zero_grad()
-            with optamp.disable_casts():
-                F.cross_entropy(ref_ddp(x), y).backward()
-            if step == HOOK_OVERFLOW_STEP:
-                ref_opt.zero_grad()
-                _forget_compression_memory(ref_state)
-            ref_opt.step()
+        skipped = _train_beside_fp32(
+            rank, HOOK_STEPS, HOOK_OVERFLOW_STEP, (ddp, opt), (ref_ddp, ref_opt),
+            reference_drops=lambda step: step == HOOK_OVERFLOW_STEP,
+            after_skip=lambda: _forget_compression_memory(state),
+            after_reference_drop=lambda: _forget_compression_memory(ref_state))
         torch.save({"params": [p.detach() for p in model.parameters()],
                     "reference": [p.detach() for p in reference.parameters()],
                     "skipped": skipped}, os.path.join(out_dir, f"rank{rank}.pt"))
