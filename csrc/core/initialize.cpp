@@ -88,7 +88,12 @@ void check_model_dtypes(const ModelTensors& model, const Properties& p, const Op
   }
 }
 
-void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTensors>& opts) {
+// Where the level casts models (O2/O3/O5), an optimizer parameter outside every model passed is
+// refused: usually a model left out, which would then train uncast beside the cast ones. At
+// O1/O4 models are not cast and nothing depends on which were passed, so a parameter of no
+// model passed (learned loss weights, a temperature: Apex and torch.amp take them) is taken.
+void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTensors>& opts,
+                      bool models_cast) {
   // Model parameters by identity, with the model's name for them ("fc1.weight") when known.
   std::unordered_map<const c10::TensorImpl*, std::string> in_model;
   for (const auto i : c10::irange(model.parameters.size())) {
@@ -111,14 +116,18 @@ void check_optimizers(const ModelTensors& model, const std::vector<OptimizerTens
                       "none");
     for (const auto i : c10::irange(opt.parameters.size())) {
       const auto* impl = opt.parameters[i].unsafeGetTensorImpl();
-      TORCH_CHECK_VALUE(in_model.count(impl), opt.description, " parameter ", i, " (",
-                        shape_of(opt.parameters[i]),
-                        ") must be a parameter of the model(s) "
-                        "passed to amp::initialize, but it is not: pass every model whose "
-                        "parameters the optimizer updates");
+      TORCH_CHECK_VALUE(!models_cast || in_model.count(impl), opt.description, " parameter ", i,
+                        " (", shape_of(opt.parameters[i]),
+                        ") must be a parameter of the model(s) passed to amp::initialize at "
+                        "this level, which casts them, but it is not: pass every model whose "
+                        "parameters the optimizer updates (a parameter of no module, such as "
+                        "learned loss weights: register it on a module you pass; at O1/O4 "
+                        "such parameters are taken as they are)");
       auto [it, fresh] = owner.emplace(impl, opt.description);
-      TORCH_CHECK_VALUE(fresh || it->second == opt.description, "parameter ", in_model.at(impl),
-                        "(", shape_of(opt.parameters[i]), ")",
+      const auto named = in_model.find(impl);
+      TORCH_CHECK_VALUE(fresh || it->second == opt.description, "parameter ",
+                        named == in_model.end() ? std::string() : named->second, "(",
+                        shape_of(opt.parameters[i]), ")",
                         " must belong to one optimizer, but it is "
                         "in both ",
                         it->second, " and ", opt.description);
@@ -235,7 +244,7 @@ Properties initialize(const ModelTensors& model, const std::vector<OptimizerTens
                     "before initializing a new model/optimizer");
   check_model(model);
   check_model_dtypes(model, p, options);
-  check_optimizers(model, opts);
+  check_optimizers(model, opts, p.model_cast() != ModelCast::kNone);
   Properties scaler_properties = p;
   if (!p.enabled) scaler_properties.loss_scale = LossScale::fixed(1.0);
   auto scalers = make_loss_scalers(scaler_properties);

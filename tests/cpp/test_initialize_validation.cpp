@@ -71,6 +71,32 @@ TEST_F(Initialize, ErrorOptimizerParamsNotInModel) {
   expect_untouched(net);
 }
 
+// At O1/O4 models are not cast, so a parameter of no model passed (learned loss weights) is taken
+// and loss-scaled like the model's; it was refused at every level before 2026-12-06.
+TEST_F(Initialize, OptimizerParamsOutsideTheModelsAreTakenWhereModelsAreNotCast) {
+  for (const char* level : {"O1", "O4"}) {
+    Net net = make_net();
+    auto weights = torch::zeros({2}).requires_grad_();
+    std::vector<at::Tensor> params = net->parameters();
+    params.push_back(weights);
+    torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));
+    auto handle = initialize(net, opt, level, quiet());
+    {
+      auto scaled = scale_loss((weights.exp() * 3).sum(), opt);
+      scaled.backward();
+    }
+    EXPECT_TRUE(weights.grad().allclose(torch::full({2}, 3.0))) << level << ": unscaled";
+    reset();
+  }
+  Net net = make_net();
+  std::vector<at::Tensor> params = net->parameters();
+  params.push_back(torch::zeros({2}).requires_grad_());
+  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));
+  OPTAMP_EXPECT_THROW_WITH(initialize(net, opt, "O2", quiet()), c10::ValueError,
+                           "parameter of no module, such as learned loss weights");
+  expect_untouched(net);
+}
+
 TEST_F(Initialize, ErrorParameterInTwoOptimizers) {
   Net net = make_net();
   torch::optim::SGD a(net->parameters(), torch::optim::SGDOptions(0.1));

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import optamp
-from common_utils import Mlp, TinyNet, init
+from common_utils import Mlp, TinyNet, init, tol
 
 
 class MySGD(torch.optim.Optimizer):
@@ -114,7 +114,7 @@ def test_validation_errors_change_nothing(fresh):
     with pytest.raises(ValueError, match="LBFGS"):
         init(model, torch.optim.LBFGS(model.parameters()))
     with pytest.raises(ValueError, match="must be a parameter of the model"):
-        init(model, torch.optim.SGD(Mlp().parameters(), lr=0.1))
+        init(model, torch.optim.SGD(Mlp().parameters(), lr=0.1), opt_level="O2")
     with pytest.raises(ValueError, match="opt_level"):
         init(model, opt_level="O9")
     with pytest.raises(ValueError, match="keep_batchnorm_fp32"):
@@ -325,3 +325,31 @@ def test_cuda_step_syncs_at_most_once(fresh, level, overrides, syncs_per_step):
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 3 * syncs_per_step, syncs
+
+
+@pytest.mark.parametrize("level", ["O1", "O4"])
+def test_a_parameter_of_no_model_is_taken_where_models_are_not_cast(fresh, level):
+    # Multi-task uncertainty weights (a learned log-variance per loss) live outside the model;
+    # Apex and torch.amp take them. optamp refused them at every level before 2026-12-06; where
+    # models are not cast nothing depends on which were passed.
+    model = Mlp()
+    log_var = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD(list(model.parameters()) + [log_var], lr=0.1)
+    model, opt = init(model, opt, opt_level=level, init_scale=128.0)  # fp16 output grads fit
+    x = torch.randn(4, 4)
+
+    def weighted(out):
+        losses = torch.stack([out[:, 0].float().pow(2).mean(), out[:, 1].float().abs().mean()])
+        return (torch.exp(-log_var) * losses + log_var).sum(), losses.detach()
+
+    loss, losses = weighted(model(x))
+    with optamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    torch.testing.assert_close(log_var.grad, 1 - losses, **tol(torch.float32))  # unscaled
+    opt.step()
+    before = log_var.detach().clone()
+    with optamp.scale_loss(weighted(model(x))[0], opt) as scaled:
+        scaled.backward()
+        log_var.grad[0] = float("inf")
+    opt.step()
+    assert optamp.loss_scaler().last_step_skipped and torch.equal(log_var.detach(), before)
