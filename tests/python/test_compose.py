@@ -682,8 +682,8 @@ def test_a_compiled_training_step_skips_and_trains_as_eager(fresh, level, fused,
 
 def test_compiled_autograd_is_refused_by_name_and_the_step_runs_without_it(fresh):
     # Compiled autograd traces a backward through each node's and hook's compiled_args, which
-    # optamp's C++ nodes and the guard's hook on the scaled loss do not have; torch's own refusal
-    # named a mangled C++ type ("compiled_args nyi ... N5torch8autograd24CppFunctionTensorPreHookE").
+    # optamp's C++ nodes and the guard's hook on the scaled loss do not have; torch's own
+    # refusal named a mangled C++ type ("compiled_args nyi ... CppFunctionTensorPreHookE").
     from torch._dynamo import compiled_autograd
 
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))

@@ -745,8 +745,8 @@ def _local_sgd(model):
 
 
 def _local_sgd_worker(rank, world, port, level, out_dir):
-    """Rank 1 alone overflows in the local phase, at an averaging step. The fp32 reference, the same program without
-    optamp, drops rank 1's gradients at that step as optamp's guard does."""
+    """Rank 1 alone overflows in the local phase, at an averaging step. The fp32 reference, the
+    same program without optamp, drops rank 1's gradients at that step as optamp's guard does."""
     import optamp
 
     _init(rank, world, port)
