@@ -186,7 +186,6 @@ def _open_guard(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int, dela
     return guard, steppers
 
 
-
 @_eager
 def _unwind_guard(guard: Any) -> None:
     guard.finish(True)

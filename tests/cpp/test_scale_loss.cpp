@@ -752,6 +752,13 @@ TEST_F(ScaleLossTest, ErrorsAreClearAndLeaveStateUnchanged) {
                            c10::ValueError, "loss must be a floating-point scalar", "[2]");
   OPTAMP_EXPECT_THROW_WITH(scale_loss(loss.detach(), opt), c10::ValueError,
                            "loss must have a grad_fn", "requires_grad=False");
+  {
+    // The scaled loss made under no_grad had no grad_fn for the guard's hook: a crash until
+    // 2026-12-06 (an error from Tensor::register_hook before that day's change).
+    const torch::NoGradGuard no_grad;
+    OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, opt), c10::ValueError,
+                             "scale_loss must be entered with grad mode on");
+  }
   torch::optim::SGD empty(std::vector<at::Tensor>{}, torch::optim::SGDOptions(0.1));
   OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, empty), c10::ValueError,
                            "optimizer must have at least one parameter");

@@ -285,6 +285,9 @@ def test_errors_are_python_exceptions_with_clear_messages():
     with pytest.raises(ValueError, match="grad_fn"):
         with optamp.scale_loss(loss.detach(), opt):
             pass
+    with pytest.raises(ValueError, match="scale_loss must be entered with grad mode on"):
+        with torch.no_grad(), optamp.scale_loss(loss, opt):
+            pass
     with pytest.raises(ValueError, match="at least one parameter"):
         with optamp.scale_loss(loss, []):
             pass

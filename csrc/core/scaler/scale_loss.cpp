@@ -4,6 +4,7 @@
 #include "optamp/core.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -523,6 +524,12 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
                     "loss must have a grad_fn (be computed from parameters that require grad, "
                     "with grad mode on), got a tensor with requires_grad=",
                     loss.requires_grad() ? "True" : "False", " and no grad_fn");
+  // The scaled loss is made here and must record its graph for the backward (and carry the
+  // guard's hook on its grad_fn).
+  TORCH_CHECK_VALUE(c10::GradMode::is_enabled(),
+                    "scale_loss must be entered with grad mode on: the scaled loss it makes "
+                    "needs a graph for its backward; got grad mode off (torch.no_grad() / "
+                    "inference_mode, C++ NoGradGuard) around the guard");
   TORCH_CHECK_VALUE(!params.empty(), owner_kind,
                     " must have at least one parameter, got one with no parameters");
   if (!labels) labels = [](size_t i) { return "param " + std::to_string(i); };
