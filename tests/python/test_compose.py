@@ -713,6 +713,32 @@ def test_compiled_autograd_is_refused_by_name_and_the_step_runs_without_it(fresh
     assert all(not torch.equal(p, b) for p, b in zip(net.parameters(), before))
 
 
+class _MatmulTransformDataset(torch.utils.data.Dataset):
+    """A dataset whose transform multiplies matrices (a filterbank, a whitening): what optamp
+    must not cast. At module level so that spawned workers can import it."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        x = torch.randn(4, 4)
+        return torch.mm(x, x.t()), torch.tensor(float(optamp.is_casting_enabled()))
+
+
+@pytest.mark.parametrize("workers,context", [(0, None), (2, "fork"), (2, "spawn")])
+def test_a_dataloader_fetches_without_optamps_rules_in_any_process(fresh, workers, context):
+    # Before 2026-12-06 a fork-started worker inherited the initializing thread's casting (the
+    # transform's matmul came back fp16), a spawned one did not, and with num_workers=0 the
+    # training thread cast the transform: the same program gave other data by platform.
+    init(torch.nn.Linear(4, 4))
+    loader = torch.utils.data.DataLoader(_MatmulTransformDataset(), batch_size=2,
+                                         num_workers=workers, multiprocessing_context=context)
+    for product, casting in loader:
+        assert product.dtype == torch.float32 and not casting.any()
+    assert optamp.is_casting_enabled() and torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == \
+        torch.float16, "the training thread casts as before"
+
+
 def test_the_guards_wrapper_carries_torch_compiler_disables_mark():
     # optamp.scaler makes torch.compiler.disable's wrapper without importing torch._dynamo; the
     # attribute Dynamo reads must stay the one torch's decorator sets.
