@@ -32,24 +32,7 @@ from typing import Any, Callable, Iterable, List
 import torch
 
 from . import _C
-
-_MARK = "_optamp_wrapped"
-
-
-def _marked(run: Callable[..., Any]) -> Callable[..., Any]:
-    setattr(run, _MARK, True)
-    return run
-
-
-def _rules_off(function: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(function)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if not _C.is_initialized():
-            return function(*args, **kwargs)
-        with _C.disable_casts():
-            return function(*args, **kwargs)
-
-    return _marked(run)
+from ._wrapping import inside, marked, replace
 
 
 def _trainable_when_all_dropped(function: Callable[..., List[Any]]) -> Callable[..., List[Any]]:
@@ -65,7 +48,7 @@ def _trainable_when_all_dropped(function: Callable[..., List[Any]]) -> Callable[
                 for p in (entry["params"] if isinstance(entry, dict) else [entry])]
         return [p for p in flat if p.requires_grad]
 
-    return _marked(run)
+    return marked(run)
 
 
 def install() -> None:
@@ -74,8 +57,5 @@ def install() -> None:
         return
     from torch.distributed.algorithms.model_averaging import utils
 
-    for name, wrap in (("average_parameters", _rules_off),
-                       ("get_params_to_average", _trainable_when_all_dropped)):
-        function = getattr(utils, name)
-        if not getattr(function, _MARK, False):
-            setattr(utils, name, wrap(function))
+    replace(utils, "average_parameters", lambda f: inside(_C.disable_casts, f))
+    replace(utils, "get_params_to_average", _trainable_when_all_dropped)

@@ -15,24 +15,8 @@ training thread and in workers alike. A dataset that wants reduced precision ent
 The fetchers are torch's private ``torch.utils.data._utils.fetch`` classes, the one place every
 batch of every ``DataLoader`` passes through; where they are missing nothing is wrapped.
 """
-import functools
-from typing import Any, Callable
-
 from . import _C
-
-_MARK = "_optamp_rules_off"
-
-
-def _rules_off(fetch: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fetch)
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _C.is_initialized():
-            return fetch(self, *args, **kwargs)
-        with _C.disable_casts():
-            return fetch(self, *args, **kwargs)
-
-    setattr(run, _MARK, True)
-    return run
+from ._wrapping import inside, replace
 
 
 def install() -> None:
@@ -43,6 +27,5 @@ def install() -> None:
         return
     for name in ("_MapDatasetFetcher", "_IterableDatasetFetcher"):
         cls = getattr(fetchers, name, None)
-        method = getattr(cls, "fetch", None) if cls is not None else None
-        if method is not None and not getattr(method, _MARK, False):
-            setattr(cls, "fetch", _rules_off(method))
+        if cls is not None:
+            replace(cls, "fetch", lambda fetch: inside(_C.disable_casts, fetch))

@@ -43,21 +43,9 @@ from typing import Any, Callable
 import torch
 
 from . import _C
+from ._wrapping import inside, marked, replace
 
 _MODULE = "torch.distributed.pipelining.stage"
-_MARK = "_optamp_same_rules_without_grad"
-
-
-def _gate_lifted(method: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _C.is_initialized():
-            return method(self, *args, **kwargs)
-        with _C.lift_no_grad_gate():
-            return method(self, *args, **kwargs)
-
-    setattr(run, _MARK, True)
-    return run
 
 
 def _versions_bumped(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,8 +57,7 @@ def _versions_bumped(method: Callable[..., Any]) -> Callable[..., Any]:
             torch.autograd.graph.increment_version(tensors)
         return received
 
-    setattr(run, _MARK, True)
-    return run
+    return marked(run)
 
 
 def _as_recorded(value: Any, recorded: Any) -> Any:
@@ -94,19 +81,19 @@ def _outputs_as_recorded(method: Callable[..., Any]) -> Callable[..., Any]:
             return type(output)(_as_recorded(v, r) for v, r in zip(output, recorded))
         return output
 
-    setattr(run, _MARK, True)
-    return run
+    return marked(run)
 
 
 def _wrap(stage: Any) -> None:
+    def gate_lifted(method: Callable[..., Any]) -> Callable[..., Any]:
+        return inside(_C.lift_no_grad_gate, method)
+
     for cls, name, wrap in (
-            (stage._PipelineStageBase, "forward_one_chunk", _gate_lifted),
-            (stage.PipelineStage, "_shape_inference", _gate_lifted),
+            (stage._PipelineStageBase, "forward_one_chunk", gate_lifted),
+            (stage.PipelineStage, "_shape_inference", gate_lifted),
             (stage._PipelineStageBase, "forward_maybe_with_nosync", _outputs_as_recorded),
             (stage._PipelineStageBase, "_retrieve_recv_activations", _versions_bumped)):
-        method = cls.__dict__[name]
-        if not getattr(method, _MARK, False):
-            setattr(cls, name, wrap(method))
+        replace(cls, name, wrap)
 
 
 def install(import_if_distributed: bool = False) -> None:
