@@ -20,6 +20,7 @@ import torch
 import torch.utils.checkpoint as _ckpt
 
 from . import _C
+from ._wrapping import marked, replace
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -57,13 +58,15 @@ def install() -> None:
 
         fn_class.apply = classmethod(apply)
         fn_class._optamp_wrapped = True
-    generator: Any = _ckpt._checkpoint_without_reentrant_generator
-    if not getattr(generator, "_optamp_wrapped", False):
+    replace(_ckpt, "_checkpoint_without_reentrant_generator", _function_in_same_state)
 
-        @functools.wraps(generator)
-        def wrapped_generator(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            return generator(_same_state(fn), *args, **kwargs)
 
-        marked: Any = wrapped_generator
-        marked._optamp_wrapped = True
-        _ckpt._checkpoint_without_reentrant_generator = marked
+def _function_in_same_state(generator: Callable[..., Any]) -> Callable[..., Any]:
+    """The non-reentrant checkpoint's generator, given its function under the state of the
+    checkpoint call."""
+
+    @functools.wraps(generator)
+    def wrapped_generator(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return generator(_same_state(fn), *args, **kwargs)
+
+    return marked(wrapped_generator)

@@ -1,5 +1,6 @@
-"""How optamp wraps other libraries' functions (pipelining, model averaging, data loading):
-once, recognisably, and as a no-op while optamp is not initialized."""
+"""How optamp wraps other libraries' functions (activation checkpointing, pipelining, model
+averaging, data loading): once, recognisably, and (``inside``) as a no-op while optamp is not
+initialized."""
 import functools
 from typing import Any, Callable, ContextManager
 
