@@ -8,6 +8,7 @@ bucket of conversions would delay its all-reduce."""
 import datetime
 import os
 import socket
+import sys
 import time
 
 import pytest
@@ -28,11 +29,26 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _rank_main(rank, fn, *args):
+    """Runs one rank's ``fn``; a rank that returns ends without finalizing the interpreter.
+    torch 2.11's gloo threads can still be dropping a finished collective's Python callback
+    (a comm hook's ``fut.then``) when the interpreter finalizes; taking the GIL then ends the
+    thread inside a destructor and aborts the rank ("terminate called without an active
+    exception"). Seen without optamp: fp16_compress_hook on gloo, 2 exits of 40 on a loaded
+    2-core machine. A rank's results are in its file before it returns, and an exception still
+    fails the rank as before."""
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _spawn(fn, args, nprocs=2):
     """mp.spawn with a deadline: ranks still running after SPAWN_TIMEOUT_S are killed. The
     ranks start with this process's sys.path (the spawn start method hands it over before it
     unpickles ``fn``), so they import this module and optamp as it does."""
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    ctx = mp.start_processes(_rank_main, args=(fn, *args), nprocs=nprocs, join=False,
+                             start_method="spawn")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
