@@ -181,8 +181,11 @@ constexpr OpName kFp32LossOps[] = {
 // Linear algebra: no fp16/bf16 decompositions, solvers or determinants on any device ("Low
 // precision dtypes not supported"; "lu_cpu" not implemented for 'Half'): a normalizing flow's
 // slogdet of a weight, orthogonal parametrizations (Cayley, Householder), Gaussian-process
-// heads. Distances and quantiles: no fp16/bf16 cdist/pdist kernel on the CPU (torch's CUDA
-// autocast lists both in fp32 too); quantile takes float or double only.
+// heads. The matrix exponential has fp16/bf16 kernels, but torch 2.11's CPU one returns NaN for
+// ordinary inputs (a 2x2 diagonal matrix of norm 0.2, random 16x16 ones), so `orthogonal`'s
+// default map for a square weight skipped every step at O2/O5. Distances and quantiles: no
+// fp16/bf16 cdist/pdist kernel on the CPU (torch's CUDA autocast lists both in fp32 too);
+// quantile takes float or double only.
 constexpr OpName kFp32AlwaysOps[] = {
     {"aten::fft_fft", ""},
     {"aten::fft_ifft", ""},
@@ -257,6 +260,8 @@ constexpr OpName kFp32AlwaysOps[] = {
     {"aten::linalg_pinv", "rcond_tensor"},
     {"aten::linalg_tensorinv", ""},
     {"aten::linalg_tensorsolve", ""},
+    {"aten::linalg_matrix_exp", ""},
+    {"aten::matrix_exp", ""},
     {"aten::cdist", ""},
     {"aten::pdist", ""},
     {"aten::quantile", ""},
