@@ -6,17 +6,18 @@ def stepping_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
     """The optimizer whose ``step()`` runs step hooks and reads GradScaler's ``found_inf``:
     ``optimizer`` itself, or, for a wrapper that subclasses ``Optimizer`` without running its
     ``__init__`` (torch's ``PostLocalSGDOptimizer``, Accelerate's ``AcceleratedOptimizer``: no
-    hooks of their own), the optimizer it wraps, found as the attribute sharing its
-    ``param_groups`` (the wrapper's ``step`` runs that one's). ``initialize`` records this
+    hooks of their own; Lightning's ``LightningOptimizer``, a copy of the wrapped one's
+    ``__dict__``), the optimizer it wraps, found as the attribute sharing its ``param_groups``
+    (the wrapper's ``step`` runs that one's). ``initialize`` records this
     optimizer and ``scale_loss`` checks it, so a wrapper made after ``initialize``
     (``accelerator.prepare``) is the optimizer given there; an optimizer optamp cannot skip is
     refused there and when a guard opens, before the backward, not at the first overflow."""
-    if hasattr(optimizer, "_optimizer_step_pre_hooks"):
-        return optimizer
     for value in vars(optimizer).values():
         if (isinstance(value, torch.optim.Optimizer) and value is not optimizer
                 and value.param_groups is optimizer.param_groups):
             return stepping_optimizer(value)
+    if hasattr(optimizer, "_optimizer_step_pre_hooks"):
+        return optimizer
     raise TypeError(
         f"optimizer {type(optimizer).__name__} subclasses torch.optim.Optimizer without running "
         "Optimizer.__init__ (it has no step hooks) and wraps no optimizer that shares its "

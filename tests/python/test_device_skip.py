@@ -437,6 +437,49 @@ def test_a_wrapper_that_hides_its_optimizer_is_refused_before_anything_changes(f
     assert optamp.loss_scaler().loss_scale() == 65536.0
 
 
+class DictCopyingWrapper:
+    """An optimizer wrapper as Lightning's LightningOptimizer is: a class made for the wrapped
+    optimizer's class that subclasses it, with a copy of that optimizer's ``__dict__`` (its step
+    hooks and ``param_groups``: the same objects) and the optimizer in ``_optimizer``, whose
+    ``step`` its own runs."""
+
+    def __init__(self, optimizer):
+        self.__class__ = type("Wrapped" + type(optimizer).__name__,
+                              (DictCopyingWrapper, type(optimizer)), {})
+        self.__dict__ = {k: v for k, v in optimizer.__dict__.items() if k != "step"}
+        self._optimizer = optimizer
+
+    def step(self, closure=None):
+        return self._optimizer.step(closure)
+
+
+@pytest.mark.parametrize("order", ["wrapped_after_initialize", "wrapped_before"])
+@pytest.mark.parametrize("kind", ["adam", None])  # None: foreach AdamW, skipped on the host
+def test_a_wrapper_with_a_copy_of_the_optimizers_dict_skips_through_it(fresh, order, kind):
+    # Lightning's manual optimization: initialize in configure_optimizers, then
+    # self.optimizers() is a LightningOptimizer. It has step hooks (copied references), so
+    # before 2026-12-06 optamp took it for the optimizer itself and scale_loss refused it
+    # ("must be an optimizer passed to amp::initialize").
+    model = Mlp()
+    inner = (fused(kind, model.parameters()) if kind else
+             torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4, foreach=True))
+    if order == "wrapped_before":
+        model, opt = init(model, DictCopyingWrapper(inner), opt_level="O2")
+    else:
+        model, _ = init(model, inner, opt_level="O2")
+        opt = DictCopyingWrapper(inner)
+    train_step(model, opt, 0)
+    waits = optamp.loss_scaler().host_waits
+    before = snapshot(model, inner)
+    train_step(model, opt, 1, poison=True)
+    assert optamp.loss_scaler().host_waits - waits == (0 if kind else 1), "fused: on the device"
+    assert optamp.loss_scaler().last_step_skipped
+    assert bit_equal(snapshot(model, inner)[0], before[0])
+    assert bit_equal(snapshot(model, inner)[1], before[1])
+    train_step(model, opt, 2)
+    assert not bit_equal(snapshot(model, inner)[0], before[0])
+
+
 def test_a_wrapper_made_after_initialize_is_the_optimizer_given_there(fresh):
     # accelerate's order: initialize, then accelerator.prepare(model, optimizer) wraps the
     # optimizer. Before 2026-12-06 scale_loss refused the wrapper ("must be an optimizer passed
