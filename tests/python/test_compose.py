@@ -1156,6 +1156,21 @@ class _SinusoidalNet(torch.nn.Module):
         return self.out(x)
 
 
+def _sgd_beside_fp32(model, level, lr):
+    """SGD for ``model`` initialized at ``level``, and an fp32 twin (a deep copy taken first)
+    with its own SGD: (opt, reference, ref_opt)."""
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
+    init(model, opt, level)
+    return opt, reference, ref_opt
+
+
+def _train_row(level):
+    """The tolerance row of a training run at ``level`` against fp32."""
+    return "train_bfloat16" if level in ("O4", "O5") else "train_float16"
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_an_fp32_tensor_made_in_the_forward_reaches_reduced_norm_weights(fresh, level):
     # O2/O3/O5 leave the fp32 list out, and the fp16 embeddings plus the fp32 encoding are fp32:
@@ -1164,10 +1179,7 @@ def test_an_fp32_tensor_made_in_the_forward_reaches_reduced_norm_weights(fresh, 
     # runs layer norms in fp32. Such a call now runs widened, at the masters' values.
     torch.manual_seed(0)
     model = _SinusoidalNet()
-    reference = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    init(model, opt, level)
+    opt, reference, ref_opt = _sgd_beside_fp32(model, level, lr=0.1)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
         idx = torch.randint(0, 50, (4, 12), generator=gen)
@@ -1181,14 +1193,13 @@ def test_an_fp32_tensor_made_in_the_forward_reaches_reduced_norm_weights(fresh, 
             ref_loss = F.cross_entropy(reference(idx).flatten(0, 1), idx.flatten())
             ref_loss.backward()
             ref_opt.step()
-        torch.testing.assert_close(loss.detach().float(), ref_loss.detach(), **tol(
-            "train_bfloat16" if level in ("O4", "O5") else "train_float16"))
+        torch.testing.assert_close(loss.detach().float(), ref_loss.detach(),
+                                   **tol(_train_row(level)))
     # A submodule called directly (past the model's boundary) with fp32 input: as native.
     x = torch.randn(4, 12, 16)
     with optamp.disable_casts():
         expected = reference.body(x)
-    torch.testing.assert_close(model.body(x).float(), expected, **tol(
-        "train_bfloat16" if level in ("O4", "O5") else "train_float16"))
+    torch.testing.assert_close(model.body(x).float(), expected, **tol(_train_row(level)))
 
 
 @pytest.mark.parametrize("grad", [False, True])
@@ -1355,10 +1366,7 @@ def test_an_orthogonal_parametrization_trains_at_every_level(fresh, level):
     model = torch.nn.Sequential(
         torch.nn.utils.parametrizations.orthogonal(torch.nn.Linear(16, 16)), torch.nn.ReLU(),
         torch.nn.Linear(16, 4))
-    reference = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
-    init(model, opt, level)
+    opt, reference, ref_opt = _sgd_beside_fp32(model, level, lr=0.05)
     gen = torch.Generator().manual_seed(1)
     for _ in range(6):
         x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
@@ -1371,7 +1379,5 @@ def test_an_orthogonal_parametrization_trains_at_every_level(fresh, level):
         with optamp.disable_casts():
             F.cross_entropy(reference(x), y).backward()
         ref_opt.step()
-    low = torch.bfloat16 if level in ("O4", "O5") else torch.float16
-    row = "train_" + str(low).split(".")[1]
     for p, r in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.detach().float(), r.detach(), **tol(row))
+        torch.testing.assert_close(p.detach().float(), r.detach(), **tol(_train_row(level)))
