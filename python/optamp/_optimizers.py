@@ -3,15 +3,16 @@ import torch
 
 
 def stepping_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer whose ``step()`` runs step hooks and reads GradScaler's ``found_inf``:
-    ``optimizer`` itself, or, for a wrapper that subclasses ``Optimizer`` without running its
-    ``__init__`` (torch's ``PostLocalSGDOptimizer``, Accelerate's ``AcceleratedOptimizer``: no
-    hooks of their own; Lightning's ``LightningOptimizer``, a copy of the wrapped one's
-    ``__dict__``), the optimizer it wraps, found as the attribute sharing its ``param_groups``
-    (the wrapper's ``step`` runs that one's). ``initialize`` records this
-    optimizer and ``scale_loss`` checks it, so a wrapper made after ``initialize``
-    (``accelerator.prepare``) is the optimizer given there; an optimizer optamp cannot skip is
-    refused there and when a guard opens, before the backward, not at the first overflow."""
+    """The optimizer whose ``step()`` runs step hooks and reads GradScaler's ``found_inf``. For a
+    wrapper, the optimizer it wraps, found as the attribute sharing its ``param_groups`` (the
+    wrapper's ``step`` runs that one's): torch's ``PostLocalSGDOptimizer`` and Accelerate's
+    ``AcceleratedOptimizer`` subclass ``Optimizer`` without running its ``__init__`` (no hooks of
+    their own); Lightning's ``LightningOptimizer`` and Fabric's optimizer copy the wrapped one's
+    ``__dict__``, its hooks included, so wrappers are looked through before hooks are looked
+    for. Else ``optimizer`` itself. ``initialize`` records this optimizer and ``scale_loss``
+    checks it, so a wrapper made after ``initialize`` (``accelerator.prepare``) is the optimizer
+    given there; an optimizer optamp cannot skip is refused there and when a guard opens, before
+    the backward, not at the first overflow."""
     for value in vars(optimizer).values():
         if (isinstance(value, torch.optim.Optimizer) and value is not optimizer
                 and value.param_groups is optimizer.param_groups):
