@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, List
 import torch
 
 from . import _C
-from ._wrapping import inside, marked, replace
+from ._wrapping import marked, replace, rules_off
 
 
 def _trainable_when_all_dropped(function: Callable[..., List[Any]]) -> Callable[..., List[Any]]:
@@ -57,5 +57,5 @@ def install() -> None:
         return
     from torch.distributed.algorithms.model_averaging import utils
 
-    replace(utils, "average_parameters", lambda f: inside(_C.disable_casts, f))
+    replace(utils, "average_parameters", rules_off)
     replace(utils, "get_params_to_average", _trainable_when_all_dropped)

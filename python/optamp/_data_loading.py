@@ -15,8 +15,7 @@ training thread and in workers alike. A dataset that wants reduced precision ent
 The fetchers are torch's private ``torch.utils.data._utils.fetch`` classes, the one place every
 batch of every ``DataLoader`` passes through; where they are missing nothing is wrapped.
 """
-from . import _C
-from ._wrapping import inside, replace
+from ._wrapping import replace, rules_off
 
 
 def install() -> None:
@@ -28,4 +27,4 @@ def install() -> None:
     for name in ("_MapDatasetFetcher", "_IterableDatasetFetcher"):
         cls = getattr(fetchers, name, None)
         if cls is not None:
-            replace(cls, "fetch", lambda fetch: inside(_C.disable_casts, fetch))
+            replace(cls, "fetch", rules_off)

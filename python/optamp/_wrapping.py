@@ -31,6 +31,12 @@ def inside(context: Callable[[], ContextManager[Any]], function: Function) -> Fu
     return marked(run)
 
 
+def rules_off(function: Function) -> Function:
+    """``function`` run with optamp's rules off (inside ``disable_casts``) while optamp is
+    initialized: code of torch's that must see fp32 (model averaging, data loading)."""
+    return inside(_C.disable_casts, function)
+
+
 def replace(owner: Any, name: str, wrap: Callable[[Function], Function]) -> None:
     """Sets ``owner.name`` to ``wrap`` of it, unless it is optamp's wrapper already (installs run
     at import and again at ``initialize``)."""
