@@ -16,6 +16,7 @@ import optamp
 from common_utils import Mlp, env, init, tol
 from op_cases import (CPU_AND_CUDA, FP32, FP32_PY, LEVELS, LOWER, LOWER_PY, NATIVE_PROMOTION,
                       PROMOTE, PROMOTE_PY, RESULT, TABLES, In, r)
+from programs import Experts
 
 
 def _builtin_policy_report():
@@ -588,31 +589,13 @@ def test_a_loss_registered_as_fp32_trains_at_every_level(how):
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
-class _Experts(torch.nn.Module):
-    """A top-2 mixture of experts routed by index_add_ into a buffer made from the input."""
-
-    def __init__(self, d=8, experts=3):
-        super().__init__()
-        self.gate = torch.nn.Linear(d, experts)
-        self.experts = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(experts))
-        self.head = torch.nn.Linear(d, 3)
-
-    def forward(self, x):
-        weights, chosen = F.softmax(self.gate(x), dim=-1).topk(2, dim=-1)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            token, slot = (chosen == e).nonzero(as_tuple=True)
-            out.index_add_(0, token, expert(x[token]) * weights[token, slot].unsqueeze(-1))
-        return self.head(x + out)
-
-
 @pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
 def test_a_mixture_of_experts_router_trains_at_every_level(fresh, level):
     # At O2/O5 the buffer is fp16/bf16 (zeros_like of the cast input) and the routed value fp32
     # (the softmax is fp32 at every level): index_add_ refused the mix, as it does under native
     # autocast. Ops that need their source in self's dtype now get it (policy "match self").
     torch.manual_seed(0)
-    model, reference = _Experts(), _Experts()
+    model, reference = Experts(), Experts()
     reference.load_state_dict(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)

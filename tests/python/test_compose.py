@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint  # imported before initialize, as 
 
 import optamp
 from common_utils import init, tol
+from programs import LinalgNet, SinusoidalNet, SpectralNet
 
 pytestmark = pytest.mark.usefixtures("fresh")
 
@@ -1133,29 +1134,6 @@ def test_a_scripted_model_is_refused_where_the_model_is_cast_in_place(fresh):
     assert not optamp.is_initialized() and model[0].weight.dtype == torch.float32
 
 
-class _SinusoidalNet(torch.nn.Module):
-    """Embeddings plus a positional encoding made in the forward (fp32, as torch.zeros makes it),
-    then a layer norm and a group norm: the classic transformer input stage."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(50, 16)
-        self.norm = torch.nn.LayerNorm(16)
-        self.body = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
-        self.group = torch.nn.GroupNorm(4, 16)
-        self.out = torch.nn.Linear(16, 50)
-
-    def forward(self, idx):
-        pos = torch.arange(idx.shape[1], dtype=torch.float32)[:, None]
-        freq = torch.exp(torch.arange(0, 16, 2, dtype=torch.float32) * (-9.2 / 16))
-        encoding = torch.zeros(idx.shape[1], 16)
-        encoding[:, 0::2] = torch.sin(pos * freq)
-        encoding[:, 1::2] = torch.cos(pos * freq)
-        x = self.norm(self.emb(idx) + encoding)
-        x = self.group(self.body(x).transpose(1, 2)).transpose(1, 2)
-        return self.out(x)
-
-
 def _sgd_beside_fp32(model, level, lr):
     """SGD for ``model`` initialized at ``level``, and an fp32 twin (a deep copy taken first)
     with its own SGD: (opt, reference, ref_opt)."""
@@ -1178,7 +1156,7 @@ def test_an_fp32_tensor_made_in_the_forward_reaches_reduced_norm_weights(fresh, 
     # parameter to have scalar type of Float"; CUDA's "expected scalar type") where torch.autocast
     # runs layer norms in fp32. Such a call now runs widened, at the masters' values.
     torch.manual_seed(0)
-    model = _SinusoidalNet()
+    model = SinusoidalNet()
     opt, reference, ref_opt = _sgd_beside_fp32(model, level, lr=0.1)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
@@ -1257,25 +1235,6 @@ def test_a_model_buffer_passed_to_an_fp32_loss_reaches_it_in_fp32(fresh, level):
     assert model.class_weight.dtype == torch.float32
 
 
-class _SpectralNet(torch.nn.Module):
-    """An FNO-style spectral layer between two linears (complex weights over the low modes), and
-    an stft feature of the input with a registered window buffer, as audio front ends have."""
-
-    def __init__(self):
-        super().__init__()
-        self.lift = torch.nn.Linear(1, 4)
-        self.modes = torch.nn.Parameter(torch.randn(4, 4, 5, dtype=torch.complex64) * 0.2)
-        self.proj = torch.nn.Linear(4, 1)
-        self.register_buffer("window", torch.hann_window(8))
-
-    def forward(self, x):  # x: [batch, 32]
-        h = self.lift(x.unsqueeze(-1)).transpose(1, 2)  # [batch, 4, 32], reduced below O0
-        spectrum = torch.fft.rfft(h)[..., :5]
-        h = torch.fft.irfft(torch.einsum("bix,iox->box", spectrum, self.modes), n=x.shape[-1])
-        feature = torch.stft(x, 8, window=self.window, return_complex=True).abs().mean()
-        return self.proj(h.transpose(1, 2)).squeeze(-1) + feature
-
-
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_model_with_complex_weights_and_ffts_trains_at_every_level(fresh, level):
     # Two gaps a spectral model (FNO, FNet, an audio front end) fell into: FFTs of fp16/bf16
@@ -1284,7 +1243,7 @@ def test_a_model_with_complex_weights_and_ffts_trains_at_every_level(fresh, leve
     # too). The FFTs now run widened to fp32 at every level; complex gradients are unscaled and
     # checked as their float pairs; an inf in an imaginary part skips the step bitwise.
     torch.manual_seed(0)
-    model = _SpectralNet()
+    model = SpectralNet()
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     init(model, opt, level, **({"loss_scale": "dynamic", "init_scale": 2.0**8}
@@ -1311,28 +1270,6 @@ def test_a_model_with_complex_weights_and_ffts_trains_at_every_level(fresh, leve
         assert torch.equal(before, after.detach())
 
 
-class _LinalgNet(torch.nn.Module):
-    """Linear algebra on working copies and reduced activations: a normalizing flow's invertible
-    1x1 convolution (slogdet of its weight, as Glow's), an orthogonal layer parametrized by
-    Householder reflections, and a Gaussian-process-style head (an RBF kernel from cdist, solved
-    through its Cholesky factor)."""
-
-    def __init__(self):
-        super().__init__()
-        self.mix = torch.nn.Parameter(torch.linalg.qr(torch.randn(4, 4))[0])
-        self.ortho = torch.nn.utils.parametrizations.orthogonal(
-            torch.nn.Linear(8, 6), orthogonal_map="householder")
-        self.feature = torch.nn.Linear(6, 3)
-
-    def forward(self, x):  # x: [batch, 4, 2]
-        z = torch.einsum("ij,bjk->bik", self.mix, x).flatten(1)
-        log_det = 2 * torch.linalg.slogdet(self.mix)[1]
-        f = self.feature(torch.tanh(self.ortho(z)))
-        kernel = torch.exp(-torch.cdist(f, f) ** 2) + 0.1 * torch.eye(f.shape[0])
-        alpha = torch.cholesky_solve(f, torch.linalg.cholesky(kernel))
-        return alpha.float().pow(2).mean() - 0.01 * log_det.float()
-
-
 @pytest.mark.parametrize("level", LEVELS)
 def test_linear_algebra_of_reduced_tensors_runs_widened_at_every_level(fresh, level):
     # ATen has no fp16/bf16 decompositions, solvers, determinants or (on the CPU) cdist: the
@@ -1340,7 +1277,7 @@ def test_linear_algebra_of_reduced_tensors_runs_widened_at_every_level(fresh, le
     # supported"), the Householder product at O2/O3/O5 ("orgqr_cpu" not implemented for 'Half'),
     # the cdist of an fp16 activation at every level. They run widened to fp32 now.
     torch.manual_seed(0)
-    model = _LinalgNet()
+    model = LinalgNet()
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     init(model, opt, level)

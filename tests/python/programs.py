@@ -1,0 +1,170 @@
+"""Small models in the shapes of real programs where casting rules were found wanting, shared by
+the tests that found them (test_casting.py, test_compose.py) and by test_programs_on_devices.py,
+which trains each of them on every device. Tensors a forward makes are made on its input's
+device, so the same model runs on the CPU and on a GPU."""
+import torch
+import torch.nn.functional as F
+
+
+class Experts(torch.nn.Module):
+    """A top-2 mixture of experts routed by index_add_ into a buffer made from the input."""
+
+    def __init__(self, d=8, experts=3):
+        super().__init__()
+        self.gate = torch.nn.Linear(d, experts)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(experts))
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, x):
+        weights, chosen = F.softmax(self.gate(x), dim=-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot].unsqueeze(-1))
+        return self.head(x + out)
+
+
+class SinusoidalNet(torch.nn.Module):
+    """Embeddings plus a positional encoding made in the forward (fp32, as torch.zeros makes it),
+    then a layer norm and a group norm: the classic transformer input stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+        self.group = torch.nn.GroupNorm(4, 16)
+        self.out = torch.nn.Linear(16, 50)
+
+    def forward(self, idx):
+        device = idx.device
+        pos = torch.arange(idx.shape[1], dtype=torch.float32, device=device)[:, None]
+        freq = torch.exp(torch.arange(0, 16, 2, dtype=torch.float32, device=device) * (-9.2 / 16))
+        encoding = torch.zeros(idx.shape[1], 16, device=device)
+        encoding[:, 0::2] = torch.sin(pos * freq)
+        encoding[:, 1::2] = torch.cos(pos * freq)
+        x = self.norm(self.emb(idx) + encoding)
+        x = self.group(self.body(x).transpose(1, 2)).transpose(1, 2)
+        return self.out(x)
+
+
+class SpectralNet(torch.nn.Module):
+    """An FNO-style spectral layer between two linears (complex weights over the low modes), and
+    an stft feature of the input with a registered window buffer, as audio front ends have."""
+
+    def __init__(self):
+        super().__init__()
+        self.lift = torch.nn.Linear(1, 4)
+        self.modes = torch.nn.Parameter(torch.randn(4, 4, 5, dtype=torch.complex64) * 0.2)
+        self.proj = torch.nn.Linear(4, 1)
+        self.register_buffer("window", torch.hann_window(8))
+
+    def forward(self, x):  # x: [batch, 32]
+        h = self.lift(x.unsqueeze(-1)).transpose(1, 2)  # [batch, 4, 32], reduced below O0
+        spectrum = torch.fft.rfft(h)[..., :5]
+        h = torch.fft.irfft(torch.einsum("bix,iox->box", spectrum, self.modes), n=x.shape[-1])
+        feature = torch.stft(x, 8, window=self.window, return_complex=True).abs().mean()
+        return self.proj(h.transpose(1, 2)).squeeze(-1) + feature
+
+
+class LinalgNet(torch.nn.Module):
+    """Linear algebra on working copies and reduced activations: a normalizing flow's invertible
+    1x1 convolution (slogdet of its weight, as Glow's), an orthogonal layer parametrized by
+    Householder reflections, and a Gaussian-process-style head (an RBF kernel from cdist, solved
+    through its Cholesky factor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = torch.nn.Parameter(torch.linalg.qr(torch.randn(4, 4))[0])
+        self.ortho = torch.nn.utils.parametrizations.orthogonal(
+            torch.nn.Linear(8, 6), orthogonal_map="householder")
+        self.feature = torch.nn.Linear(6, 3)
+
+    def forward(self, x):  # x: [batch, 4, 2]
+        z = torch.einsum("ij,bjk->bik", self.mix, x).flatten(1)
+        log_det = 2 * torch.linalg.slogdet(self.mix)[1]
+        f = self.feature(torch.tanh(self.ortho(z)))
+        kernel = torch.exp(-torch.cdist(f, f) ** 2) + 0.1 * torch.eye(f.shape[0], device=x.device)
+        alpha = torch.cholesky_solve(f, torch.linalg.cholesky(kernel))
+        return alpha.float().pow(2).mean() - 0.01 * log_det.float()
+
+
+class TinyGpt(torch.nn.Module):
+    """One pre-norm GPT block: learned positions, causal scaled-dot-product attention, a tanh-GELU
+    MLP, a final layer norm and a head tied to the embedding."""
+
+    def __init__(self, vocab=40, d=32, heads=4, seq=12):
+        super().__init__()
+        self.heads = heads
+        self.emb = torch.nn.Embedding(vocab, d)
+        torch.nn.init.normal_(self.emb.weight, std=0.02)  # GPT-2's
+        self.pos = torch.nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.ln1, self.ln2, self.ln_f = (torch.nn.LayerNorm(d) for _ in range(3))
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.proj = torch.nn.Linear(d, d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU("tanh"),
+                                       torch.nn.Linear(4 * d, d))
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.emb(idx) + self.pos[:t]
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.mlp(self.ln2(x))
+        return self.ln_f(x) @ self.emb.weight.t()
+
+
+class UNetLike(torch.nn.Module):
+    """Convolutions with batch norm, a max-pool down and a bilinear upsample back (an fp32 op
+    in Apex's lists) with a skip connection: the shape of segmentation and diffusion nets."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1),
+                                        torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+        self.mid = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.up = torch.nn.Conv2d(16, 3, 3, padding=1)
+
+    def forward(self, x):
+        skip = self.down(x)
+        h = F.interpolate(self.mid(F.max_pool2d(skip, 2)), scale_factor=2, mode="bilinear")
+        return self.up(torch.cat([skip, h], dim=1))
+
+
+def _fp32_only_function(device_type):
+    """A custom autograd Function whose kernel takes fp32 only, declared for ``device_type`` with
+    torch.amp.custom_fwd(cast_inputs=torch.float32), as such Functions are."""
+
+    class Fp32Only(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type=device_type, cast_inputs=torch.float32)
+        def forward(ctx, x, w):
+            if x.dtype != torch.float32 or w.dtype != torch.float32:
+                raise TypeError(f"fp32 only, got {x.dtype} and {w.dtype}")
+            ctx.save_for_backward(x, w)
+            return x @ w
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type=device_type)
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            return grad @ w.t(), x.t() @ grad
+
+    return Fp32Only
+
+
+_FP32_ONLY = {device_type: _fp32_only_function(device_type) for device_type in ("cpu", "cuda")}
+
+
+class CustomFunctionNet(torch.nn.Module):
+    """A linear layer feeding a custom fp32-only Function that multiplies by a weight of the
+    model's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 16)
+        self.w = torch.nn.Parameter(torch.randn(16, 4) * 0.3)
+
+    def forward(self, x):
+        return _FP32_ONLY[x.device.type].apply(torch.tanh(self.fc(x)), self.w)
