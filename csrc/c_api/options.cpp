@@ -128,6 +128,8 @@ const std::vector<std::pair<std::string, Setter>>& setters() {
        [](Options& o, const std::string& v, const std::string& at) {
          o.cast_model_outputs = read_dtype(v, at, false);
        }},
+      {"cast_model_inputs", [](Options& o, const std::string& v,
+                               const std::string& at) { o.cast_model_inputs = read_bool(v, at); }},
   };
   return *table;
 }

@@ -294,7 +294,7 @@ ModelBoundary model_boundary(const void* model) {
     return {};
   }
   ModelBoundary boundary = session->boundary;
-  if (!session->working_copy_sources.empty()) {
+  if (!session->working_copy_sources.empty() && boundary.inputs != c10::ScalarType::Undefined) {
     // O2/O5: the model is its working copies only where ops are substituted; elsewhere its fp32
     // masters, which fp16 inputs would not match (docs/casting.md, "The no_grad gate").
     const c10::ScalarType working = working_copy_dtype_now(*session);

@@ -102,6 +102,12 @@ struct OPTAMP_API Options {
   // argument; see ModelBoundary). Unset: fp32 wherever the model is cast (O2, O3, O5), left as
   // they are elsewhere. A floating type.
   std::optional<c10::ScalarType> cast_model_outputs;
+  // Beyond Apex: false leaves the model's inputs as they are given at its boundary (default
+  // true: Apex's cast of every floating input to the model's dtype at O2/O3/O5). For forwards
+  // that take tensors which must stay fp32: a float timestep or noise level whose sinusoidal
+  // embedding fp16/bf16 would round, a detection model's target boxes and keypoints. The
+  // outputs are cast as before; O2/O5's ops still cast their own inputs.
+  std::optional<bool> cast_model_inputs;
 };
 
 // The casts at a model's boundary, Apex's patched forward: floating inputs to `inputs`, floating
@@ -151,6 +157,8 @@ struct OPTAMP_API Properties {
   OpLists op_lists = OpLists::kApex;
   // nullopt = None: Apex's default (see model_boundary()).
   std::optional<c10::ScalarType> cast_model_outputs;
+  // False: the boundary leaves inputs as given (Options::cast_model_inputs).
+  bool cast_model_inputs = true;
 
   // The reduced-precision type the dispatcher casts to at this level: Half (O1/O2/O3),
   // BFloat16 (O4/O5), or Undefined when casts() is false.
@@ -166,7 +174,8 @@ struct OPTAMP_API Properties {
   // cast_model_type and floating outputs to cast_model_outputs (fp32 when None); elsewhere only
   // an explicit cast_model_outputs applies (O0 changes nothing, unlike Apex's O0, which cast
   // model and inputs to fp32). Nothing when disabled. At O2/O5 the inputs are cast to the low
-  // type only where ops see the working copies (core::model_boundary).
+  // type only where ops see the working copies (core::model_boundary). cast_model_inputs=false
+  // leaves the inputs out.
   ModelBoundary model_boundary() const;
 
   // Apex-style report: the level's defaults, the overrides applied, and the final options.

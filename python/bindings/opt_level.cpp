@@ -167,6 +167,8 @@ Options options_from_kwargs(const py::kwargs& kwargs) {
       o.op_lists = op_lists_from_py(v);
     else if (key == "cast_model_outputs")
       o.cast_model_outputs = dtype_from_py(v, k);
+    else if (key == "cast_model_inputs")
+      o.cast_model_inputs = bool_from_py(v, k);
     else
       throw py::type_error("unexpected keyword argument '" + key + "'");
   }
@@ -235,6 +237,7 @@ void bind_opt_level(py::module_& m) {
                                return p.cast_model_outputs ? dtype_to_py(*p.cast_model_outputs)
                                                            : py::none();
                              })
+      .def_readonly("cast_model_inputs", &Properties::cast_model_inputs)
       .def_property_readonly("model_boundary",
                              [](const Properties& p) {
                                const ModelBoundary b = p.model_boundary();

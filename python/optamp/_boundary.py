@@ -92,12 +92,13 @@ def _inner_forward(self: torch.nn.Module, inner: Optional[Callable[..., Any]],
 
 
 def _boundary_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    inputs, outputs = _dtypes_now() if self.__dict__.get(_OWNER) is not None else (None, None)
+    owned = self.__dict__.get(_OWNER) is not None
+    inputs, outputs = _dtypes_now() if owned else (None, None)
     cast_in, cast_out = _caster(inputs), _output_caster(outputs)
     if cast_in is not None:
         args, kwargs = map_tensors(args, cast_in), map_tensors(kwargs, cast_in)
     inner = self.__dict__.get(_INNER)
-    working_copies = _compile.working_copies_for_trace() if cast_in is not None else None
+    working_copies = _compile.working_copies_for_trace() if owned else None
     if working_copies is not None:
         with working_copies:
             output = _inner_forward(self, inner, args, kwargs)

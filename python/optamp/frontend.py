@@ -303,6 +303,7 @@ def initialize(
     max_loss_scale: float = 2.0**24,
     process_group: Optional["torch.distributed.ProcessGroup"] = None,
     op_lists: Optional[str] = None,
+    cast_model_inputs: Optional[bool] = None,
     **scaler_knobs: Union[float, int],
 ) -> Any:
     """Apex's ``amp.initialize``: set up ``opt_level`` for the model(s) and optimizer(s).
@@ -317,6 +318,9 @@ def initialize(
     ``cast_model_outputs`` (fp32 when None); at O0/O1/O4 only an explicit
     ``cast_model_outputs`` applies. At O2/O5 inputs go to fp16/bf16 only where ops see the
     working copies (not under ``no_grad``, where the model is its fp32 masters).
+    ``cast_model_inputs=False`` (optamp's) leaves the inputs as given, outputs still cast: for a
+    forward that takes tensors which must stay fp32 (a float timestep or noise level, a
+    detection model's targets).
 
     ``None`` means "not overridden". ``scaler_knobs``: ``init_scale``, ``growth_factor``,
     ``backoff_factor``, ``growth_interval``, ``hysteresis``. ``process_group`` (optamp's, for
@@ -351,6 +355,7 @@ def initialize(
         max_loss_scale=max_loss_scale,
         op_lists=op_lists,
         cast_model_outputs=cast_model_outputs,
+        cast_model_inputs=cast_model_inputs,
         **scaler_knobs,
     )
     if opt_level is None and not _C.resolve("O0", enabled=enabled).enabled:

@@ -749,6 +749,14 @@ TEST_F(CApi, ModelBoundaryOfTheInitializedModel) {
   EXPECT_EQ(outputs, OPTAMP_DTYPE_UNDEFINED);
   EXPECT_EQ(failure(optamp_model_boundary(nullptr, nullptr, &outputs)).status,
             OPTAMP_ERROR_NULL_ARGUMENT);
+  // cast_model_inputs=False: the inputs as given, the outputs still fp32.
+  C_OK(optamp_reset());
+  const char* keys[] = {"verbosity", "cast_model_inputs"};
+  const char* values[] = {"0", "False"};
+  C_OK(optamp_initialize(model.get(), optimizer.get(), 1, "O2", keys, values, 2, nullptr));
+  C_OK(optamp_model_boundary(static_cast<torch::nn::Module*>(net.get()), &inputs, &outputs));
+  EXPECT_EQ(inputs, OPTAMP_DTYPE_UNDEFINED);
+  EXPECT_EQ(outputs, OPTAMP_DTYPE_FLOAT32);
 }
 
 TEST_F(CApi, CastModelOutputLetsALossReadTheReducedOutput) {

@@ -101,6 +101,91 @@ TEST(ModelBoundary, RefusesANonFloatingOutputType) {
             std::string::npos);
 }
 
+Options quiet_with_inputs_as_given() {
+  Options o = quiet();
+  o.cast_model_inputs = false;
+  return o;
+}
+
+TEST(ModelBoundary, CastModelInputsFalseLeavesTheInputsOut) {
+  for (const char* level : {"O2", "O5"}) {
+    const Properties p = resolve(level, quiet_with_inputs_as_given());
+    EXPECT_EQ(p.model_boundary().inputs, kNone) << level;
+    EXPECT_EQ(p.model_boundary().outputs, ScalarType::Float) << level;
+    EXPECT_NE(p.describe().find("cast_model_inputs          : False"), std::string::npos);
+    EXPECT_NE(p.describe().find("cast_model_inputs=False"), std::string::npos);
+  }
+  EXPECT_TRUE(resolve("O2").cast_model_inputs);
+}
+
+TEST(ModelBoundary, CastModelInputsFalseIsRefusedWhereTheModelIsCastInPlace) {
+  // O3 (and O2/O5 without master weights) have no fp32 weights for fp32 inputs to meet.
+  OPTAMP_EXPECT_THROW_WITH(resolve("O3", quiet_with_inputs_as_given()), c10::ValueError,
+                           "cast_model_inputs=False needs fp32 master weights",
+                           "opt_level O3 casts the model itself to torch.float16");
+  Options no_masters = quiet_with_inputs_as_given();
+  no_masters.master_weights = false;
+  OPTAMP_EXPECT_THROW_WITH(resolve("O5", no_masters), c10::ValueError,
+                           "opt_level O5 casts the model itself to torch.bfloat16");
+}
+
+// A diffusion / flow-matching network: a float timestep in [0, 1) turned into sinusoidal
+// features of high frequency, added to the input's projection.
+struct TimestepNetImpl : torch::nn::Module {
+  torch::nn::Linear embed{16, 8}, body{8, 8};
+  at::Tensor features;  // the last forward's sinusoidal features
+  ScalarType timestep_dtype = kNone;
+  TimestepNetImpl() {
+    register_module("embed", embed);
+    register_module("body", body);
+  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& t) {
+    timestep_dtype = t.scalar_type();
+    const at::Tensor freqs = at::exp(at::arange(8, t.options()) * (-std::log(1e4) / 8)) * 1000;
+    const at::Tensor angles = t.unsqueeze(1) * freqs.unsqueeze(0);
+    features = at::cat({angles.sin(), angles.cos()}, 1).detach();
+    return body(x + embed(features));
+  }
+};
+TORCH_MODULE(TimestepNet);
+
+TEST_F(Initialize, ForwardWithInputsAsGivenKeepsAFloatTimestepExact) {
+  // Apex's boundary rounds the timestep to fp16/bf16 (bf16 holds t = 0.9 to within 2e-3),
+  // so features of frequency 1000 come out with the wrong phase.
+  for (const char* level : {"O2", "O5"}) {
+    at::manual_seed(0);
+    TimestepNet model;
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    const at::Tensor x = at::randn({8, 8});
+    const at::Tensor t = at::rand({8});
+    const at::Tensor expected = [&] {
+      at::NoGradGuard no_grad;  // fp32 (the no_grad gate), before initialize anyway
+      model->forward(x, t);
+      return model->features.clone();
+    }();
+    initialize(model, opt, level, quiet());
+    amp::forward(model, x, t);
+    EXPECT_NE(model->timestep_dtype, at::kFloat) << level << ": Apex's boundary casts it";
+    EXPECT_GT((model->features.to(at::kFloat) - expected).abs().max().item<double>(), 0.1) << level;
+    reset();
+    initialize(model, opt, level, quiet_with_inputs_as_given());
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      const at::Tensor out = amp::forward(model, x, t);
+      EXPECT_EQ(out.scalar_type(), at::kFloat) << level;
+      EXPECT_EQ(model->timestep_dtype, at::kFloat) << level;
+      if (step == 0) EXPECT_TRUE(at::equal(model->features, expected)) << level;
+      {
+        auto scaled = scale_loss(out.pow(2).mean(), opt);
+        scaled.backward();
+      }
+      opt.step();
+      EXPECT_FALSE(loss_scaler().last_step_skipped()) << level;
+    }
+    reset();
+  }
+}
+
 TEST_F(Initialize, ForwardCastsInputsToTheModelAndOutputsToFp32) {
   struct Row {
     const char* level;

@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import gc
 import inspect
+import math
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import optamp
-from common_utils import init
+from common_utils import init, tol
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 # level: (dtype the model's first op saw, output dtype), for fp32 inputs in grad mode
@@ -88,6 +89,84 @@ def test_o2_feeds_fp32_where_ops_see_the_masters(fresh):
     assert seen == [(F32, F32)]
     model(torch.randn(2, 4))
     assert model.seen == F16
+
+
+class _TimestepNet(torch.nn.Module):
+    """A diffusion / flow-matching network: a float timestep in [0, 1) turned into sinusoidal
+    features of high frequency, added to the input's projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(16, 8)
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.SiLU(),
+                                        torch.nn.Linear(32, 8))
+
+    def forward(self, x, t):
+        self.timestep_dtype = t.dtype
+        freqs = torch.exp(torch.arange(8, device=t.device) * (-math.log(1e4) / 8)) * 1000
+        angles = t[:, None] * freqs[None]
+        self.features = torch.cat([angles.sin(), angles.cos()], -1).detach()
+        return self.body(x + self.embed(self.features))
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_inputs_as_given_keep_a_float_timestep_exact_and_train(fresh, level):
+    # Apex's boundary rounds the timestep to fp16/bf16 (bf16 holds t = 0.9 to within 2e-3), so
+    # features of frequency 1000 came out with the wrong phase (up to 1.5 off at O5, where
+    # native bf16 autocast keeps them exact).
+    model = _TimestepNet()
+    reference = copy.deepcopy(model)
+    x, t = torch.randn(16, 8), torch.rand(16)
+    with torch.no_grad():
+        reference(x, t)
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), level)
+    model(x, t=t)
+    assert model.timestep_dtype != F32
+    assert (model.features.float() - reference.features).abs().max() > 0.1
+    optamp.reset()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    init(model, opt, level, cast_model_inputs=False)
+    assert optamp.properties().model_boundary == (None, F32)
+    for step in range(3):
+        out = model(x, t=t)
+        assert out.dtype == F32 and model.timestep_dtype == F32
+        if step == 0:
+            assert torch.equal(model.features, reference.features)
+        opt.zero_grad()
+        loss = F.mse_loss(out, torch.zeros_like(out))
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert not optamp.loss_scaler(0).last_step_skipped
+        with optamp.disable_casts():
+            ref_opt.zero_grad()
+            ref_loss = F.mse_loss(reference(x, t), torch.zeros_like(out))
+            ref_loss.backward()
+            ref_opt.step()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **tol(
+            "train_float16" if level == "O2" else "train_bfloat16"))
+
+
+def test_inputs_as_given_in_a_compiled_forward_see_the_working_copies(fresh):
+    model = probe("O2", cast_model_inputs=False)
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(2, 4)
+    out = compiled(x)
+    assert out.dtype == F32 and model.seen == F32
+    torch.testing.assert_close(out, model(x))
+    with torch.no_grad():  # the fp32 masters, not the fp16 working copies
+        assert not torch.equal(model.fc(x), out)
+
+
+def test_inputs_as_given_are_refused_where_the_model_is_cast_in_place(fresh):
+    model = Probe()
+    with pytest.raises(ValueError, match=r"cast_model_inputs=False needs fp32 master weights "
+                                         r"\(O2, O5\): opt_level O3 casts the model itself"):
+        init(model, torch.optim.SGD(model.parameters(), lr=0.1), "O3", cast_model_inputs=False)
+    with pytest.raises(ValueError, match='cast_model_inputs must be True, False, .* got "no"'):
+        init(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", cast_model_inputs="no")
+    assert not optamp.is_initialized() and model.fc.weight.dtype == F32
 
 
 def test_tensors_inside_containers_and_keywords(fresh):

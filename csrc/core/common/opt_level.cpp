@@ -88,6 +88,7 @@ std::string format_options(const Properties& p) {
   row("rules_under_no_grad", bool_name(p.rules_under_no_grad));
   row("op_lists", to_string(p.op_lists));
   row("cast_model_outputs", p.cast_model_outputs ? dtype_name(*p.cast_model_outputs) : "None");
+  row("cast_model_inputs", bool_name(p.cast_model_inputs));
   if (p.loss_scale.is_dynamic()) {
     row("init_scale", number_name(p.init_scale));
     row("growth_factor", number_name(p.growth_factor));
@@ -197,6 +198,18 @@ void check_model_level_overrides(const Properties& p) {
                     ". To change the type, set cast_model_type instead.");
 }
 
+// Inputs left as given meet the model's weights as they are: fp32 masters (O2/O5) take them,
+// widening where an op cannot mix widths; a model cast in place (O3, O2/O5 without master
+// weights) has no fp32 weights, and its first layer norm would refuse fp32 inputs.
+void check_model_inputs(const Properties& p) {
+  TORCH_CHECK_VALUE(p.cast_model_inputs || p.model_cast() != ModelCast::kInPlace,
+                    "cast_model_inputs=False needs fp32 master weights (O2, O5): opt_level ",
+                    to_string(p.opt_level), " casts the model itself to ",
+                    dtype_name(p.cast_model_type),
+                    ", whose ops would meet fp32 inputs with its reduced weights. Leave "
+                    "cast_model_inputs at True there, or use a level with master weights.");
+}
+
 void check_scaler_knobs(const Properties& p, const Options& o) {
   // Scales live in float32 and are inverted for unscaling: keep both finite.
   auto in_float_range = [](double v) {
@@ -279,6 +292,7 @@ void apply_overrides(Properties& p, const Options& o, OverrideLog& log) {
   take("rules_under_no_grad", p.rules_under_no_grad, o.rules_under_no_grad, bool_name);
   take("op_lists", p.op_lists, o.op_lists, [](OpLists v) { return to_string(v); });
   take("cast_model_outputs", p.cast_model_outputs, o.cast_model_outputs, dtype_name);
+  take("cast_model_inputs", p.cast_model_inputs, o.cast_model_inputs, bool_name);
   // Apex: the initial scale never exceeds the ceiling unless the user asked for it explicitly.
   if (!o.init_scale && p.init_scale > p.max_loss_scale) p.init_scale = p.max_loss_scale;
 }
@@ -368,7 +382,7 @@ ModelBoundary Properties::model_boundary() const {
   ModelBoundary boundary;
   if (!enabled) return boundary;
   if (model_cast() != ModelCast::kNone) {
-    boundary.inputs = cast_model_type;
+    if (cast_model_inputs) boundary.inputs = cast_model_type;
     boundary.outputs = cast_model_outputs.value_or(ScalarType::Float);
   } else if (cast_model_outputs) {
     boundary.outputs = *cast_model_outputs;
@@ -445,6 +459,7 @@ Properties resolve(OptLevel level, const Options& options) {
   check_model_types(p, options);
   check_level_conflicts(p, options);
   check_model_level_overrides(p);
+  check_model_inputs(p);
   check_scaler_knobs(p, options);
   return p;
 }
