@@ -135,11 +135,12 @@ typedef struct optamp_optimizer_tensors {
  * cast_model_type, patch_torch_functions, patch_torch_functions_type, keep_batchnorm_fp32,
  * master_weights, loss_scale, num_losses, min_loss_scale, max_loss_scale, verbosity, init_scale,
  * growth_factor, backoff_factor, growth_interval, hysteresis, overflow_check,
- * rules_under_no_grad, op_lists, cast_model_outputs, cast_model_inputs. Booleans "True"/"False"/"true"/"false"/
- * "1"/"0"; numbers as strtod/decimal integers; loss_scale "dynamic" or a number; dtypes
- * "float16"/"half", "bfloat16", "float32"/"float", "float64"/"double" (also "torch.float16"...);
- * "None" for cast_model_type and patch_torch_functions_type is C++'s Undefined (cast_model_type
- * also takes "False"); a NULL value means "not overridden". Unknown keys are OPTAMP_ERROR_VALUE.
+ * rules_under_no_grad, op_lists, cast_model_outputs, cast_model_inputs. Booleans "True"/
+ * "False"/"true"/"false"/"1"/"0"; numbers as strtod/decimal integers; loss_scale "dynamic" or a
+ * number; dtypes "float16"/"half", "bfloat16", "float32"/"float", "float64"/"double" (also
+ * "torch.float16"...); "None" for cast_model_type and patch_torch_functions_type is C++'s Undefined
+ * (cast_model_type also takes "False"); a NULL value means "not overridden". Unknown keys are
+ * OPTAMP_ERROR_VALUE.
  *
  * Validates everything first (on error nothing changes), then initializes amp for the process
  * and turns casting on for the calling thread. `out` may be NULL. */
