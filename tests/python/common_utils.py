@@ -67,6 +67,11 @@ def tol(key):
     return dict(TOLERANCES[_DTYPE_ROWS.get(key, key) if not isinstance(key, str) else key])
 
 
+def train_row(level):
+    """The tolerance row of a training run at ``level`` against fp32."""
+    return "train_bfloat16" if level in ("O4", "O5") else "train_float16"
+
+
 # ---- autograd graphs -------------------------------------------------------------------------
 
 

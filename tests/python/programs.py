@@ -89,6 +89,14 @@ class LinalgNet(torch.nn.Module):
         return alpha.float().pow(2).mean() - 0.01 * log_det.float()
 
 
+def orthogonal_classifier():
+    """A classifier whose first layer is orthogonal by parametrization: for a square weight
+    orthogonal()'s default map, the matrix exponential."""
+    return torch.nn.Sequential(
+        torch.nn.utils.parametrizations.orthogonal(torch.nn.Linear(16, 16)), torch.nn.ReLU(),
+        torch.nn.Linear(16, 4))
+
+
 class TinyGpt(torch.nn.Module):
     """One pre-norm GPT block: learned positions, causal scaled-dot-product attention, a tanh-GELU
     MLP, a final layer norm and a head tied to the embedding."""

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import optamp
-from common_utils import Mlp, env, init, tol
+from common_utils import Mlp, env, init, tol, train_row
 from op_cases import (CPU_AND_CUDA, FP32, FP32_PY, LEVELS, LOWER, LOWER_PY, NATIVE_PROMOTION,
                       PROMOTE, PROMOTE_PY, RESULT, TABLES, In, r)
 from programs import Experts
@@ -612,8 +612,7 @@ def test_a_mixture_of_experts_router_trains_at_every_level(fresh, level):
             ref_opt.zero_grad()
             ref_loss.backward()
             ref_opt.step()
-        row = "train_bfloat16" if level in ("O4", "O5") else "train_float16"
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **tol(row))
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **tol(train_row(level)))
     assert "aten::index_add_: match self" in optamp.policy_report()
 
 

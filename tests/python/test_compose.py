@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint  # imported before initialize, as users do
 
 import optamp
-from common_utils import init, tol
-from programs import LinalgNet, SinusoidalNet, SpectralNet
+from common_utils import init, tol, train_row
+from programs import LinalgNet, SinusoidalNet, SpectralNet, orthogonal_classifier
 
 pytestmark = pytest.mark.usefixtures("fresh")
 
@@ -1144,11 +1144,6 @@ def _sgd_beside_fp32(model, level, lr):
     return opt, reference, ref_opt
 
 
-def _train_row(level):
-    """The tolerance row of a training run at ``level`` against fp32."""
-    return "train_bfloat16" if level in ("O4", "O5") else "train_float16"
-
-
 @pytest.mark.parametrize("level", LEVELS)
 def test_an_fp32_tensor_made_in_the_forward_reaches_reduced_norm_weights(fresh, level):
     # O2/O3/O5 leave the fp32 list out, and the fp16 embeddings plus the fp32 encoding are fp32:
@@ -1172,12 +1167,12 @@ def test_an_fp32_tensor_made_in_the_forward_reaches_reduced_norm_weights(fresh, 
             ref_loss.backward()
             ref_opt.step()
         torch.testing.assert_close(loss.detach().float(), ref_loss.detach(),
-                                   **tol(_train_row(level)))
+                                   **tol(train_row(level)))
     # A submodule called directly (past the model's boundary) with fp32 input: as native.
     x = torch.randn(4, 12, 16)
     with optamp.disable_casts():
         expected = reference.body(x)
-    torch.testing.assert_close(model.body(x).float(), expected, **tol(_train_row(level)))
+    torch.testing.assert_close(model.body(x).float(), expected, **tol(train_row(level)))
 
 
 @pytest.mark.parametrize("grad", [False, True])
@@ -1300,9 +1295,7 @@ def test_an_orthogonal_parametrization_trains_at_every_level(fresh, level):
     # copy: until 2026-12-06 every O2 step was skipped (29 of 30) and O5's forward went NaN from
     # the second step. matrix_exp runs widened to fp32 now, as the decompositions do.
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.utils.parametrizations.orthogonal(torch.nn.Linear(16, 16)), torch.nn.ReLU(),
-        torch.nn.Linear(16, 4))
+    model = orthogonal_classifier()
     opt, reference, ref_opt = _sgd_beside_fp32(model, level, lr=0.05)
     gen = torch.Generator().manual_seed(1)
     for _ in range(6):
@@ -1317,4 +1310,4 @@ def test_an_orthogonal_parametrization_trains_at_every_level(fresh, level):
             F.cross_entropy(reference(x), y).backward()
         ref_opt.step()
     for p, r in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.detach().float(), r.detach(), **tol(_train_row(level)))
+        torch.testing.assert_close(p.detach().float(), r.detach(), **tol(train_row(level)))

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import optamp
-from common_utils import init, tol
+from common_utils import init, tol, train_row
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 # level: (dtype the model's first op saw, output dtype), for fp32 inputs in grad mode
@@ -144,8 +144,7 @@ def test_inputs_as_given_keep_a_float_timestep_exact_and_train(fresh, level):
             ref_loss = F.mse_loss(reference(x, t), torch.zeros_like(out))
             ref_loss.backward()
             ref_opt.step()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **tol(
-            "train_float16" if level == "O2" else "train_bfloat16"))
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **tol(train_row(level)))
 
 
 def test_inputs_as_given_in_a_compiled_forward_see_the_working_copies(fresh):

@@ -16,19 +16,12 @@ import torch
 import torch.nn.functional as F
 
 import optamp
-from common_utils import init, tol
+from common_utils import init, tol, train_row
 from op_cases import CPU_AND_CUDA
 from programs import (CustomFunctionNet, Experts, LinalgNet, SinusoidalNet, SpectralNet, TinyGpt,
-                      UNetLike)
+                      UNetLike, orthogonal_classifier)
 
 LEVELS = ["O1", "O2", "O3", "O4", "O5"]
-
-
-def _orthogonal_classifier():
-    # orthogonal()'s default map for a square weight: the matrix exponential
-    return torch.nn.Sequential(
-        torch.nn.utils.parametrizations.orthogonal(torch.nn.Linear(16, 16)), torch.nn.ReLU(),
-        torch.nn.Linear(16, 4))
 
 
 def _next_token_loss(model, idx):
@@ -43,10 +36,6 @@ class Program:
     loss: Callable[..., torch.Tensor]  # (model, *batch) -> scalar loss
     lr: float
     fused: bool = True  # torch's fused SGD; its kernel takes no complex parameters
-
-
-def _randn(*shape):
-    return lambda gen: torch.randn(*shape, generator=gen)
 
 
 PROGRAMS = {
@@ -66,7 +55,7 @@ PROGRAMS = {
         lambda model, idx: F.cross_entropy(model(idx).float().flatten(0, 1), idx.flatten()),
         lr=0.1),
     "orthogonal": Program(
-        _orthogonal_classifier, lambda gen: (torch.randn(8, 16, generator=gen),
+        orthogonal_classifier, lambda gen: (torch.randn(8, 16, generator=gen),
                                              torch.randint(0, 4, (8,), generator=gen)),
         lambda model, x, y: F.cross_entropy(model(x).float(), y), lr=0.05),
     "linalg": Program(
@@ -128,7 +117,7 @@ def test_a_program_trains_beside_fp32_and_skips_an_overflow(fresh, name, level, 
     # A dynamic scale starts at 2^8, not 2^16: an fp16 gradient at O2 overflows at 2^16 in some
     # of these programs, and the steps compared with fp32's are to be taken, not skipped.
     init(model, opt, level, **({"init_scale": 2.0**8} if level in ("O1", "O2") else {}))
-    row = "train_bfloat16" if level in ("O4", "O5") else "train_float16"
+    row = train_row(level)
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):
         batch = [t.to(device) for t in program.batch(gen)]
