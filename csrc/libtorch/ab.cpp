@@ -80,7 +80,15 @@ void arm_precision_request() {
 
 bool reports_here() {
   for (const char* name : kRankEnvs) {
-    if (const char* v = env_or_null(name)) return std::string(v) == "0";
+    const char* v = env_or_null(name);
+    if (v == nullptr) continue;
+    // As Python's reports_here reads it: " 0" from a launcher's template is rank 0, a blank is
+    // not set (else C++ and Python ranks of one run disagreed on who writes).
+    const std::string value(v);
+    const auto first = value.find_first_not_of(" \t\r\n");
+    if (first == std::string::npos) continue;
+    const auto last = value.find_last_not_of(" \t\r\n");
+    return value.substr(first, last - first + 1) == "0";
   }
   return true;
 }

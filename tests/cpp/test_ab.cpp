@@ -120,6 +120,12 @@ TEST(AbProtocol, OnlyGlobalRankZeroReports) {
     const ScopedEnv no_rank("RANK", nullptr), mpi_rank("OMPI_COMM_WORLD_RANK", "3");
     EXPECT_FALSE(amp::ab::reports_here());
   }
+  {  // read as Python's reports_here reads them: spaces stripped, a blank value not set
+    const ScopedEnv padded_rank("RANK", " 0\n"), mpi_rank("OMPI_COMM_WORLD_RANK", "3");
+    EXPECT_TRUE(amp::ab::reports_here());
+    const ScopedEnv blank_rank("RANK", "  ");
+    EXPECT_FALSE(amp::ab::reports_here()) << "a blank RANK falls through to OMPI_COMM_WORLD_RANK";
+  }
   EXPECT_EQ(lines_of(path).size(), 2u) << "rank 0 and a program that is not distributed";
   std::filesystem::remove(path);
 }

@@ -100,6 +100,44 @@ def test_clipping_after_the_guard_at_o2(fresh):
     opt.step()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_a_scheduler_after_a_skipped_first_step_steps_along_without_a_warning(
+        fresh, level, fused):
+    """An LR scheduler stepped after every optimizer step, the first of which overflows: the
+    schedule advances as under torch.amp.GradScaler (and Apex), and torch's "lr_scheduler.step()
+    before optimizer.step()" warning, which GradScaler's skipped first step triggers, does not
+    come: optamp calls the optimizer's step (with no gradients, or with the device-side skip)."""
+    import warnings
+    torch.manual_seed(0)
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused or None)
+    init(model, opt, opt_level=level)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(X), Y) * (math.inf if step == 0 else 1.0)
+            with optamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            if step == 0:
+                assert optamp.loss_scaler().last_step_skipped
+                assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+                # No momentum yet: none at all, or zeros (fused: optamp's zeros stand in for
+                # torch's uninitialized first-step buffers, scaler.py)
+                assert all(st.get("momentum_buffer") is None or not st["momentum_buffer"].any()
+                           for st in opt.state.values())
+            scheduler.step()
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], [
+        str(w.message) for w in caught]
+    assert scheduler.get_last_lr() == [0.1 * 0.5**3]
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.5**3
+    assert not all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
 def _train(model, opt, steps, start):
     for s in range(start, start + steps):
         opt.zero_grad()
