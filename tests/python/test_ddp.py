@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from common_utils import tol
+from common_utils import tol, train_row
 
 STEPS, BAD_STEP = 20, 7
 SPAWN_TIMEOUT_S = 180  # a hung collective fails the test instead of stalling the suite
@@ -367,7 +367,7 @@ def test_fsdp_sharded_gradients_are_unscaled_and_ranks_skip_together(tmp_path, k
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["skipped"] == r1["skipped"] == [FSDP_BAD_STEP]
     assert r0["buckets"] == r1["buckets"] == 0
-    tolerance = tol("train_bfloat16" if level == "O4" else "train_float16")
+    tolerance = tol(train_row(level))
     for r in (r0, r1):
         torch.testing.assert_close(r["losses"], r["reference_losses"], **tolerance)
     if kind == "fsdp2":  # dim-0 shards (FSDP1's are views of a flat parameter's shard)
@@ -469,7 +469,7 @@ def test_tensor_parallel_models_train_at_o1_o2_o5_and_ranks_skip_together(tmp_pa
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["skipped"] == r1["skipped"] == [TP_BAD_STEP]
     assert r0["norm_dtypes"] == r1["norm_dtypes"] == {norm_dtype}
-    tolerance = tol("train_bfloat16" if level == "O5" else "train_float16")
+    tolerance = tol(train_row(level))
     for r in (r0, r1):
         torch.testing.assert_close(r["losses"], r["reference_losses"], **tolerance)
     for (s0, dim), (s1, _), ref in zip(r0["shards"], r1["shards"], r0["reference"]):
@@ -546,7 +546,7 @@ def test_fsdp2_over_tensor_parallelism_on_a_2d_mesh_skips_on_every_rank(tmp_path
     _spawn(_mesh_worker, (4, _free_port(), level, str(tmp_path)), nprocs=4)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     assert all(r["skipped"] == [MESH_BAD_STEP] for r in ranks)
-    tolerance = tol("train_bfloat16" if level == "O4" else "train_float16")
+    tolerance = tol(train_row(level))
     for r in ranks:
         torch.testing.assert_close(r["losses"], r["reference_losses"], **tolerance)
         assert r["error"] < (3e-3 if level == "O4" else 5e-4), r["error"]  # seen: 1.2e-3, 1.1e-4
@@ -709,7 +709,7 @@ def test_accumulation_under_ddp_no_sync_without_delay_unscale_keeps_ranks_equal(
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     for p0, p1, ref in zip(r0["params"], r1["params"], r0["reference"]):
         assert torch.equal(p0, p1)
-        torch.testing.assert_close(p0, ref, **tol("train_float16"))
+        torch.testing.assert_close(p0, ref, **tol(train_row(level)))
 
 
 def _train_beside_fp32(rank, steps, overflow_step, trained, reference, reference_drops,
