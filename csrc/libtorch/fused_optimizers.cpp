@@ -145,6 +145,7 @@ void settle_steps(const StateMap& state, const detail::DeviceSteps& steps) {
   // Gathered on one device first, so that the host waits once, not once per parameter.
   const c10::Device device = live.front().second.device();
   std::vector<at::Tensor> counts;
+  counts.reserve(live.size());
   for (const auto& [s, t] : live) counts.push_back(t.to(device).reshape({1}));
   const at::Tensor host = at::cat(counts).to(at::kCPU);
   const float* values = host.const_data_ptr<float>();

@@ -90,10 +90,10 @@ void collect_state(const torch::optim::OptimizerParamState& s, const at::Tensor&
 }
 
 double group_eps(const torch::optim::OptimizerOptions& options) {
-  if (auto* o = dynamic_cast<const torch::optim::AdamOptions*>(&options)) return o->eps();
-  if (auto* o = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) return o->eps();
-  if (auto* o = dynamic_cast<const torch::optim::RMSpropOptions*>(&options)) return o->eps();
-  if (auto* o = dynamic_cast<const torch::optim::AdagradOptions*>(&options)) return o->eps();
+  if (const auto* o = dynamic_cast<const torch::optim::AdamOptions*>(&options)) return o->eps();
+  if (const auto* o = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) return o->eps();
+  if (const auto* o = dynamic_cast<const torch::optim::RMSpropOptions*>(&options)) return o->eps();
+  if (const auto* o = dynamic_cast<const torch::optim::AdagradOptions*>(&options)) return o->eps();
   return 0.0;
 }
 

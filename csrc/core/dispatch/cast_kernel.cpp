@@ -265,6 +265,7 @@ bool CastKernel::plan_match_self(torch::jit::Stack& stack, std::size_t base, Cal
   return differs;
 }
 
+// NOLINTNEXTLINE(readability-convert-member-functions-to-static): one of the kernel's plan steps
 bool CastKernel::plan_mixed_widening(const PromoteWidth& width, CallPlan& p) const {
   // Mixed widths among 0-dim tensors alone are left to torch's promotion, which ranks them below
   // the others: the call runs as given, as everything under the gate does.

@@ -58,7 +58,7 @@ CastKernel& kernel_locked(Registry& r, const c10::OperatorHandle& op) {
   CastKernel& registered = *kernel;
   r.kernels[name] = kernel.get();
   if (register_unboxed(*library, name, qualified(name), kernel.get())) {
-    kernel.release();  // the unboxed kernel refers to it; it lives as long as the registry
+    static_cast<void>(kernel.release());  // the unboxed kernel refers to it: lives as the registry
   } else {
     library->impl(qualified(name).c_str(),
                   torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));

@@ -169,7 +169,7 @@ void add_sparse_stashes(const std::vector<at::Tensor>& grads,
   if (grads.empty()) return;
   std::vector<at::Tensor> sums;
   for (size_t k = 0; k < grads.size(); ++k) {
-    at::Tensor grad = grads[k];  // a handle to the same TensorImpl: add_ updates the gradient
+    const at::Tensor& grad = grads[k];  // add_ updates the gradient itself
     grad.add_(stashes[k]);
     sums.push_back(as_real(grad._values()));
   }
@@ -233,6 +233,7 @@ void LossScaler::check_gradients(const std::vector<at::Tensor>& grads,
   }
 }
 
+// NOLINTNEXTLINE(readability-convert-member-functions-to-static): part of the scaler's API
 void LossScaler::unscale_into(const std::vector<at::Tensor>& grads,
                               const std::vector<at::Tensor>& stashed, const at::Tensor& inv_scale,
                               DeviceFlags& found, bool check_stash) const {

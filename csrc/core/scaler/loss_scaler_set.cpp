@@ -22,6 +22,7 @@ namespace detail {
 std::vector<std::shared_ptr<LossScaler>> make_loss_scalers(const Properties& props) {
   TORCH_CHECK_VALUE(props.num_losses >= 1, "num_losses must be >= 1, got ", props.num_losses);
   std::vector<std::shared_ptr<LossScaler>> scalers;
+  scalers.reserve(static_cast<size_t>(props.num_losses));
   for (int i = 0; i < props.num_losses; ++i) {
     scalers.push_back(std::make_shared<LossScaler>(props, i));
   }

@@ -471,6 +471,7 @@ const at::Tensor& ScaledLoss::loss() const {
   return state_->scaled_loss;
 }
 
+// NOLINTNEXTLINE(readability-make-member-function-const): runs the backward, not a const read
 void ScaledLoss::backward(const std::optional<at::Tensor>& gradient,
                           std::optional<bool> retain_graph, bool create_graph) {
   loss().backward(gradient.value_or(at::Tensor()), retain_graph, create_graph);

@@ -112,7 +112,8 @@ StateDict state_dict() {
   const auto session = detail::current_session();
   const auto& scalers = configured_scalers(*session, "amp::state_dict");
   StateDict sd;
-  for (size_t i = 0; i < scalers.size(); ++i) scalers[i]->save(sd, scaler_prefix(i));
+  for (size_t i = 0; i < scalers.size(); ++i)
+    scalers[i]->save(sd, scaler_prefix(static_cast<int>(i)));
   return sd;
 }
 

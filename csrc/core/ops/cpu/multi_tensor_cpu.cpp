@@ -61,6 +61,7 @@ bool unscale_list(const std::vector<at::Tensor>& tensors, float s) {
   const bool check_only = unscale_is_check(s);
   const cpu::Kernels<T> k = cpu::kernels_for<T>(cpu::cpu_isa());
   std::vector<T*> ptrs;
+  ptrs.reserve(tensors.size());
   for (const auto& t : tensors) ptrs.push_back(t.data_ptr<T>());
   return for_each_chunk(tensors, [&](const Chunk& c) {
     T* p = ptrs[c.tensor] + c.begin;
