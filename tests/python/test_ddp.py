@@ -209,6 +209,90 @@ def _expect_ranks_agree(tmp_path):
         assert torch.isfinite(a).all()
 
 
+class _TwoHeads(torch.nn.Module):
+    """A trunk, two heads used on alternate steps and a head never used: what DDP's
+    find_unused_parameters is for (multi-task and detection models)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU())
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(16, 3) for _ in range(3))
+
+    def forward(self, x, head):
+        return self.heads[head](self.trunk(x))
+
+
+DDP_OPTION_STEPS, DDP_OPTION_BAD_STEP = 8, 5
+
+
+def _ddp_options_worker(rank, world, port, level, options, out_dir):
+    """An fp32 DDP run that leaves out the step rank 1 poisons (the reference), then the same
+    under optamp with that step overflowing on rank 1 only."""
+    import optamp
+
+    _init(rank, world, port)
+    try:
+        torch.manual_seed(0)
+        model, reference = _TwoHeads(), _TwoHeads()
+        reference.load_state_dict(model.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+        model, opt = optamp.initialize(model, opt, opt_level=level, verbosity=0)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, **options)
+        ref_ddp = torch.nn.parallel.DistributedDataParallel(reference, **options)
+        gen = torch.Generator().manual_seed(100 + rank)
+        skipped, losses, ref_losses = [], [], []
+        for step in range(DDP_OPTION_STEPS):
+            head = 0 if options.get("static_graph") else step % 2  # a static graph's is fixed
+            x, y = torch.randn(4, 4, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+            opt.zero_grad()
+            loss = F.cross_entropy(ddp(x, head), y)
+            poisoned = step == DDP_OPTION_BAD_STEP
+            with optamp.scale_loss(loss * float("inf") if poisoned and rank == 1 else loss,
+                                   opt) as scaled:
+                scaled.backward()
+            opt.step()
+            if optamp.loss_scaler().last_step_skipped:
+                skipped.append(step)
+            if poisoned:
+                continue
+            losses.append(loss.detach().float())
+            with optamp.disable_casts():
+                ref_opt.zero_grad()
+                ref_loss = F.cross_entropy(ref_ddp(x, head), y)
+                ref_loss.backward()
+                ref_opt.step()
+            ref_losses.append(ref_loss.detach())
+        torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                    "reference": [p.detach().clone() for p in reference.parameters()],
+                    "losses": torch.stack(losses), "reference_losses": torch.stack(ref_losses),
+                    "skipped": skipped}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("level,options", [
+    ("O1", {"find_unused_parameters": True}),
+    ("O2", {"find_unused_parameters": True, "gradient_as_bucket_view": True}),
+    ("O5", {"static_graph": True, "gradient_as_bucket_view": True}),
+], ids=["O1-find_unused", "O2-find_unused-bucket_view", "O5-static_graph-bucket_view"])
+def test_ddp_options_train_beside_fp32_and_skip_one_ranks_overflow_together(tmp_path, level,
+                                                                           options):
+    """DDP's own options: parameters unused on a step (find_unused_parameters: a head per step
+    and one never used), gradients that are views into the all-reduce buckets
+    (gradient_as_bucket_view: a skipped step sets them to None, DDP makes the views again), a
+    static graph. Both ranks skip rank 1's overflow and track an fp32 DDP run without that step."""
+    _spawn(_ddp_options_worker, (2, _free_port(), level, options, str(tmp_path)))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["skipped"] == r1["skipped"] == [DDP_OPTION_BAD_STEP]
+    tolerance = tol(train_row(level))
+    for a, b, ref in zip(r0["params"], r1["params"], r0["reference"]):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, ref, **tolerance)
+    for r in (r0, r1):
+        torch.testing.assert_close(r["losses"], r["reference_losses"], **tolerance)
+
+
 def _mp_worker(rank, world, port, use_group, out_dir):
     """Model-parallel style: each rank owns different parameters (no DDP averaging). The group
     is given to initialize (every step) on rank 0 and per scale_loss call on rank 1."""
