@@ -94,7 +94,7 @@ TEST(ModelBoundary, DefaultsFollowApexCastModelType) {
 
 TEST(ModelBoundary, RefusesANonFloatingOutputType) {
   OPTAMP_EXPECT_THROW_WITH(resolve("O2", quiet_with_outputs(ScalarType::Long)), c10::ValueError,
-                           "cast_model_outputs must be a floating type", "got torch.Long");
+                           "cast_model_outputs must be a floating type", "got torch.int64");
   EXPECT_NE(resolve("O2", quiet_with_outputs(ScalarType::BFloat16))
                 .describe()
                 .find("cast_model_outputs         : torch.bfloat16"),

@@ -140,7 +140,7 @@ TEST(OptLevelValidation, CastModelTypeAtO4) {
 TEST(OptLevelValidation, CastModelTypeMustBeAFloatingType) {
   Options o;
   o.cast_model_type = ScalarType::Long;
-  OPTAMP_EXPECT_THROW_WITH(resolve("O2", o), c10::ValueError, "cast_model_type", "torch.Long");
+  OPTAMP_EXPECT_THROW_WITH(resolve("O2", o), c10::ValueError, "cast_model_type", "torch.int64");
 }
 
 TEST(OptLevelValidation, PatchTypeMustBeReduced) {

@@ -90,6 +90,7 @@ def test_overrides_apply():
         ("O1", dict(backoff_factor=2.0), "backoff_factor"),
         ("O1", dict(keep_batchnorm_fp32="yes"), "keep_batchnorm_fp32"),
         ("O2", dict(patch_torch_functions_type=torch.bfloat16), "patch_torch_functions_type"),
+        ("O2", dict(cast_model_type=torch.int32), "or None, got torch.int32$"),  # not torch.Int
     ],
 )
 def test_validation_errors_are_value_errors_with_cxx_text(level, kwargs, message):

@@ -1,6 +1,7 @@
 // Opt levels: the defaults table, override processing and Apex's validation rules.
 #include "optamp/opt_level.h"
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
 #include <array>
@@ -362,8 +363,8 @@ std::string dtype_name(c10::ScalarType type) {
       return "torch.float32";
     case ScalarType::Double:
       return "torch.float64";
-    default:
-      return std::string("torch.") + c10::toString(type);
+    default:  // torch's own name ("torch.int32"), not c10's ("Int")
+      return "torch." + c10::getDtypeNames(type).first;
   }
 }
 

@@ -1,6 +1,8 @@
 // The markdown table and the JSON of a PrecisionProbe report (docs/precision.md, columns).
 #include "diagnostics/precision_format.h"
 
+#include <c10/core/ScalarType.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <numeric>
@@ -144,8 +146,8 @@ std::string torch_dtype_name(c10::ScalarType dtype) {
       return "float64";
     case c10::ScalarType::Undefined:
       return "-";
-    default:
-      return c10::toString(dtype);
+    default:  // torch's own name ("int64"), not c10's ("Long")
+      return c10::getDtypeNames(dtype).first;
   }
 }
 
