@@ -70,6 +70,74 @@ def test_the_fp32_always_entries_are_ops_without_reduced_kernels(fresh):
     assert finite == {"istft"}, sorted(finite)
 
 
+class _VolumeWithDistributions(torch.nn.Module):
+    """A 3-D CNN with an average pool, a Dirichlet, a Beta and a Gamma head (reparameterized
+    samples, their concentrations from linears) and a trace of a weight product: the ops the
+    CPU has no fp16/bf16 kernel for, where CUDA has one."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv3d(2, 4, 3, padding=1)
+        self.pool = torch.nn.AvgPool3d(2)
+        self.head = torch.nn.Linear(4 * 8, 3)
+        self.concentration = torch.nn.Linear(4 * 8, 3)
+
+    def forward(self, x):
+        h = self.pool(F.relu(self.conv(x))).flatten(1)
+        alpha = F.softplus(self.concentration(h)) + 0.5
+        dist = torch.distributions
+        samples = [dist.Dirichlet(alpha).rsample(), dist.Beta(alpha, alpha).rsample(),
+                   dist.Gamma(alpha, torch.ones_like(alpha)).rsample()]
+        w = self.concentration.weight
+        return self.head(h), samples, torch.trace(w @ w.t())
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "O4", "O5"])
+def test_cpu_only_ops_without_reduced_kernels_train_at_every_level(fresh, level):
+    """avg_pool3d, the distributions' samplers and their gradients, and trace have no fp16/bf16
+    CPU kernel: on the CPU they run widened at every level (at O2/O3/O5, where Apex's lists
+    leave them alone, they failed until 2026-12-06: "avg_pool3d_out_frame" not implemented for
+    'BFloat16', "dirichlet" not implemented for 'Half'). Dirichlet's and Beta's samples are drawn
+    and differentiated inside a custom Function, without grad mode: the widening holds under the
+    no_grad gate too. Two steps, finite, no skip; every parameter gets a gradient."""
+    torch.manual_seed(0)
+    model = _VolumeWithDistributions()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # At the dynamic scale's first 2^16 the scaled gradient converted back to the fp16
+    # activations overflows (a skipped step, as under GradScaler): start lower, to take steps.
+    init(model, opt, level, **({"init_scale": 2.0**8} if level in ("O1", "O2") else {}))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(2, 2, 4, 4, 4, generator=gen)
+        opt.zero_grad()
+        logits, samples, trace = model(x)
+        assert all(s.dtype == torch.float32 for s in samples) and trace.dtype == torch.float32
+        loss = (F.cross_entropy(logits.float(), torch.tensor([0, 1])) + trace.float() * 1e-3
+                + sum(s.float().pow(2).mean() for s in samples))
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        assert not optamp.loss_scaler().last_step_skipped
+        assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+        opt.step()
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("level", ["O1", "O4"])
+def test_ops_without_reduced_kernels_widen_under_no_grad(fresh, level):
+    """A metric of a reduced output under torch.no_grad (the gate holds the rules back): quantile
+    and rfft run widened instead of failing, as under torch.autocast; other ops stay as given."""
+    model = torch.nn.Linear(16, 16)
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), level)
+    out = model(torch.randn(4, 16))
+    assert out.dtype == LEVELS[level]
+    with torch.no_grad():
+        q = torch.quantile(out, 0.9)
+        spectrum = torch.fft.rfft(out)
+        assert (out * 2).dtype == LEVELS[level]  # not widened: no rule applies under the gate
+    assert q.dtype == torch.float32 and spectrum.dtype == torch.complex64
+    torch.testing.assert_close(q, torch.quantile(out.float(), 0.9))
+
+
 def test_every_case_calls_its_operator(fresh):
     init(Mlp(), opt_level="O1")
     for category, table in TABLES.items():

@@ -218,8 +218,14 @@ bool PromoteWidth::torch_agrees() const {
 }
 
 CallPlan CastKernel::plan(std::optional<c10::DeviceType> device) const {
-  const CastDecision decision = device ? decide(*device) : CastDecision{};
+  CastDecision decision = device ? decide(*device) : CastDecision{};
   const std::optional<CastPolicy> listed = policy(decision.lists);
+  // An op that cannot run reduced input widens it under the no_grad gate too: held back, the
+  // call could only fail (a custom Function's forward or backward, a metric of an fp16 output
+  // under no_grad).
+  if (listed == CastPolicy::kFp32Always && decision.rules == RuleSet::kNone) {
+    decision.rules = decision.gated;
+  }
   CallPlan p;
   p.policy = listed.value_or(CastPolicy::kLower);
   if (!listed || !policy_applies(p.policy, decision.rules)) {

@@ -84,6 +84,11 @@ std::string policy_report() {
   std::ostringstream out;
   out << "optamp casting policies (" << rows.apex.size() << " operators; op_lists=\"apex\"):\n";
   for (const auto& [name, policy] : rows.apex) out << "  " << name << ": " << policy << "\n";
+  out << "op_lists=\"apex\" on CPU tensors, where it differs (" << rows.apex_cpu.size()
+      << " operators; no fp16/bf16 CPU kernel):\n";
+  for (const auto& [name, policy] : rows.apex_cpu) {
+    out << "  " << name << ": " << policy << " on CPU\n";
+  }
   out << "torch.autocast's lists (" << rows.torch.size()
       << " operators; op_lists=\"torch\"), CPU | CUDA and other devices:\n";
   for (const auto& [name, policies] : rows.torch) out << "  " << name << ": " << policies << "\n";

@@ -270,6 +270,24 @@ constexpr OpName kFp32AlwaysOps[] = {
     {"aten::nanquantile", "scalar"},
 };
 
+// fp32 (always) on the CPU alone: ops ATen has no fp16/bf16 CPU kernel for, where CUDA has one
+// (so a GPU keeps running them reduced). A 3-D average pool (nn.AvgPool3d, lp_pool3d) of a video
+// or volume model at O2/O3/O5, where Apex's fp32 row for it does not apply; a trace; polar; the
+// samplers behind torch.distributions' Gamma, Beta, Dirichlet and Binomial and their gradients,
+// given reduced parameters by a working copy or an activation ("gamma_cpu" not implemented for
+// 'BFloat16'; Dirichlet's backward meets its fp32 sample with the fp16 concentration). Ops that
+// write an argument are not listed: a widened copy would take the write.
+constexpr OpName kCpuFp32AlwaysOps[] = {
+    {"aten::avg_pool3d", ""},
+    {"aten::trace", ""},
+    {"aten::polar", ""},
+    {"aten::_standard_gamma", ""},
+    {"aten::_standard_gamma_grad", ""},
+    {"aten::_sample_dirichlet", ""},
+    {"aten::_dirichlet_grad", ""},
+    {"aten::binomial", ""},
+};
+
 // promote: Apex's CASTS.
 constexpr OpName kPromoteOps[] = {
     {"aten::addcdiv", ""},   {"aten::addcmul", ""},       {"aten::atan2", ""},
@@ -562,12 +580,27 @@ std::vector<TableEntry> make_apex_table() {
   return t;
 }
 
+// A table for CPU tensors: the CPU-only fp32 (always) ops replace their rows or join.
+std::vector<TableEntry> with_cpu_fp32_always(std::vector<TableEntry> t) {
+  for (const OpName& op : kCpuFp32AlwaysOps) {
+    const auto row = std::find_if(t.begin(), t.end(), [&op](const TableEntry& e) {
+      return std::string_view(e.name) == op.name && std::string_view(e.overload) == op.overload;
+    });
+    if (row != t.end()) {
+      row->policy = CastPolicy::kFp32Always;
+    } else {
+      t.push_back({op.name, op.overload, CastPolicy::kFp32Always, nullptr});
+    }
+  }
+  return t;
+}
+
 std::vector<TableEntry> make_torch_cpu_table() {
   std::vector<TableEntry> t;
   append(t, kTorchCpuLowerOps, CastPolicy::kLower);
   append_torch_fp32(t, kTorchCpuFp32Ops);
   append(t, kTorchCpuPromoteOps, CastPolicy::kPromote);
-  return t;
+  return with_cpu_fp32_always(std::move(t));
 }
 
 std::vector<TableEntry> make_torch_other_table() {
@@ -585,8 +618,9 @@ std::vector<TableEntry> make_torch_other_table() {
 }  // namespace
 
 ListSet list_set_for(OpLists lists, c10::DeviceType device) {
-  if (lists == OpLists::kApex) return ListSet::kApex;
-  return device == c10::DeviceType::CPU ? ListSet::kTorchCpu : ListSet::kTorchOther;
+  const bool cpu = device == c10::DeviceType::CPU;
+  if (lists == OpLists::kApex) return cpu ? ListSet::kApexCpu : ListSet::kApex;
+  return cpu ? ListSet::kTorchCpu : ListSet::kTorchOther;
 }
 
 const char* to_string(ListSet set) {
@@ -597,13 +631,16 @@ const char* to_string(ListSet set) {
       return "torch (CPU)";
     case ListSet::kTorchOther:
       return "torch (CUDA and other devices)";
+    case ListSet::kApexCpu:
+      return "apex (CPU)";
   }
   return "?";
 }
 
 const std::vector<TableEntry>& table_of(ListSet set) {
   static const std::vector<TableEntry> tables[kNumListSets] = {
-      make_apex_table(), make_torch_cpu_table(), make_torch_other_table()};
+      make_apex_table(), make_torch_cpu_table(), make_torch_other_table(),
+      with_cpu_fp32_always(make_apex_table())};
   return tables[static_cast<int>(set)];
 }
 

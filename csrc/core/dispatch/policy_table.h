@@ -18,9 +18,11 @@ struct TableEntry {
 };
 
 // The tables a cast kernel can follow: Apex's lists, or torch.autocast's for CPU tensors or for
-// tensors of any other device (AutocastCUDA's, which XPU and the rest share).
-enum class ListSet : std::uint8_t { kApex = 0, kTorchCpu = 1, kTorchOther = 2 };
-constexpr int kNumListSets = 3;
+// tensors of any other device (AutocastCUDA's, which XPU and the rest share). Apex's lists for
+// CPU tensors (kApexCpu) and torch's CPU table also put the ops ATen has no fp16/bf16 CPU kernel
+// for, where CUDA has one, in fp32 (always).
+enum class ListSet : std::uint8_t { kApex = 0, kTorchCpu = 1, kTorchOther = 2, kApexCpu = 3 };
+constexpr int kNumListSets = 4;
 ListSet list_set_for(OpLists lists, c10::DeviceType device);
 const char* to_string(ListSet set);
 
@@ -28,7 +30,7 @@ const char* to_string(ListSet set);
 // torch's tables, losses and softmaxes (the ops Apex's table marks fp32 (loss)) are fp32 (loss)
 // too, so they stay fp32 at O2/O5 whichever lists are chosen.
 const std::vector<TableEntry>& table_of(ListSet set);
-// Apex's table (table_of(ListSet::kApex)).
+// Apex's table (table_of(ListSet::kApex), the one for tensors not on the CPU).
 const std::vector<TableEntry>& builtin_table();
 
 // Promote ops whose kernels already compute mixed floating dtypes in the promoted type, with the

@@ -206,8 +206,10 @@ PolicyRows policy_rows() {
   std::lock_guard<std::mutex> lock(r.mutex);
   PolicyRows rows;
   for (const auto& [name, kernel] : r.kernels) {
-    if (auto policy = kernel->policy(ListSet::kApex))
-      rows.apex[qualified(name)] = to_string(*policy);
+    const auto apex = kernel->policy(ListSet::kApex);
+    if (apex) rows.apex[qualified(name)] = to_string(*apex);
+    const auto apex_cpu = kernel->policy(ListSet::kApexCpu);
+    if (apex_cpu && apex_cpu != apex) rows.apex_cpu[qualified(name)] = to_string(*apex_cpu);
     auto cpu = kernel->policy(ListSet::kTorchCpu);
     auto other = kernel->policy(ListSet::kTorchOther);
     if (cpu || other) {

@@ -31,10 +31,11 @@ void activate_thread(bool on);
 void register_user_op(std::string_view qualified_name, CastPolicy policy);
 
 // The registered kernels' policies, for amp::policy_report(): "name[.overload]" -> policy under
-// Apex's lists (with user registrations), and "<CPU policy> | <other devices' policy>" under
-// torch's ("-" where a table has no row); the table ops this LibTorch lacks.
+// Apex's lists (with user registrations), the rows Apex's lists have otherwise for CPU tensors,
+// and "<CPU policy> | <other devices' policy>" under torch's ("-" where a table has no row); the
+// table ops this LibTorch lacks.
 struct PolicyRows {
-  std::map<std::string, std::string> apex, torch;
+  std::map<std::string, std::string> apex, apex_cpu, torch;
   std::vector<std::string> skipped;
 };
 PolicyRows policy_rows();
