@@ -713,7 +713,11 @@ inline int harness_main(Workload& wl, int argc, char** argv) {
       std::fflush(stdout);
       if (json.is_open())
         json << "{\"program\":\"" << wl.name() << "\",\"round\":" << round + 1 << ",\"config\":\""
-             << c << "\",\"median_ms\":" << (std::isfinite(r.median_ms) ? r.median_ms : -1)
+             << c
+             << "\",\"median_ms\":"
+             // as step_ms writes each step (%.3f): the stream's 6 digits cut a median above a
+             // second to 2 decimals, and it no longer equalled its step's own value
+             << (std::isfinite(r.median_ms) ? fmt("%.3f", r.median_ms) : "-1")
              << ",\"peak_mb\":" << (std::isfinite(r.peak_mb) ? r.peak_mb : -1)
              << ",\"syncs_per_step\":" << (std::isfinite(r.syncs_per_step) ? r.syncs_per_step : -1)
              << ",\"skipped\":" << r.skipped << ",\"ok\":" << (r.error.empty() ? "true" : "false")
