@@ -24,9 +24,10 @@ enum class CastPolicy : std::uint8_t {
   kFp32Loss,  // as kFp32, at every casting level (losses and their softmaxes; O2/O5 included)
   kPromote,   // if floating inputs mix widths, cast all to the widest
   kBanned,    // refuse with the table's message (O1/O4, regions); an fp32 loss at O2/O5
-  // As kFp32, at every level that casts (O1-O5, regions): what register_float_op registers, so
-  // a registered op (a loss, say) runs in fp32 whatever the level does to the model; built in
-  // for the ops ATen has no fp16/bf16 kernels for (FFTs, linear algebra, cdist, quantile).
+  // As kFp32, at every level that casts (O1-O5, regions), under the no_grad gate too: what
+  // register_float_op registers, so a registered op (a loss, say) runs in fp32 whatever the level
+  // does to the model; built in for the ops ATen has no fp16/bf16 kernels for (FFTs, linear
+  // algebra, cdist, quantile; on the CPU also avg_pool3d, trace and the distributions' samplers).
   kFp32Always,
   // Ops that need their source in self's dtype (in-place `index_add_`, `scatter_add_`, ...):
   // floating inputs of another width are cast to self's, at every level that casts. Where a
