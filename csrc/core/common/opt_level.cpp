@@ -352,20 +352,8 @@ LossScale::LossScale(const char* text) : LossScale(std::string(text ? text : "")
 std::string LossScale::to_string() const { return dynamic_ ? "dynamic" : number_name(value_); }
 
 std::string dtype_name(c10::ScalarType type) {
-  switch (type) {
-    case ScalarType::Undefined:
-      return "None";
-    case ScalarType::Half:
-      return "torch.float16";
-    case ScalarType::BFloat16:
-      return "torch.bfloat16";
-    case ScalarType::Float:
-      return "torch.float32";
-    case ScalarType::Double:
-      return "torch.float64";
-    default:  // torch's own name ("torch.int32"), not c10's ("Int")
-      return "torch." + c10::getDtypeNames(type).first;
-  }
+  if (type == ScalarType::Undefined) return "None";
+  return "torch." + c10::getDtypeNames(type).first;  // torch's name ("torch.int32"), not "Int"
 }
 
 ModelCast Properties::model_cast() const {

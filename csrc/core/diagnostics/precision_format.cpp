@@ -135,20 +135,8 @@ std::string precision_nonfinite_json(const std::optional<NonFinite>& f) {
 }
 
 std::string torch_dtype_name(c10::ScalarType dtype) {
-  switch (dtype) {
-    case c10::ScalarType::Half:
-      return "float16";
-    case c10::ScalarType::BFloat16:
-      return "bfloat16";
-    case c10::ScalarType::Float:
-      return "float32";
-    case c10::ScalarType::Double:
-      return "float64";
-    case c10::ScalarType::Undefined:
-      return "-";
-    default:  // torch's own name ("int64"), not c10's ("Long")
-      return c10::getDtypeNames(dtype).first;
-  }
+  if (dtype == c10::ScalarType::Undefined) return "-";
+  return c10::getDtypeNames(dtype).first;  // torch's name ("float16", "int64"), not c10's
 }
 
 std::string precision_table(const PrecisionProbe::Report& report, int max_rows) {
