@@ -1,4 +1,5 @@
 """optamp.initialize from Python: return shapes, optimizers, validation, levels, outputs."""
+import copy
 import math
 import re
 import warnings
@@ -31,6 +32,15 @@ OPTIMIZERS = {
     "AdamW": lambda ps, eps: torch.optim.AdamW(ps, lr=1e-2, **eps),
     "RMSprop": lambda ps, eps: torch.optim.RMSprop(ps, lr=1e-2, **eps),
     "Adagrad": lambda ps, eps: torch.optim.Adagrad(ps, lr=1e-2, **eps),
+    "Adagrad_fused": lambda ps, eps: torch.optim.Adagrad(ps, lr=1e-2, fused=True, **eps),
+    "Adadelta": lambda ps, eps: torch.optim.Adadelta(ps, lr=1.0, **eps),
+    "Adafactor": lambda ps, eps: torch.optim.Adafactor(ps, lr=1e-2),  # eps: (None, 1e-3)
+    "Adamax": lambda ps, eps: torch.optim.Adamax(ps, lr=1e-2, **eps),
+    "ASGD": lambda ps, eps: torch.optim.ASGD(ps, lr=1e-2),
+    "NAdam": lambda ps, eps: torch.optim.NAdam(ps, lr=1e-2, decoupled_weight_decay=True,
+                                               weight_decay=1e-2, **eps),
+    "RAdam": lambda ps, eps: torch.optim.RAdam(ps, lr=1e-2, foreach=True, **eps),
+    "Rprop": lambda ps, eps: torch.optim.Rprop(ps, lr=1e-2),
     "custom": lambda ps, eps: MySGD(ps, lr=0.1),
 }
 # The dtype the optimizer steps (the model's parameters) at each level.
@@ -74,6 +84,41 @@ def test_every_optimizer_trains(fresh, name, level):
     assert optamp.loss_scaler().skipped_steps == 0
     # O1/O4: the ops' dtype; O2/O3/O5: fp32 at the model boundary (Apex's patched forward)
     assert model(x).dtype == {"O1": torch.float16, "O4": torch.bfloat16}.get(level, torch.float32)
+
+
+def _same(a, b):
+    """Bitwise equality of two optimizer state_dicts (tensors, numbers, nested containers)."""
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("level", list(PARAM_DTYPE))
+def test_every_optimizer_skips_an_overflow_bit_exactly(fresh, name, level):
+    """An inf in the loss skips the step: weights and every piece of optimizer state (moments,
+    step counts, Rprop's step sizes, ASGD's averages, Adafactor's factors) stay bit for bit."""
+    model = Mlp()
+    opt = OPTIMIZERS[name](model.parameters(), dict(eps=1e-4) if level == "O3" else {})
+    model, opt = init(model, opt, opt_level=level)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    for _ in range(2):
+        step(model, opt, x, y)
+    params = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    opt.zero_grad()
+    with optamp.scale_loss(F.cross_entropy(model(x), y) * math.inf, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert optamp.loss_scaler().last_step_skipped and optamp.loss_scaler().skipped_steps == 1
+    assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    assert _same(state, opt.state_dict())
+    step(model, opt, x, y)
+    assert not all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
 
 
 def test_return_shapes_follow_the_inputs(fresh):
