@@ -176,3 +176,84 @@ class CustomFunctionNet(torch.nn.Module):
 
     def forward(self, x):
         return _FP32_ONLY[x.device.type].apply(torch.tanh(self.fc(x)), self.w)
+
+
+class Seq2Seq(torch.nn.Module):
+    """An encoder-decoder ``nn.Transformer`` (causal target mask, shared embedding): the
+    attention, layer norm and mask paths of a translation model."""
+
+    def __init__(self, vocab=20, width=16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.transformer = torch.nn.Transformer(width, 2, 1, 1, 32, dropout=0.0,
+                                                batch_first=True)
+        self.out = torch.nn.Linear(width, vocab)
+
+    def forward(self, src, tgt):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(tgt.shape[1],
+                                                                    device=tgt.device)
+        hidden = self.transformer(self.embed(src), self.embed(tgt), tgt_mask=mask,
+                                  tgt_is_causal=True)
+        return self.out(hidden)
+
+
+class MessagePassing(torch.nn.Module):
+    """One graph-network layer: edge messages gathered from both ends, summed into their
+    destination with ``index_add_`` and max-pooled with ``scatter_reduce``, then a node update."""
+
+    def __init__(self):
+        super().__init__()
+        self.message = torch.nn.Linear(12, 8)
+        self.update = torch.nn.Linear(14, 8)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x, src, dst):
+        messages = F.silu(self.message(torch.cat([x[src], x[dst]], -1)))
+        zeros = messages.new_zeros(x.shape[0], messages.shape[1])
+        summed = zeros.index_add(0, dst, messages)
+        peak = zeros.scatter_reduce(0, dst[:, None].expand_as(messages), messages, "amax",
+                                    include_self=False)
+        return self.out(F.relu(self.update(torch.cat([x, summed + peak], -1))))
+
+
+class SparseGcn(torch.nn.Module):
+    """A graph convolution through a sparse adjacency matrix (``torch.sparse.mm``), normalized
+    by the nodes' degrees."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 16)
+        self.fc2 = torch.nn.Linear(16, 3)
+
+    def forward(self, x, src, dst):
+        n = x.shape[0]
+        with torch.sparse.check_sparse_tensor_invariants():  # torch warns unless asked
+            adjacency = torch.sparse_coo_tensor(torch.stack([dst, src]),
+                                                torch.ones(src.numel(), device=x.device),
+                                                (n, n)).coalesce()
+        degree = torch.sparse.sum(adjacency, 1).to_dense().clamp(min=1)
+        return self.fc2(F.relu(torch.sparse.mm(adjacency, self.fc1(x)) / degree[:, None]))
+
+
+class TinyNerf(torch.nn.Module):
+    """A NeRF's volume rendering: sin/cos position encodings of the points along each ray, an
+    MLP's density and colour, and the transmittance as a ``cumprod`` along the ray."""
+
+    def __init__(self, octaves=6):
+        super().__init__()
+        self.octaves = octaves
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(3 * (2 * octaves + 1), 32),
+                                       torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+    def forward(self, origins, directions):
+        t = torch.linspace(0.1, 2.0, 16, device=origins.device)
+        points = origins[:, None] + directions[:, None] * t[None, :, None]
+        angles = points[..., None] * 2.0 ** torch.arange(float(self.octaves),
+                                                           device=origins.device)
+        encoded = torch.cat([points, angles.sin().flatten(-2), angles.cos().flatten(-2)], -1)
+        raw = self.mlp(encoded)
+        density, colour = F.softplus(raw[..., 0]), torch.sigmoid(raw[..., 1:])
+        alpha = 1 - torch.exp(-density * torch.diff(t, append=t[-1:] + 1e10))
+        transmittance = torch.cumprod(
+            torch.cat([torch.ones_like(alpha[:, :1]), 1 - alpha + 1e-10], -1), -1)[:, :-1]
+        return ((alpha * transmittance)[..., None] * colour).sum(1)

@@ -2,7 +2,8 @@
 visible (needs_cuda). Each program is the shape of a real one where a casting rule was found
 wanting on the CPU (mixture-of-experts routing, linear algebra and orthogonal parametrizations,
 fp32 tensors meeting reduced norm weights, complex weights and FFTs, custom fp32-only Functions)
-or the everyday one (a GPT block, a small U-Net). A GPU's kernels accept and refuse other dtype
+or the everyday one (a GPT block, a small U-Net, an encoder-decoder Transformer, graph networks
+by scatter and by sparse matmul, a NeRF's volume rendering). A GPU's kernels accept and refuse other dtype
 mixes than the CPU's, so the CUDA runs check the same rules against them: each program trains a
 few steps of SGD with momentum (torch's fused kernel, which skips overflowing steps on the device)
 beside an fp32 twin on the same device, then takes an injected overflow that must leave its
@@ -18,8 +19,9 @@ import torch.nn.functional as F
 import optamp
 from common_utils import init, tol, train_row
 from op_cases import CPU_AND_CUDA
-from programs import (CustomFunctionNet, Experts, LinalgNet, SinusoidalNet, SpectralNet, TinyGpt,
-                      UNetLike, orthogonal_classifier)
+from programs import (CustomFunctionNet, Experts, LinalgNet, MessagePassing, Seq2Seq,
+                      SinusoidalNet, SparseGcn, SpectralNet, TinyGpt, TinyNerf, UNetLike,
+                      orthogonal_classifier)
 
 LEVELS = ["O1", "O2", "O3", "O4", "O5"]
 
@@ -27,6 +29,17 @@ LEVELS = ["O1", "O2", "O3", "O4", "O5"]
 def _next_token_loss(model, idx):
     logits = model(idx[:, :-1])
     return F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+
+
+def _graph(gen, nodes=10, edges=30):
+    """Node features, edges (source, destination) and node labels of a random graph."""
+    return (torch.randn(nodes, 6, generator=gen), torch.randint(0, nodes, (edges,), generator=gen),
+            torch.randint(0, nodes, (edges,), generator=gen),
+            torch.randint(0, 3, (nodes,), generator=gen))
+
+
+def _node_loss(model, x, src, dst, labels):
+    return F.cross_entropy(model(x, src, dst).float(), labels)
 
 
 @dataclass
@@ -69,6 +82,20 @@ PROGRAMS = {
         CustomFunctionNet, lambda gen: (torch.randn(6, 8, generator=gen),
                                         torch.randn(6, 4, generator=gen)),
         lambda model, x, y: F.mse_loss(model(x).float(), y), lr=0.1),
+    "seq2seq": Program(
+        Seq2Seq, lambda gen: (torch.randint(0, 20, (2, 7), generator=gen),
+                              torch.randint(0, 20, (2, 6), generator=gen)),
+        lambda model, src, tgt: F.cross_entropy(
+            model(src, tgt[:, :-1]).float().flatten(0, 1), tgt[:, 1:].flatten()), lr=0.05),
+    "message_passing": Program(
+        MessagePassing, lambda gen: _graph(gen), _node_loss, lr=0.1),
+    "sparse_gcn": Program(SparseGcn, lambda gen: _graph(gen), _node_loss, lr=0.1),
+    "nerf": Program(
+        TinyNerf, lambda gen: (torch.randn(8, 3, generator=gen),
+                               F.normalize(torch.randn(8, 3, generator=gen), dim=-1),
+                               torch.rand(8, 3, generator=gen)),
+        lambda model, origins, directions, colour: F.mse_loss(
+            model(origins, directions).float(), colour), lr=0.1),
 }
 
 
