@@ -155,14 +155,16 @@ class OPTAMP_API LossScaler {
   bool has_found_inf_reducer() const;
 
   // State for amp::state_dict(): "<prefix>scale", "growth_tracker", "hysteresis", "skipped",
-  // "floor_skips" (0-dim CPU copies, bit-exact).
+  // "floor_skips" (0-dim CPU copies, bit-exact), and "dynamic" (bool: whether the scale was
+  // dynamic; optional on load, for checkpoints written before 2026-12-06).
   void save(StateDict& into, const std::string& prefix) const;
   // Validates every entry first; on error nothing changes.
   void load(const StateDict& from, const std::string& prefix);
   // The validation of load() alone: every entry present, a 0-dim tensor of its dtype, and a
   // value this scaler could have produced (scale within [lowest_scale(), max_loss_scale], or the
-  // fixed scale; trackers within their ranges; counters >= 0). Throws a ValueError naming the
-  // entry, the expected range and the value.
+  // fixed scale; trackers within their ranges; counters >= 0); a fixed scale's state resumed by a
+  // dynamic scaler only where init_scale equals that scale. Throws a ValueError naming the entry,
+  // the expected range and the value.
   void check_state(const StateDict& from, const std::string& prefix) const;
 
  private:

@@ -7,7 +7,8 @@
 //   amp::load_state_dict(sd);
 //
 // Names: "loss_scaler<i>.scale" (float32), ".growth_tracker" (int32), ".hysteresis" (int32),
-// ".skipped" (int64), ".floor_skips" (int64). Round trips are bit-exact.
+// ".skipped" (int64), ".floor_skips" (int64), ".dynamic" (bool; absent from checkpoints written
+// before 2026-12-06, which still load). Round trips are bit-exact.
 
 #include <ATen/core/Tensor.h>
 

@@ -378,8 +378,43 @@ TEST_F(Robustness, FixedScaleLoadsOnlyItsOwnScale) {
   load_state_dict(sd);
   sd.insert("loss_scaler0.scale", at::scalar_tensor(65536.0, at::kFloat));
   OPTAMP_EXPECT_THROW_WITH(load_state_dict(sd), c10::ValueError, "fixed loss scale 1", "got 65536",
-                           "loss_scale=\"dynamic\"");
+                           "loss_scale=\"dynamic\"", "leave the loss scalers' state out");
   EXPECT_EQ(loss_scaler().loss_scale(), 1.0);
+}
+
+// A level without loss scaling (O5's fixed scale of 1) resumed at fp16's dynamic O2: going on from
+// scale 1 would underflow fp16 gradients until the scale grew back, one growth_interval per
+// doubling. Refused (the ".dynamic" entry says the scale was fixed) unless init_scale asks for it;
+// a checkpoint without the entry (written before 2026-12-06) loads as before.
+TEST_F(Robustness, AFixedScalesStateIsNotResumedByADynamicScalerAtAnotherScale) {
+  TinyNet net(1);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  initialize(net, opt, "O5", quiet());
+  const StateDict fixed = state_dict();
+  ASSERT_TRUE(fixed.contains("loss_scaler0.dynamic"));
+  EXPECT_FALSE(fixed.at("loss_scaler0.dynamic").item<bool>());
+  reset();
+  initialize(net, opt, "O2", quiet());
+  EXPECT_TRUE(state_dict().at("loss_scaler0.dynamic").item<bool>());
+  OPTAMP_EXPECT_THROW_WITH(load_state_dict(fixed), c10::ValueError,
+                           "'loss_scaler0.dynamic' is False", "fixed scale of 1",
+                           "init_scale 65536", "leave the loss scalers' state out", "init_scale=1");
+  EXPECT_EQ(loss_scaler().loss_scale(), 65536.0);
+  StateDict old_layout;
+  for (const auto& [key, value] : fixed.items())
+    if (key != "loss_scaler0.dynamic") old_layout.insert(key, value);
+  load_state_dict(old_layout);
+  EXPECT_EQ(loss_scaler().loss_scale(), 1.0);
+  reset();
+  Options from_one = quiet();
+  from_one.init_scale = 1.0;
+  initialize(net, opt, "O2", from_one);
+  load_state_dict(fixed);
+  EXPECT_EQ(loss_scaler().loss_scale(), 1.0);
+  StateDict not_bool = fixed;
+  not_bool.insert("loss_scaler0.dynamic", at::scalar_tensor(0, at::kLong));
+  OPTAMP_EXPECT_THROW_WITH(load_state_dict(not_bool), c10::ValueError,
+                           "'loss_scaler0.dynamic' must be a 0-dim torch.bool tensor", "int64");
 }
 
 // ---- 4. an optimizer that initialize never saw -------------------------------------------------
@@ -594,7 +629,7 @@ TEST_F(Robustness, OptLevelOutsideTheEnumIsAValueError) {
 
 // ---- 8. many losses ----------------------------------------------------------------------------
 
-// 20,000 losses (100,000 entries) round-trip; with the old linear-search dict this took ~10 s to
+// 20,000 losses (120,000 entries) round-trip; with the old linear-search dict this took ~10 s to
 // save and ~45 s to load, now well under a second (see docs/loss_scaling.md).
 TEST_F(Robustness, StateDictWithManyLossesRoundTrips) {
   TinyNet net(1);
@@ -607,7 +642,7 @@ TEST_F(Robustness, StateDictWithManyLossesRoundTrips) {
     scaled.backward();
   }
   const StateDict sd = state_dict();
-  ASSERT_EQ(sd.size(), 100000u);
+  ASSERT_EQ(sd.size(), 120000u);
   EXPECT_EQ(sd.at("loss_scaler19999.scale").item<float>(), 32768.0f);
   reset();
   initialize(net, opt, "O1", o);

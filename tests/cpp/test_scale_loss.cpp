@@ -111,6 +111,34 @@ TEST_F(ScaleLossTest, LossIsFloatTimesScaleAndGradsComeBackUnscaledExactly) {
   EXPECT_EQ(loss_scaler().growth_tracker().item<int>(), 1);
 }
 
+// Per-sample losses (any shape, as Apex's `loss.float() * scale` and GradScaler.scale take them)
+// reach backward with a gradient: the grads come back unscaled as their mean's would.
+TEST_F(ScaleLossTest, APerSampleLossBackwardWithAGradientIsUnscaledLikeItsMean) {
+  core::configure_loss_scalers(props());
+  Model m;
+  torch::optim::SGD opt(m.params(), torch::optim::SGDOptions(0.1));
+  const auto expected = plain_grads(m, {0});
+  const auto per_sample_loss = [&m] {  // [5]
+    return (batch(0).mm(m.w1) + m.b1).tanh().mm(m.w2).pow(2).mean(1);
+  };
+  const auto per_sample = per_sample_loss();
+  {
+    auto scaled = scale_loss(per_sample, opt);
+    EXPECT_EQ(scaled.loss().sizes(), per_sample.sizes());
+    scaled.backward(at::full_like(scaled.loss(), 1.0 / 5));
+  }
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_TRUE(at::allclose(m.params()[i].grad(), expected[i], 1e-6, 1e-7)) << i;
+  }
+  EXPECT_FALSE(loss_scaler().last_step_skipped());
+  {
+    auto scaled = scale_loss(per_sample_loss() * kInf, opt);
+    scaled.backward(at::ones_like(scaled.loss()));
+  }
+  EXPECT_TRUE(loss_scaler().last_step_skipped());
+  EXPECT_EQ(loss_scaler().loss_scale(), 32768.0);
+}
+
 // Injects inf into one scaled gradient inside the guard.
 void overflowing_step(Model& m, torch::optim::Optimizer& opt, int b, float bad = kInf) {
   auto scaled = scale_loss(m.loss(batch(b)), opt);
@@ -747,9 +775,10 @@ TEST_F(ScaleLossTest, ErrorsAreClearAndLeaveStateUnchanged) {
                            "loss_id must be in [0, 1)", "got 3");
   OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, opt, /*loss_id=*/-1), c10::ValueError, "got -1");
   OPTAMP_EXPECT_THROW_WITH(scale_loss(at::ones({}, at::kLong), opt), c10::ValueError,
-                           "loss must be a floating-point scalar", "Long");
-  OPTAMP_EXPECT_THROW_WITH(scale_loss(at::ones({2}, at::kFloat).requires_grad_(), opt),
-                           c10::ValueError, "loss must be a floating-point scalar", "[2]");
+                           "loss must be a floating-point tensor", "Long");
+  OPTAMP_EXPECT_THROW_WITH(scale_loss(at::ones({0}, at::kFloat).requires_grad_(), opt),
+                           c10::ValueError,
+                           "loss must be a floating-point tensor with at least one", "[0]");
   OPTAMP_EXPECT_THROW_WITH(scale_loss(loss.detach(), opt), c10::ValueError,
                            "loss must have a grad_fn", "requires_grad=False");
   {

@@ -187,7 +187,7 @@ def test_apex_layout_resumes_scale_and_growth_count():
     saved = optamp.state_dict()
     assert set(saved) == {f"loss_scaler{i}.{e}" for i in range(2)
                           for e in ("scale", "growth_tracker", "hysteresis", "skipped",
-                                    "floor_skips")}
+                                    "floor_skips", "dynamic")}
 
 
 @pytest.mark.parametrize("level", ["O0", "O3"])

@@ -279,8 +279,11 @@ def test_errors_are_python_exceptions_with_clear_messages():
     with pytest.raises(ValueError, match=r"loss_id must be in \[0, 2\)"):
         with optamp.scale_loss(loss, opt, loss_id=2):
             pass
-    with pytest.raises(ValueError, match="floating-point scalar"):
-        with optamp.scale_loss(torch.ones(3, requires_grad=True), opt):
+    with pytest.raises(ValueError, match="floating-point tensor with at least one element"):
+        with optamp.scale_loss(torch.ones(0, requires_grad=True), opt):
+            pass
+    with pytest.raises(ValueError, match="floating-point tensor"):
+        with optamp.scale_loss(torch.ones(3, dtype=torch.long), opt):
             pass
     with pytest.raises(ValueError, match="grad_fn"):
         with optamp.scale_loss(loss.detach(), opt):
@@ -309,7 +312,9 @@ def test_state_dict_round_trip_is_bit_exact_and_validated():
             scaled.backward()
     saved = optamp.state_dict()
     assert list(saved) == [f"loss_scaler{i}.{n}" for i in (0, 1) for n in
-                           ("scale", "growth_tracker", "hysteresis", "skipped", "floor_skips")]
+                           ("scale", "growth_tracker", "hysteresis", "skipped", "floor_skips",
+                            "dynamic")]
+    assert saved["loss_scaler0.dynamic"].dtype == torch.bool and saved["loss_scaler0.dynamic"]
     with optamp.scale_loss(model(torch.ones(1, 2)).sum(), opt) as scaled:
         scaled.backward()
     optamp.load_state_dict(saved)

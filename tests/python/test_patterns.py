@@ -1,5 +1,6 @@
 """Apex's documented patterns through optamp.initialize + scale_loss, checkpoints, and interop
 with torch.autocast + torch.amp.GradScaler."""
+import copy
 import io
 import math
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import optamp
-from common_utils import Mlp, init, tol
+from common_utils import Mlp, init, tol, train_row
 
 X = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
 Y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2))
@@ -176,6 +177,41 @@ def test_step_hooks_run_on_a_skipped_step_and_can_tell_it_was_skipped(fresh, lev
     assert pre_saw_no_step == ([True] * 4 if device_skip else [False, True, False, False])
 
 
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "O5"])
+def test_per_sample_losses_backward_with_a_gradient(fresh, level):
+    """A loss of any shape, as Apex's ``loss.float() * scale`` and ``GradScaler.scale`` take it:
+    per-sample losses weighted through ``scaled.backward(gradient)`` train like an fp32 run of
+    their weighted sum, and an inf among them skips the step."""
+    torch.manual_seed(0)
+    model = Mlp()
+    reference = copy.deepcopy(model)
+    # SGD: O3's fp16 Adam state is not comparable with fp32's (v underflows; opt_levels.md)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    init(model, opt, opt_level=level)
+    weights = torch.linspace(0.5, 1.5, X.shape[0]) / X.shape[0]
+    for step in range(3):
+        opt.zero_grad()
+        per_sample = F.cross_entropy(model(X).float(), Y, reduction="none")
+        with optamp.scale_loss(per_sample, opt) as scaled:
+            assert scaled.shape == per_sample.shape
+            scaled.backward(weights)
+        opt.step()
+        ref_opt.zero_grad()
+        (F.cross_entropy(reference(X), Y, reduction="none") * weights).sum().backward()
+        ref_opt.step()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach().float(), r.detach(), **tol(train_row(level)))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    per_sample = F.cross_entropy(model(X).float(), Y, reduction="none")
+    with optamp.scale_loss(per_sample * torch.tensor([1.0] * 7 + [math.inf]), opt) as scaled:
+        scaled.backward(weights)
+    opt.step()
+    assert optamp.loss_scaler().last_step_skipped
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
 def _train(model, opt, steps, start):
     for s in range(start, start + steps):
         opt.zero_grad()
@@ -213,6 +249,83 @@ def test_checkpoint_resume_is_bit_exact(fresh, level):
     assert optamp.loss_scaler().loss_scale() == final_scale
     for a, b in zip(final, model2.parameters()):
         assert torch.equal(a, b)
+
+
+def _checkpoint_at(level, **options):
+    """A checkpoint of model, optimizer and amp after 3 steps at ``level``; amp is then reset."""
+    torch.manual_seed(0)
+    model = Mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4)
+    init(model, opt, opt_level=level, **options)
+    _train(model, opt, 3, 0)
+    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+            "amp": optamp.state_dict()}
+    optamp.reset()
+    return ckpt
+
+
+def _resume_at(level, ckpt, load_amp=True, **options):
+    model = Mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4)
+    init(model, opt, opt_level=level, **options)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["optimizer"])
+    if load_amp:
+        optamp.load_state_dict(ckpt["amp"])
+    return model, opt
+
+
+@pytest.mark.parametrize("saved,resumed", [("O5", "O2"), ("O4", "O1"), ("O0", "O1"),
+                                           ("O3", "O2")])
+def test_a_checkpoint_without_loss_scaling_is_not_resumed_at_its_scale_by_a_dynamic_one(
+        fresh, saved, resumed):
+    """Changing levels from one without loss scaling (a fixed scale of 1) to fp16's dynamic
+    scaling: going on from scale 1 would underflow fp16 gradients for thousands of steps, so the
+    amp state is refused, with a message naming both ways on, and nothing changes; leaving it out
+    starts from init_scale, and init_scale=1 asks for the checkpoint's scale."""
+    ckpt = _checkpoint_at(saved)
+    assert not ckpt["amp"]["loss_scaler0.dynamic"]
+    _resume_at(resumed, ckpt, load_amp=False)
+    before = optamp.state_dict()
+    with pytest.raises(ValueError, match=r"loss_scaler0.dynamic' is False.*fixed scale of 1.0 .*"
+                       r"init_scale 65536.0;.*leave the loss scalers' state out.*init_scale=1.0 "):
+        optamp.load_state_dict(ckpt["amp"])
+    assert all(torch.equal(before[k], v) for k, v in optamp.state_dict().items())
+    optamp.reset()
+    model, opt = _resume_at(resumed, ckpt, load_amp=False)
+    _train(model, opt, 2, 3)
+    assert optamp.loss_scaler().loss_scale() == 2.0**16  # no overflow at 65536 in 2 steps
+    optamp.reset()
+    model, opt = _resume_at(resumed, ckpt, init_scale=1.0)
+    assert optamp.loss_scaler().loss_scale() == 1.0
+
+
+@pytest.mark.parametrize("saved,resumed", [("O1", "O2"), ("O2", "O1")])
+def test_a_dynamic_scale_resumes_across_fp16_levels(fresh, saved, resumed):
+    ckpt = _checkpoint_at(saved, init_scale=2.0**10)
+    model, opt = _resume_at(resumed, ckpt)
+    assert optamp.loss_scaler().loss_scale() == ckpt["amp"]["loss_scaler0.scale"].item()
+    _train(model, opt, 2, 3)
+
+
+@pytest.mark.parametrize("resumed", ["O4", "O5", "O3"])
+def test_a_dynamic_scale_is_not_resumed_by_a_fixed_one(fresh, resumed):
+    """fp16's dynamic scale into a level with a fixed scale of 1 (to bf16, or to O3): refused
+    with the ways on; leaving the amp state out keeps the fixed scale."""
+    ckpt = _checkpoint_at("O2")
+    _resume_at(resumed, ckpt, load_amp=False)
+    with pytest.raises(ValueError, match=r"must equal the configured fixed loss scale 1.0 .*"
+                       r"leave the loss scalers' state out to keep the fixed scale"):
+        optamp.load_state_dict(ckpt["amp"])
+    assert optamp.loss_scaler().loss_scale() == 1.0
+
+
+def test_a_checkpoint_written_before_the_dynamic_entry_still_loads(fresh):
+    """Checkpoints from before 2026-12-06 have no ``.dynamic`` entry: they load as they did."""
+    ckpt = _checkpoint_at("O5")
+    del ckpt["amp"]["loss_scaler0.dynamic"]
+    _resume_at("O1", ckpt)
+    assert optamp.loss_scaler().loss_scale() == 1.0
 
 
 def test_o1_matches_torch_autocast_and_grad_scaler(fresh):

@@ -36,6 +36,27 @@ void check_range(const std::string& key, T value, T lo, T hi, const char* why) {
                     ", ", hi, "] (", why, "), got ", value);
 }
 
+// A checkpoint of a fixed scale (1 at O0/O3/O4/O5: no loss scaling) resumed by a dynamic scaler
+// would go on from that scale, which fp16 gradients underflow at, and climb back to init_scale
+// only one growth_interval per doubling: refused unless init_scale asks for that scale. Written
+// since 2026-12-06 as "<prefix>dynamic"; older checkpoints lack it and load as before.
+void check_fixed_to_dynamic(const StateDict& from, const std::string& prefix, float scale,
+                            double init_scale) {
+  if (!from.contains(prefix + "dynamic")) return;
+  const bool saved_dynamic = state_entry(from, prefix + "dynamic", at::kBool).item<bool>();
+  TORCH_CHECK_VALUE(saved_dynamic || scale == static_cast<float>(init_scale), "state entry '",
+                    prefix,
+                    "dynamic' is False: the checkpoint's loss scaler kept "
+                    "a fixed scale of ",
+                    number_name(scale),
+                    " (O0/O3/O4/O5 or loss_scale=<number>), and this run's scales dynamically "
+                    "from init_scale ",
+                    number_name(init_scale),
+                    "; leave the loss scalers' state out to start from init_scale, or initialize "
+                    "with init_scale=",
+                    number_name(scale), " to go on from the checkpoint's scale");
+}
+
 }  // namespace
 
 void LossScaler::check_state(const StateDict& from, const std::string& prefix) const {
@@ -57,12 +78,15 @@ void LossScaler::check_state(const StateDict& from, const std::string& prefix) c
                       "] (the configured scaler's [min_loss_scale or 2^-126, max_loss_scale]), "
                       "got ",
                       number_name(scale));
+    check_fixed_to_dynamic(from, prefix, scale, impl_->init_scale_);
   } else {
     TORCH_CHECK_VALUE(scale == static_cast<float>(impl_->fixed_scale_), "state entry '", key,
                       "' must equal the configured fixed loss scale ",
                       number_name(impl_->fixed_scale_), " (a fixed scale never changes), got ",
                       number_name(scale),
-                      "; initialize with loss_scale=\"dynamic\" (or with this scale) to resume it");
+                      "; initialize with loss_scale=\"dynamic\" (or with this scale) to resume it, "
+                      "or leave the loss scalers' state out to keep the fixed scale (a change of "
+                      "level, fp16's dynamic scaling to bf16's O4/O5)");
   }
   check_range<int64_t>(prefix + "growth_tracker", growth, 0, impl_->growth_interval_ - 1,
                        "0 to growth_interval - 1");
@@ -83,6 +107,7 @@ void LossScaler::save(StateDict& into, const std::string& prefix) const {
   into.insert(prefix + "hysteresis", cpu(impl_->hysteresis_tracker_));
   into.insert(prefix + "skipped", at::scalar_tensor(impl_->skipped_steps_, at::kLong));
   into.insert(prefix + "floor_skips", at::scalar_tensor(impl_->floor_skips_, at::kLong));
+  into.insert(prefix + "dynamic", at::scalar_tensor(impl_->dynamic_, at::kBool));
 }
 
 void LossScaler::load(const StateDict& from, const std::string& prefix) {

@@ -518,8 +518,10 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
                       ScaleLossOptions options, const char* owner_kind, DeviceSkip device_skip) {
   std::shared_ptr<LossScaler> scaler_ptr = loss_scaler_ptr(options.loss_id);  // configured? id?
   TORCH_CHECK_VALUE(loss.defined(), "loss must be a defined tensor, got an undefined tensor");
-  TORCH_CHECK_VALUE(at::isFloatingType(loss.scalar_type()) && loss.numel() == 1,
-                    "loss must be a floating-point scalar (one element), got a ",
+  // Any shape, as Apex's `loss.float() * scale` and GradScaler.scale take: per-sample losses
+  // reach backward through `scaled.backward(gradient)`.
+  TORCH_CHECK_VALUE(at::isFloatingType(loss.scalar_type()) && loss.numel() > 0,
+                    "loss must be a floating-point tensor with at least one element, got a ",
                     loss.scalar_type(), " tensor of shape ", loss.sizes());
   TORCH_CHECK_VALUE(loss.requires_grad() && loss.grad_fn() != nullptr,
                     "loss must have a grad_fn (be computed from parameters that require grad, "

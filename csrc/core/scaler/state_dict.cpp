@@ -85,8 +85,9 @@ const std::vector<std::shared_ptr<LossScaler>>& configured_scalers(const detail:
   return s.loss_scalers;
 }
 
-constexpr const char* kEntryNames[] = {"scale", "growth_tracker", "hysteresis", "skipped",
-                                       "floor_skips"};
+// "dynamic" is optional on load (checkpoints written before 2026-12-06 lack it).
+constexpr const char* kEntryNames[] = {"scale",   "growth_tracker", "hysteresis",
+                                       "skipped", "floor_skips",    "dynamic"};
 constexpr size_t kEntriesPerScaler = std::size(kEntryNames);
 
 std::string scaler_prefix(int i) { return "loss_scaler" + std::to_string(i) + "."; }
@@ -132,7 +133,7 @@ void load_state_dict(const StateDict& state) {
       TORCH_CHECK_VALUE(is_entry_name(key, n),
                         "state dict must hold only the entries of num_losses=", n,
                         " loss scalers (loss_scaler<i>.{scale, growth_tracker, hysteresis, "
-                        "skipped, floor_skips}), got an unknown entry '",
+                        "skipped, floor_skips, dynamic}), got an unknown entry '",
                         key, "'");
     }
   }
