@@ -123,7 +123,7 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int = 0,
     try:
         yield guard.loss
     except BaseException:
-        _unwind_guard(guard)
+        _unwind_guard(guard, opts)
         raise
     _close_guard(guard, opts, loss_id, delay_unscale, process_group)
 
@@ -183,17 +183,43 @@ def _open_guard(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int, dela
     device_skip = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in steppers)
     guard = _C._scale_loss(loss, params, loss_id, delay_unscale, group_sizes,
                            [id(opt) for opt in steppers], device_skip)
+    _mark_open(steppers, 1)
     return guard, steppers
 
 
+def _mark_open(optimizers: List[Any], change: int) -> None:
+    """Count the guards open over each optimizer (one at most: the core refuses a second), and
+    give each, once, the step pre-hook that refuses a step while one is open."""
+    for opt in optimizers:
+        holder: Any = opt
+        if getattr(holder, "_optamp_step_check", None) is None:
+            holder._optamp_step_check = opt.register_step_pre_hook(_refuse_step_in_guard)
+        holder._optamp_open_guards = getattr(holder, "_optamp_open_guards", 0) + change
+
+
+def _refuse_step_in_guard(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """``optimizer.step()`` inside the ``with scale_loss(...)`` block would step with gradients
+    still multiplied by the loss scale and not yet checked for inf/NaN (Apex stepped so, and an
+    overflow then reached the weights). Raised before the step changes anything; the guard then
+    unwinds (gradients reset, scale unchanged)."""
+    if getattr(optimizer, "_optamp_open_guards", 0):
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() inside a scale_loss block: its gradients are "
+            "still scaled by the loss scale and not yet checked for inf/NaN; call "
+            "optimizer.step() after the block (`with amp.scale_loss(loss, optimizer) as scaled: "
+            "scaled.backward()`, then `optimizer.step()`)")
+
+
 @_eager
-def _unwind_guard(guard: Any) -> None:
+def _unwind_guard(guard: Any, opts: List[Any]) -> None:
+    _mark_open(opts, -1)
     guard.finish(True)
 
 
 @_eager
 def _close_guard(guard: Any, opts: List[Any], loss_id: int, delay_unscale: bool,
                  process_group: Optional["ProcessGroup"]) -> None:
+    _mark_open(opts, -1)
     if process_group is None or delay_unscale:
         skipped = guard.finish(False)
     else:

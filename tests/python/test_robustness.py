@@ -290,6 +290,49 @@ def test_backward_on_the_scaled_loss_after_the_with_block_raises():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "O5"])
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
+def test_a_step_inside_the_with_block_is_refused_and_changes_nothing(level, fused):
+    """``optimizer.step()`` indented into the block would step with the scaled, unchecked
+    gradients (Apex did: a 65536-times step, and an overflow's inf reached the weights). It
+    raises before the step; the guard unwinds (no gradients, scale unchanged), and the
+    optimizer steps as usual after the next block."""
+    torch.manual_seed(0)
+    model = Mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4,
+                            fused=(fused and level != "O3") or None)
+    init(model, opt, opt_level=level)
+    x = torch.randn(4, 4)
+    params = [p.detach().clone() for p in model.parameters()]
+    scale = optamp.loss_scaler().loss_scale()
+    with pytest.raises(RuntimeError, match=r"AdamW.step\(\) inside a scale_loss block: its "
+                       r"gradients are still scaled.*after the block"):
+        with optamp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+            opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    assert not opt.state and optamp.loss_scaler().loss_scale() == scale
+    opt.zero_grad()
+    with optamp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+
+
+def test_a_step_of_another_optimizer_inside_the_block_is_allowed():
+    """Only the optimizers the block scales are refused: a second model's optimizer steps."""
+    model, opt = _initialized()
+    other = torch.nn.Linear(2, 2)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    other(torch.ones(1, 2)).sum().backward()
+    before = other.weight.detach().clone()
+    with optamp.scale_loss(model(torch.randn(2, 4)).sum(), opt) as scaled:
+        scaled.backward()
+        other_opt.step()
+    assert not torch.equal(before, other.weight)
+    opt.step()
+
+
 # ---- 7. errors that name the argument -------------------------------------------------------
 
 
