@@ -123,7 +123,7 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int = 0,
     try:
         yield guard.loss
     except BaseException:
-        _unwind_guard(guard, opts)
+        _unwind_guard(guard, opts, delay_unscale)
         raise
     _close_guard(guard, opts, loss_id, delay_unscale, process_group)
 
@@ -189,37 +189,55 @@ def _open_guard(loss: torch.Tensor, optimizers: OptimizerArg, loss_id: int, dela
 
 def _mark_open(optimizers: List[Any], change: int) -> None:
     """Count the guards open over each optimizer (one at most: the core refuses a second), and
-    give each, once, the step pre-hook that refuses a step while one is open."""
+    give each, once, the step pre-hook that refuses a step with scaled gradients."""
     for opt in optimizers:
         holder: Any = opt
         if getattr(holder, "_optamp_step_check", None) is None:
-            holder._optamp_step_check = opt.register_step_pre_hook(_refuse_step_in_guard)
+            holder._optamp_step_check = opt.register_step_pre_hook(_refuse_scaled_step)
         holder._optamp_open_guards = getattr(holder, "_optamp_open_guards", 0) + change
 
 
-def _refuse_step_in_guard(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """``optimizer.step()`` inside the ``with scale_loss(...)`` block would step with gradients
-    still multiplied by the loss scale and not yet checked for inf/NaN (Apex stepped so, and an
-    overflow then reached the weights). Raised before the step changes anything; the guard then
-    unwinds (gradients reset, scale unchanged)."""
+def _mark_closed(optimizers: List[Any], delay_unscale: bool, unwinding: bool) -> None:
+    """A guard ended: its optimizers' grads stay scaled after ``delay_unscale`` (also when it
+    unwound); after any other guard they are unscaled, or reset by an unwinding one."""
+    _mark_open(optimizers, -1)
+    if not (unwinding and delay_unscale):
+        for opt in optimizers:
+            holder: Any = opt
+            holder._optamp_scaled_grads = delay_unscale
+
+
+def _refuse_scaled_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """A step with gradients still multiplied by the loss scale and not yet checked for inf/NaN
+    (Apex stepped so, and an overflow then reached the weights): ``optimizer.step()`` inside the
+    ``with scale_loss(...)`` block, or after a ``delay_unscale=True`` block with no block
+    without it since (as ``amp::step`` refuses in C++). Raised before the step changes anything;
+    inside the block the guard then unwinds (gradients reset, scale unchanged)."""
+    name = type(optimizer).__name__
     if getattr(optimizer, "_optamp_open_guards", 0):
         raise RuntimeError(
-            f"{type(optimizer).__name__}.step() inside a scale_loss block: its gradients are "
-            "still scaled by the loss scale and not yet checked for inf/NaN; call "
-            "optimizer.step() after the block (`with amp.scale_loss(loss, optimizer) as scaled: "
-            "scaled.backward()`, then `optimizer.step()`)")
+            f"{name}.step() inside a scale_loss block: its gradients are still scaled by the "
+            "loss scale and not yet checked for inf/NaN; call optimizer.step() after the block "
+            "(`with amp.scale_loss(loss, optimizer) as scaled: scaled.backward()`, then "
+            "`optimizer.step()`)")
+    if getattr(optimizer, "_optamp_scaled_grads", False) and any(
+            p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+        raise RuntimeError(
+            f"{name}.step() after scale_loss(..., delay_unscale=True): its gradients are still "
+            "scaled by the loss scale and not yet checked for inf/NaN; end the accumulation "
+            "with a scale_loss block without delay_unscale before stepping")
 
 
 @_eager
-def _unwind_guard(guard: Any, opts: List[Any]) -> None:
-    _mark_open(opts, -1)
+def _unwind_guard(guard: Any, opts: List[Any], delay_unscale: bool) -> None:
+    _mark_closed(opts, delay_unscale, unwinding=True)
     guard.finish(True)
 
 
 @_eager
 def _close_guard(guard: Any, opts: List[Any], loss_id: int, delay_unscale: bool,
                  process_group: Optional["ProcessGroup"]) -> None:
-    _mark_open(opts, -1)
+    _mark_closed(opts, delay_unscale, unwinding=False)
     if process_group is None or delay_unscale:
         skipped = guard.finish(False)
     else:

@@ -319,6 +319,42 @@ def test_a_step_inside_the_with_block_is_refused_and_changes_nothing(level, fuse
     assert not all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
 
 
+def test_a_step_after_only_delay_unscale_blocks_is_refused_until_a_final_block():
+    """Every micro-batch with ``delay_unscale=True``, the last included (a slip: Apex's pattern
+    ends with a block without it): the grads are still scaled, so the step raises, as
+    ``amp::step`` does in C++, and changes nothing; a block without ``delay_unscale`` then
+    unscales the whole sum and the step goes on. After ``zero_grad`` nothing is refused."""
+    model, opt = _initialized()
+    xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    params = [p.detach().clone() for p in model.parameters()]
+    for x in xs[:2]:
+        with optamp.scale_loss(model(x).float().mean(), opt, delay_unscale=True) as scaled:
+            scaled.backward()
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\) after scale_loss\(..., "
+                       r"delay_unscale=True\): its gradients are still scaled.*without "
+                       r"delay_unscale before stepping"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    with optamp.scale_loss(model(xs[2]).float().mean(), opt) as scaled:
+        scaled.backward()
+    assert not optamp.loss_scaler().last_step_skipped
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    reference = copy.deepcopy(model)
+    for r, p, g in zip(reference.parameters(), params, grads):
+        r.data.copy_(p)
+    reference.zero_grad()
+    with optamp.disable_casts():
+        for x in xs:
+            reference(x).float().mean().backward()
+    for g, r in zip(grads, reference.parameters()):
+        torch.testing.assert_close(g, r.grad, rtol=1e-3, atol=1e-3)
+    with optamp.scale_loss(model(xs[0]).float().mean(), opt, delay_unscale=True) as scaled:
+        scaled.backward()
+    opt.zero_grad()
+    opt.step()  # no gradients: nothing scaled to refuse
+
+
 def test_a_step_of_another_optimizer_inside_the_block_is_allowed():
     """Only the optimizers the block scales are refused: a second model's optimizer steps."""
     model, opt = _initialized()
