@@ -328,6 +328,43 @@ def test_a_checkpoint_written_before_the_dynamic_entry_still_loads(fresh):
     assert optamp.loss_scaler().loss_scale() == 1.0
 
 
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_distributed_checkpoint_resume_is_bit_exact(fresh, level, tmp_path):
+    """torch.distributed.checkpoint (FSDP2's way to checkpoint), in one process: model and
+    optimizer through ``get_state_dict``/``set_state_dict``, amp's state as the dict of tensors it
+    is; the resumed run equals the uninterrupted one bit for bit, an overflow included."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build():
+        torch.manual_seed(0)
+        model = Mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        init(model, opt, opt_level=level, growth_interval=2)
+        return model, opt
+
+    model, opt = build()
+    _train(model, opt, 3, 0)  # step 2 overflows
+    model_state, opt_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": opt_state, "amp": optamp.state_dict()},
+             checkpoint_id=tmp_path, no_dist=True)
+    _train(model, opt, 3, 3)
+    final = [p.detach().clone() for p in model.parameters()]
+    final_scale = optamp.loss_scaler().loss_scale()
+    optamp.reset()
+
+    model, opt = build()
+    _train(model, opt, 1, 0)  # DCP loads in place: the optimizer's state must exist
+    model_state, opt_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": opt_state, "amp": optamp.state_dict()}
+    dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    optamp.load_state_dict(state["amp"])
+    _train(model, opt, 3, 3)
+    assert optamp.loss_scaler().loss_scale() == final_scale
+    assert all(torch.equal(a, b) for a, b in zip(final, model.parameters()))
+
+
 def test_o1_matches_torch_autocast_and_grad_scaler(fresh):
     steps, bad = 6, 3
     torch.manual_seed(0)
