@@ -44,17 +44,14 @@ void check_fixed_to_dynamic(const StateDict& from, const std::string& prefix, fl
                             double init_scale) {
   if (!from.contains(prefix + "dynamic")) return;
   const bool saved_dynamic = state_entry(from, prefix + "dynamic", at::kBool).item<bool>();
-  TORCH_CHECK_VALUE(saved_dynamic || scale == static_cast<float>(init_scale), "state entry '",
-                    prefix,
-                    "dynamic' is False: the checkpoint's loss scaler kept "
-                    "a fixed scale of ",
-                    number_name(scale),
-                    " (O0/O3/O4/O5 or loss_scale=<number>), and this run's scales dynamically "
-                    "from init_scale ",
-                    number_name(init_scale),
-                    "; leave the loss scalers' state out to start from init_scale, or initialize "
-                    "with init_scale=",
-                    number_name(scale), " to go on from the checkpoint's scale");
+  if (saved_dynamic || scale == static_cast<float>(init_scale)) return;
+  const std::string saved = number_name(scale);
+  TORCH_CHECK_VALUE(false, "state entry '", prefix, "dynamic' is False: the checkpoint's loss ",
+                    "scaler kept a fixed scale of ", saved, " (O0/O3/O4/O5 or loss_scale=<number>)",
+                    ", and this run's scales dynamically from init_scale ", number_name(init_scale),
+                    "; leave the loss scalers' state out to start from ",
+                    "init_scale, or initialize with init_scale=", saved,
+                    " to go on from the checkpoint's scale");
 }
 
 }  // namespace
