@@ -9,7 +9,10 @@
 //
 // On scope exit (unless delay_unscale) the grads of every parameter of the optimizer(s) are
 // unscaled in one fused pass, checked for inf/NaN, and the scale is updated. On overflow those
-// grads are reset to undefined, so the plain optimizer.step() skips every parameter.
+// grads are reset to undefined, so the plain optimizer.step() skips every parameter. The braces
+// matter: without them the guard lives to the end of the enclosing scope, past the step, which
+// then steps with gradients still multiplied by the scale and unchecked (amp::step refuses that;
+// LibTorch's optimizers have no hooks through which a plain step() could be refused).
 //
 // Several guards before one step (several losses, or accumulation without delay_unscale): a
 // plain optimizer.step() only sees the overflow of the LAST guard, because an earlier guard's
