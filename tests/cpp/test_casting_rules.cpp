@@ -174,6 +174,21 @@ TEST_F(Casting, CompositeOpsCastOnceAndDoNotRecurse) {
   EXPECT_EQ(cast_count() - before_einsum, 2);
 }
 
+// einsum is not listed: as under torch.autocast, its decomposition decides. A contraction
+// reaches bmm (lowered); an outer product, an elementwise product or a sum reaches mul/sum and
+// keeps fp32 (lowering einsum itself made a sum past 65504 inf).
+TEST_F(Casting, EinsumIsCastOnlyWhereItContracts) {
+  enable("O1");
+  const auto a = randn({2, 3});
+  const auto b = randn({2, 4});
+  EXPECT_EQ(at::einsum("bi,bj->ij", {a, b}).scalar_type(), at::kHalf);
+  EXPECT_EQ(at::einsum("bi,bj->bij", {a, b}).scalar_type(), at::kFloat);
+  EXPECT_EQ(at::einsum("bi,bi->bi", {a, a}).scalar_type(), at::kFloat);
+  const auto sum = at::einsum("ij->", {at::full({100, 10}, 100.0)});
+  EXPECT_EQ(sum.scalar_type(), at::kFloat);
+  EXPECT_EQ(sum.item<float>(), 100000.0F);
+}
+
 // ---- off means off --------------------------------------------------------------------------
 
 TEST_F(Casting, OffMeansBitwiseFp32) {

@@ -237,6 +237,45 @@ def test_native_promotion_matches_an_explicit_cast_bit_for_bit(name, low):
                 (name, dtypes)
 
 
+EINSUM_FORMS = {  # equation, operand shapes, whether two operands share a summed index
+    "batched contraction": ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)], True),
+    "dot": ("i,i->", [(64,), (64,)], True),
+    "bilinear": ("bn,anm,bm->ba", [(2, 3), (4, 3, 5), (2, 5)], True),
+    "outer product": ("bi,bj->bij", [(2, 3), (2, 4)], False),
+    "elementwise": ("ij,ij->ij", [(3, 4), (3, 4)], False),
+    "sum": ("bij->b", [(2, 30, 40)], False),
+    "trace": ("ii->", [(5, 5)], False),
+}
+
+
+@pytest.mark.parametrize("form", list(EINSUM_FORMS))
+@pytest.mark.parametrize("level", ["O1", "O4"])
+def test_einsum_casts_as_torch_autocast_does(fresh, level, form):
+    """einsum is left to its decomposition, as torch.autocast leaves it: contractions reach
+    bmm (cast), while outer products, elementwise products, sums and traces keep fp32. Casting
+    einsum as a whole gave those fp16 results too: a sum over 1e5 overflowed to inf, and an fp16
+    term of the loss overflowed the first step's scaled gradient where native AMP's did not."""
+    equation, shapes, contracts = EINSUM_FORMS[form]
+    torch.manual_seed(0)
+    operands = [torch.randn(s).requires_grad_() for s in shapes]
+    init(torch.nn.Linear(2, 2), opt_level=level)
+    low = optamp.properties().low_dtype
+    cast = torch.einsum(equation, *operands)
+    with optamp.disable_casts(), torch.autocast("cpu", dtype=low):
+        native = torch.einsum(equation, *operands)
+    assert cast.dtype == native.dtype == (low if contracts else torch.float32)
+    assert torch.equal(cast, native)
+    g = torch.rand_like(cast)
+    for ours, theirs in zip(torch.autograd.grad(cast, operands, g),
+                            torch.autograd.grad(native, operands, g)):
+        assert ours.dtype == theirs.dtype == torch.float32 and torch.equal(ours, theirs)
+
+
+def test_an_einsum_sum_past_the_fp16_range_stays_finite(fresh):
+    init(torch.nn.Linear(2, 2), opt_level="O1")
+    assert torch.einsum("ij->", torch.full((100, 10), 100.0)).item() == 100000.0
+
+
 def test_doubles_ints_and_no_grad_are_left_alone(fresh):
     init(Mlp(), opt_level="O1")
     d = torch.rand(2, 2, dtype=torch.float64)

@@ -49,7 +49,6 @@ constexpr OpName kLowerOps[] = {
     {"aten::bmm", ""},
     {"aten::chain_matmul", ""},
     {"aten::linalg_multi_dot", ""},
-    {"aten::einsum", ""},
     {"aten::scaled_dot_product_attention", ""},
     {"aten::_native_multi_head_attention", ""},
     {"aten::lstm_cell", ""},
