@@ -7,7 +7,8 @@ by scatter and by sparse matmul, a NeRF's volume rendering). A GPU's kernels acc
 mixes than the CPU's, so the CUDA runs check the same rules against them: each program trains a
 few steps of SGD with momentum (torch's fused kernel, which skips overflowing steps on the device)
 beside an fp32 twin on the same device, then takes an injected overflow that must leave its
-parameters and momentum unchanged bit for bit."""
+parameters and momentum unchanged bit for bit. On the CPU, op_lists="torch" also trains each
+program to torch.autocast + GradScaler's weights bit for bit."""
 import copy
 from dataclasses import dataclass
 from typing import Callable
@@ -159,3 +160,53 @@ def test_a_program_trains_beside_fp32_and_skips_an_overflow(fresh, name, level, 
     for p, r in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.detach().to(r.dtype), r.detach(), **tol(row))
     _take_an_overflow(program, model, opt, [t.to(device) for t in program.batch(gen)])
+
+
+# The programs torch.autocast itself runs on the CPU (experts' index_add_ and sparse_gcn's
+# sparse mm refuse its dtype mixes; spectral's complex gradients fail GradScaler's fp16 unscale).
+NATIVE_REFUSES = {"experts": (torch.float16, torch.bfloat16),
+                  "sparse_gcn": (torch.float16, torch.bfloat16), "spectral": (torch.float16,)}
+
+
+def _steps_under(program, low, optamp_level=None, steps=3):
+    """Three SGD steps with momentum: by optamp at ``optamp_level`` with torch's lists, or by
+    torch.autocast(dtype=low) with GradScaler (enabled for fp16, as native AMP uses it)."""
+    torch.manual_seed(0)
+    model = program.make()
+    opt = _sgd(model, program, fused=False)
+    scaler = torch.amp.GradScaler("cpu", enabled=low == torch.float16)
+    if optamp_level:
+        init(model, opt, optamp_level, op_lists="torch")
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        batch = program.batch(gen)
+        opt.zero_grad()
+        if optamp_level:
+            with optamp.scale_loss(program.loss(model, *batch), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        else:
+            with torch.autocast("cpu", dtype=low):
+                loss = program.loss(model, *batch)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return list(model.state_dict().values())
+
+
+@pytest.mark.parametrize("level", ["O1", "O4"])
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_torch_lists_train_a_program_as_torch_autocast_does(fresh, name, level):
+    """op_lists="torch" promises native autocast's numerics: on the CPU each program's weights
+    after three steps equal torch.autocast + GradScaler's bit for bit (same lists, same loss
+    scale schedule, the same cast gradients; a copy used twice in a step would sum its gradients
+    in fp32, docs/casting.md, and none of these programs does)."""
+    low = torch.float16 if level == "O1" else torch.bfloat16
+    if low in NATIVE_REFUSES.get(name, ()):
+        pytest.skip(f"torch.autocast itself fails on {name} in {low}")
+    program = PROGRAMS[name]
+    native = _steps_under(program, low)
+    optamp.reset()
+    ours = _steps_under(program, low, optamp_level=level)
+    for a, b in zip(ours, native):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
