@@ -248,20 +248,21 @@ EINSUM_FORMS = {  # equation, operand shapes, whether two operands share a summe
 }
 
 
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 @pytest.mark.parametrize("form", list(EINSUM_FORMS))
 @pytest.mark.parametrize("level", ["O1", "O4"])
-def test_einsum_casts_as_torch_autocast_does(fresh, level, form):
+def test_einsum_casts_as_torch_autocast_does(fresh, level, form, device):
     """einsum is left to its decomposition, as torch.autocast leaves it: contractions reach
     bmm (cast), while outer products, elementwise products, sums and traces keep fp32. Casting
     einsum as a whole gave those fp16 results too: a sum over 1e5 overflowed to inf, and an fp16
     term of the loss overflowed the first step's scaled gradient where native AMP's did not."""
     equation, shapes, contracts = EINSUM_FORMS[form]
     torch.manual_seed(0)
-    operands = [torch.randn(s).requires_grad_() for s in shapes]
+    operands = [torch.randn(s, device=device).requires_grad_() for s in shapes]
     init(torch.nn.Linear(2, 2), opt_level=level)
     low = optamp.properties().low_dtype
     cast = torch.einsum(equation, *operands)
-    with optamp.disable_casts(), torch.autocast("cpu", dtype=low):
+    with optamp.disable_casts(), torch.autocast(device, dtype=low):
         native = torch.einsum(equation, *operands)
     assert cast.dtype == native.dtype == (low if contracts else torch.float32)
     assert torch.equal(cast, native)
