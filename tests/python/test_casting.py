@@ -272,6 +272,18 @@ def test_einsum_casts_as_torch_autocast_does(fresh, level, form, device):
         assert ours.dtype == theirs.dtype == torch.float32 and torch.equal(ours, theirs)
 
 
+def test_rotary_angles_by_einsum_keep_fp32(fresh):
+    """Rotary embeddings (GPT-NeoX, LLaMA in Hugging Face before 4.36) make their angles as
+    ``einsum("i,j->ij", positions, inv_freq)``: in fp16 a position of 4000 is off by up to 2,
+    and so was its angle while einsum was lowered as a whole."""
+    init(torch.nn.Linear(2, 2), opt_level="O1")
+    positions = torch.arange(4096, dtype=torch.float32)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    angles = torch.einsum("i,j->ij", positions, inv_freq)
+    assert angles.dtype == torch.float32
+    assert torch.equal(angles, torch.outer(positions, inv_freq))
+
+
 def test_an_einsum_sum_past_the_fp16_range_stays_finite(fresh):
     init(torch.nn.Linear(2, 2), opt_level="O1")
     assert torch.einsum("ij->", torch.full((100, 10), 100.0)).item() == 100000.0
