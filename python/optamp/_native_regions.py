@@ -15,8 +15,10 @@ a request for fp32.
 Where torch itself enters such a region (``torch.utils.checkpoint``'s recompute restores the
 forward's native state), optamp's checkpoint wrapper runs the function under the optamp state of
 the checkpoint call inside it, so the recompute casts as the forward did (``_checkpoint``).
-Under ``torch.compile`` Dynamo traces ``torch.autocast`` regions itself and does not call the
-wrapper: there a disabled region keeps optamp's rules (docs/casting.md).
+Under ``torch.compile`` Dynamo records the region as ``torch.amp._enter_autocast`` /
+``_exit_autocast`` calls in its graph, and those construct and enter this same class while
+AOTAutograd (or the eager backend) runs the graph to trace it: the compiled graph keeps the block
+in fp32 as well.
 
 ``torch.amp.custom_fwd`` / ``custom_bwd``, torch's decorators for custom autograd Functions, ask
 native autocast's state at call time, and optamp's casting is not native autocast, so:

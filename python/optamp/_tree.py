@@ -8,7 +8,16 @@ from typing import Any, Callable, List
 import torch
 
 
+# Values that are never containers. Asked first, before the dataclass check, which Dynamo cannot
+# trace for some of them: a forward returning ``h.dtype`` failed under fullgraph=True at O2/O5
+# ("Unsupported hasattr call" on torch.dtype, from dataclasses.is_dataclass).
+_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+           torch.layout, torch.memory_format)
+
+
 def _is_dataclass_instance(value: Any) -> bool:
+    if isinstance(value, _LEAVES):
+        return False
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 

@@ -961,6 +961,42 @@ def test_a_native_region_that_disables_autocast_keeps_optamp_out(level):
     del net
 
 
+class _RotaryBlock(torch.nn.Module):
+    """A linear beside Hugging Face's rotary angles (fp32 under autocast(enabled=False)); the
+    forward also returns the linear's dtype, a non-tensor value the O2/O5 boundary passes on."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, positions):
+        angles = _rotary_angles(positions)
+        h = self.lin(x)
+        return h, angles, h.dtype
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_a_compiled_region_that_disables_autocast_keeps_optamp_out(fresh, level, backend):
+    """Dynamo records the region in the graph and AOTAutograd enters it (optamp's wrapper) while
+    it traces: the angles stay fp32 in one graph, the linear outside is cast. fullgraph also
+    checks that returning ``h.dtype`` traces (it failed at O2/O5 until 2026-12-06: the
+    boundary asked dataclasses.is_dataclass of it, which Dynamo cannot trace for a dtype)."""
+    torch.manual_seed(0)
+    net = _RotaryBlock()
+    init(net, None, level)
+    positions = torch.arange(4096)  # int64 position ids, as Hugging Face passes them
+    compiled = torch.compile(lambda x: net(x, positions), backend=backend, fullgraph=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    out, angles, h_dtype = compiled(x)
+    assert angles.dtype == torch.float32
+    assert torch.equal(angles, _rotary_angles(positions))
+    low = torch.bfloat16 if level in ("O4", "O5") else torch.float16
+    assert h_dtype == low
+    eager_out, _, _ = net(x, positions)
+    assert out.dtype == eager_out.dtype
+
+
 # ---- torch.amp.custom_fwd / custom_bwd Functions ------------------------------------------------
 
 
