@@ -25,17 +25,19 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` with every tensor ``t`` inside it replaced by ``fn(t)``, containers rebuilt with
     their own type (named tuples included); anything else is returned as it is.
 
-    A dict subclass other than ``OrderedDict`` is copied and its values replaced
-    (``copy.copy``), so one whose constructor takes no key/value pairs (``defaultdict``, an
-    output class) keeps its type and attributes; a dataclass instance (a model's output record)
-    is rebuilt with ``dataclasses.replace`` (fields with ``init=False`` are left to it)."""
+    A dataclass instance (a model's output record) is rebuilt with ``dataclasses.replace``
+    (fields with ``init=False`` are left to it), also one that is a dict as well (Hugging Face's
+    ``ModelOutput``: its fields are its items; ``copy.copy``, which Dynamo does not trace, made
+    ``fullgraph=True`` fail at O2/O5). Another dict subclass than ``OrderedDict`` is copied and
+    its values replaced (``copy.copy``), so one whose constructor takes no key/value pairs
+    (``defaultdict``) keeps its type and attributes."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
         return type(value)(*(map_tensors(v, fn) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(map_tensors(v, fn) for v in value)
-    if isinstance(value, dict):
+    if isinstance(value, dict) and not _is_dataclass_instance(value):
         items = [(key, map_tensors(item, fn)) for key, item in value.items()]
         if type(value) in (dict, collections.OrderedDict):
             return type(value)(items)

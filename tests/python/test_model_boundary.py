@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from typing import Optional
 
 import pytest
 import torch
@@ -229,6 +230,40 @@ def test_outputs_in_dataclasses_and_dict_subclasses_are_cast(fresh, compiled):
     assert isinstance(table, collections.defaultdict) and table.default_factory is list
     assert table["h"].dtype == F32
     assert isinstance(record, _Record) and record.note == "kept" and record["h"].dtype == F32
+
+
+@dataclasses.dataclass
+class _DictRecord(collections.OrderedDict):
+    """Hugging Face's ModelOutput in small: a dataclass whose set fields are also its items."""
+    loss: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                self[f.name] = getattr(self, f.name)
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_dict_that_is_a_dataclass_is_cast_in_one_compiled_graph(fresh, level):
+    # Went through copy.copy, which Dynamo does not trace: fullgraph=True failed at O2/O5 on a
+    # Hugging Face model's output until 2026-12-06.
+    class Lm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            logits = self.fc(x)
+            return _DictRecord(loss=logits.float().pow(2).mean(), logits=logits)
+
+    model = Lm()
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), level)
+    eager = model(torch.ones(2, 4))
+    out = torch.compile(model, backend="aot_eager", fullgraph=True)(torch.ones(2, 4))
+    assert isinstance(out, _DictRecord) and list(out.keys()) == ["loss", "logits"]
+    assert out.logits.dtype == F32 and out["logits"] is out.logits
+    assert torch.equal(out.logits, eager.logits) and torch.equal(out.loss, eager.loss)
 
 
 def test_gradients_flow_back_through_the_boundary_in_the_inputs_dtype(fresh):
