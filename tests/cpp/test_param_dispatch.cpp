@@ -162,6 +162,22 @@ TEST_F(ParamDispatch, DetachedAliasesCarryTheKeyButAreNotSubstituted) {
   EXPECT_EQ(w.detach().clone().scalar_type(), at::kFloat);
 }
 
+// `w.to(at::kFloat)` needs no conversion and used to hand back `w` itself, which the next op read
+// as its working copy; such a conversion now hands back the master's own values.
+TEST_F(ParamDispatch, AConversionToTheOwnDtypeReadsTheMaster) {
+  init("O5");
+  const auto w = net->fc->weight;
+  const auto x = at::randn({4, 4});
+  const auto exact = x * w.detach();
+  EXPECT_TRUE(at::equal(x * w.to(at::kFloat), exact));
+  EXPECT_TRUE(at::equal(x * w.to(w.device(), at::kFloat), exact));
+  EXPECT_TRUE(at::equal(x * w.type_as(x), exact));
+  EXPECT_TRUE(at::equal(x * w.to(w.device()), exact));
+  EXPECT_EQ(at::add(x.to(at::kBFloat16), w).scalar_type(), at::kBFloat16);  // w itself: the copy
+  (x * w.to(at::kFloat)).sum().backward();
+  EXPECT_TRUE(at::equal(w.grad(), x));  // the alias keeps the master's gradient edge
+}
+
 TEST_F(ParamDispatch, UnboxedKernelsSeeTheSameWorkingCopiesAsTheFallback) {
   init("O5");
   const auto& fc = net->fc;

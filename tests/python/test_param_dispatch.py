@@ -58,6 +58,43 @@ def test_reading_and_comparing_a_parameters_values_sees_the_master(level):
         optamp.reset()
 
 
+class _Rotary(torch.nn.Module):
+    """Hugging Face's rotary embedding (transformers 5): fp32 angles from a buffer it converts."""
+
+    def __init__(self):
+        super().__init__()
+        self.inv_freq = torch.nn.Buffer(1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)),
+                                        persistent=False)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, position_ids, how):
+        inv_freq = {"to": lambda f: f.to(device=x.device, dtype=torch.float),
+                    "float": lambda f: f.float(), "type_as": lambda f: f.type_as(position_ids.float()),
+                    "to_device": lambda f: f.to(x.device), "none": lambda f: f}[how](self.inv_freq)
+        return self.lin(x), position_ids[..., None].float() * inv_freq
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_conversion_to_the_own_dtype_reads_the_master(level, backend):
+    """``.float()``/``.to(dtype=torch.float)`` of an fp32 buffer needs no conversion and handed
+    back the buffer, which the next op read as its working copy: the rotary angles at position
+    4000 were 0.1 rad off at O2 and 0.4 at O5 in eager, exact compiled. Such a conversion (also
+    ``.to(device)`` and ``type_as``) hands back the tensor's own values now, eager and compiled
+    alike; an op on the buffer itself still sees the working copy, as Apex's fp16 model would."""
+    net = _init(_Rotary(), level)
+    try:
+        run = net if backend is None else torch.compile(net, backend=backend)
+        x = torch.randn(2, 4, requires_grad=True)
+        positions = torch.arange(3990, 4010)[None]
+        exact = positions[..., None].float() * net.inv_freq.detach()
+        for how in ("to", "float", "type_as", "to_device"):
+            assert torch.equal(run(x, positions, how)[1], exact), how
+        assert not torch.equal(run(x, positions, "none")[1], exact)
+    finally:
+        optamp.reset()
+
+
 def test_a_flat_vector_of_the_parameters_under_no_grad_round_trips_the_masters():
     # torch.nn.utils.parameters_to_vector in grad mode views the working copies (fp16), and
     # vector_to_parameters of that vector replaced the fp32 masters' data: the next step says so,
