@@ -162,20 +162,32 @@ TEST_F(ParamDispatch, DetachedAliasesCarryTheKeyButAreNotSubstituted) {
   EXPECT_EQ(w.detach().clone().scalar_type(), at::kFloat);
 }
 
-// `w.to(at::kFloat)` needs no conversion and used to hand back `w` itself, which the next op read
-// as its working copy; such a conversion now hands back the master's own values.
-TEST_F(ParamDispatch, AConversionToTheOwnDtypeReadsTheMaster) {
-  init("O5");
-  const auto w = net->fc->weight;
-  const auto x = at::randn({4, 4});
-  const auto exact = x * w.detach();
-  EXPECT_TRUE(at::equal(x * w.to(at::kFloat), exact));
-  EXPECT_TRUE(at::equal(x * w.to(w.device(), at::kFloat), exact));
-  EXPECT_TRUE(at::equal(x * w.type_as(x), exact));
-  EXPECT_TRUE(at::equal(x * w.to(w.device()), exact));
-  EXPECT_EQ(at::add(x.to(at::kBFloat16), w).scalar_type(), at::kBFloat16);  // w itself: the copy
-  (x * w.to(at::kFloat)).sum().backward();
-  EXPECT_TRUE(at::equal(w.grad(), x));  // the alias keeps the master's gradient edge
+struct WithBufferImpl : torch::nn::Module {
+  WithBufferImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {
+    inv_freq = register_buffer("inv_freq", torch::rand({4}) / 3);
+  }
+  torch::nn::Linear fc;
+  torch::Tensor inv_freq;
+};
+TORCH_MODULE(WithBuffer);
+
+// `b.to(at::kFloat)` of an fp32 buffer needs no conversion and used to hand back `b` itself, which
+// the next op read as its working copy (Hugging Face's rotary angles); it is a copy of the buffer's
+// own values now. A parameter's stays the parameter (Python reassigns it as a Parameter).
+TEST_F(ParamDispatch, AConversionOfABufferToItsOwnDtypeReadsItsValues) {
+  WithBuffer model;
+  Options quiet;
+  quiet.verbosity = 0;
+  initialize(model, "O5", quiet);
+  const auto b = model->inv_freq;
+  const auto x = at::rand({4}) * 4000;
+  const auto exact = x * b.detach();
+  EXPECT_TRUE(at::equal(x * b.to(at::kFloat), exact));
+  EXPECT_TRUE(at::equal(x * b.to(b.device(), at::kFloat), exact));
+  EXPECT_TRUE(at::equal(x * b.type_as(x), exact));
+  EXPECT_FALSE(at::equal(x * b, exact));  // the buffer itself: its bf16 working copy
+  const auto& w = model->fc->weight;
+  EXPECT_TRUE(w.to(at::kFloat).is_same(w));
 }
 
 TEST_F(ParamDispatch, UnboxedKernelsSeeTheSameWorkingCopiesAsTheFallback) {

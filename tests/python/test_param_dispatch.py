@@ -79,9 +79,11 @@ class _Rotary(torch.nn.Module):
 def test_a_conversion_to_the_own_dtype_reads_the_master(level, backend):
     """``.float()``/``.to(dtype=torch.float)`` of an fp32 buffer needs no conversion and handed
     back the buffer, which the next op read as its working copy: the rotary angles at position
-    4000 were 0.1 rad off at O2 and 0.4 at O5 in eager, exact compiled. Such a conversion (also
-    ``.to(device)`` and ``type_as``) hands back the tensor's own values now, eager and compiled
-    alike; an op on the buffer itself still sees the working copy, as Apex's fp16 model would."""
+    4000 were 0.1 rad off at O2 and 0.4 at O5 in eager, exact compiled. Such a conversion of a
+    buffer (also ``.to(device)`` and ``type_as``) hands back a copy of its own values now, eager
+    and compiled alike; an op on the buffer itself still sees the working copy, as Apex's fp16
+    model would. A parameter's stays the parameter: code reassigns ``p.to(device)`` to the
+    module, which takes a Parameter only."""
     net = _init(_Rotary(), level)
     try:
         run = net if backend is None else torch.compile(net, backend=backend)
@@ -91,6 +93,8 @@ def test_a_conversion_to_the_own_dtype_reads_the_master(level, backend):
         for how in ("to", "float", "type_as", "to_device"):
             assert torch.equal(run(x, positions, how)[1], exact), how
         assert not torch.equal(run(x, positions, "none")[1], exact)
+        assert net.lin.weight.float() is net.lin.weight
+        net.lin.weight = net.lin.weight.to(x.device)  # what a Parameter-only setattr takes
     finally:
         optamp.reset()
 

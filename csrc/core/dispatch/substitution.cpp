@@ -227,18 +227,19 @@ void without_substitution(const c10::OperatorHandle& op, c10::DispatchKeySet key
 }
 
 // `to` and `type_as` are own-data ops, but where no conversion is needed they hand back the
-// tensor itself, and the next op then read a registered tensor as its working copy: Hugging
+// tensor itself, and the next op then read a registered buffer as its working copy: Hugging
 // Face's rotary embeddings take `inv_freq.to(dtype=torch.float)` for fp32 angles and got them
 // from the fp16 copy (0.1 rad off at position 4000 at O2, 0.4 at O5), exact under torch.compile,
-// whose trace makes a new tensor of it. Such a call now returns the tensor's own values past
-// substitution (an alias of a parameter, a copy of a buffer), eager as compiled.
+// whose trace makes a new tensor of it. For a buffer such a call now returns a copy of its own
+// values, eager as compiled. A parameter stays itself: Python code reassigns `p.to(device)` to
+// the module as a Parameter, and an alias is not one.
 void own_data_conversion(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                          torch::jit::Stack* stack) {
   const at::Tensor self = (*stack)[stack->size() - op.schema().arguments().size()].toTensor();
   op.redispatchBoxed(below_substitution(keys), stack);
   if (stack->back().isTensor() && stack->back().toTensor().is_same(self) &&
-      dtype_ops_see(self) != self.scalar_type()) {
-    stack->back() = own_data_past_substitution(self);
+      dtype_ops_see(self) != self.scalar_type() && is_registered_buffer(self)) {
+    stack->back() = self.clone();  // own data: a fallthrough on the key
   }
 }
 
@@ -414,13 +415,15 @@ c10::ScalarType dtype_ops_see(const at::Tensor& t) {
   return working == c10::ScalarType::Undefined ? own : working;
 }
 
-at::Tensor own_data_past_substitution(const at::Tensor& t) {
+bool is_registered_buffer(const at::Tensor& t) {
   const std::shared_ptr<const Session> session = current_session();
   const auto& sources = session->working_copy_sources;
   const auto it = sources.find(t.unsafeGetTensorImpl());
-  const bool buffer =
-      it != sources.end() ? it->second.buffer : viewed_buffer(sources, t) != nullptr;
-  return buffer ? t.clone() : t.alias();  // clone: a fallthrough on the key (own data)
+  return it != sources.end() ? it->second.buffer : viewed_buffer(sources, t) != nullptr;
+}
+
+at::Tensor own_data_past_substitution(const at::Tensor& t) {
+  return is_registered_buffer(t) ? t.clone() : t.alias();  // clone: own data, a fallthrough
 }
 
 void activate_substitution_thread(bool on) {

@@ -41,6 +41,8 @@ c10::ScalarType dtype_ops_see(const at::Tensor& t);
 // aliases), a copy of a buffer (substitution replaces any view over a registered buffer's
 // storage, so that writes through views reach the buffer and reads see the working copy).
 at::Tensor own_data_past_substitution(const at::Tensor& t);
+// Whether `t` is a registered buffer or a view over one (not a parameter).
+bool is_registered_buffer(const at::Tensor& t);
 
 // This thread's substitution on/off (with the casting key, by initialize and reset); registers
 // the key's kernels first when turning it on.
