@@ -105,9 +105,8 @@ _working_dtype_now._dynamo_marked_constant = True  # type: ignore[attr-defined]
 # (``p.dtype``, ``p.grad``) arrive as "__get__".
 _OWN_DATA: FrozenSet[str] = frozenset({
     "__get__", "__set__", "detach", "detach_", "alias", "clone", "to", "type", "type_as", "float",
-    "double",
-    "half", "bfloat16", "cpu", "cuda", "contiguous", "copy_", "set_", "item", "tolist", "numpy",
-    "equal", "requires_grad_", "retain_grad", "register_hook",
+    "double", "half", "bfloat16", "cpu", "cuda", "contiguous", "copy_", "set_", "item", "tolist",
+    "numpy", "equal", "requires_grad_", "retain_grad", "register_hook",
     "register_post_accumulate_grad_hook", "backward", "data_ptr", "untyped_storage", "size",
     "dim", "ndimension", "stride", "numel", "nelement", "storage_offset", "element_size",
     "is_contiguous", "is_floating_point", "is_complex", "is_signed", "is_pinned", "__len__",

@@ -37,7 +37,11 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return type(value)(*(map_tensors(v, fn) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(map_tensors(v, fn) for v in value)
-    if isinstance(value, dict) and not _is_dataclass_instance(value):
+    if _is_dataclass_instance(value):  # before dict: a ModelOutput is both
+        changes = {f.name: map_tensors(getattr(value, f.name), fn)
+                   for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **changes)
+    if isinstance(value, dict):
         items = [(key, map_tensors(item, fn)) for key, item in value.items()]
         if type(value) in (dict, collections.OrderedDict):
             return type(value)(items)
@@ -45,10 +49,6 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         for key, item in items:
             mapped[key] = item
         return mapped
-    if _is_dataclass_instance(value):
-        changes = {f.name: map_tensors(getattr(value, f.name), fn)
-                   for f in dataclasses.fields(value) if f.init}
-        return dataclasses.replace(value, **changes)
     return value
 
 
