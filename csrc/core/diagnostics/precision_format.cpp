@@ -147,7 +147,10 @@ std::string precision_table(const PrecisionProbe::Report& report, int max_rows) 
   const auto shown = shown_rows(report.rows, max_rows);
   for (std::size_t i : shown) out << table_row(report.rows[i]);
   if (shown.size() < report.rows.size()) {
-    out << "\n" << report.rows.size() - shown.size() << " more rows (json() holds them all)\n";
+    // Named for both fronts: C++'s probe has json(), Python's report rows / to_dict().
+    out << "\n"
+        << report.rows.size() - shown.size()
+        << " more rows (a larger max_rows shows them; json() in C++, rows in Python hold them all)\n";
   }
   out << "\n"
       << (report.first_nonfinite ? first_nonfinite_line(*report.first_nonfinite)
