@@ -131,31 +131,39 @@ _VIEWS: FrozenSet[str] = frozenset({
 })
 
 
-def _schemas(func: Any) -> List[Any]:
-    """The schemas of a dispatcher op called directly (``torch.ops.ns.op.overload`` or the
-    packet ``torch.ops.ns.op``, a ``torch.library.custom_op``); [] for a Python function."""
-    schema = getattr(func, "_schema", None)
-    if isinstance(schema, torch._C.FunctionSchema):
-        return [schema]
-    if isinstance(func, torch._ops.OpOverloadPacket):
-        return [getattr(func, overload)._schema for overload in func.overloads()]
-    return []
+def _written_in(schemas: List[Any]) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    """The positions and names of the arguments any of ``schemas`` marks written
+    (``Tensor(a!)``)."""
+    written = {(i, a.name) for schema in schemas for i, a in enumerate(schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write}
+    return tuple(sorted(i for i, _ in written)), tuple(sorted(n for _, n in written))
 
 
-def _written_arguments(func: Any, name: str) -> Tuple[Tuple[int, ...], FrozenSet[str]]:
+def _written_by_op(op: Any) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    # Read outside the trace, as a constant: Dynamo can wrap neither a FunctionSchema nor a
+    # packet's ``overloads()`` (a bound method). The graph break this made inside the mode
+    # failed ``fullgraph=True`` for any custom op and, in a Hugging Face MoE model (its experts
+    # call ``torch.ops.transformers.grouped_mm_fallback``), handed the resumed frame a
+    # torch.Size for a tensor's device.
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return _written_in([getattr(op, overload)._schema for overload in op.overloads()])
+    return _written_in([op._schema])
+
+
+_written_by_op._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _written_arguments(func: Any, name: str) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
     """The positions and keyword names of the arguments a call writes: an in-place method's (or
     dunder's) self; for a dispatcher op, those its schema marks written (``Tensor(a!)``; any
     overload's, for a packet), as eager substitution reads them (substitution.cpp). A custom op
     that updates a registered buffer (a counter, a cache) then updates the buffer itself, not a
     working copy of it (until 2026-12-06 the update was lost in a compiled O2/O5 model)."""
-    schemas = _schemas(func)
-    if schemas:
-        written = {(i, a.name) for schema in schemas for i, a in enumerate(schema.arguments)
-                   if a.alias_info is not None and a.alias_info.is_write}
-        return tuple(sorted(i for i, _ in written)), frozenset(n for _, n in written)
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return _written_by_op(func)
     if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__")):
-        return (0,), frozenset()
-    return (), frozenset()
+        return (0,), ()
+    return (), ()
 
 
 def _updated_statistics(func: Callable[..., Any], args: Tuple[Any, ...],

@@ -426,12 +426,14 @@ class CountingNet(torch.nn.Module):
 def test_compiled_o2_o5_custom_ops_update_registered_buffers_as_eager(level):
     # The compiled forward's working-copy mode read written arguments by name only (in-place
     # methods end in "_"): a custom op's `Tensor(a!)` buffer got a working copy, and the update
-    # was lost (the counter stayed 0 compiled, eager counted).
+    # was lost (the counter stayed 0 compiled, eager counted). In one graph: until 2026-12-06
+    # reading a packet's schemas broke the graph inside the mode (a Hugging Face MoE model's
+    # resumed frame then failed, its tensor's device read as a torch.Size).
     counters = []
     for backend in [None, "aot_eager"]:
         torch.manual_seed(0)
         net = init(CountingNet(), None, level)
-        run = net if backend is None else torch.compile(net, backend=backend)
+        run = net if backend is None else torch.compile(net, backend=backend, fullgraph=True)
         x = torch.randn(4, 8, requires_grad=True)
         for _ in range(2):
             run(x)
