@@ -85,6 +85,11 @@ def is_working_copy_source(t: torch.Tensor) -> bool:
     return getattr(t, _MARK, None) in ("parameter", "buffer")
 
 
+def is_registered_buffer(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a buffer ops see as a working copy at O2/O5."""
+    return getattr(t, _MARK, None) == "buffer"
+
+
 def _is_buffer_or_its_view(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (getattr(t, _MARK, None) == "buffer"
                                             or getattr(t, _BUFFER_VIEW, False) is True)

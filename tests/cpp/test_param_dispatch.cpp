@@ -174,7 +174,7 @@ TORCH_MODULE(WithBuffer);
 // `b.to(at::kFloat)` of an fp32 buffer needs no conversion and used to hand back `b` itself, which
 // the next op read as its working copy (Hugging Face's rotary angles); it is a copy of the buffer's
 // own values now. A parameter's stays the parameter (Python reassigns it as a Parameter).
-TEST_F(ParamDispatch, AConversionOfABufferToItsOwnDtypeReadsItsValues) {
+TEST_F(ParamDispatch, AConversionToItsOwnDtypeReadsItsValues) {
   WithBuffer model;
   Options quiet;
   quiet.verbosity = 0;
@@ -186,8 +186,18 @@ TEST_F(ParamDispatch, AConversionOfABufferToItsOwnDtypeReadsItsValues) {
   EXPECT_TRUE(at::equal(x * b.to(b.device(), at::kFloat), exact));
   EXPECT_TRUE(at::equal(x * b.type_as(x), exact));
   EXPECT_FALSE(at::equal(x * b, exact));  // the buffer itself: its bf16 working copy
+  // A parameter's conversion that names only a dtype reads its values too (Mamba's
+  // `-exp(A_log.float())` computed in bf16 before); one that names a place stays the parameter.
   const auto& w = model->fc->weight;
-  EXPECT_TRUE(w.to(at::kFloat).is_same(w));
+  const auto w32 = w.detach();
+  EXPECT_FALSE(w.to(at::kFloat).is_same(w));
+  EXPECT_TRUE(at::equal(w.to(at::kFloat).exp(), w32.exp()));
+  EXPECT_TRUE(at::equal(w.type_as(x).exp(), w32.exp()));
+  EXPECT_TRUE(at::equal(w.to(x).exp(), w32.exp()));  // to.other
+  EXPECT_EQ(w.to(at::kFloat).exp().scalar_type(), at::kFloat);
+  EXPECT_TRUE(w.to(w.device(), at::kFloat).is_same(w));
+  EXPECT_TRUE(w.to(at::TensorOptions().device(w.device())).is_same(w));
+  EXPECT_EQ(w.exp().scalar_type(), at::kBFloat16);  // the parameter itself: its working copy
 }
 
 TEST_F(ParamDispatch, UnboxedKernelsSeeTheSameWorkingCopiesAsTheFallback) {

@@ -93,8 +93,48 @@ def test_a_conversion_to_the_own_dtype_reads_the_master(level, backend):
         for how in ("to", "float", "type_as", "to_device"):
             assert torch.equal(run(x, positions, how)[1], exact), how
         assert not torch.equal(run(x, positions, "none")[1], exact)
-        assert net.lin.weight.float() is net.lin.weight
+        assert net.lin.weight.to(x.device) is net.lin.weight
         net.lin.weight = net.lin.weight.to(x.device)  # what a Parameter-only setattr takes
+    finally:
+        optamp.reset()
+
+
+class _SelectiveDecay(torch.nn.Module):
+    """Mamba's state matrix (Hugging Face's slow path): fp32 from a parameter it converts."""
+
+    def __init__(self):
+        super().__init__()
+        self.A_log = torch.nn.Parameter(torch.log(torch.arange(1, 17).float()).repeat(8, 1))
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x, how):
+        A = -torch.exp({"float": lambda p: p.float(), "to": lambda p: p.to(torch.float32),
+                        "type_as": lambda p: p.type_as(x.float())}[how](self.A_log))
+        return self.lin(x), A
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_parameter_converted_to_its_own_dtype_reads_the_master(level, backend):
+    """``-torch.exp(self.A_log.float())`` (Mamba; Gemma's ``1 + self.weight.float()``): the
+    conversion needed none and handed back the parameter, so exp read its working copy and
+    computed in fp16/bf16 in eager (A off by 1.6e-2 at O2, 0.125 at O5), while the compiled
+    model read the master. A conversion that names only a dtype now hands back a copy of the
+    parameter's values, whose gradient reaches the master; one that names a place (``to(device)``)
+    is still the parameter, which a module takes back."""
+    net = _init(_SelectiveDecay(), level)
+    try:
+        run = net if backend is None else torch.compile(net, backend=backend)
+        x = torch.randn(2, 16)
+        exact = -torch.exp(net.A_log.detach())
+        for how in ("float", "to", "type_as"):
+            net.A_log.grad = None
+            _, A = run(x, how)
+            assert A.dtype == torch.float32 and torch.equal(A, exact), how
+            A.sum().backward()
+            assert net.A_log.grad.dtype == torch.float32 and torch.equal(net.A_log.grad, exact), how
+        assert net.A_log.to(x.device) is net.A_log
+        assert net.A_log.exp().dtype != torch.float32, "the parameter itself: its working copy"
     finally:
         optamp.reset()
 
@@ -190,5 +230,48 @@ def test_working_copies_of_a_step_are_made_together(level, low):
             with optamp.scale_loss(out.float().pow(2).mean(), opt) as scaled:
                 scaled.backward()
             opt.step()
+    finally:
+        optamp.reset()
+
+
+class _MaskedConv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 2, 1)
+        self.register_buffer("mask", torch.rand(1, 2, 3, 3))
+
+    def forward(self, x):
+        return self.conv(x) * self.mask
+
+
+@pytest.mark.parametrize("gate", [False, True])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_module_conversions_after_initialize_keep_the_registered_tensors(level, gate):
+    """``model.to(device)`` on its own device (as Lightning and Accelerate call it), ``.float()``,
+    ``.cpu()``: torch hands each tensor back and the module keeps it. Since a no-op conversion of
+    a registered buffer in grad mode returns a copy of its values, ``_apply`` stored those copies:
+    the buffers were no longer registered (ops read them as fp32) and, with rules_under_no_grad,
+    the parameters got new storage. A real conversion (channels_last here, a device move on a
+    GPU) replaced the buffers with unregistered tensors too. Both keep them now."""
+    optamp.reset()
+    net = _MaskedConv()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    optamp.initialize(net, opt, opt_level=level, verbosity=0, rules_under_no_grad=gate)
+    low = torch.float16 if level == "O2" else torch.bfloat16
+    try:
+        mask, weight, storage = net.mask, net.conv.weight, net.conv.weight.data_ptr()
+        for convert in (lambda m: m.to("cpu"), lambda m: m.float(), lambda m: m.cpu(),
+                        lambda m: m.to(torch.float32)):
+            convert(net)
+            assert net.mask is mask and net.conv.weight is weight
+            assert net.conv.weight.data_ptr() == storage and (net.mask * 1).dtype == low
+        net.to(memory_format=torch.channels_last)
+        assert net.mask is mask and net.mask.is_contiguous(memory_format=torch.channels_last)
+        assert (net.mask * 1).dtype == low, "still a registered buffer: its working copy"
+        x = torch.randn(2, 2, 3, 3)
+        with optamp.scale_loss(net(x).float().sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert net.mask.dtype == torch.float32 and torch.isfinite(net.conv.weight).all()
     finally:
         optamp.reset()

@@ -226,19 +226,30 @@ void without_substitution(const c10::OperatorHandle& op, c10::DispatchKeySet key
   op.redispatchBoxed(below_substitution(keys), stack);
 }
 
+// Whether a conversion names only a dtype (`t.float()`, `t.to(torch.float)`: to.dtype; `t.to(x)`:
+// to.other; `type_as`), which asks for values in that dtype, rather than a place (`t.to(device)`
+// arrives as to.dtype_layout, `t.to(device, dtype)` as to.device).
+bool names_only_a_dtype(const c10::OperatorHandle& op) {
+  const auto& overload = op.schema().overload_name();
+  return op.schema().name() == "aten::type_as" || overload == "dtype" || overload == "other";
+}
+
 // `to` and `type_as` are own-data ops, but where no conversion is needed they hand back the
-// tensor itself, and the next op then read a registered buffer as its working copy: Hugging
+// tensor itself, and the next op then read a registered tensor as its working copy: Hugging
 // Face's rotary embeddings take `inv_freq.to(dtype=torch.float)` for fp32 angles and got them
-// from the fp16 copy (0.1 rad off at position 4000 at O2, 0.4 at O5), exact under torch.compile,
-// whose trace makes a new tensor of it. For a buffer such a call now returns a copy of its own
-// values, eager as compiled. A parameter stays itself: Python code reassigns `p.to(device)` to
-// the module as a Parameter, and an alias is not one.
+// from the fp16 copy (0.1 rad off at position 4000 at O2, 0.4 at O5); Mamba's
+// `-torch.exp(self.A_log.float())` and Gemma's `1 + self.weight.float()` even computed in fp16.
+// torch.compile's trace makes a new tensor of the result, so compiled models read the values.
+// Such a call now returns a copy of the tensor's own values (its gradient reaches the master),
+// eager as compiled: for a buffer in every form; for a parameter where the call names only a
+// dtype, since code reassigns `p.to(device)` to the module, which takes a Parameter only.
 void own_data_conversion(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                          torch::jit::Stack* stack) {
   const at::Tensor self = (*stack)[stack->size() - op.schema().arguments().size()].toTensor();
   op.redispatchBoxed(below_substitution(keys), stack);
   if (stack->back().isTensor() && stack->back().toTensor().is_same(self) &&
-      dtype_ops_see(self) != self.scalar_type() && is_registered_buffer(self)) {
+      dtype_ops_see(self) != self.scalar_type() &&
+      (names_only_a_dtype(op) || is_registered_buffer(self))) {
     stack->back() = self.clone();  // own data: a fallthrough on the key
   }
 }
