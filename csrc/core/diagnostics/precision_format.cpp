@@ -150,7 +150,8 @@ std::string precision_table(const PrecisionProbe::Report& report, int max_rows) 
     // Named for both fronts: C++'s probe has json(), Python's report rows / to_dict().
     out << "\n"
         << report.rows.size() - shown.size()
-        << " more rows (a larger max_rows shows them; json() in C++, rows in Python hold them all)\n";
+        << " more rows (a larger max_rows shows them; json() in C++, rows in Python hold them "
+           "all)\n";
   }
   out << "\n"
       << (report.first_nonfinite ? first_nonfinite_line(*report.first_nonfinite)
