@@ -2,7 +2,7 @@
 ``model.to(memory_format=...)``, all through ``torch.nn.Module._apply``) after ``initialize``
 leaves the model's registered tensors registered, as ``Module::to`` does in C++.
 
-Two things lost them before (2026-12-06, ninth session):
+Until the ninth session of 2026-12-06 two things lost them:
 
 * ``_apply`` stores what each conversion returns back into the module. At O2/O5 a ``to`` that
   needs no conversion hands back a copy of a registered buffer's values (and of a parameter's,
@@ -29,8 +29,14 @@ from ._compile import is_registered_buffer
 from ._wrapping import Function, marked, replace
 
 
+_CONVERT = "_optamp_converts_buffers_in_place"
+
+
 def _converting_registered_buffers_in_place(fn: Callable[[torch.Tensor], Any]
                                             ) -> Callable[[torch.Tensor], Any]:
+    if getattr(fn, _CONVERT, False):
+        return fn  # a submodule's _apply, called by its parent's with the wrapped function
+
     def convert(t: torch.Tensor) -> Any:
         out = fn(t)
         if (out is not t and isinstance(out, torch.Tensor) and is_registered_buffer(t)
@@ -39,6 +45,7 @@ def _converting_registered_buffers_in_place(fn: Callable[[torch.Tensor], Any]
             return t
         return out
 
+    setattr(convert, _CONVERT, True)
     return convert
 
 

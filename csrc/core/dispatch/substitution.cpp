@@ -226,9 +226,10 @@ void without_substitution(const c10::OperatorHandle& op, c10::DispatchKeySet key
   op.redispatchBoxed(below_substitution(keys), stack);
 }
 
-// Whether a conversion names only a dtype (`t.float()`, `t.to(torch.float)`: to.dtype; `t.to(x)`:
-// to.other; `type_as`), which asks for values in that dtype, rather than a place (`t.to(device)`
-// arrives as to.dtype_layout, `t.to(device, dtype)` as to.device).
+// Whether a conversion names only a dtype (`t.float()`, `t.to(torch.float)`: to.dtype; C++'s
+// `t.to(other)`: to.other; `type_as`), which asks for values in that dtype, rather than a place
+// (`t.to(device)` arrives as to.dtype_layout; `t.to(device, dtype)` and Python's `t.to(x)` as
+// to.device).
 bool names_only_a_dtype(const c10::OperatorHandle& op) {
   const auto& overload = op.schema().overload_name();
   return op.schema().name() == "aten::type_as" || overload == "dtype" || overload == "other";
