@@ -16,6 +16,21 @@ namespace {
 
 using namespace amp::testing;  // NOLINT: the initialize fixtures and model (initialize_test.h)
 
+// AddressSanitizer holds freed memory in its quarantine (256 MiB by default) before reusing it,
+// so under ASan RSS grows by design: run alone, this test grew by 45 MiB with quarantine on and
+// passed with quarantine_size_mb=0. The bound is checked without ASan (the regular suite, TSan).
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kRssIsMeaningful = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kRssIsMeaningful = false;
+#else
+constexpr bool kRssIsMeaningful = true;
+#endif
+#else
+constexpr bool kRssIsMeaningful = true;
+#endif
+
 std::size_t resident_kib() {
   std::ifstream statm("/proc/self/statm");
   std::size_t pages = 0, resident = 0;
@@ -44,7 +59,9 @@ void expect_reinitialization_cycles_clean(at::Device device) {
     ASSERT_FALSE(is_casting_enabled());
     if (cycle == 9) rss_after_warmup = resident_kib();
   }
-  EXPECT_LT(resident_kib(), rss_after_warmup + 32 * 1024) << "RSS grew by more than 32 MiB";
+  if (kRssIsMeaningful) {
+    EXPECT_LT(resident_kib(), rss_after_warmup + 32 * 1024) << "RSS grew by more than 32 MiB";
+  }
 }
 
 TEST_P(InitializeOnDevice, ReinitializationCyclesAreBoundedAndClean) {
