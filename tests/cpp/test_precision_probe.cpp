@@ -123,6 +123,34 @@ TEST_F(PrecisionProbeTest, CountsCallsAndRecordsNestedOpsInTheirScope) {
   }
 }
 
+// CPU mean of fp16 converts its result, allocated but not yet written, to fp32 and sums into
+// that: the probe measured the conversion of whatever memory held (NaN from the freed tensors)
+// and named a copy_ as the first inf/NaN.
+TEST_F(PrecisionProbeTest, AKernelsCastOfMemoryItHasNotWrittenIsNotMeasured) {
+  Layer layer(8, 4);
+  init(OptLevel::O2, layer.params());
+  const auto x = at::randn({2, 384}).to(at::kHalf);
+  PrecisionProbe probe;
+  at::Tensor mean;
+  for (int i = 0; i < 50; ++i) {
+    std::vector<at::Tensor> freed;
+    for (int k = 0; k < 4; ++k) freed.push_back(at::full({768}, NAN));
+    freed.clear();
+    mean = x.mean(0);
+  }
+  probe.stop();
+  const auto report = probe.report();
+  EXPECT_TRUE(at::isfinite(mean).all().item<bool>());
+  for (const auto& row : report.rows) {
+    if (row.op != "aten::full" && row.op != "aten::fill_.Scalar") {
+      EXPECT_EQ(row.nonfinite, 0) << row.op << "\n" << probe.table(60);
+    }
+  }
+  const Row* sum = find_row(report, "aten::sum.IntList_out");
+  ASSERT_NE(sum, nullptr) << probe.table(60);
+  EXPECT_EQ(sum->elements, 50 * 384) << "what the kernel wrote is still measured";
+}
+
 TEST_F(PrecisionProbeTest, Float16OverflowInForwardNamesTheInnermostOpAndItsScope) {
   Layer big(16, 4, 1.0);
   {

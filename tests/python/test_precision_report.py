@@ -76,6 +76,24 @@ def test_forward_overflow_names_the_innermost_op_and_the_module(fresh):
     assert one_row(rep, "aten::linear", "encoder")["nonfinite"] == 0
 
 
+def test_a_kernels_cast_of_memory_it_has_not_written_is_not_reported(fresh):
+    # CPU mean of fp16 converts its unwritten result to fp32 before summing into it; that cast
+    # read whatever the memory held (NaN left by the freed tensors here), and the probe named a
+    # copy_ no value of the program held as the first inf/NaN (seen in a timm LeViT at O2).
+    net = init(Net(), opt_level="O2")
+    x = torch.randn(2, 384).half()
+    with amp.precision_report(net) as rep:
+        for _ in range(50):
+            freed = [torch.full((768,), float("nan")) for _ in range(4)]
+            del freed
+            mean = x.mean(0)
+    assert torch.isfinite(mean).all()
+    assert {r["op"] for r in rep.rows if r["nonfinite"]} == {"aten::full", "aten::fill_.Scalar"}, (
+        rep.table(60))
+    assert one_row(rep, "aten::mean.dim", "")["nonfinite"] == 0
+    assert one_row(rep, "aten::sum.IntList_out", "")["elements"] == 50 * 384, "still measured"
+
+
 def test_the_same_model_in_fp32_shows_what_float16_would_overflow(fresh):
     rep = overflowing_head("O0")
     head = one_row(rep, "aten::linear", "head")

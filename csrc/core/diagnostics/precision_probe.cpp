@@ -67,6 +67,20 @@ struct MeasuredTensor {
 };
 thread_local std::vector<MeasuredTensor> t_measured;
 
+// Storages whose values are known during the outermost op call running on this thread: its
+// inputs', and those of the outputs that calls observed inside it computed or wrote. A kernel may
+// allocate a tensor without the dispatcher (a structured kernel's output) and convert it before
+// filling it: CPU `mean` of fp16 does `result.to(kFloat)` on its unwritten result, then sums into
+// that. Such a cast converts whatever memory held (NaN at times), so the probe reported a
+// non-finite `copy_` that no value of the program held, as the first inf/NaN. A nested cast of a
+// source on none of these storages is not measured.
+thread_local std::vector<const c10::StorageImpl*> t_known_storages;
+
+bool storage_known(const at::Tensor& t) {
+  return t.has_storage() && std::find(t_known_storages.begin(), t_known_storages.end(),
+                                      t.storage().unsafeGetStorageImpl()) != t_known_storages.end();
+}
+
 // What one call's floating outputs held.
 struct Measurement {
   std::vector<c10::ScalarType> dtypes;  // distinct floating output dtypes
@@ -295,6 +309,7 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   if (ctx->phase == Phase::kForward) ctx->seq = fn.seqNr();
   read_inputs(fn, *name, *ctx);
   ctx->state = std::move(state);
+  if (t_frames.op_depth == 0) t_known_storages = ctx->input_storages;
   ++t_frames.op_depth;
   return ctx;
 }
@@ -353,6 +368,10 @@ void measure_tensor(const at::Tensor& t, const OpContext& ctx, Measurement& m) {
       is_view_of_input(t, ctx)) {
     return;
   }
+  if (t_frames.op_depth > 1 && ctx.cast_source.defined() && !storage_known(ctx.cast_source)) {
+    return;  // a kernel's conversion of memory it has not written yet (see t_known_storages)
+  }
+  t_known_storages.push_back(t.storage().unsafeGetStorageImpl());
   // A cast's output (not copy_: it writes it) was measured by the copy_ inside it.
   ValueStats v = stats_of(t, ctx.cast_source.defined() && ctx.kind == OutputKind::kComputed);
   // A narrowing cast's output cannot show what it lost (an overflow is already inf, a flush
@@ -445,6 +464,7 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
       if (--t_frames.op_depth <= 0) {
         t_frames.op_depth = 0;
         t_measured.clear();
+        t_known_storages.clear();
       }
     }
   } depth;
