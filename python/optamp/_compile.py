@@ -91,7 +91,7 @@ def is_registered_buffer(t: torch.Tensor) -> bool:
 
 
 def _is_buffer_or_its_view(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and (getattr(t, _MARK, None) == "buffer"
+    return isinstance(t, torch.Tensor) and (is_registered_buffer(t)
                                             or getattr(t, _BUFFER_VIEW, False) is True)
 
 

@@ -24,9 +24,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import _C
 from ._compile import is_registered_buffer
-from ._wrapping import Function, marked, replace
+from ._wrapping import Function, replace, rules_off
 
 
 _CONVERT = "_optamp_converts_buffers_in_place"
@@ -51,14 +50,12 @@ def _converting_registered_buffers_in_place(fn: Callable[[torch.Tensor], Any]
 
 def _keeping_registered_tensors(apply: Function) -> Function:
     @functools.wraps(apply)
-    def run(module: torch.nn.Module, fn: Callable[[torch.Tensor], Any], *args: Any,
-            **kwargs: Any) -> Any:
-        if not _C.is_initialized():
-            return apply(module, fn, *args, **kwargs)
-        with _C.disable_casts():
-            return apply(module, _converting_registered_buffers_in_place(fn), *args, **kwargs)
+    def apply_converting_buffers_in_place(module: torch.nn.Module,
+                                          fn: Callable[[torch.Tensor], Any], *args: Any,
+                                          **kwargs: Any) -> Any:
+        return apply(module, _converting_registered_buffers_in_place(fn), *args, **kwargs)
 
-    return marked(run)
+    return rules_off(apply_converting_buffers_in_place)
 
 
 def install() -> None:
