@@ -186,16 +186,23 @@ void cast_model(const ModelTensors& model, const std::vector<OptimizerTensors>& 
 }
 
 // What scale_loss checks parameters against: their dtypes as training runs them (after O3's
-// cast), and the model's names for them, which error messages use.
-ParameterRecords parameter_records(const ModelTensors& model) {
+// cast), and the model's names for them, which error messages use. The optimizers' parameters of
+// no model (taken at O1/O4) are recorded too: a loss that casts its own weights to its input's
+// dtype would otherwise have them stepped in fp16/bf16 without a word.
+ParameterRecords parameter_records(const ModelTensors& model,
+                                   const std::vector<OptimizerTensors>& opts) {
   ParameterRecords records;
+  auto record = [&records](const at::Tensor& p, std::string name, bool in_models) {
+    records.emplace(p.unsafeGetTensorImpl(),
+                    ParameterRecord{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()),
+                                    p.scalar_type(), std::move(name), in_models});
+  };
   const bool named = model.names.size() == model.parameters.size();
   for (const auto i : c10::irange(model.parameters.size())) {
-    const at::Tensor& p = model.parameters[i];
-    records.insert_or_assign(
-        p.unsafeGetTensorImpl(),
-        ParameterRecord{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()),
-                        p.scalar_type(), named ? model.names[i] : std::string()});
+    record(model.parameters[i], named ? model.names[i] : std::string(), true);
+  }
+  for (const auto& opt : opts) {
+    for (const auto& p : opt.parameters) record(p, std::string(), false);  // kept if a model's
   }
   return records;
 }
@@ -212,7 +219,7 @@ std::shared_ptr<Session> build_session(const ModelTensors& model,
   if (p.enabled && p.model_cast() == ModelCast::kWorkingCopies) {
     session->working_copy_sources = make_working_copy_sources(model.reduced, model.parameters);
   }
-  session->parameters = parameter_records(model);
+  session->parameters = parameter_records(model, opts);
   session->loss_scalers = std::move(scalers);
   session->optimizers.emplace();
   for (const auto& opt : opts) session->optimizers->insert(opt.identity);

@@ -55,12 +55,24 @@ inline constexpr char kCastAfterInitialize[] =
     "optamp does not follow. Call amp::reset(), cast the model, and initialize again (or cast "
     "before initialize); moving it to another device is fine.";
 
-// A model parameter as initialize left it: its dtype (scale_loss refuses one cast since) and the
-// model's name for it ("fc1.weight"; empty when the front gave none), which error messages use.
+// The end of the error when an optimizer parameter of no model passed (taken at O1/O4) changed
+// dtype: libraries cast such weights themselves.
+inline constexpr char kOutsideModelsCastAfterInitialize[] =
+    ": it is a parameter of no model passed to initialize (a loss's own weights, taken as they "
+    "are at O1/O4), and its module cast it since, often to the dtype of its input "
+    "(pytorch-metric-learning's ArcFaceLoss and ProxyAnchorLoss cast their weights to the "
+    "embeddings' fp16/bf16 at O1/O4). Stepped in that dtype without fp32 master weights, its "
+    "updates would round away: give that module fp32 inputs (loss_fn(embeddings.float(), "
+    "labels)), as torch's GradScaler requires too.";
+
+// An optimizer parameter as initialize left it: its dtype (scale_loss refuses one cast since)
+// and the model's name for it ("fc1.weight"; empty when the front gave none or it is in no
+// model), which error messages use.
 struct ParameterRecord {
   c10::weak_intrusive_ptr<c10::TensorImpl> ref;  // so a reused address is not mistaken for it
   c10::ScalarType dtype;
   std::string name;
+  bool in_models = true;  // false: an optimizer's parameter of no model passed (O1/O4)
 };
 using ParameterRecords = std::unordered_map<const c10::TensorImpl*, ParameterRecord>;
 

@@ -68,6 +68,27 @@ TEST_F(Casting, DoublesIntegersBoolsAndComplexAreNeverCast) {
   EXPECT_EQ(cast_count(), before);
 }
 
+// A double in a promote call is placed by torch's promotion, as Apex (which promotes only a mix of
+// fp16 and fp32) and torch.autocast (fp64 is not eligible) leave it: a 0-dim fp64 factor (an ODE
+// solver's step size or tolerance, torchdiffeq's fp64 time) keeps the state's dtype. Widened to
+// fp64 as the widest, the next linear failed on fp64 input beside its fp16 weights.
+TEST_F(Casting, PromoteCallsLeaveDoublesToTorchsPromotion) {
+  for (const char* level : {"O1", "O4"}) {
+    enable(level);
+    const at::ScalarType low = std::string(level) == "O1" ? at::kHalf : at::kBFloat16;
+    const auto dt = at::scalar_tensor(0.25, at::kDouble);
+    const auto before = cast_count();
+    EXPECT_EQ(at::mul(dt, randn({3})).scalar_type(), at::kFloat) << level;
+    EXPECT_EQ(at::add(randn({3}), dt).scalar_type(), at::kFloat) << level;
+    EXPECT_EQ(at::mul(dt, randn({3}, low)).scalar_type(), low) << level;
+    EXPECT_EQ(at::cat({randn({2}), randn({2}, at::kDouble)}).scalar_type(), at::kDouble) << level;
+    EXPECT_EQ(cast_count(), before) << level;
+    // The fp16/fp32 mix beside it is still promoted to fp32, by one cast.
+    EXPECT_EQ(at::addcmul(randn({3}), randn({3}, low), dt).scalar_type(), at::kFloat) << level;
+    EXPECT_EQ(cast_count(), before + 1) << level;
+  }
+}
+
 // ---- autograd -------------------------------------------------------------------------------
 
 struct TinyNet {

@@ -97,6 +97,47 @@ TEST_F(Initialize, OptimizerParamsOutsideTheModelsAreTakenWhereModelsAreNotCast)
   expect_untouched(net);
 }
 
+// Such a parameter keeps the dtype initialize saw: a loss that casts its own weights to its
+// input's dtype (pytorch-metric-learning's ArcFaceLoss: `W.data = W.data.to(emb.dtype)`) is
+// refused at the next scale_loss with the remedy, before anything is scaled or stepped; with fp32
+// input it trains.
+TEST_F(Initialize, AParameterOfNoModelCastSinceIsRefusedWithTheRemedy) {
+  for (const char* level : {"O1", "O4"}) {
+    Net net = make_net();
+    auto centers = torch::randn({4, 3}).requires_grad_();
+    std::vector<at::Tensor> params = net->parameters();
+    params.push_back(centers);
+    torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));
+    Options o = quiet();
+    o.init_scale = 256.0;  // the fp32 step below is taken, not skipped as overflowing
+    auto handle = initialize(net, opt, level, o);
+    auto loss_of = [&](const at::Tensor& embeddings) {
+      centers.set_data(centers.detach().to(embeddings.scalar_type()));  // what such losses do
+      return at::mm(embeddings, centers.t()).logsumexp(1).sum();
+    };
+    auto x = torch::randn({2, 3});
+    const auto reduced = at::linear(x, torch::randn({3, 3}));  // O1/O4: fp16/bf16
+    ASSERT_NE(reduced.scalar_type(), at::kFloat) << level;
+    auto loss = loss_of(reduced);
+    const double scale_before = loss_scaler(0).loss_scale();
+    OPTAMP_EXPECT_THROW_WITH(scale_loss(loss, opt), c10::ValueError, "param_groups[0].params[",
+                             "must still be torch.float32", "parameter of no model passed",
+                             "embeddings.float()");
+    EXPECT_EQ(loss_scaler(0).loss_scale(), scale_before) << level;
+    EXPECT_FALSE(centers.grad().defined()) << level;
+    centers.set_data(centers.detach().to(at::kFloat));
+    {
+      auto scaled = scale_loss(loss_of(reduced.to(at::kFloat)), opt);
+      scaled.backward();
+    }
+    EXPECT_FALSE(loss_scaler(0).last_step_skipped()) << level;
+    EXPECT_EQ(centers.scalar_type(), at::kFloat) << level;
+    ASSERT_TRUE(centers.grad().defined()) << level;
+    EXPECT_TRUE(centers.grad().isfinite().all().item<bool>()) << level;
+    reset();
+  }
+}
+
 TEST_F(Initialize, ErrorParameterInTwoOptimizers) {
   Net net = make_net();
   torch::optim::SGD a(net->parameters(), torch::optim::SGDOptions(0.1));

@@ -257,3 +257,26 @@ class TinyNerf(torch.nn.Module):
         transmittance = torch.cumprod(
             torch.cat([torch.ones_like(alpha[:, :1]), 1 - alpha + 1e-10], -1), -1)[:, :-1]
         return ((alpha * transmittance)[..., None] * colour).sum(1)
+
+
+class NeuralOde(torch.nn.Module):
+    """A neural ODE integrated by Heun's method the way torchdiffeq integrates: time and step
+    are 0-dim fp64 tensors beside the state (torchdiffeq keeps time in fp64), which torch's
+    promotion ranks below the state, so ``dt * k`` keeps the state's dtype."""
+
+    def __init__(self, dim=4, steps=4):
+        super().__init__()
+        self.steps = steps
+        self.field = torch.nn.Sequential(torch.nn.Linear(dim, 16), torch.nn.Tanh(),
+                                         torch.nn.Linear(16, dim))
+        self.head = torch.nn.Linear(dim, 3)
+
+    def forward(self, y):
+        t = torch.zeros((), dtype=torch.float64, device=y.device)
+        dt = torch.full((), 1.0 / self.steps, dtype=torch.float64, device=y.device)
+        for _ in range(self.steps):
+            k1 = self.field(y) * torch.cos(t)
+            k2 = self.field(y + dt * k1) * torch.cos(t + dt)
+            y = y + dt * 0.5 * (k1 + k2)
+            t = t + dt
+        return self.head(y)

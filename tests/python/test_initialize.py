@@ -398,3 +398,43 @@ def test_a_parameter_of_no_model_is_taken_where_models_are_not_cast(fresh, level
         log_var.grad[0] = float("inf")
     opt.step()
     assert optamp.loss_scaler().last_step_skipped and torch.equal(log_var.detach(), before)
+
+
+class _CastsItsWeightsToItsInput(torch.nn.Module):
+    """A loss with class centers of its own that casts them to the embeddings' dtype in its
+    forward, as pytorch-metric-learning's ArcFaceLoss and ProxyAnchorLoss do (``W.data = ...``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.centers = torch.nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, embeddings, labels):
+        self.centers.data = self.centers.data.to(embeddings.dtype)
+        return F.cross_entropy((embeddings @ self.centers.t()).float(), labels)
+
+
+@pytest.mark.parametrize("level", ["O1", "O4"])
+def test_a_parameter_of_no_model_cast_by_its_module_is_refused_with_the_remedy(fresh, level):
+    # Taken as it was at initialize: stepped in fp16/bf16 without master weights its updates
+    # would round away (native bf16 autocast lets that happen silently; GradScaler refuses fp16).
+    model, loss_fn = Mlp(), _CastsItsWeightsToItsInput()
+    opt = torch.optim.SGD(list(model.parameters()) + list(loss_fn.parameters()), lr=0.1)
+    model, opt = init(model, opt, opt_level=level, init_scale=128.0)
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    params = [p.detach().clone() for p in model.parameters()]
+    scale = optamp.loss_scaler().loss_scale()
+    loss = loss_fn(model(x), y)
+    assert loss_fn.centers.dtype != torch.float32  # the module cast its own weights
+    with pytest.raises(ValueError, match=r"params\[4\] must still be torch.float32.*"
+                                         r"no model passed.*embeddings.float\(\)"):
+        with optamp.scale_loss(loss, opt):
+            pass
+    assert optamp.loss_scaler().loss_scale() == scale
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    # The remedy: fp32 embeddings keep the centers fp32, and the step trains them.
+    loss_fn.centers.data = loss_fn.centers.data.float()
+    with optamp.scale_loss(loss_fn(model(x).float(), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert loss_fn.centers.dtype == torch.float32 and loss_fn.centers.grad is not None
+    assert not optamp.loss_scaler().last_step_skipped

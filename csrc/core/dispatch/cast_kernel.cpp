@@ -197,7 +197,11 @@ CastKernel::CastKernel(const c10::FunctionSchema& schema)
 }
 
 void PromoteWidth::add(const at::Tensor& t) {
-  if (!t.defined() || !t.is_floating_point() || is_wrapped_number(t)) return;
+  // Doubles are left out, as Apex (it promotes only a mix of fp16 and fp32) and torch.autocast
+  // (fp64 is not eligible) leave them: torch's own promotion places them, ranking a 0-dim one
+  // below tensors with dimensions. Counted, a 0-dim fp64 factor (torchdiffeq's rtol beside its
+  // fp32 state) made `rtol * y` fp64 and the next linear fail on fp64 beside fp16 weights.
+  if (!is_castable(t)) return;
   const ScalarType s = dtype_ops_see(t);  // a model tensor at O2/O5: its working copy's
   auto widen = [](ScalarType a, ScalarType b) {
     if (a == ScalarType::Undefined || a == b) return b;

@@ -38,7 +38,7 @@ void check_parameter_dtypes(const std::vector<at::Tensor>& params,
     TORCH_CHECK_VALUE(params[i].scalar_type() == record->dtype, param_label(params[i], labels(i)),
                       " must still be ", dtype_name(record->dtype),
                       " as when amp::initialize ran, got ", dtype_name(params[i].scalar_type()),
-                      kCastAfterInitialize);
+                      record->in_models ? kCastAfterInitialize : kOutsideModelsCastAfterInitialize);
   }
 }
 
