@@ -52,8 +52,8 @@ from .functions import (
 )
 from .scaler import load_state_dict, loss_scaler, scale_loss, state_dict
 from .precision import compare_with_fp32, precision_report
-from . import (_autocast_flag, _averaging, _checkpoint, _data_loading, _higher_order,
-               _module_conversion, _native_regions, _pipelining, ab)
+from . import (_autocast_flag, _averaging, _checkpoint, _custom_functions, _data_loading,
+               _higher_order, _module_conversion, _native_regions, _pipelining, ab)
 
 
 def rules_under_no_grad() -> lift_no_grad_gate:
@@ -68,6 +68,7 @@ def rules_under_no_grad() -> lift_no_grad_gate:
 
 
 _checkpoint.install()  # forward and recompute of torch.utils.checkpoint under the same rules
+_custom_functions.install()  # a custom autograd.Function's forward: the rules of its call
 _autocast_flag.install()  # torch._C._is_any_autocast_enabled(): True only where ops are cast
 _native_regions.install()  # torch.autocast(..., enabled=False): optamp's rules off inside
 _higher_order.install()  # torch.cond, flex_attention, ...: run under the optamp state of their call

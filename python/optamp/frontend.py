@@ -153,6 +153,26 @@ def _collect_optimizers(optimizers: List[torch.optim.Optimizer]) -> List[Dict[st
     return out
 
 
+def _refuse_per_sample_clipping_of_scaled_gradients(optimizers: List[torch.optim.Optimizer],
+                                                    preview: Any) -> None:
+    """Opacus's ``DPOptimizer`` (DP-SGD) clips the per-sample gradients (``p.grad_sample``) its
+    module hooks compute from the backward's incoming gradients, those of the scaled loss: no
+    loss scaler unscales them (GradScaler neither: its runs turn NaN), so a scale other than 1
+    would clip gradients 65536 times too large, and fp16 ones overflow. Refused before anything
+    changes; bf16 levels scale by 1."""
+    if not preview.enabled or preview.loss_scale == 1.0:
+        return
+    for index, opt in enumerate(optimizers):
+        if type(opt).__module__.split(".")[0] == "opacus":
+            raise ValueError(
+                f"optimizers[{index}] is Opacus's {type(opt).__name__}, which clips per-sample "
+                "gradients computed from the scaled loss; optamp unscales p.grad only, so it "
+                f"needs a loss scale of 1 (opt_level {preview.opt_level} has loss_scale="
+                f"{preview.loss_scale!r}). Use opt_level='O4' or 'O5' (bfloat16, loss scale 1) "
+                "or loss_scale=1.0, and call optimizer.step() under torch.no_grad() (its "
+                "clipping runs with grad mode on, where O1/O4 would cast it)")
+
+
 def _refuse_script_modules_cast_in_place(models: List[torch.nn.Module], cast: Any) -> None:
     """O3 keeps a model cast in place saving fp32 state dicts through a state_dict hook, which a
     ScriptModule cannot take; refused before anything is changed."""
@@ -365,6 +385,7 @@ def initialize(
     _distributed.check_process_group(process_group)
     preview = _C.resolve(opt_level, **overrides)  # validates the options before collecting
     _refuse_script_modules_cast_in_place(model_list, preview.model_cast)
+    _refuse_per_sample_clipping_of_scaled_gradients(opt_list, preview)
     sharded = _sharded_part(model_list, opt_list)
     _refuse_sharded_models_cast(sharded, preview.model_cast if preview.enabled else ModelCast.NONE,
                                 preview.opt_level)

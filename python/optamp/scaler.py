@@ -7,6 +7,7 @@ and Apex's state-dict layout (``_apex_layout.py``). Imports go one way: ``fronte
 defined before, so ``optamp.scaler.check_process_group`` and the others still import."""
 import contextlib
 import functools
+import types
 from collections.abc import Mapping, MutableMapping
 from typing import (TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple,
                     TypeVar, Union, cast)
@@ -311,15 +312,66 @@ def _hand_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -
 
 
 def _skip_next_step(optimizer: torch.optim.Optimizer) -> None:
-    """Make the next ``optimizer.step()`` change nothing: a later guard's backward refills the
-    grads this guard reset, so resetting them alone would not skip the step."""
+    """Make the next ``optimizer.step()`` change nothing, as ``GradScaler.step`` and Apex do: the
+    call does not reach the optimizer's own ``step`` at all (:func:`_install_skipped_step`), so
+    state an optimizer keeps beside its parameters' (a group's step count, Prodigy's ``d``,
+    ASGD's norms) stays as it was, and an optimizer that refuses a step without gradients is not
+    called. A one-shot step pre-hook clears the grads as well, for a ``step`` reached without the
+    attribute lookup (a bound method taken earlier, ``torch.compile(optimizer.step)``); a later
+    guard's backward refills the grads this guard reset, so resetting them alone would not skip
+    the step."""
 
     def skip(opt: Any) -> None:
+        _uninstall_skipped_step(opt)  # reached through a bound method: that was the skip
         for group in opt.param_groups:
             for p in group["params"]:
                 p.grad = None
 
     _at_next_step(optimizer, "_optamp_skip_hook", optimizer.register_step_pre_hook, skip)
+    _install_skipped_step(optimizer)
+
+
+_NO_STEP_ATTRIBUTE = object()
+
+
+def _install_skipped_step(optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` an instance attribute ``step`` that skips one call: it refuses a step
+    with scaled grads as the permanent pre-hook does, runs the one-shot actions the skipped call
+    would have run (clearing the grads, dropping a handed ``found_inf``), and puts back what the
+    instance had before (an LR scheduler's wrapper, marking the call for the scheduler as that
+    wrapper would, so no "``lr_scheduler.step()`` before ``optimizer.step()``" warning comes)."""
+    holder: Any = optimizer
+    if getattr(holder, "_optamp_step_before", None) is not None:
+        return
+    holder._optamp_step_before = vars(holder).get("step", _NO_STEP_ATTRIBUTE)
+
+    def skipped_step(opt: Any, *args: Any, **kwargs: Any) -> None:
+        _skip_call(opt, args, kwargs)
+
+    holder.step = types.MethodType(skipped_step, holder)
+
+
+@_eager  # attribute writes on the optimizer, which Dynamo refuses to trace
+def _skip_call(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _refuse_scaled_step(optimizer, args, kwargs)
+    before = _uninstall_skipped_step(optimizer)
+    for handle_name in ("_optamp_skip_hook", "_optamp_found_inf_hook"):
+        _run_pending(optimizer, handle_name)
+    if hasattr(before, "_wrapped_by_lr_sched"):
+        optimizer._opt_called = True
+
+
+def _uninstall_skipped_step(optimizer: Any) -> Any:
+    """Put back the ``step`` attribute the skip replaced; returns it (None if no skip waits)."""
+    before = getattr(optimizer, "_optamp_step_before", None)
+    if before is None:
+        return None
+    optimizer._optamp_step_before = None
+    if before is _NO_STEP_ATTRIBUTE:
+        del optimizer.step
+    else:
+        optimizer.step = before
+    return before
 
 
 def _at_next_step(optimizer: torch.optim.Optimizer, handle_name: str,
@@ -334,6 +386,14 @@ def _at_next_step(optimizer: torch.optim.Optimizer, handle_name: str,
         _run_once(opt, handle_name, action)
 
     setattr(holder, handle_name, register(once))
+    setattr(holder, handle_name + "_action", action)
+
+
+def _run_pending(optimizer: Any, handle_name: str) -> None:
+    """Run now the one-shot action waiting in the hook ``handle_name``, if any (a skipped call
+    of ``step`` runs no hooks)."""
+    if getattr(optimizer, handle_name, None) is not None:
+        _run_once(optimizer, handle_name, getattr(optimizer, handle_name + "_action"))
 
 
 @_eager  # a compiled optimizer.step traces its hooks
@@ -341,6 +401,7 @@ def _run_once(optimizer: Any, handle_name: str, action: Callable[[Any], None]) -
     action(optimizer)
     getattr(optimizer, handle_name).remove()
     setattr(optimizer, handle_name, None)
+    setattr(optimizer, handle_name + "_action", None)
 
 
 def loss_scaler(loss_id: int = 0) -> _C.LossScaler:

@@ -1067,6 +1067,91 @@ def test_custom_fwd_functions_get_their_inputs_as_under_native_autocast(fresh, l
         assert torch.is_autocast_enabled("cpu") is True
 
 
+class _ReversibleCoupling(torch.autograd.Function):
+    """A reversible block (RevNet, Reformer): the forward runs without recording (it is a
+    Function's, under no_grad) and keeps only its output; the backward reconstructs the input by
+    recomputing f and g under ``enable_grad`` and backpropagates through them. The gradient is
+    right only if the recompute casts as the forward did."""
+
+    @staticmethod
+    def forward(ctx, x, block, *params):
+        x1, x2 = x.chunk(2, dim=-1)
+        f_x2 = block.f(x2)
+        block.forward_dtypes.append(f_x2.dtype)
+        y1 = x1 + f_x2
+        y = torch.cat([y1, x2 + block.g(y1)], dim=-1)
+        ctx.block = block
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        block = ctx.block
+        (y1, y2), (dy1, dy2) = y.chunk(2, dim=-1), dy.chunk(2, dim=-1)
+        with torch.enable_grad():
+            y1 = y1.detach().requires_grad_()
+            g_y1 = block.g(y1)
+            torch.autograd.backward(g_y1, dy2)
+        with torch.no_grad():
+            x2 = y2 - g_y1
+            dx1 = dy1 + y1.grad
+        with torch.enable_grad():
+            x2 = x2.detach().requires_grad_()
+            f_x2 = block.f(x2)
+            torch.autograd.backward(f_x2, dx1)
+        with torch.no_grad():
+            block.reconstructed.append(torch.cat([y1 - f_x2, x2], dim=-1))
+            dx2 = dy2 + x2.grad
+        return (torch.cat([dx1, dx2], dim=-1), None) + (None,) * len(list(block.parameters()))
+
+
+class _CouplingBlock(torch.nn.Module):
+    def __init__(self, reversible):
+        super().__init__()
+        self.f = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        self.g = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        self.reversible, self.forward_dtypes, self.reconstructed = reversible, [], []
+
+    def forward(self, x):
+        if self.reversible:
+            return _ReversibleCoupling.apply(x, self, *self.parameters())
+        x1, x2 = x.chunk(2, dim=-1)
+        y1 = x1 + self.f(x2)
+        return torch.cat([y1, x2 + self.g(y1)], dim=-1)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_a_custom_functions_forward_casts_as_its_call_site(fresh, level):
+    # Found 2026-12-07 (Reformer, reversible layers): a Function's forward runs with grad mode
+    # off, so the no_grad gate cast nothing there while its backward's recompute (enable_grad)
+    # was cast: fp32 forward, fp16 recompute, an input reconstructed wrongly and gradients 104%
+    # off those of the same model with plain residuals (native autocast: 33%, its recompute runs
+    # outside the region in fp32). A Function called while autograd records now runs its
+    # forward under the rules of the call, as native autocast and Apex cast there.
+    torch.manual_seed(0)
+    block = _CouplingBlock(reversible=True)
+    plain = copy.deepcopy(block)
+    plain.reversible = False
+    init([block, plain], None, level, cast_model_inputs=False)
+    low = torch.bfloat16 if level in ("O4", "O5") else torch.float16
+    x = torch.randn(4, 16)
+    grads = []
+    for model in (block, plain):
+        x_in = x.clone().requires_grad_()
+        model(x_in).float().pow(2).sum().backward()
+        grads.append([x_in.grad] + [p.grad for p in model.parameters()])
+    assert block.forward_dtypes == [low]
+    torch.testing.assert_close(block.reconstructed[0], x, rtol=1e-6, atol=1e-6)  # fp32 add/sub
+    for reversible_grad, plain_grad in zip(*grads):
+        torch.testing.assert_close(reversible_grad, plain_grad, rtol=1e-4, atol=1e-5)
+    # Under no_grad (validation) and inside disable_casts the gate and the region stand.
+    for context in (torch.no_grad, optamp.disable_casts):
+        with context():
+            block(x)
+    assert block.forward_dtypes == [low, torch.float32, torch.float32]
+
+
 # ---- torch.func transforms ---------------------------------------------------------------------
 
 

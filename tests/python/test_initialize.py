@@ -26,6 +26,40 @@ class MySGD(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"])
 
 
+class GroupCountedAdam(torch.optim.Optimizer):
+    """Keeps state beside its parameters', as many optimizers outside torch.optim do (group
+    step counts, Prodigy's d, ASGD's norms): a group's step count advances on every call and a
+    group-level statistic is rewritten, whether or not a parameter has a gradient."""
+
+    def __init__(self, params, lr=1e-2, eps=1e-8):
+        super().__init__(params, dict(lr=lr, eps=eps, step=0, grad_norm=0.0))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] += 1
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            group["grad_norm"] = float(sum(g.norm() ** 2 for g in grads)) ** 0.5
+            correction = 1 - 0.999 ** group["step"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                v = state.setdefault("v", torch.zeros_like(p))
+                v.mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
+                p.addcdiv_(p.grad, (v / correction).sqrt_().add_(group["eps"]), value=-group["lr"])
+
+
+class NeedsGradients(MySGD):
+    """Refuses a step without any gradient, as pytorch_optimizer's Adai and AdamS do."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if all(p.grad is None for group in self.param_groups for p in group["params"]):
+            raise RuntimeError("NeedsGradients: no parameter has a gradient")
+        super().step(closure)
+
+
 OPTIMIZERS = {
     "SGD": lambda ps, eps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
     "Adam": lambda ps, eps: torch.optim.Adam(ps, lr=1e-2, **eps),
@@ -42,6 +76,8 @@ OPTIMIZERS = {
     "RAdam": lambda ps, eps: torch.optim.RAdam(ps, lr=1e-2, foreach=True, **eps),
     "Rprop": lambda ps, eps: torch.optim.Rprop(ps, lr=1e-2),
     "custom": lambda ps, eps: MySGD(ps, lr=0.1),
+    "group_state": lambda ps, eps: GroupCountedAdam(ps, lr=1e-2, **eps),
+    "needs_gradients": lambda ps, eps: NeedsGradients(ps, lr=0.1),
 }
 # The dtype the optimizer steps (the model's parameters) at each level.
 PARAM_DTYPE = {"O1": torch.float32, "O2": torch.float32, "O3": torch.float16,
@@ -101,7 +137,10 @@ def _same(a, b):
 @pytest.mark.parametrize("level", list(PARAM_DTYPE))
 def test_every_optimizer_skips_an_overflow_bit_exactly(fresh, name, level):
     """An inf in the loss skips the step: weights and every piece of optimizer state (moments,
-    step counts, Rprop's step sizes, ASGD's averages, Adafactor's factors) stay bit for bit."""
+    step counts, Rprop's step sizes, ASGD's averages, Adafactor's factors, a group's own
+    counters) stay bit for bit. The skipped call does not reach the optimizer, as under
+    GradScaler: one that refuses a step without gradients is not called (until 2026-12-07 it
+    was, with the grads set to None, and group-level state advanced)."""
     model = Mlp()
     opt = OPTIMIZERS[name](model.parameters(), dict(eps=1e-4) if level == "O3" else {})
     model, opt = init(model, opt, opt_level=level)
@@ -148,6 +187,33 @@ def test_enabled_false_returns_untouched_and_scale_loss_is_identity(fresh):
     with optamp.scale_loss(loss, opt) as scaled:
         assert scaled.item() == pytest.approx(loss.item())
         scaled.backward()
+
+
+class _DPOptimizer(torch.optim.SGD):
+    """Stands for Opacus's DPOptimizer (``opacus.optimizers.optimizer``), not installed here:
+    optamp tells it by the module its class comes from."""
+
+
+_DPOptimizer.__module__ = "opacus.optimizers.optimizer"
+
+
+@pytest.mark.parametrize("level, refused", [("O1", True), ("O2", True), ("O3", False),
+                                            ("O4", False), ("O5", False)])
+def test_opacus_is_refused_where_the_loss_is_scaled(fresh, level, refused):
+    """Opacus clips per-sample gradients its hooks compute from the scaled loss, which no loss
+    scaler unscales (GradScaler's runs turn NaN): a level that scales the loss refuses its
+    DPOptimizer, naming the remedy, and changes nothing; bf16 levels and O3 scale by 1."""
+    model = Mlp()
+    opt = _DPOptimizer(model.parameters(), lr=0.1)
+    if refused:
+        with pytest.raises(ValueError, match=r"optimizers\[0\] is Opacus's _DPOptimizer.*loss "
+                           r"scale of 1 \(opt_level O\d has loss_scale='dynamic'\).*'O4' or "
+                           r"'O5'.*torch.no_grad\(\)"):
+            init(model, opt, opt_level=level)
+        assert "forward" not in vars(model)
+        init(model, opt, opt_level=level, loss_scale=1.0)  # the other remedy
+    else:
+        init(model, opt, opt_level=level)
 
 
 def test_validation_errors_change_nothing(fresh):

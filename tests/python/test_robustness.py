@@ -319,6 +319,70 @@ def test_a_step_inside_the_with_block_is_refused_and_changes_nothing(level, fuse
     assert not all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
 
 
+def _overflowed(model, opt):
+    """A guard that overflowed: the next optimizer.step() is to be skipped."""
+    opt.zero_grad()
+    with optamp.scale_loss(model(torch.randn(2, 4)).float().sum() * math.inf, opt) as scaled:
+        scaled.backward()
+    assert optamp.loss_scaler().last_step_skipped
+
+
+def test_a_skipped_step_is_not_called_and_the_next_one_is():
+    """After an overflow ``optimizer.step()`` returns without calling the optimizer's own step
+    (GradScaler's and Apex's skip), then puts the method back: the next step runs. A step taken
+    through a bound method fetched before the overflow (as ``torch.compile(opt.step)`` holds
+    one) is reached, and finds no gradients."""
+    model, opt = _initialized()
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    bound = opt.step
+    _overflowed(model, opt)
+    assert "step" in vars(opt)
+    assert opt.step() is None and calls == [] and "step" not in vars(opt)
+    _overflowed(model, opt)
+    params = [p.detach().clone() for p in model.parameters()]
+    bound()
+    assert calls == ["pre"] and all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    opt.step()  # the skip was used by the bound call's hook: nothing pending, nothing to step
+    assert calls == ["pre", "pre"] and "step" not in vars(opt)
+
+
+def test_a_skipped_step_puts_back_an_lr_schedulers_wrapper():
+    """An LR scheduler wraps ``optimizer.step`` on the instance; the skip stands in for it once,
+    marks the call as the wrapper would (no "lr_scheduler.step() before optimizer.step()"
+    warning), and leaves the wrapper in place for the next step."""
+    model, opt = _initialized()
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    wrapper = vars(opt)["step"]
+    _overflowed(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+        scheduler.step()
+    assert vars(opt)["step"] is wrapper and opt.param_groups[0]["lr"] == 0.05
+
+
+def test_a_step_inside_a_later_block_is_refused_while_a_skip_waits():
+    """An overflow waits to skip the next step; a step inside the next guard's block is still
+    refused (its grads are scaled), and the skip still applies after that block."""
+    model, opt = _initialized()
+    _overflowed(model, opt)
+    params = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"inside a scale_loss block"):
+        with optamp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+            scaled.backward()
+            opt.step()
+    with optamp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    opt.zero_grad()
+    with optamp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+
+
 def test_a_step_after_only_delay_unscale_blocks_is_refused_until_a_final_block():
     """Every micro-batch with ``delay_unscale=True``, the last included (a slip: Apex's pattern
     ends with a block without it): the grads are still scaled, so the step raises, as
