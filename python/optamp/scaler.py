@@ -7,6 +7,7 @@ and Apex's state-dict layout (``_apex_layout.py``). Imports go one way: ``fronte
 defined before, so ``optamp.scaler.check_process_group`` and the others still import."""
 import contextlib
 import functools
+import sys
 import types
 from collections.abc import Mapping, MutableMapping
 from typing import (TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple,
@@ -246,7 +247,8 @@ def _close_guard(guard: Any, opts: List[Any], loss_id: int, delay_unscale: bool,
             skipped = guard.finish(False)
     if skipped:
         for opt in opts:
-            _skip_next_step(opt)
+            if not _inside_step_of(opt):
+                _skip_next_step(opt)
     found_inf = guard.found_inf
     if found_inf is not None:
         for opt in opts:
@@ -329,6 +331,20 @@ def _skip_next_step(optimizer: torch.optim.Optimizer) -> None:
 
     _at_next_step(optimizer, "_optamp_skip_hook", optimizer.register_step_pre_hook, skip)
     _install_skipped_step(optimizer)
+
+
+def _inside_step_of(optimizer: Any) -> bool:
+    """Whether this guard closed inside ``optimizer.step(closure)`` (Lightning's automatic
+    optimization, SAM-style optimizers run the forward and backward in the step's closure): the
+    grads the guard set to None skip that step, which is already running, and a skip left for
+    the next call would drop the next step's closure. Read on overflow only: a walk up the
+    stack for the optimizer's ``step`` frame."""
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "step" and frame.f_locals.get("self") is optimizer:
+            return True
+        frame = frame.f_back
+    return False
 
 
 _NO_STEP_ATTRIBUTE = object()

@@ -383,6 +383,34 @@ def test_a_step_inside_a_later_block_is_refused_while_a_skip_waits():
     assert not all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
 
 
+def test_an_overflow_inside_a_steps_closure_skips_that_step_and_no_other():
+    """Lightning's automatic optimization (and SAM-style optimizers) run forward and backward in
+    the closure of ``optimizer.step(closure)``: a guard that overflows there is inside the step
+    it must skip, so the grads it drops skip it, and nothing is left to skip the next call (which
+    would drop the next step's closure unrun)."""
+    model, opt = _initialized()
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    calls = []
+
+    def closure(factor):
+        def run():
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y) * factor
+            with optamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            calls.append(factor)
+            return loss
+        return run
+
+    params = [p.detach().clone() for p in model.parameters()]
+    opt.step(closure(math.inf))
+    assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    assert optamp.loss_scaler().last_step_skipped and "step" not in vars(opt)
+    opt.step(closure(1.0))
+    assert calls == [math.inf, 1.0]
+    assert not all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+
+
 def test_a_step_after_only_delay_unscale_blocks_is_refused_until_a_final_block():
     """Every micro-batch with ``delay_unscale=True``, the last included (a slip: Apex's pattern
     ends with a block without it): the grads are still scaled, so the step raises, as
