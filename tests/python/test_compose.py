@@ -1055,7 +1055,9 @@ def test_custom_fwd_functions_get_their_inputs_as_under_native_autocast(fresh, l
         x.grad = w.grad = None
         h = x.to(low)  # an activation the level made reduced
         out = function.apply(h, w)
-        assert out.dtype == torch.float32
+        # custom_fwd without cast_inputs: the forward runs under the rules of the call, its
+        # matmul in the low dtype, as under native autocast (fp32 until 2026-12-07: the gate)
+        assert out.dtype == (torch.float32 if function is _Fp32Only else low)
         out.sum().backward()
         with torch.no_grad():  # the references in fp32 (the no_grad gate)
             grad_x = (torch.ones(4, 8) @ w.t()).to(low).float()  # back through the cast to h
