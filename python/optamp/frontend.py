@@ -20,7 +20,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
-from . import _C, _boundary, _compile, _distributed, _dtensor, _pipelining, ab
+from . import _C, _boundary, _compile, _distributed, _dtensor, _pipelining, ab, scaler
 from ._optimizers import stepping_optimizer
 
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
@@ -477,6 +477,7 @@ def reset() -> None:
     global _properties
     with _lock:
         _C._reset_core()  # the loss scalers and their found-inf reducers go with it
+        scaler.drop_waiting_steps()  # skips and overflow flags left for optimizers' next steps
         _C._set_gradient_buckets(True)
         _distributed.set_process_group(None, 0)
         _boundary.unwrap_all()

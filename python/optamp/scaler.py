@@ -9,6 +9,7 @@ import contextlib
 import functools
 import sys
 import types
+import weakref
 from collections.abc import Mapping, MutableMapping
 from typing import (TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple,
                     TypeVar, Union, cast)
@@ -347,6 +348,29 @@ def _inside_step_of(optimizer: Any) -> bool:
     return False
 
 
+# Optimizers a skip or a handed overflow flag may be waiting on (their next step).
+_waiting: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def drop_waiting_steps() -> None:
+    """``reset()``: what guards left for optimizers' next steps goes with the loss scalers (a
+    skip, a handed ``found_inf``), so a step after ``reset`` and a new ``initialize`` runs as
+    the new state says."""
+    for optimizer in list(_waiting):
+        _uninstall_skipped_step(optimizer)
+        for handle_name in ("_optamp_skip_hook", "_optamp_found_inf_hook"):
+            handle = getattr(optimizer, handle_name, None)
+            if handle is not None:
+                handle.remove()
+                setattr(optimizer, handle_name, None)
+                setattr(optimizer, handle_name + "_action", None)
+        for name in ("found_inf", "grad_scale"):
+            if hasattr(optimizer, name):
+                delattr(optimizer, name)
+        optimizer._optamp_found_inf = None
+    _waiting.clear()
+
+
 _NO_STEP_ATTRIBUTE = object()
 
 
@@ -365,6 +389,7 @@ def _install_skipped_step(optimizer: torch.optim.Optimizer) -> None:
         _skip_call(opt, args, kwargs)
 
     holder.step = types.MethodType(skipped_step, holder)
+    _waiting.add(optimizer)
 
 
 @_eager  # attribute writes on the optimizer, which Dynamo refuses to trace
@@ -403,6 +428,7 @@ def _at_next_step(optimizer: torch.optim.Optimizer, handle_name: str,
 
     setattr(holder, handle_name, register(once))
     setattr(holder, handle_name + "_action", action)
+    _waiting.add(optimizer)
 
 
 def _run_pending(optimizer: Any, handle_name: str) -> None:

@@ -383,6 +383,26 @@ def test_a_step_inside_a_later_block_is_refused_while_a_skip_waits():
     assert not all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
+def test_reset_drops_a_skip_waiting_for_the_next_step(fused):
+    """An overflow leaves a skip (or, fused, the overflow flag) for the next step; ``reset()``
+    takes it with the loss scalers, so after a new ``initialize`` the next step runs."""
+    model = Mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused or None)
+    init(model, opt, "O1")
+    _overflowed(model, opt)
+    optamp.reset()
+    assert "step" not in vars(opt) and getattr(opt, "found_inf", None) is None
+    init(model, opt, "O1")
+    params = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    with optamp.scale_loss(model(torch.randn(2, 4)).float().mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not optamp.loss_scaler().last_step_skipped
+    assert not any(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+
+
 def test_an_overflow_inside_a_steps_closure_skips_that_step_and_no_other():
     """Lightning's automatic optimization (and SAM-style optimizers) run forward and backward in
     the closure of ``optimizer.step(closure)``: a guard that overflows there is inside the step
