@@ -20,7 +20,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
-from . import _C, _boundary, _compile, _distributed, _dtensor, _pipelining, ab, scaler
+from . import _C, _boundary, _compile, _distributed, _dtensor, _opacus, _pipelining, ab, scaler
 from ._optimizers import stepping_optimizer
 
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
@@ -151,26 +151,6 @@ def _collect_optimizers(optimizers: List[torch.optim.Optimizer]) -> List[Dict[st
             }
         )
     return out
-
-
-def _refuse_per_sample_clipping_of_scaled_gradients(optimizers: List[torch.optim.Optimizer],
-                                                    preview: Any) -> None:
-    """Opacus's ``DPOptimizer`` (DP-SGD) clips the per-sample gradients (``p.grad_sample``) its
-    module hooks compute from the backward's incoming gradients, those of the scaled loss: no
-    loss scaler unscales them (GradScaler neither: its runs turn NaN), so a scale other than 1
-    would clip gradients 65536 times too large, and fp16 ones overflow. Refused before anything
-    changes; bf16 levels scale by 1."""
-    if not preview.enabled or preview.loss_scale == 1.0:
-        return
-    for index, opt in enumerate(optimizers):
-        if type(opt).__module__.split(".")[0] == "opacus":
-            raise ValueError(
-                f"optimizers[{index}] is Opacus's {type(opt).__name__}, which clips per-sample "
-                "gradients computed from the scaled loss; optamp unscales p.grad only, so it "
-                f"needs a loss scale of 1 (opt_level {preview.opt_level} has loss_scale="
-                f"{preview.loss_scale!r}). Use opt_level='O4' or 'O5' (bfloat16, loss scale 1) "
-                "or loss_scale=1.0, and call optimizer.step() under torch.no_grad() (its "
-                "clipping runs with grad mode on, where O1/O4 would cast it)")
 
 
 def _refuse_script_modules_cast_in_place(models: List[torch.nn.Module], cast: Any) -> None:
@@ -385,7 +365,7 @@ def initialize(
     _distributed.check_process_group(process_group)
     preview = _C.resolve(opt_level, **overrides)  # validates the options before collecting
     _refuse_script_modules_cast_in_place(model_list, preview.model_cast)
-    _refuse_per_sample_clipping_of_scaled_gradients(opt_list, preview)
+    _opacus.refuse_scaled_losses(opt_list, preview)
     sharded = _sharded_part(model_list, opt_list)
     _refuse_sharded_models_cast(sharded, preview.model_cast if preview.enabled else ModelCast.NONE,
                                 preview.opt_level)
@@ -414,6 +394,8 @@ def initialize(
         if props.casts:
             _flush_torchscript_plans(model_list)
     _warn_fused_sgd_on_cpu(opt_list)
+    if props.enabled:
+        _opacus.run_steps_uncast(opt_list)  # DP-SGD clips with grad mode on: not cast
     global _properties
     _properties = props
     substituted = props.model_cast == ModelCast.WORKING_COPIES
@@ -478,6 +460,7 @@ def reset() -> None:
     with _lock:
         _C._reset_core()  # the loss scalers and their found-inf reducers go with it
         scaler.drop_waiting_steps()  # skips and overflow flags left for optimizers' next steps
+        _opacus.restore_steps()
         _C._set_gradient_buckets(True)
         _distributed.set_process_group(None, 0)
         _boundary.unwrap_all()

@@ -191,7 +191,19 @@ def test_enabled_false_returns_untouched_and_scale_loss_is_identity(fresh):
 
 class _DPOptimizer(torch.optim.SGD):
     """Stands for Opacus's DPOptimizer (``opacus.optimizers.optimizer``), not installed here:
-    optamp tells it by the module its class comes from."""
+    optamp tells it by the module its class comes from. Like Opacus, it recombines the
+    gradients with an ``einsum`` in ``step()`` with grad mode on, and assigns them to ``p.grad``
+    (which refuses a gradient of another dtype)."""
+
+    def step(self, closure=None):
+        self.einsum_dtypes = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    clipped = torch.einsum("i,i...", torch.ones(1), p.grad.unsqueeze(0))
+                    self.einsum_dtypes.append(clipped.dtype)
+                    p.grad = clipped.view_as(p)
+        return super().step(closure)
 
 
 _DPOptimizer.__module__ = "opacus.optimizers.optimizer"
@@ -208,12 +220,37 @@ def test_opacus_is_refused_where_the_loss_is_scaled(fresh, level, refused):
     if refused:
         with pytest.raises(ValueError, match=r"optimizers\[0\] is Opacus's _DPOptimizer.*loss "
                            r"scale of 1 \(opt_level O\d has loss_scale='dynamic'\).*'O4' or "
-                           r"'O5'.*torch.no_grad\(\)"):
+                           r"'O5'"):
             init(model, opt, opt_level=level)
         assert "forward" not in vars(model)
         init(model, opt, opt_level=level, loss_scale=1.0)  # the other remedy
     else:
         init(model, opt, opt_level=level)
+
+
+@pytest.mark.parametrize("level", ["O4", "O5"])
+def test_an_opacus_optimizers_step_runs_uncast(fresh, level):
+    """Opacus clips in ``step()`` with grad mode on, where O4 would cast its einsum and the
+    bf16 sum could not be assigned to an fp32 gradient ("attempting to assign a gradient with
+    dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'"; until 2026-12-07 the remedy was
+    the user's ``torch.no_grad()``). Its step runs with optamp's rules off, as a step outside
+    native autocast's region does; an LR scheduler wraps it as any step, and ``reset`` gives
+    the optimizer its own step back."""
+    model = Mlp()
+    opt = _DPOptimizer(model.parameters(), lr=0.1)
+    init(model, opt, opt_level=level)
+    assert "step" in vars(opt)
+    optamp.reset()
+    assert "step" not in vars(opt)
+    init(model, opt, opt_level=level)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    step(model, opt, torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    scheduler.step()
+    assert opt.einsum_dtypes == [torch.float32] * 4
+    assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    optamp.reset()  # the scheduler's wrapper (around optamp's) stays
+    assert hasattr(vars(opt)["step"], "_wrapped_by_lr_sched")
 
 
 def test_validation_errors_change_nothing(fresh):
