@@ -11,8 +11,9 @@ inherits) so that a call made where optamp's rules apply with grad mode on runs 
 ``lift_no_grad_gate``: the forward casts as the code around the call does. A region in effect at
 the call (``disable_casts``, ``torch.autocast(enabled=False)``, ``custom_fwd``'s fp32 forward)
 stays in effect. Calls under no_grad (optimizer steps, validation) and calls during backward are
-not touched. Dynamo traces ``Function.apply`` calls itself, without this wrapper; the forward it
-traces comes out cast as in eager (docs/design.md).
+not touched, nor is AOTAutograd's runtime wrapper of a compiled graph (below). Under
+``torch.compile`` the forward is traced through torch's ``ApplyTemplate`` Function, which this
+wrapper lifts like any other, so the compiled forward casts as the eager one (docs/design.md).
 """
 import functools
 from typing import Any
@@ -23,6 +24,11 @@ from . import _C
 from ._wrapping import marked
 
 _MARK = "_optamp_wrapped"
+# AOTAutograd runs a compiled graph inside a Function of its own (``CompiledFunction``), with the
+# casts already traced into the graph: it runs as traced. (The Function that traces a custom
+# Function's forward for ``torch.compile``, ``torch._functorch.autograd_function.ApplyTemplate``,
+# is lifted like any other, which is what makes the traced forward cast as the eager one.)
+_COMPILED_GRAPHS = "torch._functorch._aot_autograd."
 
 
 def install() -> None:
@@ -34,7 +40,8 @@ def install() -> None:
 
     @functools.wraps(original)
     def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled() and _C.is_casting_enabled():
+        if (torch.is_grad_enabled() and not cls.__module__.startswith(_COMPILED_GRAPHS)
+                and _C.is_casting_enabled()):
             with _C.lift_no_grad_gate():
                 return original(cls, *args, **kwargs)
         return original(cls, *args, **kwargs)
