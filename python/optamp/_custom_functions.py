@@ -21,9 +21,8 @@ from typing import Any
 import torch
 
 from . import _C
-from ._wrapping import marked
+from ._wrapping import _MARK, marked
 
-_MARK = "_optamp_wrapped"
 # AOTAutograd runs a compiled graph inside a Function of its own (``CompiledFunction``), with the
 # casts already traced into the graph: it runs as traced. (The Function that traces a custom
 # Function's forward for ``torch.compile``, ``torch._functorch.autograd_function.ApplyTemplate``,

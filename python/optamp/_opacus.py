@@ -15,16 +15,15 @@ compute from the gradients flowing back from the loss, then sums them into ``p.g
 
 An Opacus optimizer is told by the module its class comes from; optamp does not import Opacus.
 """
-import types
 import weakref
 from typing import Any, List
 
 import torch
 
 from . import _C
+from ._optimizers import put_back_step, replace_step
 
 _UNCAST = "_optamp_step_uncast"  # (the instance's step attribute before the wrapper, the wrapper)
-_NONE = object()
 _wrapped: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
@@ -52,15 +51,13 @@ def run_steps_uncast(optimizers: List[torch.optim.Optimizer]) -> None:
         holder: Any = opt
         if not is_opacus_optimizer(opt) or opt in _wrapped:
             continue
-        before = vars(holder).get("step", _NONE)
         own_step = holder.step
 
-        # A bound method, as an LR scheduler made later expects (it wraps ``step.__func__``).
         def step(self: Any, *args: Any, **kwargs: Any) -> Any:
             with _C.disable_casts():
                 return own_step(*args, **kwargs)
 
-        holder.step = types.MethodType(step, holder)
+        before = replace_step(holder, step)
         setattr(holder, _UNCAST, (before, holder.step))
         _wrapped.add(opt)
 
@@ -71,10 +68,6 @@ def restore_steps() -> None:
         holder: Any = opt
         before, ours = getattr(holder, _UNCAST)
         delattr(holder, _UNCAST)
-        if vars(holder).get("step") is not ours:
-            continue  # wrapped since (an LR scheduler): left in place, ours inside it
-        if before is _NONE:
-            del holder.step
-        else:
-            holder.step = before
+        if vars(holder).get("step") is ours:  # else wrapped since (an LR scheduler): ours stays
+            put_back_step(holder, before)
     _wrapped.clear()

@@ -1,5 +1,29 @@
-"""Which optimizer steps: wrappers that subclass ``torch.optim.Optimizer`` without being one."""
+"""Which optimizer steps: wrappers that subclass ``torch.optim.Optimizer`` without being one; and
+the instance ``step`` optamp puts in front of an optimizer's own for a while (the skip after an
+overflow, Opacus's uncast step)."""
+import types
+from typing import Any, Callable
+
 import torch
+
+_NO_STEP_ATTRIBUTE = object()
+
+
+def replace_step(optimizer: Any, step: Callable[..., Any]) -> Any:
+    """Sets ``optimizer.step`` to ``step`` bound to it (a bound method, as an LR scheduler made
+    later expects: it wraps ``step.__func__``); returns what the instance held before, for
+    :func:`put_back_step`."""
+    before = vars(optimizer).get("step", _NO_STEP_ATTRIBUTE)
+    optimizer.step = types.MethodType(step, optimizer)
+    return before
+
+
+def put_back_step(optimizer: Any, before: Any) -> None:
+    """Undoes :func:`replace_step` with what it returned."""
+    if before is _NO_STEP_ATTRIBUTE:
+        del optimizer.step
+    else:
+        optimizer.step = before
 
 
 def stepping_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -17,7 +17,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequ
 import torch
 
 from . import _C, _apex_layout
-from ._optimizers import stepping_optimizer
+from ._optimizers import put_back_step, replace_step, stepping_optimizer
 from ._distributed import (
     FoundInfReducer,
     check_process_group,
@@ -358,20 +358,10 @@ def drop_waiting_steps() -> None:
     the new state says."""
     for optimizer in list(_waiting):
         _uninstall_skipped_step(optimizer)
-        for handle_name in ("_optamp_skip_hook", "_optamp_found_inf_hook"):
-            handle = getattr(optimizer, handle_name, None)
-            if handle is not None:
-                handle.remove()
-                setattr(optimizer, handle_name, None)
-                setattr(optimizer, handle_name + "_action", None)
-        for name in ("found_inf", "grad_scale"):
-            if hasattr(optimizer, name):
-                delattr(optimizer, name)
-        optimizer._optamp_found_inf = None
+        _run_pending(optimizer, "_optamp_found_inf_hook")  # drops the flag
+        if getattr(optimizer, "_optamp_skip_hook", None) is not None:
+            _forget(optimizer, "_optamp_skip_hook")  # not run: it would clear the grads
     _waiting.clear()
-
-
-_NO_STEP_ATTRIBUTE = object()
 
 
 def _install_skipped_step(optimizer: torch.optim.Optimizer) -> None:
@@ -383,12 +373,11 @@ def _install_skipped_step(optimizer: torch.optim.Optimizer) -> None:
     holder: Any = optimizer
     if getattr(holder, "_optamp_step_before", None) is not None:
         return
-    holder._optamp_step_before = vars(holder).get("step", _NO_STEP_ATTRIBUTE)
 
     def skipped_step(opt: Any, *args: Any, **kwargs: Any) -> None:
         _skip_call(opt, args, kwargs)
 
-    holder.step = types.MethodType(skipped_step, holder)
+    holder._optamp_step_before = replace_step(holder, skipped_step)
     _waiting.add(optimizer)
 
 
@@ -408,10 +397,7 @@ def _uninstall_skipped_step(optimizer: Any) -> Any:
     if before is None:
         return None
     optimizer._optamp_step_before = None
-    if before is _NO_STEP_ATTRIBUTE:
-        del optimizer.step
-    else:
-        optimizer.step = before
+    put_back_step(optimizer, before)
     return before
 
 
@@ -441,6 +427,11 @@ def _run_pending(optimizer: Any, handle_name: str) -> None:
 @_eager  # a compiled optimizer.step traces its hooks
 def _run_once(optimizer: Any, handle_name: str, action: Callable[[Any], None]) -> None:
     action(optimizer)
+    _forget(optimizer, handle_name)
+
+
+def _forget(optimizer: Any, handle_name: str) -> None:
+    """Removes the one-shot hook ``handle_name`` and its action."""
     getattr(optimizer, handle_name).remove()
     setattr(optimizer, handle_name, None)
     setattr(optimizer, handle_name + "_action", None)
