@@ -1230,6 +1230,43 @@ def test_per_sample_gradients_with_torch_func_through_an_initialized_model(fresh
         torch.testing.assert_close(value.float(), expected[name], **tol(row))
 
 
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_torch_func_jvp_of_an_initialized_model_computes_as_its_eager_forward(fresh, level, norm):
+    # MeanFlow- and consistency-model trainers take the network's time derivative with
+    # torch.func.jvp and train through its primal output. functorch hands each op a wrapper
+    # around the parameters the function captures; at O2/O5 the wrappers were weighed as fp32
+    # beside the fp16 activations: a layer norm widened its input, then got the fp16 working
+    # copies ("mixed dtype (CPU): expect parameter to have scalar type of Float"). Now the jvp's
+    # primal is the eager
+    # forward bit for bit, its tangent is fp32's within the level's tolerance, and a loss on the
+    # primal gives the eager loss's gradients.
+    def net():
+        torch.manual_seed(0)
+        middle = torch.nn.LayerNorm(32) if norm else torch.nn.Tanh()
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), middle, torch.nn.GELU(),
+                                   torch.nn.Linear(32, 8))
+
+    reference, model = net(), net()
+    init(model, torch.optim.SGD(model.parameters(), lr=0.1), level)
+    gen = torch.Generator().manual_seed(1)
+    x, v = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+
+    primal, tangent = torch.func.jvp(model, (x,), (v,))
+    primal.float().pow(2).sum().backward()
+    jvp_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    eager = model(x)
+    eager.float().pow(2).sum().backward()
+
+    assert torch.equal(primal, eager)
+    for through_jvp, p in zip(jvp_grads, model.parameters()):
+        assert torch.equal(through_jvp, p.grad)
+    with optamp.disable_casts():
+        _, expected = torch.func.jvp(reference, (x,), (v,))
+    torch.testing.assert_close(tangent.float(), expected, **tol(train_row(level)))
+
+
 # ---- TorchScript models ------------------------------------------------------------------------
 
 

@@ -12,7 +12,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <iterator>
 #include <memory>
 #include <mutex>
@@ -415,14 +417,55 @@ bool is_working_copy_source(const at::Tensor& t) {
   return t.defined() && current_session()->working_copy_sources.count(t.unsafeGetTensorImpl()) != 0;
 }
 
+namespace {
+// functorch's grad transforms (torch.func.jvp, grad, vjp, jacrev) hand each op a TensorWrapper
+// around every tensor the transformed function captures, a model's parameters among them. The
+// wrapper carries a few of its value's keys, not the substitution key, while below the
+// transform's layer the parameter itself meets substitution: the call gets its working copy.
+// Weighed as fp32 wrappers, an O2 model's parameters made a layer norm widen its fp16 input and
+// then get fp16 working copies beside it ("mixed dtype (CPU): expect parameter to have scalar
+// type of Float" under torch.func.jvp).
+//
+// The wrapped tensor is TensorWrapper's first member (ATen/functorch/TensorWrapper.h, a header
+// that cannot be included here: it needs nlohmann/json, which torch does not ship). Its pointer
+// is read and only compared with the registered sources' keys, never followed: a layout a later
+// torch changed would make the lookup miss, which is how wrappers were weighed before.
+struct WrapperLayout : c10::TensorImpl {  // TensorWrapper's base and first member
+  WrapperLayout() : c10::TensorImpl(c10::DispatchKeySet(), caffe2::TypeMeta(), std::nullopt) {}
+  at::Tensor value;
+};
+
+std::ptrdiff_t wrapped_value_offset() {
+  static const std::ptrdiff_t offset = [] {
+    const WrapperLayout layout;
+    return reinterpret_cast<const char*>(&layout.value) -
+           reinterpret_cast<const char*>(static_cast<const c10::TensorImpl*>(&layout));
+  }();
+  return offset;
+}
+
+// The tensor a functorch TensorWrapper stands for, as a key for the sources (nullptr: not one).
+const c10::TensorImpl* functorch_wrapped(const at::Tensor& t) {
+  if (!t.defined() || !t.key_set().has(c10::DispatchKey::FuncTorchGradWrapper)) return nullptr;
+  const char* wrapper = reinterpret_cast<const char*>(t.unsafeGetTensorImpl());
+  const c10::TensorImpl* value = nullptr;
+  std::memcpy(&value, wrapper + wrapped_value_offset(), sizeof(value));  // intrusive_ptr's target
+  return value;
+}
+}  // namespace
+
 c10::ScalarType dtype_ops_see(const at::Tensor& t) {
   const c10::ScalarType own = t.scalar_type();
-  if (!carries_substitution_key(t) || !t.is_floating_point()) return own;
+  if (!t.is_floating_point()) return own;
+  const c10::TensorImpl* wrapped = functorch_wrapped(t);
+  if (wrapped == nullptr && !carries_substitution_key(t)) return own;
   const std::shared_ptr<const Session> session = current_session();
-  if (session->working_copy_sources.count(t.unsafeGetTensorImpl()) == 0 &&
-      viewed_buffer(session->working_copy_sources, t) == nullptr) {
-    return own;
-  }
+  const auto& sources = session->working_copy_sources;
+  const bool stands_for_a_source =
+      wrapped != nullptr
+          ? sources.count(wrapped) != 0
+          : sources.count(t.unsafeGetTensorImpl()) != 0 || viewed_buffer(sources, t) != nullptr;
+  if (!stands_for_a_source) return own;
   const c10::ScalarType working = working_copy_dtype_now(*session);
   return working == c10::ScalarType::Undefined ? own : working;
 }
@@ -430,6 +473,10 @@ c10::ScalarType dtype_ops_see(const at::Tensor& t) {
 bool is_registered_buffer(const at::Tensor& t) {
   const std::shared_ptr<const Session> session = current_session();
   const auto& sources = session->working_copy_sources;
+  if (const c10::TensorImpl* wrapped = functorch_wrapped(t)) {
+    const auto it = sources.find(wrapped);
+    return it != sources.end() && it->second.buffer;
+  }
   const auto it = sources.find(t.unsafeGetTensorImpl());
   return it != sources.end() ? it->second.buffer : viewed_buffer(sources, t) != nullptr;
 }
