@@ -67,7 +67,13 @@ class OPTAMP_API PrecisionProbe {
     double fraction(std::int64_t count) const;
   };
 
-  // The first op call whose outputs held an inf or NaN (the innermost: its end comes first).
+  // The first op call that made an inf or NaN (the innermost: its end comes first): its outputs
+  // held a NaN where none of its inputs (tensors and scalar arguments) did, or an inf where none
+  // did. Infinities a program puts in on purpose and carries on (an attention mask's -inf,
+  // filled from a scalar, cast, added to the scores) are not made by the ops that carry them.
+  // Where no op made one but some op's outputs held one, it is the first such call, with
+  // `from_inputs` set: its inputs held them already (values from outside the recorded ops, such
+  // as a mask buffer built before or a corrupt batch).
   struct NonFinite {
     std::string op;
     Phase phase = Phase::kForward;
@@ -78,6 +84,7 @@ class OPTAMP_API PrecisionProbe {
     c10::ScalarType dtype = c10::ScalarType::Undefined;
     std::int64_t count = 0;  // inf/NaN values in its outputs
     std::int64_t elements = 0;
+    bool from_inputs = false;  // no op made one: this call's inputs held them already
   };
 
   struct Report {

@@ -178,6 +178,74 @@ TEST_F(PrecisionProbeTest, Float16OverflowInForwardNamesTheInnermostOpAndItsScop
   EXPECT_EQ(linear->fp16_overflow, 0) << "already float16: the overflow shows as non-finite";
 }
 
+// A causal mask's -inf (filled from a scalar, cast, added to the scores) is carried, not made: the
+// first inf/NaN is the backward overflow after it. Before, every model with an additive -inf
+// mask (torch.nn.Transformer's generate_square_subsequent_mask, open_clip's text tower) was
+// reported at the mask's fill_.
+TEST_F(PrecisionProbeTest, AnAttentionMasksInfinityIsCarriedAndTheOverflowAfterItIsNamed) {
+  Layer query(8, 8, 1.0);
+  init(OptLevel::O1, query.params());
+  const double inf = std::numeric_limits<double>::infinity();
+  const auto x = at::full({4, 8}, 1e-3).requires_grad_();
+  PrecisionProbe probe;
+  at::Tensor out;
+  {
+    PrecisionProbe::Scope scope("attention");
+    const auto mask = at::full({4, 4}, -inf).triu(1);
+    const auto q = query(x);
+    const auto scores = at::matmul(q, q.t()) + mask.to(q.scalar_type());
+    out = at::matmul(at::softmax(scores, 1), q);
+  }
+  (out.to(at::kFloat).sum() * 1e9).backward();  // its float16 gradient overflows
+  probe.stop();
+  const auto first = probe.first_nonfinite();
+  ASSERT_TRUE(first.has_value()) << probe.table(80);
+  EXPECT_EQ(first->phase, Phase::kBackward) << probe.table(80);
+  EXPECT_FALSE(first->from_inputs);
+  const auto report = probe.report();
+  const Row* fill = find_row(report, "aten::fill_.Scalar", "attention");
+  ASSERT_NE(fill, nullptr) << probe.table(80);
+  EXPECT_EQ(fill->nonfinite, 16) << "still counted in its row";
+}
+
+// NaN made from infinities is made: a softmax over a row that is all -inf.
+TEST_F(PrecisionProbeTest, ANaNMadeFromInfinitiesIsNamed) {
+  const double inf = std::numeric_limits<double>::infinity();
+  PrecisionProbe probe;
+  const auto scores = at::zeros({2, 3}).index_fill(0, at::tensor({int64_t{1}}), -inf);
+  at::softmax(scores, 1);
+  probe.stop();
+  const auto first = probe.first_nonfinite();
+  ASSERT_TRUE(first.has_value()) << probe.table();
+  EXPECT_EQ(first->op, "aten::_softmax") << probe.table();
+  EXPECT_FALSE(first->from_inputs);
+  EXPECT_EQ(first->count, 3);
+}
+
+// Values from outside the recorded ops: no op made them, so the first op that saw them is named,
+// marked as having had them in its inputs; an in-place op on a tensor the probe saw holding
+// them does not make them either.
+TEST_F(PrecisionProbeTest, ValuesFromOutsideAreNamedWhereFirstSeenAsFromTheInputs) {
+  Layer layer(4, 2, 1.0);
+  init(OptLevel::O0, layer.params());
+  auto batch = at::ones({3, 4});
+  batch[1][2] = std::numeric_limits<double>::quiet_NaN();  // a corrupt batch
+  PrecisionProbe probe;
+  {
+    PrecisionProbe::Scope scope("layer");
+    const auto y = layer(batch);
+    y.mul_(2);
+  }
+  probe.stop();
+  const auto first = probe.first_nonfinite();
+  ASSERT_TRUE(first.has_value()) << probe.table();
+  EXPECT_TRUE(first->from_inputs) << probe.table();
+  EXPECT_EQ(first->scope, "layer");
+  EXPECT_EQ(first->op, "aten::addmm") << probe.table();
+  EXPECT_NE(probe.table().find("no op made one: its inputs held them already"), std::string::npos);
+  EXPECT_NE(probe.json().find("\"from_inputs\": true"), std::string::npos);
+}
+
 TEST_F(PrecisionProbeTest, Float32OutputsReportWhatFloat16AndBfloat16WouldLose) {
   Layer layer(16, 4, 1.0);
   init(OptLevel::O0, layer.params());
@@ -241,6 +309,7 @@ TEST_F(PrecisionProbeTest, ThresholdsCountExactlyWhatTorchsCastsLose) {
       EXPECT_EQ(s.bf16_overflow, bf16_over) << dtype;
       EXPECT_EQ(s.bf16_flush, bf16_flush) << dtype;
       EXPECT_EQ(s.nonfinite, t.isfinite().logical_not().sum().item<std::int64_t>()) << dtype;
+      EXPECT_EQ(s.nan, t.isnan().sum().item<std::int64_t>()) << dtype;
       const auto finite_abs = at::where(t.isfinite(), t.abs(), 0).to(at::kDouble);
       EXPECT_EQ(s.max_abs, finite_abs.max().item<double>()) << dtype;
       EXPECT_EQ(s.elements, t.numel());

@@ -140,6 +140,32 @@ def test_backward_overflow_names_the_node_and_the_forward_module(fresh):
     assert amp.loss_scaler(0).last_step_skipped
 
 
+def test_a_causal_masks_infinity_is_not_taken_for_the_overflow(fresh):
+    # torch.nn.Transformer's causal mask is -inf above the diagonal (generate_square_subsequent_mask
+    # fills it from a scalar): every such model was reported at the mask's fill_, whatever
+    # overflowed later. The ops that carry an infinity they were given do not make it; the first
+    # inf/NaN is the backward overflow of the over-scaled loss.
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    net = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = init(net, opt, opt_level="O1")
+    x = torch.randn(2, 5, 16)
+    with amp.precision_report(net) as rep:
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(5)
+        out = net(x, mask=mask, is_causal=True)
+        (out.float().pow(2).sum() * 1e9).backward()  # its float16 gradients overflow
+    first = rep.first_nonfinite
+    assert first is not None, rep.table()
+    assert first["phase"] == "backward" and first["from_inputs"] is False, rep.table()
+    assert any(r["op"] == "aten::fill_.Scalar" and r["nonfinite"] > 0 for r in rep.rows)
+    with amp.precision_report(net) as quiet:
+        net(x, mask=torch.nn.Transformer.generate_square_subsequent_mask(5), is_causal=True)
+    first = quiet.first_nonfinite
+    assert first is not None and first["from_inputs"] is True, quiet.table()
+    assert "no op made one" in quiet.table()
+
+
 def test_no_probe_after_the_block_and_hooks_removed(fresh):
     net = init(Net(), opt_level="O1")
     with amp.precision_report(net) as rep:

@@ -95,7 +95,11 @@ std::string first_nonfinite_line(const NonFinite& f) {
   out << "First inf/NaN: " << op_label(f.op, f.node) << ", " << PrecisionProbe::phase_name(f.phase)
       << ", scope " << (f.scope.empty() ? std::string("(none)") : "`" + f.scope + "`") << ", call "
       << f.call << " (call " << f.op_call << " of this row): " << f.count << " of " << f.elements
-      << " values (" << torch_dtype_name(f.dtype) << ")\n";
+      << " values (" << torch_dtype_name(f.dtype) << ")"
+      << (f.from_inputs ? "; no op made one: its inputs held them already (values from outside "
+                          "the recorded ops, such as a mask buffer or a corrupt batch)"
+                        : "")
+      << "\n";
   return out.str();
 }
 
@@ -130,7 +134,8 @@ std::string precision_nonfinite_json(const std::optional<NonFinite>& f) {
       << ", \"node\": " << json_string(f->node) << ", \"call\": " << f->call
       << ", \"op_call\": " << f->op_call
       << ", \"dtype\": " << json_string(torch_dtype_name(f->dtype)) << ", \"count\": " << f->count
-      << ", \"elements\": " << f->elements << "}";
+      << ", \"elements\": " << f->elements
+      << ", \"from_inputs\": " << (f->from_inputs ? "true" : "false") << "}";
   return out.str();
 }
 

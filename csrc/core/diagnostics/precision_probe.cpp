@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -81,11 +82,21 @@ bool storage_known(const at::Tensor& t) {
                                       t.storage().unsafeGetStorageImpl()) != t_known_storages.end();
 }
 
+// A tensor seen holding inf/NaN, at the version it had then.
+struct NonFiniteTensor {
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> impl;
+  std::int64_t version = 0;
+  bool inf = false, nan = false;
+};
+
 // What one call's floating outputs held.
 struct Measurement {
   std::vector<c10::ScalarType> dtypes;  // distinct floating output dtypes
   std::int64_t elements = 0;
   std::int64_t nonfinite = 0;
+  bool has_inf = false, has_nan = false;
+  bool made = false;  // an inf or NaN its inputs did not hold (PrecisionProbe::NonFinite)
+  std::vector<NonFiniteTensor> nonfinite_tensors;  // its outputs that held one
   double max_abs = 0.0;
   std::int64_t fp16_overflow = 0, fp16_flush = 0, bf16_overflow = 0, bf16_flush = 0;
   c10::ScalarType nonfinite_dtype = c10::ScalarType::Undefined;
@@ -115,8 +126,17 @@ struct PrecisionProbe::State {
   mutable std::mutex mutex;
   std::vector<Row> rows;
   std::map<RowKey, std::size_t> row_index;
-  std::optional<NonFinite> first_nonfinite;
+  std::optional<NonFinite> first_made;  // the first call that made an inf/NaN
+  std::optional<NonFinite> first_seen;  // the first call whose outputs held one
+  std::atomic<bool> made_found{false};
+  // Outputs seen holding inf/NaN (bounded): what an in-place op's written input held before it.
+  std::vector<NonFiniteTensor> nonfinite_tensors;
   std::int64_t unmeasured = 0;
+
+  std::optional<NonFinite> first_nonfinite() const;            // holding `mutex`
+  void remember_nonfinite(std::vector<NonFiniteTensor> seen);  // holding `mutex`
+  const NonFiniteTensor* nonfinite_before(const c10::TensorImpl* impl,
+                                          std::int64_t version) const;  // holding `mutex`
   // (forward thread, sequence number) -> the scope of the forward op that created the node.
   std::unordered_map<std::pair<std::uint64_t, std::int64_t>, std::string, SeqHash> seq_scopes;
 
@@ -137,6 +157,38 @@ std::string PrecisionProbe::State::scope_of(std::uint64_t thread, std::int64_t s
   std::lock_guard<std::mutex> lock(mutex);
   auto it = seq_scopes.find({thread, seq});
   return it == seq_scopes.end() ? std::string() : it->second;
+}
+
+std::optional<PrecisionProbe::NonFinite> PrecisionProbe::State::first_nonfinite() const {
+  if (first_made) return first_made;
+  if (!first_seen) return std::nullopt;
+  NonFinite seen = *first_seen;
+  seen.from_inputs = true;
+  return seen;
+}
+
+void PrecisionProbe::State::remember_nonfinite(std::vector<NonFiniteTensor> seen) {
+  constexpr std::size_t kKept = 4096;  // a diagnostic's few steps; expired entries go first
+  if (nonfinite_tensors.size() + seen.size() > kKept) {
+    auto expired = [](const NonFiniteTensor& t) { return t.impl.expired(); };
+    nonfinite_tensors.erase(
+        std::remove_if(nonfinite_tensors.begin(), nonfinite_tensors.end(), expired),
+        nonfinite_tensors.end());
+  }
+  for (auto& t : seen) {
+    if (nonfinite_tensors.size() >= kKept) break;
+    nonfinite_tensors.push_back(std::move(t));
+  }
+}
+
+const NonFiniteTensor* PrecisionProbe::State::nonfinite_before(const c10::TensorImpl* impl,
+                                                               std::int64_t version) const {
+  for (auto it = nonfinite_tensors.rbegin(); it != nonfinite_tensors.rend(); ++it) {
+    if (!it->impl.expired() && it->impl._unsafe_get_target() == impl && it->version == version) {
+      return &*it;
+    }
+  }
+  return nullptr;
 }
 
 PrecisionProbe::Row& PrecisionProbe::State::row_for(const std::string& op, const std::string& scope,
@@ -247,6 +299,16 @@ struct OpContext : at::ObserverContext {
   // writes its inputs.
   std::vector<const c10::StorageImpl*> input_storages;
   at::Tensor cast_source;
+  // The floating tensor inputs with their versions at the start (an in-place op bumps its written
+  // one), and whether a scalar argument was inf or NaN (`fill_(-inf)`, `masked_fill(m, -inf)`).
+  // Kept here: the dispatcher destroys the boxed inputs after the start callbacks, and weakly: a
+  // kernel may count a tensor's references (autograd steals a gradient it holds alone).
+  struct Input {
+    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> impl;
+    std::int64_t version = 0;
+  };
+  std::vector<Input> float_inputs;
+  bool scalar_inf = false, scalar_nan = false;
 };
 
 // Marks a backward node's frame on this thread; its end pops it.
@@ -256,10 +318,19 @@ void add_input(const c10::IValue& v, OpContext& ctx) {
   if (v.isTensor()) {
     const auto& t = v.toTensor();
     if (!t.defined()) return;
-    if (t.is_floating_point()) add_dtype(ctx.input_dtypes, t.scalar_type());
+    if (t.is_floating_point()) {
+      add_dtype(ctx.input_dtypes, t.scalar_type());
+      ctx.float_inputs.push_back(
+          {c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()),
+           t.is_inference() ? -1 : t._version()});
+    }
     if (t.has_storage()) ctx.input_storages.push_back(t.storage().unsafeGetStorageImpl());
   } else if (v.isList()) {
     for (const c10::IValue& e : v.toListRef()) add_input(e, ctx);
+  } else if (v.isDouble()) {
+    const double d = v.toDouble();
+    ctx.scalar_nan = ctx.scalar_nan || std::isnan(d);
+    ctx.scalar_inf = ctx.scalar_inf || std::isinf(d);
   }
 }
 
@@ -388,6 +459,16 @@ void measure_tensor(const at::Tensor& t, const OpContext& ctx, Measurement& m) {
     }
   }
   add_stats(m, v, t.scalar_type());
+  if (v.nonfinite > 0) {
+    const bool inf = v.nonfinite > v.nan, nan = v.nan > 0;
+    m.has_inf = m.has_inf || inf;
+    m.has_nan = m.has_nan || nan;
+    if (!t.is_inference()) {
+      m.nonfinite_tensors.push_back(
+          {c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()),
+           t._version(), inf, nan});
+    }
+  }
 }
 void measure_value(const c10::IValue& v, const OpContext& ctx, Measurement& m) {
   if (v.isTensor()) {
@@ -399,18 +480,64 @@ void measure_value(const c10::IValue& v, const OpContext& ctx, Measurement& m) {
   }
 }
 
-// Measures the outputs without being observed, without autograd, and outside every key that
-// could make the measurement compute something else than the values as they are.
-Measurement measure_outputs(const std::vector<c10::IValue>& outputs, const OpContext& ctx) {
-  struct Measuring {
-    Measuring() { t_frames.measuring = true; }
-    ~Measuring() { t_frames.measuring = false; }
+// Measuring runs without being observed, without autograd, and outside every key that could
+// make it compute something else than the values as they are.
+struct MeasuringGuards {
+  struct Flag {
+    Flag() { t_frames.measuring = true; }
+    ~Flag() { t_frames.measuring = false; }
   } measuring;
-  at::RecordFunctionGuard no_callbacks(false);
+  at::RecordFunctionGuard no_callbacks{false};
   c10::NoGradGuard no_grad;
-  c10::impl::ExcludeDispatchKeyGuard no_casts(measuring_excluded_keys());
+  c10::impl::ExcludeDispatchKeyGuard no_casts{measuring_excluded_keys()};
+};
+
+struct HeldNonFinite {
+  bool inf = false, nan = false;
+};
+
+bool is_an_output(const at::Tensor& t, const std::vector<c10::IValue>& outputs) {
+  return std::any_of(outputs.begin(), outputs.end(), [&](const c10::IValue& o) {
+    return o.isTensor() && o.toTensor().unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
+  });
+}
+
+// What an input held when the call began: a written input (in-place, out=) as the probe last saw
+// it (-1: an inference tensor, which has no version); the others as they are now.
+void add_held(const OpContext::Input& input, const OpContext& ctx,
+              const std::vector<c10::IValue>& outputs, HeldNonFinite& held) {
+  const auto impl = input.impl.lock();
+  if (!impl) return;
+  const at::Tensor t(impl);
+  if (is_an_output(t, outputs)) {
+    if (input.version < 0) return;
+    std::lock_guard<std::mutex> lock(ctx.state->mutex);
+    if (const NonFiniteTensor* before = ctx.state->nonfinite_before(impl.get(), input.version)) {
+      held.inf = held.inf || before->inf;
+      held.nan = held.nan || before->nan;
+    }
+    return;
+  }
+  if (t.numel() == 0 || !measurable(t)) return;
+  const ValueStats s = stats_of(t, true);
+  held.inf = held.inf || s.nonfinite > s.nan;
+  held.nan = held.nan || s.nan > 0;
+}
+
+// Whether the call made the inf/NaN its outputs hold (its inputs held none of that kind).
+bool made_nonfinite(const at::RecordFunction& fn, const OpContext& ctx, const Measurement& m) {
+  HeldNonFinite held{ctx.scalar_inf, ctx.scalar_nan};
+  const std::vector<c10::IValue>& outputs = fn.outputs();
+  for (const auto& input : ctx.float_inputs) add_held(input, ctx, outputs, held);
+  return (m.has_nan && !held.nan) || (m.has_inf && !held.inf);
+}
+
+Measurement measure_call(const at::RecordFunction& fn, const OpContext& ctx) {
+  MeasuringGuards guards;
   Measurement m;
-  for (const c10::IValue& v : outputs) measure_value(v, ctx, m);
+  for (const c10::IValue& v : fn.outputs()) measure_value(v, ctx, m);
+  // Only until an op is found to have made one: the inputs are read again then (rare).
+  if (m.nonfinite > 0 && !ctx.state->made_found.load()) m.made = made_nonfinite(fn, ctx, m);
   return m;
 }
 
@@ -427,27 +554,35 @@ void add_call(PrecisionProbe::Row& row, const OpContext& ctx, const Measurement&
   detail::add_counts(row, m);
 }
 
-void record(const OpContext& ctx, const Measurement& m) {
+PrecisionProbe::NonFinite nonfinite_call(const OpContext& ctx, const Measurement& m,
+                                         std::int64_t op_call) {
+  PrecisionProbe::NonFinite first;
+  first.op = ctx.op;
+  first.phase = ctx.phase;
+  first.scope = ctx.scope;
+  first.node = ctx.node;
+  first.call = ctx.call;
+  first.op_call = op_call;
+  first.dtype = m.nonfinite_dtype;
+  first.count = m.nonfinite;
+  first.elements = m.elements;
+  return first;
+}
+
+void record(const OpContext& ctx, Measurement m) {
   State& state = *ctx.state;
   std::lock_guard<std::mutex> lock(state.mutex);
   if (!state.recording.load()) return;  // ended while this call ran
   auto& row = state.row_for(ctx.op, ctx.scope, ctx.phase, ctx.node, ctx.call);
   add_call(row, ctx, m);
-  if (m.nonfinite > 0 && !state.first_nonfinite) {
-    PrecisionProbe::NonFinite first;
-    first.op = ctx.op;
-    first.phase = ctx.phase;
-    first.scope = ctx.scope;
-    first.node = ctx.node;
-    first.call = ctx.call;
-    first.op_call = row.calls;
-    first.dtype = m.nonfinite_dtype;
-    first.count = m.nonfinite;
-    first.elements = m.elements;
-    state.first_nonfinite = std::move(first);
+  if (m.nonfinite == 0) return;
+  if (!state.first_seen) state.first_seen = nonfinite_call(ctx, m, row.calls);
+  if (m.made && !state.first_made) {
+    state.first_made = nonfinite_call(ctx, m, row.calls);
+    state.made_found = true;
   }
+  state.remember_nonfinite(std::move(m.nonfinite_tensors));
 }
-
 // Every autograd node the call created (its own, and those of the casts and inner calls it made:
 // an op whose inputs optamp casts gets its node after theirs) backs up into its scope.
 void remember_nodes(const at::RecordFunction& fn, const OpContext& ctx) {
@@ -471,7 +606,7 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
   // An end callback runs in RecordFunction's destructor: nothing may escape from it.
   try {
     remember_nodes(fn, *ctx);
-    record(*ctx, measure_outputs(fn.outputs(), *ctx));
+    record(*ctx, measure_call(fn, *ctx));
   } catch (const std::exception&) {
     std::lock_guard<std::mutex> lock(ctx->state->mutex);
     ctx->state->unmeasured += 1;
@@ -566,7 +701,7 @@ PrecisionProbe::Report PrecisionProbe::report() const {
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
     report.rows = state_->rows;
-    report.first_nonfinite = state_->first_nonfinite;
+    report.first_nonfinite = state_->first_nonfinite();
     report.calls = state_->next_call.load();
     report.unmeasured = state_->unmeasured;
   }
@@ -577,7 +712,7 @@ PrecisionProbe::Report PrecisionProbe::report() const {
 
 std::optional<PrecisionProbe::NonFinite> PrecisionProbe::first_nonfinite() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->first_nonfinite;
+  return state_->first_nonfinite();
 }
 
 std::string PrecisionProbe::table(int max_rows) const {

@@ -15,7 +15,7 @@ namespace {
 // Counts of one block, in 32-bit lanes so the compiler vectorizes the loop (the probe reads every
 // op's outputs: the scan is most of its cost).
 struct BlockCounts {
-  std::int32_t nonfinite = 0, h_over = 0, h_flush = 0, b_over = 0, b_flush = 0;
+  std::int32_t nonfinite = 0, nan = 0, h_over = 0, h_flush = 0, b_over = 0, b_flush = 0;
 };
 
 // Acc: float for float16/bfloat16/float32 values (exact), double for float64. The thresholds
@@ -31,7 +31,7 @@ Bits<Acc> scan_block(const T* data, std::int64_t n, BlockCounts& c, Bits<Acc> ma
   constexpr float fp16_over = kFp16OverflowAt, fp16_flush = kFp16FlushAt;
   constexpr float bf16_over = kBf16OverflowAt, bf16_flush = kBf16FlushAt;
   constexpr Acc largest = std::numeric_limits<Acc>::max();
-  std::int32_t nonfinite = 0, h_over = 0, h_flush = 0, b_over = 0, b_flush = 0;
+  std::int32_t nonfinite = 0, nan = 0, h_over = 0, h_flush = 0, b_over = 0, b_flush = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     const Acc a = std::abs(static_cast<Acc>(data[i]));
     const bool finite = a <= largest;  // false for inf and NaN
@@ -41,12 +41,14 @@ Bits<Acc> scan_block(const T* data, std::int64_t n, BlockCounts& c, Bits<Acc> ma
     const Bits<Acc> kept = finite ? bits : 0;
     max_bits = kept > max_bits ? kept : max_bits;
     nonfinite += !finite;
+    nan += a != a;  // NOLINT(misc-redundant-expression): true only for NaN
     h_over += finite & (f >= fp16_over);
     b_over += finite & (f >= bf16_over);
     h_flush += (a > 0) & (f <= fp16_flush);
     b_flush += (a > 0) & (f <= bf16_flush);
   }
   c.nonfinite += nonfinite;
+  c.nan += nan;
   c.h_over += h_over;
   c.h_flush += h_flush;
   c.b_over += b_over;
@@ -64,6 +66,7 @@ ValueStats scan(const T* data, std::int64_t n) {
     BlockCounts c;
     max_bits = scan_block<Acc>(data + begin, std::min(kBlock, n - begin), c, max_bits);
     s.nonfinite += c.nonfinite;
+    s.nan += c.nan;
     s.fp16_overflow += c.h_over;
     s.fp16_flush += c.h_flush;
     s.bf16_overflow += c.b_over;
@@ -83,7 +86,9 @@ ValueStats low_precision_stats(const at::Tensor& flat) {
   for (std::int64_t begin = 0; begin < flat.numel(); begin += kBlock) {
     const at::Tensor block =
         flat.narrow(0, begin, std::min(kBlock, flat.numel() - begin)).to(at::kFloat);
-    add_counts(s, scan<float>(block.const_data_ptr<float>(), block.numel()));
+    const ValueStats part = scan<float>(block.const_data_ptr<float>(), block.numel());
+    add_counts(s, part);
+    s.nan += part.nan;
   }
   return s;
 }
@@ -117,7 +122,7 @@ ValueStats value_stats_by_reductions(const at::Tensor& t) {
                  at::logical_and(finite, f.ge(kFp16OverflowAt)).sum(),
                  at::logical_and(nonzero, f.le(kFp16FlushAt)).sum(),
                  at::logical_and(finite, f.ge(kBf16OverflowAt)).sum(),
-                 at::logical_and(nonzero, f.le(kBf16FlushAt)).sum(),
+                 at::logical_and(nonzero, f.le(kBf16FlushAt)).sum(), a.isnan().sum(),
                  at::where(finite, a, 0).amax().to(at::kDouble).view(at::kLong)})
           .cpu();  // the one device->host read
   const auto* c = counts.const_data_ptr<std::int64_t>();
@@ -128,7 +133,8 @@ ValueStats value_stats_by_reductions(const at::Tensor& t) {
   s.fp16_flush = c[2];
   s.bf16_overflow = c[3];
   s.bf16_flush = c[4];
-  std::memcpy(&s.max_abs, &c[5], sizeof s.max_abs);  // the double's bits, carried as int64
+  s.nan = c[5];
+  std::memcpy(&s.max_abs, &c[6], sizeof s.max_abs);  // the double's bits, carried as int64
   return s;
 }
 

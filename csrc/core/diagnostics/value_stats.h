@@ -17,6 +17,7 @@ constexpr double kBf16FlushAt = 0x1p-134;       // half the smallest subnormal, 
 struct ValueStats {
   std::int64_t elements = 0;
   std::int64_t nonfinite = 0;
+  std::int64_t nan = 0;  // of the non-finite values, NaN (the rest are +-inf)
   double max_abs = 0.0;  // over the finite values
   std::int64_t fp16_overflow = 0, fp16_flush = 0, bf16_overflow = 0, bf16_flush = 0;
 };
