@@ -262,3 +262,12 @@ def test_precision_steps_put_each_levels_table_in_the_report(tmp_path):
     md = (out / "summary.md").read_text()
     assert "## Where precision is lost" in md and "### O1" in md
     assert "First inf/NaN: " in md and "in big, forward" in md
+    assert "already in its inputs" not in md
+
+
+def test_the_report_says_where_no_op_made_the_first_inf():
+    from optamp.ab.summary import describe_nonfinite
+    first = {"op": "aten::addmm", "scope": "head", "phase": "forward", "node": ""}
+    assert describe_nonfinite(first) == "aten::addmm in head, forward"
+    assert describe_nonfinite(dict(first, from_inputs=True)) == (
+        "aten::addmm in head, forward (no op made one: already in its inputs)")

@@ -737,7 +737,8 @@ def precision_section(summary: Mapping[str, Any]) -> List[str]:
 def describe_nonfinite(first: Mapping[str, Any]) -> str:
     where = f" in {first['scope']}" if first.get("scope") else ""
     node = f" ({first['node']})" if first.get("node") else ""
-    return f"{first.get('op', '?')}{node}{where}, {first.get('phase', '?')}"
+    outside = " (no op made one: already in its inputs)" if first.get("from_inputs") else ""
+    return f"{first.get('op', '?')}{node}{where}, {first.get('phase', '?')}{outside}"
 
 
 def write_markdown(path: str, summary: Mapping[str, Any], plot: bool = True) -> None:
