@@ -82,9 +82,18 @@ bool storage_known(const at::Tensor& t) {
                                       t.storage().unsafeGetStorageImpl()) != t_known_storages.end();
 }
 
+// A tensor's version, or -1 where it keeps none (inference tensors). Read without throwing: the
+// start callback must not.
+std::int64_t version_of(const at::Tensor& t) {
+  const c10::VariableVersion& counter = t.unsafeGetTensorImpl()->version_counter();
+  return counter.enabled() ? static_cast<std::int64_t>(counter.current_version()) : -1;
+}
+
+using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
 // A tensor seen holding inf/NaN, at the version it had then.
 struct NonFiniteTensor {
-  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> impl;
+  WeakTensor impl;
   std::int64_t version = 0;
   bool inf = false, nan = false;
 };
@@ -304,7 +313,7 @@ struct OpContext : at::ObserverContext {
   // Kept here: the dispatcher destroys the boxed inputs after the start callbacks, and weakly: a
   // kernel may count a tensor's references (autograd steals a gradient it holds alone).
   struct Input {
-    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> impl;
+    WeakTensor impl;
     std::int64_t version = 0;
   };
   std::vector<Input> float_inputs;
@@ -320,9 +329,7 @@ void add_input(const c10::IValue& v, OpContext& ctx) {
     if (!t.defined()) return;
     if (t.is_floating_point()) {
       add_dtype(ctx.input_dtypes, t.scalar_type());
-      ctx.float_inputs.push_back(
-          {c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()),
-           t.is_inference() ? -1 : t._version()});
+      ctx.float_inputs.push_back({WeakTensor(t.getIntrusivePtr()), version_of(t)});
     }
     if (t.has_storage()) ctx.input_storages.push_back(t.storage().unsafeGetStorageImpl());
   } else if (v.isList()) {
@@ -463,11 +470,9 @@ void measure_tensor(const at::Tensor& t, const OpContext& ctx, Measurement& m) {
     const bool inf = v.nonfinite > v.nan, nan = v.nan > 0;
     m.has_inf = m.has_inf || inf;
     m.has_nan = m.has_nan || nan;
-    if (!t.is_inference()) {
-      m.nonfinite_tensors.push_back(
-          {c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()),
-           t._version(), inf, nan});
-    }
+    const std::int64_t version = version_of(t);
+    if (version >= 0)
+      m.nonfinite_tensors.push_back({WeakTensor(t.getIntrusivePtr()), version, inf, nan});
   }
 }
 void measure_value(const c10::IValue& v, const OpContext& ctx, Measurement& m) {
@@ -583,6 +588,7 @@ void record(const OpContext& ctx, Measurement m) {
   }
   state.remember_nonfinite(std::move(m.nonfinite_tensors));
 }
+
 // Every autograd node the call created (its own, and those of the casts and inner calls it made:
 // an op whose inputs optamp casts gets its node after theirs) backs up into its scope.
 void remember_nodes(const at::RecordFunction& fn, const OpContext& ctx) {
