@@ -71,9 +71,9 @@ class OPTAMP_API PrecisionProbe {
   // held a NaN where none of its inputs (tensors and scalar arguments) did, or an inf where none
   // did. Infinities a program puts in on purpose and carries on (an attention mask's -inf,
   // filled from a scalar, cast, added to the scores) are not made by the ops that carry them.
-  // Where no op made one but some op's outputs held one, it is the first such call, with
-  // `from_inputs` set: its inputs held them already (values from outside the recorded ops, such
-  // as a mask buffer built before or a corrupt batch).
+  // Where no op made one, it is the first call that carried one from a tensor no recorded op
+  // made, with `from_inputs` set (values from outside the recorded ops: a corrupt batch, a mask
+  // buffer built before the probe started); infinities from scalar arguments are not named.
   struct NonFinite {
     std::string op;
     Phase phase = Phase::kForward;

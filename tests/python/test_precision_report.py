@@ -159,11 +159,19 @@ def test_a_causal_masks_infinity_is_not_taken_for_the_overflow(fresh):
     assert first is not None, rep.table()
     assert first["phase"] == "backward" and first["from_inputs"] is False, rep.table()
     assert any(r["op"] == "aten::fill_.Scalar" and r["nonfinite"] > 0 for r in rep.rows)
+    # Nothing overflows: the mask is all there is, and it is not named.
     with amp.precision_report(net) as quiet:
         net(x, mask=torch.nn.Transformer.generate_square_subsequent_mask(5), is_causal=True)
-    first = quiet.first_nonfinite
-    assert first is not None and first["from_inputs"] is True, quiet.table()
-    assert "no op made one" in quiet.table()
+    assert quiet.first_nonfinite is None, quiet.table()
+    assert "No op made an inf/NaN" in quiet.table()
+    # A corrupt batch from outside: named where it is first carried, marked as such.
+    bad = x.clone()
+    bad[0, 1, 3] = float("nan")
+    with amp.precision_report(net) as corrupt:
+        net(bad, mask=torch.nn.Transformer.generate_square_subsequent_mask(5), is_causal=True)
+    first = corrupt.first_nonfinite
+    assert first is not None and first["from_inputs"] is True, corrupt.table()
+    assert first["scope"].startswith("layers.0"), corrupt.table()
 
 
 def test_no_probe_after_the_block_and_hooks_removed(fresh):

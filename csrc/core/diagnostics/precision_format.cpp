@@ -97,7 +97,7 @@ std::string first_nonfinite_line(const NonFinite& f) {
       << f.call << " (call " << f.op_call << " of this row): " << f.count << " of " << f.elements
       << " values (" << torch_dtype_name(f.dtype) << ")"
       << (f.from_inputs ? "; no op made one: its inputs held them already (values from outside "
-                          "the recorded ops, such as a mask buffer or a corrupt batch)"
+                          "the recorded ops, such as a corrupt batch or a mask buffer)"
                         : "")
       << "\n";
   return out.str();
@@ -160,7 +160,8 @@ std::string precision_table(const PrecisionProbe::Report& report, int max_rows) 
   }
   out << "\n"
       << (report.first_nonfinite ? first_nonfinite_line(*report.first_nonfinite)
-                                 : std::string("No inf/NaN in any output.\n"));
+                                 : std::string("No op made an inf/NaN, and none came in from "
+                                               "outside the recorded ops.\n"));
   if (report.unmeasured > 0) {
     out << report.unmeasured << " calls could not be measured (counted only)\n";
   }

@@ -94,6 +94,7 @@ using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensor
 // A tensor seen holding inf/NaN, at the version it had then.
 struct NonFiniteTensor {
   WeakTensor impl;
+  const c10::StorageImpl* storage = nullptr;  // compared only while `impl` lives (it holds it)
   std::int64_t version = 0;
   bool inf = false, nan = false;
 };
@@ -104,7 +105,8 @@ struct Measurement {
   std::int64_t elements = 0;
   std::int64_t nonfinite = 0;
   bool has_inf = false, has_nan = false;
-  bool made = false;  // an inf or NaN its inputs did not hold (PrecisionProbe::NonFinite)
+  bool made = false;          // an inf or NaN its inputs did not hold (PrecisionProbe::NonFinite)
+  bool from_outside = false;  // not made: carried from a tensor no recorded op made
   std::vector<NonFiniteTensor> nonfinite_tensors;  // its outputs that held one
   double max_abs = 0.0;
   std::int64_t fp16_overflow = 0, fp16_flush = 0, bf16_overflow = 0, bf16_flush = 0;
@@ -135,8 +137,8 @@ struct PrecisionProbe::State {
   mutable std::mutex mutex;
   std::vector<Row> rows;
   std::map<RowKey, std::size_t> row_index;
-  std::optional<NonFinite> first_made;  // the first call that made an inf/NaN
-  std::optional<NonFinite> first_seen;  // the first call whose outputs held one
+  std::optional<NonFinite> first_made;     // the first call that made an inf/NaN
+  std::optional<NonFinite> first_outside;  // the first that carried one from outside
   std::atomic<bool> made_found{false};
   // Outputs seen holding inf/NaN (bounded): what an in-place op's written input held before it.
   std::vector<NonFiniteTensor> nonfinite_tensors;
@@ -146,6 +148,7 @@ struct PrecisionProbe::State {
   void remember_nonfinite(std::vector<NonFiniteTensor> seen);  // holding `mutex`
   const NonFiniteTensor* nonfinite_before(const c10::TensorImpl* impl,
                                           std::int64_t version) const;  // holding `mutex`
+  bool seen_nonfinite(const at::Tensor& t) const;  // holding `mutex`: an output, or a view of one
   // (forward thread, sequence number) -> the scope of the forward op that created the node.
   std::unordered_map<std::pair<std::uint64_t, std::int64_t>, std::string, SeqHash> seq_scopes;
 
@@ -170,10 +173,10 @@ std::string PrecisionProbe::State::scope_of(std::uint64_t thread, std::int64_t s
 
 std::optional<PrecisionProbe::NonFinite> PrecisionProbe::State::first_nonfinite() const {
   if (first_made) return first_made;
-  if (!first_seen) return std::nullopt;
-  NonFinite seen = *first_seen;
-  seen.from_inputs = true;
-  return seen;
+  if (!first_outside) return std::nullopt;
+  NonFinite outside = *first_outside;
+  outside.from_inputs = true;
+  return outside;
 }
 
 void PrecisionProbe::State::remember_nonfinite(std::vector<NonFiniteTensor> seen) {
@@ -198,6 +201,14 @@ const NonFiniteTensor* PrecisionProbe::State::nonfinite_before(const c10::Tensor
     }
   }
   return nullptr;
+}
+
+bool PrecisionProbe::State::seen_nonfinite(const at::Tensor& t) const {
+  const c10::StorageImpl* storage = t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+  return std::any_of(nonfinite_tensors.begin(), nonfinite_tensors.end(), [&](const auto& seen) {
+    return !seen.impl.expired() && (seen.impl._unsafe_get_target() == t.unsafeGetTensorImpl() ||
+                                    (storage != nullptr && seen.storage == storage));
+  });
 }
 
 PrecisionProbe::Row& PrecisionProbe::State::row_for(const std::string& op, const std::string& scope,
@@ -471,8 +482,10 @@ void measure_tensor(const at::Tensor& t, const OpContext& ctx, Measurement& m) {
     m.has_inf = m.has_inf || inf;
     m.has_nan = m.has_nan || nan;
     const std::int64_t version = version_of(t);
-    if (version >= 0)
-      m.nonfinite_tensors.push_back({WeakTensor(t.getIntrusivePtr()), version, inf, nan});
+    if (version >= 0) {
+      m.nonfinite_tensors.push_back(
+          {WeakTensor(t.getIntrusivePtr()), t.storage().unsafeGetStorageImpl(), version, inf, nan});
+    }
   }
 }
 void measure_value(const c10::IValue& v, const OpContext& ctx, Measurement& m) {
@@ -499,6 +512,7 @@ struct MeasuringGuards {
 
 struct HeldNonFinite {
   bool inf = false, nan = false;
+  bool outside = false;  // some held one that no recorded op made (a corrupt batch, a buffer)
 };
 
 bool is_an_output(const at::Tensor& t, const std::vector<c10::IValue>& outputs) {
@@ -525,16 +539,21 @@ void add_held(const OpContext::Input& input, const OpContext& ctx,
   }
   if (t.numel() == 0 || !measurable(t)) return;
   const ValueStats s = stats_of(t, true);
+  if (s.nonfinite == 0) return;
   held.inf = held.inf || s.nonfinite > s.nan;
   held.nan = held.nan || s.nan > 0;
+  std::lock_guard<std::mutex> lock(ctx.state->mutex);
+  held.outside = held.outside || !ctx.state->seen_nonfinite(t);
 }
 
-// Whether the call made the inf/NaN its outputs hold (its inputs held none of that kind).
-bool made_nonfinite(const at::RecordFunction& fn, const OpContext& ctx, const Measurement& m) {
+// Whether the call made the inf/NaN its outputs hold (its inputs held none of that kind), or
+// carried one from a tensor no recorded op made.
+void judge_nonfinite(const at::RecordFunction& fn, const OpContext& ctx, Measurement& m) {
   HeldNonFinite held{ctx.scalar_inf, ctx.scalar_nan};
   const std::vector<c10::IValue>& outputs = fn.outputs();
   for (const auto& input : ctx.float_inputs) add_held(input, ctx, outputs, held);
-  return (m.has_nan && !held.nan) || (m.has_inf && !held.inf);
+  m.made = (m.has_nan && !held.nan) || (m.has_inf && !held.inf);
+  m.from_outside = !m.made && held.outside;
 }
 
 Measurement measure_call(const at::RecordFunction& fn, const OpContext& ctx) {
@@ -542,7 +561,7 @@ Measurement measure_call(const at::RecordFunction& fn, const OpContext& ctx) {
   Measurement m;
   for (const c10::IValue& v : fn.outputs()) measure_value(v, ctx, m);
   // Only until an op is found to have made one: the inputs are read again then (rare).
-  if (m.nonfinite > 0 && !ctx.state->made_found.load()) m.made = made_nonfinite(fn, ctx, m);
+  if (m.nonfinite > 0 && !ctx.state->made_found.load()) judge_nonfinite(fn, ctx, m);
   return m;
 }
 
@@ -581,7 +600,9 @@ void record(const OpContext& ctx, Measurement m) {
   auto& row = state.row_for(ctx.op, ctx.scope, ctx.phase, ctx.node, ctx.call);
   add_call(row, ctx, m);
   if (m.nonfinite == 0) return;
-  if (!state.first_seen) state.first_seen = nonfinite_call(ctx, m, row.calls);
+  if (m.from_outside && !state.first_outside) {
+    state.first_outside = nonfinite_call(ctx, m, row.calls);
+  }
   if (m.made && !state.first_made) {
     state.first_made = nonfinite_call(ctx, m, row.calls);
     state.made_found = true;
