@@ -41,7 +41,7 @@ Bits<Acc> scan_block(const T* data, std::int64_t n, BlockCounts& c, Bits<Acc> ma
     const Bits<Acc> kept = finite ? bits : 0;
     max_bits = kept > max_bits ? kept : max_bits;
     nonfinite += !finite;
-    nan += a != a;  // NOLINT(misc-redundant-expression): true only for NaN
+    nan += a != a;  // NaN is the one value unequal to itself
     h_over += finite & (f >= fp16_over);
     b_over += finite & (f >= bf16_over);
     h_flush += (a > 0) & (f <= fp16_flush);

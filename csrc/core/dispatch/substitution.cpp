@@ -448,9 +448,10 @@ std::ptrdiff_t wrapped_value_offset() {
 const c10::TensorImpl* functorch_wrapped(const at::Tensor& t) {
   if (!t.defined() || !t.key_set().has(c10::DispatchKey::FuncTorchGradWrapper)) return nullptr;
   const char* wrapper = reinterpret_cast<const char*>(t.unsafeGetTensorImpl());
-  const c10::TensorImpl* value = nullptr;
-  std::memcpy(&value, wrapper + wrapped_value_offset(), sizeof(value));  // intrusive_ptr's target
-  return value;
+  const c10::TensorImpl* target = nullptr;  // the intrusive_ptr's one member
+  // NOLINTNEXTLINE(bugprone-sizeof-expression): the pointer itself is what is read
+  std::memcpy(&target, wrapper + wrapped_value_offset(), sizeof(target));
+  return target;
 }
 }  // namespace
 
