@@ -56,14 +56,23 @@ struct ThreadFrames {
 };
 thread_local ThreadFrames t_frames;
 
+// A tensor's version, or -1 where it keeps none (inference tensors). Read without throwing: the
+// start callback must not.
+std::int64_t version_of(const at::Tensor& t) {
+  const c10::VariableVersion& counter = t.unsafeGetTensorImpl()->version_counter();
+  return counter.enabled() ? static_cast<std::int64_t>(counter.current_version()) : -1;
+}
+
+using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
 // Tensors measured during the outermost op call running on this thread. A cast is observed
 // three times (aten::to -> aten::_to_copy -> aten::copy_), each returning the same tensor made
 // from the same source: those are read once. Only there, and only within one outermost call: a
 // kernel may write another op's output afterwards without a version bump (below autograd), and
 // LibTorch's optimizers update parameters through .data() (no bump either).
 struct MeasuredTensor {
-  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> impl;
-  std::uint32_t version;
+  WeakTensor impl;
+  std::int64_t version;
   detail::ValueStats stats;
 };
 thread_local std::vector<MeasuredTensor> t_measured;
@@ -82,21 +91,24 @@ bool storage_known(const at::Tensor& t) {
                                       t.storage().unsafeGetStorageImpl()) != t_known_storages.end();
 }
 
-// A tensor's version, or -1 where it keeps none (inference tensors). Read without throwing: the
-// start callback must not.
-std::int64_t version_of(const at::Tensor& t) {
-  const c10::VariableVersion& counter = t.unsafeGetTensorImpl()->version_counter();
-  return counter.enabled() ? static_cast<std::int64_t>(counter.current_version()) : -1;
-}
-
-using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+// Which kinds of non-finite value some values held.
+struct NonFiniteKinds {
+  bool inf = false, nan = false;
+  static NonFiniteKinds of(const ValueStats& s) { return {s.nonfinite > s.nan, s.nan > 0}; }
+  void add(NonFiniteKinds other) {
+    inf = inf || other.inf;
+    nan = nan || other.nan;
+  }
+  // Whether these hold a kind `given` did not.
+  bool beyond(NonFiniteKinds given) const { return (nan && !given.nan) || (inf && !given.inf); }
+};
 
 // A tensor seen holding inf/NaN, at the version it had then.
 struct NonFiniteTensor {
   WeakTensor impl;
   const c10::StorageImpl* storage = nullptr;  // compared only while `impl` lives (it holds it)
   std::int64_t version = 0;
-  bool inf = false, nan = false;
+  NonFiniteKinds kinds;
 };
 
 // What one call's floating outputs held.
@@ -104,7 +116,7 @@ struct Measurement {
   std::vector<c10::ScalarType> dtypes;  // distinct floating output dtypes
   std::int64_t elements = 0;
   std::int64_t nonfinite = 0;
-  bool has_inf = false, has_nan = false;
+  NonFiniteKinds kinds;
   bool made = false;          // an inf or NaN its inputs did not hold (PrecisionProbe::NonFinite)
   bool from_outside = false;  // not made: carried from a tensor no recorded op made
   std::vector<NonFiniteTensor> nonfinite_tensors;  // its outputs that held one
@@ -282,8 +294,8 @@ int cast_source_index(const std::string& name) {
 
 // The stats of `t` measured earlier in this outermost call, if `reuse`; else measured now.
 ValueStats stats_of(const at::Tensor& t, bool reuse) {
-  const bool versioned = !t.is_inference();
-  const std::uint32_t version = versioned ? t._version() : 0;
+  const std::int64_t version = version_of(t);
+  const bool versioned = version >= 0;
   if (reuse && versioned) {
     for (const auto& m : t_measured) {
       if (!m.impl.expired() && m.impl._unsafe_get_target() == t.unsafeGetTensorImpl() &&
@@ -293,11 +305,7 @@ ValueStats stats_of(const at::Tensor& t, bool reuse) {
     }
   }
   ValueStats stats = value_stats(t);
-  if (versioned) {
-    t_measured.push_back(
-        {c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()),
-         version, stats});
-  }
+  if (versioned) t_measured.push_back({WeakTensor(t.getIntrusivePtr()), version, stats});
   return stats;
 }
 
@@ -320,15 +328,17 @@ struct OpContext : at::ObserverContext {
   std::vector<const c10::StorageImpl*> input_storages;
   at::Tensor cast_source;
   // The floating tensor inputs with their versions at the start (an in-place op bumps its written
-  // one), and whether a scalar argument was inf or NaN (`fill_(-inf)`, `masked_fill(m, -inf)`).
-  // Kept here: the dispatcher destroys the boxed inputs after the start callbacks, and weakly: a
-  // kernel may count a tensor's references (autograd steals a gradient it holds alone).
+  // one), and whether a scalar argument was inf or NaN (`fill_(-inf)`, `masked_fill(m, -inf)`);
+  // only while no op is known to have made an inf/NaN (`keeps_inputs`). Kept here: the
+  // dispatcher destroys the boxed inputs after the start callbacks, and weakly: a kernel may
+  // count a tensor's references (autograd steals a gradient it holds alone).
   struct Input {
     WeakTensor impl;
     std::int64_t version = 0;
   };
+  bool keeps_inputs = false;
   std::vector<Input> float_inputs;
-  bool scalar_inf = false, scalar_nan = false;
+  NonFiniteKinds scalar_kinds;
 };
 
 // Marks a backward node's frame on this thread; its end pops it.
@@ -340,15 +350,15 @@ void add_input(const c10::IValue& v, OpContext& ctx) {
     if (!t.defined()) return;
     if (t.is_floating_point()) {
       add_dtype(ctx.input_dtypes, t.scalar_type());
-      ctx.float_inputs.push_back({WeakTensor(t.getIntrusivePtr()), version_of(t)});
+      if (ctx.keeps_inputs)
+        ctx.float_inputs.push_back({WeakTensor(t.getIntrusivePtr()), version_of(t)});
     }
     if (t.has_storage()) ctx.input_storages.push_back(t.storage().unsafeGetStorageImpl());
   } else if (v.isList()) {
     for (const c10::IValue& e : v.toListRef()) add_input(e, ctx);
-  } else if (v.isDouble()) {
+  } else if (v.isDouble() && ctx.keeps_inputs) {
     const double d = v.toDouble();
-    ctx.scalar_nan = ctx.scalar_nan || std::isnan(d);
-    ctx.scalar_inf = ctx.scalar_inf || std::isinf(d);
+    ctx.scalar_kinds.add({std::isinf(d), std::isnan(d)});
   }
 }
 
@@ -396,6 +406,7 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   ctx->call = state->next_call.fetch_add(1);
   locate(*ctx);
   if (ctx->phase == Phase::kForward) ctx->seq = fn.seqNr();
+  ctx->keeps_inputs = !state->made_found.load();
   read_inputs(fn, *name, *ctx);
   ctx->state = std::move(state);
   if (t_frames.op_depth == 0) t_known_storages = ctx->input_storages;
@@ -478,13 +489,12 @@ void measure_tensor(const at::Tensor& t, const OpContext& ctx, Measurement& m) {
   }
   add_stats(m, v, t.scalar_type());
   if (v.nonfinite > 0) {
-    const bool inf = v.nonfinite > v.nan, nan = v.nan > 0;
-    m.has_inf = m.has_inf || inf;
-    m.has_nan = m.has_nan || nan;
+    const NonFiniteKinds kinds = NonFiniteKinds::of(v);
+    m.kinds.add(kinds);
     const std::int64_t version = version_of(t);
     if (version >= 0) {
       m.nonfinite_tensors.push_back(
-          {WeakTensor(t.getIntrusivePtr()), t.storage().unsafeGetStorageImpl(), version, inf, nan});
+          {WeakTensor(t.getIntrusivePtr()), t.storage().unsafeGetStorageImpl(), version, kinds});
     }
   }
 }
@@ -498,20 +508,8 @@ void measure_value(const c10::IValue& v, const OpContext& ctx, Measurement& m) {
   }
 }
 
-// Measuring runs without being observed, without autograd, and outside every key that could
-// make it compute something else than the values as they are.
-struct MeasuringGuards {
-  struct Flag {
-    Flag() { t_frames.measuring = true; }
-    ~Flag() { t_frames.measuring = false; }
-  } measuring;
-  at::RecordFunctionGuard no_callbacks{false};
-  c10::NoGradGuard no_grad;
-  c10::impl::ExcludeDispatchKeyGuard no_casts{measuring_excluded_keys()};
-};
-
 struct HeldNonFinite {
-  bool inf = false, nan = false;
+  NonFiniteKinds kinds;
   bool outside = false;  // some held one that no recorded op made (a corrupt batch, a buffer)
 };
 
@@ -532,16 +530,14 @@ void add_held(const OpContext::Input& input, const OpContext& ctx,
     if (input.version < 0) return;
     std::lock_guard<std::mutex> lock(ctx.state->mutex);
     if (const NonFiniteTensor* before = ctx.state->nonfinite_before(impl.get(), input.version)) {
-      held.inf = held.inf || before->inf;
-      held.nan = held.nan || before->nan;
+      held.kinds.add(before->kinds);
     }
     return;
   }
   if (t.numel() == 0 || !measurable(t)) return;
   const ValueStats s = stats_of(t, true);
   if (s.nonfinite == 0) return;
-  held.inf = held.inf || s.nonfinite > s.nan;
-  held.nan = held.nan || s.nan > 0;
+  held.kinds.add(NonFiniteKinds::of(s));
   std::lock_guard<std::mutex> lock(ctx.state->mutex);
   held.outside = held.outside || !ctx.state->seen_nonfinite(t);
 }
@@ -549,19 +545,27 @@ void add_held(const OpContext::Input& input, const OpContext& ctx,
 // Whether the call made the inf/NaN its outputs hold (its inputs held none of that kind), or
 // carried one from a tensor no recorded op made.
 void judge_nonfinite(const at::RecordFunction& fn, const OpContext& ctx, Measurement& m) {
-  HeldNonFinite held{ctx.scalar_inf, ctx.scalar_nan};
+  HeldNonFinite held{ctx.scalar_kinds};
   const std::vector<c10::IValue>& outputs = fn.outputs();
   for (const auto& input : ctx.float_inputs) add_held(input, ctx, outputs, held);
-  m.made = (m.has_nan && !held.nan) || (m.has_inf && !held.inf);
+  m.made = m.kinds.beyond(held.kinds);
   m.from_outside = !m.made && held.outside;
 }
 
+// Measures the call without being observed, without autograd, and outside every key that could
+// make the measurement compute something else than the values as they are.
 Measurement measure_call(const at::RecordFunction& fn, const OpContext& ctx) {
-  MeasuringGuards guards;
+  struct Measuring {
+    Measuring() { t_frames.measuring = true; }
+    ~Measuring() { t_frames.measuring = false; }
+  } measuring;
+  at::RecordFunctionGuard no_callbacks(false);
+  c10::NoGradGuard no_grad;
+  c10::impl::ExcludeDispatchKeyGuard no_casts(measuring_excluded_keys());
   Measurement m;
   for (const c10::IValue& v : fn.outputs()) measure_value(v, ctx, m);
   // Only until an op is found to have made one: the inputs are read again then (rare).
-  if (m.nonfinite > 0 && !ctx.state->made_found.load()) judge_nonfinite(fn, ctx, m);
+  if (m.nonfinite > 0 && ctx.keeps_inputs) judge_nonfinite(fn, ctx, m);
   return m;
 }
 

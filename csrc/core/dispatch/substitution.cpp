@@ -453,6 +453,14 @@ const c10::TensorImpl* functorch_wrapped(const at::Tensor& t) {
   std::memcpy(&target, wrapper + wrapped_value_offset(), sizeof(target));
   return target;
 }
+
+// The registered source `t` is, or the functorch wrapper `t` wraps (nullptr: neither). Views of
+// registered buffers are the caller's to find (viewed_buffer): a wrapper has no storage to compare.
+const WorkingCopySource* registered_source_of(const WorkingCopySources& sources,
+                                              const at::Tensor& t, const c10::TensorImpl* wrapped) {
+  const auto it = sources.find(wrapped != nullptr ? wrapped : t.unsafeGetTensorImpl());
+  return it != sources.end() ? &it->second : nullptr;
+}
 }  // namespace
 
 c10::ScalarType dtype_ops_see(const at::Tensor& t) {
@@ -462,11 +470,10 @@ c10::ScalarType dtype_ops_see(const at::Tensor& t) {
   if (wrapped == nullptr && !carries_substitution_key(t)) return own;
   const std::shared_ptr<const Session> session = current_session();
   const auto& sources = session->working_copy_sources;
-  const bool stands_for_a_source =
-      wrapped != nullptr
-          ? sources.count(wrapped) != 0
-          : sources.count(t.unsafeGetTensorImpl()) != 0 || viewed_buffer(sources, t) != nullptr;
-  if (!stands_for_a_source) return own;
+  if (registered_source_of(sources, t, wrapped) == nullptr &&
+      (wrapped != nullptr || viewed_buffer(sources, t) == nullptr)) {
+    return own;
+  }
   const c10::ScalarType working = working_copy_dtype_now(*session);
   return working == c10::ScalarType::Undefined ? own : working;
 }
@@ -474,12 +481,11 @@ c10::ScalarType dtype_ops_see(const at::Tensor& t) {
 bool is_registered_buffer(const at::Tensor& t) {
   const std::shared_ptr<const Session> session = current_session();
   const auto& sources = session->working_copy_sources;
-  if (const c10::TensorImpl* wrapped = functorch_wrapped(t)) {
-    const auto it = sources.find(wrapped);
-    return it != sources.end() && it->second.buffer;
+  const c10::TensorImpl* wrapped = functorch_wrapped(t);
+  if (const WorkingCopySource* source = registered_source_of(sources, t, wrapped)) {
+    return source->buffer;
   }
-  const auto it = sources.find(t.unsafeGetTensorImpl());
-  return it != sources.end() ? it->second.buffer : viewed_buffer(sources, t) != nullptr;
+  return wrapped == nullptr && viewed_buffer(sources, t) != nullptr;
 }
 
 at::Tensor own_data_past_substitution(const at::Tensor& t) {
