@@ -10,6 +10,8 @@
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/instancenorm.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -372,6 +374,46 @@ TEST_F(Initialize, O2OwnDataOpsStayFp32AndViewsReuseTheCopy) {
   // No substitution without autograd recording (validation in fp32 by default).
   c10::NoGradGuard no_grad;
   EXPECT_EQ(net->fc2->forward(x).scalar_type(), at::kFloat);
+}
+
+// Complex values made from parameters come from the fp32 masters: the working copies made
+// complex32 at O2 (`w * 1j`, `view_as_complex`), which the CPU cannot exponentiate, and
+// view_as_complex of O5's bf16 copy failed (an S4D layer keeps its complex state as real
+// pairs). A complex scalar (an unboxed kernel's argument) and a complex tensor (the boxed
+// fallback's) both count; real arithmetic still sees the copy.
+struct PairsNetImpl : torch::nn::Module {
+  PairsNetImpl()
+      : pairs(register_parameter("pairs", at::randn({4, 8, 2}))),
+        fc(register_module("fc", torch::nn::Linear(8, 4))) {}
+  at::Tensor pairs;
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(PairsNet);
+
+TEST_F(Initialize, O2O5ComplexValuesAreMadeFromTheMasters) {
+  for (const char* level : {"O2", "O5"}) {
+    reset();
+    PairsNet net;
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    initialize(net, opt, level, quiet());
+    const at::Tensor& w = net->pairs;
+    const at::Tensor master = w.detach().clone();
+    const at::Tensor times_i = w * c10::Scalar(c10::complex<double>(0, 1));
+    EXPECT_EQ(times_i.scalar_type(), at::kComplexFloat) << level;
+    EXPECT_TRUE(at::equal(at::imag(times_i), master)) << level;
+    const at::Tensor complex = at::view_as_complex(w);
+    EXPECT_EQ(complex.scalar_type(), at::kComplexFloat) << level;
+    EXPECT_TRUE(at::equal(at::view_as_real(complex), master)) << level;
+    EXPECT_TRUE(at::equal(at::exp(complex), at::exp(at::view_as_complex(master)))) << level;
+    const at::Tensor zeros = at::zeros({4, 8, 2}, at::kComplexFloat);
+    const at::Tensor chosen = at::where(at::ones({4, 8, 2}, at::kBool), w, zeros);
+    EXPECT_TRUE(at::equal(at::real(chosen), master)) << level;
+    EXPECT_NE((w * 2).scalar_type(), at::kFloat) << level;  // real ops: the working copy
+    // The gradient reaches the master through the complex values.
+    at::abs(complex).sum().add(at::imag(times_i).sum()).backward();
+    ASSERT_TRUE(w.grad().defined()) << level;
+    EXPECT_EQ(w.grad().scalar_type(), at::kFloat) << level;
+  }
 }
 
 // Norms that track running statistics (an InstanceNorm at any O2/O5, a batch norm under

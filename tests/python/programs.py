@@ -67,6 +67,35 @@ class SpectralNet(torch.nn.Module):
         return self.proj(h.transpose(1, 2)).squeeze(-1) + feature
 
 
+class DiagonalStateSpaceNet(torch.nn.Module):
+    """An S4D-style layer (a diagonal state-space model): its complex state matrix and output
+    projection are real parameters made complex in the forward (`view_as_complex` of real pairs,
+    `-exp(log_a) + 1j * a_imag`), its convolution kernel a Vandermonde product of complex
+    exponentials, applied through an FFT; between a linear and a layer norm, as S4 models are."""
+
+    def __init__(self, channels=4, states=4):
+        super().__init__()
+        self.lift = torch.nn.Linear(1, channels)
+        self.log_dt = torch.nn.Parameter(torch.linspace(-4.0, -2.0, channels))
+        self.c = torch.nn.Parameter(torch.randn(channels, states, 2) * 0.5)
+        self.log_a_real = torch.nn.Parameter(torch.full((channels, states), -0.7))
+        self.a_imag = torch.nn.Parameter(torch.pi * torch.arange(states).float().repeat(channels, 1))
+        self.norm = torch.nn.LayerNorm(channels)
+        self.proj = torch.nn.Linear(channels, 1)
+
+    def forward(self, x):  # x: [batch, length]
+        u = self.lift(x.unsqueeze(-1)).transpose(1, 2)  # [batch, channels, length]
+        length = x.shape[-1]
+        a = -torch.exp(self.log_a_real) + 1j * self.a_imag
+        dt_a = a * torch.exp(self.log_dt)[:, None]
+        c = torch.view_as_complex(self.c) * (torch.exp(dt_a) - 1.0) / a
+        powers = torch.exp(dt_a[..., None] * torch.arange(length))
+        kernel = 2 * torch.einsum("hn,hnl->hl", c, powers).real
+        y = torch.fft.irfft(torch.fft.rfft(u, n=2 * length) * torch.fft.rfft(kernel, n=2 * length),
+                            n=2 * length)[..., :length]
+        return self.proj(self.norm((y + u).transpose(1, 2))).squeeze(-1)
+
+
 class LinalgNet(torch.nn.Module):
     """Linear algebra on working copies and reduced activations: a normalizing flow's invertible
     1x1 convolution (slogdet of its weight, as Glow's), an orthogonal layer parametrized by

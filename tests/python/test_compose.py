@@ -11,7 +11,8 @@ from torch.utils.checkpoint import checkpoint  # imported before initialize, as 
 
 import optamp
 from common_utils import init, tol, train_row
-from programs import LinalgNet, SinusoidalNet, SpectralNet, orthogonal_classifier
+from programs import (DiagonalStateSpaceNet, LinalgNet, SinusoidalNet, SpectralNet,
+                      orthogonal_classifier)
 
 pytestmark = pytest.mark.usefixtures("fresh")
 
@@ -1463,6 +1464,44 @@ def test_a_model_with_complex_weights_and_ffts_trains_at_every_level(fresh, leve
     opt.step()
     for before, after in zip(stepped, model.parameters()):
         assert torch.equal(before, after.detach())
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_a_state_space_model_makes_its_complex_values_in_complex64(fresh, level):
+    # S4D-style layers keep complex parameters as real pairs and make them complex in the forward.
+    # At O2 the fp16 working copies made complex32 values (`view_as_complex` of the fp16 copy,
+    # `1j * a_imag`), which the CPU cannot exponentiate ("exp_vml_cpu" not implemented for
+    # 'ComplexHalf'); at O5 `view_as_complex` of the bf16 copy failed (there is no complex bf16).
+    # view_as_complex and complex now widen reduced input, and a call with a complex argument
+    # reads the fp32 masters: the kernel is computed in complex64 from the masters' values, as
+    # native autocast computes it. (O3's model is fp16 itself: its complex values are complex32,
+    # as under Apex's O3.)
+    torch.manual_seed(0)
+    model = DiagonalStateSpaceNet()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # 2^16 overflows the one-output projection's weight gradient (48 positions summed in fp16)
+    init(model, opt, level, **({"loss_scale": "dynamic", "init_scale": 2.0**8}
+                               if level in ("O1", "O2") else {}))
+    x, y = torch.randn(3, 16), torch.randn(3, 16)
+    loss = F.mse_loss(model(x), y)
+    with optamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    assert not optamp.loss_scaler(0).last_step_skipped
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    row = train_row(level)
+    torch.testing.assert_close(loss.detach(), expected.detach(), **tol(row))
+    for name, param in model.named_parameters():
+        ref = dict(reference.named_parameters())[name]
+        torch.testing.assert_close(param.grad, ref.grad, **tol(row), msg=name)
+    # The state matrix's imaginary parts (multiples of pi) enter the kernel as the masters' values:
+    # bf16 would round 3 * pi to 9.4375.
+    with torch.enable_grad():
+        a = 1j * model.a_imag
+    assert a.dtype == torch.complex64
+    assert torch.equal(a.imag, model.a_imag.detach())
+    assert torch.view_as_complex(model.c).dtype == torch.complex64
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -184,7 +184,10 @@ constexpr OpName kFp32LossOps[] = {
 // ordinary inputs (a 2x2 diagonal matrix of norm 0.2, random 16x16 ones), so `orthogonal`'s
 // default map for a square weight skipped every step at O2/O5. Distances and quantiles: no
 // fp16/bf16 cdist/pdist kernel on the CPU (torch's CUDA autocast lists both in fp32 too);
-// quantile takes float or double only.
+// quantile takes float or double only. Complex values from real pairs (`view_as_complex`,
+// `complex`): there is no complex bf16 on any device, and fp16 makes complex32, which the CPU
+// cannot exponentiate, sum or take the log of ("exp_vml_cpu" not implemented for 'ComplexHalf'):
+// an S4D-style layer's state matrix, kept as real pairs, failed at O2/O5.
 constexpr OpName kFp32AlwaysOps[] = {
     {"aten::fft_fft", ""},
     {"aten::fft_ifft", ""},
@@ -267,6 +270,8 @@ constexpr OpName kFp32AlwaysOps[] = {
     {"aten::quantile", "scalar"},
     {"aten::nanquantile", ""},
     {"aten::nanquantile", "scalar"},
+    {"aten::view_as_complex", ""},
+    {"aten::complex", ""},
 };
 
 // fp32 (always) on the CPU alone: ops ATen has no fp16/bf16 CPU kernel for, where CUDA has one

@@ -179,15 +179,28 @@ bool returns_a_view(const c10::FunctionSchema& schema) {
   });
 }
 
+// A complex tensor or scalar among a call's arguments (is_complex_argument).
+bool has_complex_argument(const torch::jit::Stack& stack, std::size_t base) {
+  return std::any_of(stack.begin() + static_cast<std::ptrdiff_t>(base), stack.end(),
+                     [](const c10::IValue& value) {
+                       if (value.isComplexDouble()) return true;
+                       bool complex = false;
+                       visit_tensors_in(value, [&complex](const at::Tensor& t) {
+                         complex = complex || is_complex_argument(t);
+                       });
+                       return complex;
+                     });
+}
+
 // Ops without an unboxed kernel (substitution_kernels.cpp): every tensor argument that is not
 // written is looked at.
 void substitute_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                          torch::jit::Stack* stack) {
   SubstitutionCall call;
   std::vector<std::pair<at::Tensor, at::Tensor>> updated_statistics;  // (fp32 buffer, its copy)
-  if (call.active()) {
-    const auto& args = op.schema().arguments();
-    const std::size_t base = stack->size() - args.size();
+  const auto& args = op.schema().arguments();
+  const std::size_t base = stack->size() - args.size();
+  if (call.active() && !has_complex_argument(*stack, base)) {
     const bool updating = std::any_of(args.begin(), args.end(), is_running_statistic) &&
                           updates_running_statistics(args, *stack, base);
     const bool view = returns_a_view(op.schema());

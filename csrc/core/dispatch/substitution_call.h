@@ -45,6 +45,21 @@ std::uint64_t substitution_calls_on_this_thread();
 // The unboxed kernels of the hottest ops and of set_data, on the key (substitution_kernels.cpp).
 void register_substitution_kernels(torch::Library& aten_on_key);
 
+// Whether an argument is complex (a complex tensor or scalar). A call with one reads the fp32
+// masters: working copies would make its result complex32 (fp16: an experimental type with few
+// kernels, none for exp, log or sum on the CPU) or round the values that enter it to bf16 (an
+// S4D layer's `1j * a_imag`, whose multiples of pi bf16 rounds to 9.4375 for 3 pi), where the
+// complex arithmetic gains nothing from them.
+inline bool is_complex_argument(const at::Tensor& t) { return t.defined() && t.is_complex(); }
+inline bool is_complex_argument(const std::optional<at::Tensor>& t) {
+  return t && is_complex_argument(*t);
+}
+inline bool is_complex_argument(const c10::Scalar& s) { return s.isComplex(); }
+template <typename T>
+bool is_complex_argument(const T& /*neither a tensor nor a scalar*/) {
+  return false;
+}
+
 class SubstitutionCall {
  public:
   // Decides whether this call substitutes. While it does, the key is excluded on the thread (the

@@ -46,7 +46,9 @@ template <class Op, bool kView, class Ret, class... Args>
 struct Substituted<Op, kView, Ret(Args...)> {
   static Ret call(c10::DispatchKeySet keys, Args... args) {
     const SubstitutionCall call;
-    if (!call.active()) return Op::redispatch(below_substitution(keys), args...);
+    if (!call.active() || (is_complex_argument(args) || ...)) {
+      return Op::redispatch(below_substitution(keys), args...);  // the masters (a complex call)
+    }
     // Tensors as the op below should see them: through the call's working copies.
     auto working = [&call](const at::Tensor& t) {
       return kView ? call.view_working_copy(t) : call.working_copy(t);

@@ -34,6 +34,21 @@ void rewrite_tensors_in(c10::IValue& value, Fn&& fn) {
   }
 }
 
+// Read only: `fn(const at::Tensor&)` on every tensor in `value`.
+template <typename Fn>
+void visit_tensors_in(const c10::IValue& value, Fn&& fn) {
+  if (value.isTensor()) {
+    fn(value.toTensor());
+  } else if (value.isTensorList()) {
+    const auto list = value.toTensorList();
+    for (std::size_t i = 0; i < list.size(); ++i) fn(list.get(i));
+  } else if (value.isList()) {
+    for (const c10::IValue& item : value.toListRef()) {
+      if (item.isTensor()) fn(item.toTensor());
+    }
+  }
+}
+
 // The unboxed form: the argument as `fn(const at::Tensor&) -> std::optional<at::Tensor>`
 // rewrites it (nullopt: kept as it came).
 template <typename Fn>
