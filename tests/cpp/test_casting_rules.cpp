@@ -68,6 +68,33 @@ TEST_F(Casting, DoublesIntegersBoolsAndComplexAreNeverCast) {
   EXPECT_EQ(cast_count(), before);
 }
 
+// fp16 meeting a complex scalar, a 0-dim complex tensor or a complex32 tensor is widened in a
+// promote call (Apex's lists), so the result is complex64, as torch makes it of bf16: torch's own
+// promotion gives complex32, which the CPU cannot exponentiate (an LRU's `1j * exp(theta_log)`
+// at O2 failed). A complex64 tensor with dimensions promotes by itself (no cast); torch's lists
+// leave the call as native autocast does.
+TEST_F(Casting, Fp16MeetingAComplexValueMakesComplex64WithApexsLists) {
+  enable("O1");
+  const auto h = randn({3}, at::kHalf);
+  const c10::Scalar i(c10::complex<double>(0, 1));
+  auto before = cast_count();
+  const auto by_i = at::mul(h, i);
+  EXPECT_EQ(by_i.scalar_type(), at::kComplexFloat);
+  EXPECT_TRUE(at::equal(at::imag(by_i), h.to(at::kFloat)));
+  EXPECT_EQ(at::exp(by_i).scalar_type(), at::kComplexFloat);
+  EXPECT_EQ(at::add(h, at::scalar_tensor(i, at::kComplexFloat)).scalar_type(), at::kComplexFloat);
+  EXPECT_EQ(at::mul(h, at::ones({3}, at::kComplexHalf)).scalar_type(), at::kComplexFloat);
+  EXPECT_EQ(cast_count(), before + 3);
+  before = cast_count();
+  EXPECT_EQ(at::add(h, randn({3}, at::kComplexFloat)).scalar_type(), at::kComplexFloat);
+  EXPECT_EQ(at::mul(randn({3}, at::kBFloat16), i).scalar_type(), at::kComplexFloat);
+  EXPECT_EQ(cast_count(), before);  // torch's promotion gives complex64 there by itself
+  Options torch_lists;
+  torch_lists.op_lists = OpLists::kTorch;
+  enable("O1", torch_lists);
+  EXPECT_EQ(at::mul(h, i).scalar_type(), at::kComplexHalf);  // as native autocast
+}
+
 // A double in a promote call is placed by torch's promotion, as Apex (which promotes only a mix of
 // fp16 and fp32) and torch.autocast (fp64 is not eligible) leave it: a 0-dim fp64 factor (an ODE
 // solver's step size or tolerance, torchdiffeq's fp64 time) keeps the state's dtype. Widened to

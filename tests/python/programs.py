@@ -96,6 +96,34 @@ class DiagonalStateSpaceNet(torch.nn.Module):
         return self.proj(self.norm((y + u).transpose(1, 2))).squeeze(-1)
 
 
+class LinearRecurrentNet(torch.nn.Module):
+    """A linear recurrent unit (Orvieto et al., 2023) as its PyTorch ports write it: a complex
+    diagonal recurrence whose eigenvalues are `exp(-exp(nu_log) + 1j * exp(theta_log))`, input
+    and output matrices made complex from real pairs, unrolled over time."""
+
+    def __init__(self, width=4, states=6):
+        super().__init__()
+        self.lift = torch.nn.Linear(2, width)
+        self.nu_log = torch.nn.Parameter(torch.linspace(-2.0, 0.0, states))
+        self.theta_log = torch.nn.Parameter(torch.linspace(-1.0, 1.5, states))
+        self.b_re = torch.nn.Parameter(torch.randn(states, width) * 0.3)
+        self.b_im = torch.nn.Parameter(torch.randn(states, width) * 0.3)
+        self.c_re = torch.nn.Parameter(torch.randn(width, states) * 0.3)
+        self.c_im = torch.nn.Parameter(torch.randn(width, states) * 0.3)
+        self.proj = torch.nn.Linear(width, 1)
+
+    def forward(self, x):  # x: [batch, length, 2]
+        u = self.lift(x)
+        eigenvalues = torch.exp(-torch.exp(self.nu_log) + 1j * torch.exp(self.theta_log))
+        b, c = self.b_re + 1j * self.b_im, self.c_re + 1j * self.c_im
+        driven = torch.einsum("nd,bld->bln", b, u.to(b.dtype))
+        state, outputs = torch.zeros_like(driven[:, 0]), []
+        for t in range(x.shape[1]):
+            state = eigenvalues * state + driven[:, t]
+            outputs.append((state @ c.T).real)
+        return self.proj(torch.stack(outputs, 1) + u).squeeze(-1)
+
+
 class LinalgNet(torch.nn.Module):
     """Linear algebra on working copies and reduced activations: a normalizing flow's invertible
     1x1 convolution (slogdet of its weight, as Glow's), an orthogonal layer parametrized by

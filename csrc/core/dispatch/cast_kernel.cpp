@@ -201,8 +201,14 @@ void PromoteWidth::add(const at::Tensor& t) {
   // (fp64 is not eligible) leave them: torch's own promotion places them, ranking a 0-dim one
   // below tensors with dimensions. Counted, a 0-dim fp64 factor (torchdiffeq's rtol beside its
   // fp32 state) made `rtol * y` fp64 and the next linear fail on fp64 beside fp16 weights.
+  if (t.defined() && t.is_complex()) {
+    complex = true;
+    complex_wide = complex_wide || (t.dim() > 0 && t.scalar_type() != ScalarType::ComplexHalf);
+    return;
+  }
   if (!is_castable(t)) return;
   const ScalarType s = dtype_ops_see(t);  // a model tensor at O2/O5: its working copy's
+  half = half || s == ScalarType::Half;
   auto widen = [](ScalarType a, ScalarType b) {
     if (a == ScalarType::Undefined || a == b) return b;
     return (is_reduced_float(a) && is_reduced_float(b)) ? ScalarType::Float
@@ -255,6 +261,13 @@ CallPlan CastKernel::plan(std::optional<c10::DeviceType> device) const {
 }
 
 bool CastKernel::plan_promotion(const PromoteWidth& width, CallPlan& p) const {
+  // fp16 meeting a complex value is widened, so the result is complex64 as bf16's is: complex32
+  // is an experimental type the CPU cannot exponentiate, sum or take the log of (an LRU's
+  // `1j * exp(theta_log)` at O2, where the exp of the working copy is fp16).
+  if (width.makes_complex32()) {
+    p.target = ScalarType::Float;
+    return true;
+  }
   // Ops that promote by themselves are left to it where torch picks the same dtype (a cast first
   // would only add an op and an autograd node; see policy_table.h).
   if (!width.mixed || (promotes_natively_ && width.torch_agrees())) return false;

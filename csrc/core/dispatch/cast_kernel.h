@@ -20,8 +20,14 @@ struct PromoteWidth {
   c10::ScalarType widest_dimensioned = c10::ScalarType::Undefined;
   bool mixed = false;
   bool mixed_dimensioned = false;  // among the tensors with dimensions alone
+  // Complex arguments: torch makes complex32 of an fp16 tensor and a complex scalar (or a 0-dim
+  // or complex32 tensor), where it makes complex64 of bf16 (there is no complex bf16).
+  bool half = false;          // an fp16 tensor (as ops see it) among the arguments
+  bool complex = false;       // a complex tensor or wrapped complex scalar
+  bool complex_wide = false;  // a complex64/complex128 tensor with dimensions
   void add(const at::Tensor& t);
   bool torch_agrees() const;
+  bool makes_complex32() const { return half && complex && !complex_wide; }
 };
 
 // What one call does, decided before any argument is touched (CastKernel::plan).
