@@ -26,7 +26,7 @@ write-back). The casts are then ordinary graph nodes, which inductor fuses.
 """
 import sys
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -39,6 +39,11 @@ _MARK = "_optamp_working_copy"  # "parameter" or "buffer" on every tensor O2/O5 
 _BUFFER_VIEW = "_optamp_buffer_view"  # on a view of a registered buffer, while Dynamo traces
 _marked: List["weakref.ref[torch.Tensor]"] = []
 _substituting = False  # initialized at O2/O5 (a plain flag: Dynamo reads it as a constant)
+# The fp32 (always) functions' names (policy_report's entries, overloads dropped), on every
+# device and on CPU tensors only, read at initialize: eager hands those ops the masters (the cast
+# kernel widens reduced inputs and reads a registered tensor past substitution).
+_widened_everywhere: FrozenSet[str] = frozenset()
+_widened_on_cpu: FrozenSet[str] = frozenset()
 
 
 def _reset_dynamo() -> None:
@@ -50,9 +55,11 @@ def _reset_dynamo() -> None:
 def on_initialize(casting: bool, working_copy_sources: List[torch.Tensor]) -> None:
     """Called by initialize; ``casting``: the level casts (enabled, not O0);
     ``working_copy_sources``: the tensors ops see as working copies (O2/O5), else empty."""
-    global _saved_autograd_cache, _substituting
+    global _saved_autograd_cache, _substituting, _widened_everywhere, _widened_on_cpu
     _reset_dynamo()
     _substituting = bool(working_copy_sources)
+    if _substituting:
+        _widened_everywhere, _widened_on_cpu = _fp32_always_functions()
     for t in working_copy_sources:
         setattr(t, _MARK, "parameter" if isinstance(t, torch.nn.Parameter) else "buffer")
         _marked.append(weakref.ref(t))
@@ -78,6 +85,35 @@ def on_reset() -> None:
 
         functorch_config.enable_autograd_cache = _saved_autograd_cache
         _saved_autograd_cache = None
+
+
+def _fp32_always_functions() -> Tuple[FrozenSet[str], FrozenSet[str]]:
+    """The names of the fp32 (always) ops, as torch functions are named (``fft_rfft``,
+    ``linalg_slogdet``, ``view_as_complex``): on every device, and on CPU tensors only."""
+    everywhere: Set[str] = set()
+    cpu: Set[str] = set()
+    for line in _C.policy_report().splitlines():
+        entry = line.strip()
+        if not entry.startswith("aten::") or ": fp32 (always)" not in entry:
+            continue
+        name = entry[len("aten::"):entry.index(":", len("aten::"))].split(".")[0]
+        (cpu if entry.endswith(" on CPU") else everywhere).add(name)
+    return frozenset(everywhere), frozenset(cpu - everywhere)
+
+
+def _reads_the_masters(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """Whether eager substitution leaves this call's registered tensors as they are: an fp32
+    (always) op (the cast kernel reads them past substitution), or a call with a complex
+    argument (substitution.cpp, has_complex_argument)."""
+    values = list(args) + list(kwargs.values())
+    flat = [v for value in values for v in (value if isinstance(value, (list, tuple)) else (value,))]
+    if any(isinstance(v, complex) or (isinstance(v, torch.Tensor) and v.is_complex())
+           for v in flat):
+        return True
+    if name in _widened_everywhere:
+        return True
+    return name in _widened_on_cpu and any(
+        isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in flat)
 
 
 def is_working_copy_source(t: torch.Tensor) -> bool:
@@ -236,7 +272,8 @@ class WorkingCopies(TorchFunctionMode):
             # body's ops, so the body enters it itself (eager checkpoints run the body under the
             # state of the call too: docs/casting.md, "Activation checkpointing").
             return func(_entering(args[0], self.dtype), *args[1:], **kwargs)
-        if name in _OWN_DATA or _working_dtype_now() != self.dtype:
+        if (name in _OWN_DATA or _working_dtype_now() != self.dtype
+                or _reads_the_masters(name, args, kwargs)):
             return func(*args, **kwargs)
         if name in _VIEWS and args and _is_buffer_or_its_view(args[0]):
             return _mark_buffer_views(func(*args, **kwargs))
