@@ -93,6 +93,8 @@ def _fp32_always_functions() -> Tuple[FrozenSet[str], FrozenSet[str]]:
     everywhere: Set[str] = set()
     cpu: Set[str] = set()
     for line in _C.policy_report().splitlines():
+        if line.startswith("torch.autocast's lists"):
+            break  # Apex's table and its CPU rows (torch's tables hold the same fp32 (always) rows)
         entry = line.strip()
         if not entry.startswith("aten::") or ": fp32 (always)" not in entry:
             continue
