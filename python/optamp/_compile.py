@@ -108,7 +108,8 @@ def _reads_the_masters(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any])
     (always) op (the cast kernel reads them past substitution), or a call with a complex
     argument (substitution.cpp, has_complex_argument)."""
     values = list(args) + list(kwargs.values())
-    flat = [v for value in values for v in (value if isinstance(value, (list, tuple)) else (value,))]
+    flat = [v for value in values
+            for v in (value if isinstance(value, (list, tuple)) else (value,))]
     if any(isinstance(v, complex) or (isinstance(v, torch.Tensor) and v.is_complex())
            for v in flat):
         return True

@@ -79,7 +79,8 @@ class DiagonalStateSpaceNet(torch.nn.Module):
         self.log_dt = torch.nn.Parameter(torch.linspace(-4.0, -2.0, channels))
         self.c = torch.nn.Parameter(torch.randn(channels, states, 2) * 0.5)
         self.log_a_real = torch.nn.Parameter(torch.full((channels, states), -0.7))
-        self.a_imag = torch.nn.Parameter(torch.pi * torch.arange(states).float().repeat(channels, 1))
+        frequencies = torch.pi * torch.arange(states).float()
+        self.a_imag = torch.nn.Parameter(frequencies.repeat(channels, 1))
         self.norm = torch.nn.LayerNorm(channels)
         self.proj = torch.nn.Linear(channels, 1)
 
