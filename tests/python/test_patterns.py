@@ -393,3 +393,100 @@ def test_o1_matches_torch_autocast_and_grad_scaler(fresh):
         theirs_scales.append(scaler.get_scale())
     assert ours_scales == theirs_scales
     torch.testing.assert_close(loss_ours.float(), loss_theirs.float(), **tol("train_float16"))
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimization as users copy it (davda54/sam): `first_step` climbs to the
+    worst point within `rho` along the gradient, saving each parameter in `old_p`; `second_step`
+    puts them back (only those with a gradient) and steps the base optimizer."""
+
+    def __init__(self, params, base_optimizer, rho=0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self, zero_grad=False):
+        norm = torch.norm(torch.stack([p.grad.norm(p=2) for g in self.param_groups
+                                       for p in g["params"] if p.grad is not None]), p=2)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self.state[p]["old_p"] = p.data.clone()
+                p.add_(p.grad * (group["rho"] / (norm + 1e-12)))
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad=False):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+        if zero_grad:
+            self.zero_grad()
+
+
+def _sam_step(model, optimizer, x, y, overflow_in=None):
+    """docs/python.md's recipe for two-step optimizers: each pass in its own guard, and a pass
+    that overflowed ends the step with the weights where it began."""
+    with optamp.scale_loss(F.cross_entropy(model(x), y), optimizer) as scaled:
+        scaled.backward()
+        if overflow_in == "first":
+            model.fc1.weight.grad[0, 0] = math.inf
+    if optamp.loss_scaler().last_step_skipped:  # no gradients to climb along
+        return
+    optimizer.first_step(zero_grad=True)
+    with optamp.scale_loss(F.cross_entropy(model(x), y), optimizer) as scaled:
+        scaled.backward()
+        if overflow_in == "second":
+            model.fc2.bias.grad[0] = math.nan
+    if optamp.loss_scaler().last_step_skipped:  # back to the weights first_step moved
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if "old_p" in optimizer.state[p]:
+                        p.copy_(optimizer.state[p]["old_p"])
+        return
+    optimizer.second_step(zero_grad=True)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_a_two_step_optimizer_trains_and_skips_either_pass_bitwise(fresh, level):
+    # SAM's two passes: an overflow in the first leaves no gradients (first_step would have
+    # failed on none), one in the second leaves the weights at the perturbed point unless put
+    # back (its second_step restores only parameters with a gradient). The recipe skips both.
+    def run(overflow_at, amp_level):
+        torch.manual_seed(0)
+        model = Mlp()
+        optimizer = SAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+        if amp_level is not None:
+            model, optimizer = init(model, optimizer, amp_level)
+        states = []
+        for step in range(3):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(10 + step))
+            if amp_level is None:
+                F.cross_entropy(model(x), y).backward()
+                optimizer.first_step(zero_grad=True)
+                F.cross_entropy(model(x), y).backward()
+                optimizer.second_step(zero_grad=True)
+            else:
+                _sam_step(model, optimizer, x, y, overflow_at.get(step))
+            states.append([p.detach().clone() for p in model.parameters()] +
+                          [optimizer.base_optimizer.state[p]["momentum_buffer"].clone()
+                           for p in model.parameters()
+                           if "momentum_buffer" in optimizer.base_optimizer.state[p]])
+        optamp.reset()
+        return states
+
+    reference = run({}, None)
+    clean = run({}, level)
+    for got, want in zip(clean[-1], reference[-1]):
+        torch.testing.assert_close(got, want, **tol(train_row(level)))
+    for where in ("first", "second"):
+        skipped = run({1: where}, level)
+        assert all(torch.equal(a, b) for a, b in zip(skipped[1], skipped[0])), where
+        assert all(torch.isfinite(t).all() for t in skipped[2]), where
