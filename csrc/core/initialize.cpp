@@ -207,6 +207,19 @@ ParameterRecords parameter_records(const ModelTensors& model,
   return records;
 }
 
+// The tensors O2/O5 ops see as working copies: the model's floating tensors but float64 ones.
+// A float64 buffer is a precision someone chose (a frequency table, a noise schedule), which
+// native autocast never touches; its fp16/bf16 copy rounded `t * freqs` silently while the
+// result stayed float64. Trainable float64 parameters are refused before (check_model_dtypes).
+std::vector<at::Tensor> working_copy_candidates(const std::vector<at::Tensor>& reduced) {
+  std::vector<at::Tensor> candidates;
+  candidates.reserve(reduced.size());
+  for (const auto& t : reduced) {
+    if (t.scalar_type() != at::kDouble) candidates.push_back(t);
+  }
+  return candidates;
+}
+
 // The session initialize publishes. Called after O3's cast (the records hold the dtypes training
 // runs in); the scalers are made before anything changes, since making them validates.
 std::shared_ptr<Session> build_session(const ModelTensors& model,
@@ -217,7 +230,8 @@ std::shared_ptr<Session> build_session(const ModelTensors& model,
   session->initialized = true;
   session->rules = level_rules_for(p);
   if (p.enabled && p.model_cast() == ModelCast::kWorkingCopies) {
-    session->working_copy_sources = make_working_copy_sources(model.reduced, model.parameters);
+    session->working_copy_sources =
+        make_working_copy_sources(working_copy_candidates(model.reduced), model.parameters);
   }
   session->parameters = parameter_records(model, opts);
   session->loss_scalers = std::move(scalers);

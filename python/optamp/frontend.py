@@ -399,8 +399,9 @@ def initialize(
     global _properties
     _properties = props
     substituted = props.model_cast == ModelCast.WORKING_COPIES
-    _compile.on_initialize(
-        props.casts, [t for t in reduced if t.is_floating_point()] if substituted else [])
+    # The working-copy sources as the core registers them: floating, float64 left out.
+    _compile.on_initialize(props.casts, [t for t in reduced if t.is_floating_point()
+                                         and t.dtype != torch.float64] if substituted else [])
     ab._precision.start(model_list)  # python -m optamp.ab --precision-steps: from here
 
     models_out = model_list if models_was_list else model_list[0]

@@ -416,6 +416,33 @@ TEST_F(Initialize, O2O5ComplexValuesAreMadeFromTheMasters) {
   }
 }
 
+// A float64 buffer (a frequency table, a noise schedule) keeps its values at O2/O5: its fp16/bf16
+// working copy rounded `t * freqs` while the result stayed float64 (1 + 1e-9 became 1). fp32
+// buffers beside it are still read as working copies.
+struct TablesNetImpl : torch::nn::Module {
+  TablesNetImpl()
+      : fc(register_module("fc", torch::nn::Linear(4, 4))),
+        freqs(register_buffer("freqs", at::tensor({1.0, 1e-3, 1e-6, 1.0 + 1e-9}, at::kDouble))),
+        shift(register_buffer("shift", at::tensor({0.1F, 0.2F, 0.3F, 0.4F}))) {}
+  torch::nn::Linear fc;
+  at::Tensor freqs, shift;
+};
+TORCH_MODULE(TablesNet);
+
+TEST_F(Initialize, O2O5Float64BuffersKeepTheirValues) {
+  for (const char* level : {"O2", "O5"}) {
+    reset();
+    TablesNet net;
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    initialize(net, opt, level, quiet());
+    const at::Tensor times = at::arange(3, at::kDouble).unsqueeze(1) * net->freqs;
+    EXPECT_EQ(times.scalar_type(), at::kDouble) << level;
+    EXPECT_TRUE(at::equal(times[1], net->freqs)) << level;
+    EXPECT_EQ((net->freqs * 1).scalar_type(), at::kDouble) << level;
+    EXPECT_NE((net->shift * 1).scalar_type(), at::kFloat) << level;  // fp32: its working copy
+  }
+}
+
 // Norms that track running statistics (an InstanceNorm at any O2/O5, a batch norm under
 // keep_batchnorm_fp32=false) update them in place, though their schemas do not say so: the
 // update reaches the fp32 buffers (it used to go to a dropped working copy, and evaluation then

@@ -99,6 +99,40 @@ def test_a_conversion_to_the_own_dtype_reads_the_master(level, backend):
         optamp.reset()
 
 
+class _Float64Table(torch.nn.Module):
+    """A float64 buffer (a frequency table; diffusion noise schedules are kept so too) beside an
+    fp32 one: the float64 one keeps its values at O2/O5, as native autocast leaves it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("freqs", torch.tensor([1.0, 1e-3, 1e-6, 1.0 + 1e-9],
+                                                   dtype=torch.float64))
+        self.register_buffer("shift", torch.full((4,), 0.1))
+
+    def forward(self, x):
+        self.angles = torch.arange(3, dtype=torch.float64)[:, None] * self.freqs
+        return self.lin(x) + self.shift  # (the boundary casts a float64 output to fp32, as Apex)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_float64_buffer_is_not_read_as_a_working_copy(level, backend):
+    """Until 2026-12-07 a float64 buffer was registered as a working-copy source like any
+    floating one: `t * freqs` stayed float64 but with freqs rounded to fp16/bf16 (1 + 1e-9 became
+    1, 1e-6 lost its digits), a precision loss neither fp32 training nor native autocast has."""
+    net = _init(_Float64Table(), level)
+    try:
+        run = net if backend is None else torch.compile(net, backend=backend)
+        run(torch.randn(2, 4))
+        assert net.angles.dtype == torch.float64
+        assert torch.equal(net.angles[1], net.freqs)
+        with torch.enable_grad():
+            assert (net.shift * 1).dtype != torch.float32  # the fp32 buffer: its working copy
+    finally:
+        optamp.reset()
+
+
 class _SelectiveDecay(torch.nn.Module):
     """Mamba's state matrix (Hugging Face's slow path): fp32 from a parameter it converts."""
 
