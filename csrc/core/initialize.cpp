@@ -207,15 +207,19 @@ ParameterRecords parameter_records(const ModelTensors& model,
   return records;
 }
 
-// The tensors O2/O5 ops see as working copies: the model's floating tensors but float64 ones.
-// A float64 buffer is a precision someone chose (a frequency table, a noise schedule), which
-// native autocast never touches; its fp16/bf16 copy rounded `t * freqs` silently while the
-// result stayed float64. Trainable float64 parameters are refused before (check_model_dtypes).
+// The tensors O2/O5 ops see as working copies: the model's fp32, fp16 and bf16 tensors. A float64
+// buffer is a precision someone chose (a frequency table, a noise schedule), which native
+// autocast never touches; its fp16/bf16 copy rounded `t * freqs` silently while the result stayed
+// float64. A float8 buffer is an operand of its own kernels (`_scaled_mm` takes float8 only).
+// Trainable parameters of other dtypes than fp32 are refused before (check_model_dtypes).
 std::vector<at::Tensor> working_copy_candidates(const std::vector<at::Tensor>& reduced) {
   std::vector<at::Tensor> candidates;
   candidates.reserve(reduced.size());
   for (const auto& t : reduced) {
-    if (t.scalar_type() != at::kDouble) candidates.push_back(t);
+    const at::ScalarType dtype = t.scalar_type();
+    if (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) {
+      candidates.push_back(t);
+    }
   }
   return candidates;
 }

@@ -417,19 +417,21 @@ TEST_F(Initialize, O2O5ComplexValuesAreMadeFromTheMasters) {
 }
 
 // A float64 buffer (a frequency table, a noise schedule) keeps its values at O2/O5: its fp16/bf16
-// working copy rounded `t * freqs` while the result stayed float64 (1 + 1e-9 became 1). fp32
-// buffers beside it are still read as working copies.
+// working copy rounded `t * freqs` while the result stayed float64 (1 + 1e-9 became 1). A float8
+// buffer stays float8 for the kernels that take it (`_scaled_mm` refused its fp16 copy). fp32
+// buffers beside them are still read as working copies.
 struct TablesNetImpl : torch::nn::Module {
   TablesNetImpl()
       : fc(register_module("fc", torch::nn::Linear(4, 4))),
         freqs(register_buffer("freqs", at::tensor({1.0, 1e-3, 1e-6, 1.0 + 1e-9}, at::kDouble))),
-        shift(register_buffer("shift", at::tensor({0.1F, 0.2F, 0.3F, 0.4F}))) {}
+        shift(register_buffer("shift", at::tensor({0.1F, 0.2F, 0.3F, 0.4F}))),
+        weight8(register_buffer("weight8", at::eye(16).to(at::kFloat8_e4m3fn))) {}
   torch::nn::Linear fc;
-  at::Tensor freqs, shift;
+  at::Tensor freqs, shift, weight8;
 };
 TORCH_MODULE(TablesNet);
 
-TEST_F(Initialize, O2O5Float64BuffersKeepTheirValues) {
+TEST_F(Initialize, O2O5Float64AndFloat8BuffersKeepTheirValues) {
   for (const char* level : {"O2", "O5"}) {
     reset();
     TablesNet net;
@@ -440,6 +442,11 @@ TEST_F(Initialize, O2O5Float64BuffersKeepTheirValues) {
     EXPECT_TRUE(at::equal(times[1], net->freqs)) << level;
     EXPECT_EQ((net->freqs * 1).scalar_type(), at::kDouble) << level;
     EXPECT_NE((net->shift * 1).scalar_type(), at::kFloat) << level;  // fp32: its working copy
+    const at::Tensor x8 = at::ones({16, 16}).to(at::kFloat8_e4m3fn);
+    const at::Tensor one = at::ones({});
+    const at::Tensor product =
+        at::_scaled_mm(x8, net->weight8.t(), one, one, {}, {}, at::kFloat);  // took fp16 before
+    EXPECT_TRUE(at::equal(product, at::ones({16, 16}))) << level;
   }
 }
 

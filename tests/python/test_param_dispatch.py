@@ -100,8 +100,9 @@ def test_a_conversion_to_the_own_dtype_reads_the_master(level, backend):
 
 
 class _Float64Table(torch.nn.Module):
-    """A float64 buffer (a frequency table; diffusion noise schedules are kept so too) beside an
-    fp32 one: the float64 one keeps its values at O2/O5, as native autocast leaves it."""
+    """A float64 buffer (a frequency table; diffusion noise schedules are kept so too) and a
+    float8 weight for `_scaled_mm` beside an fp32 buffer: the float64 and float8 ones keep their
+    dtypes at O2/O5, as native autocast leaves them."""
 
     def __init__(self):
         super().__init__()
@@ -109,18 +110,23 @@ class _Float64Table(torch.nn.Module):
         self.register_buffer("freqs", torch.tensor([1.0, 1e-3, 1e-6, 1.0 + 1e-9],
                                                    dtype=torch.float64))
         self.register_buffer("shift", torch.full((4,), 0.1))
+        self.register_buffer("weight8", torch.eye(4).to(torch.float8_e4m3fn))
 
     def forward(self, x):
         self.angles = torch.arange(3, dtype=torch.float64)[:, None] * self.freqs
-        return self.lin(x) + self.shift  # (the boundary casts a float64 output to fp32, as Apex)
+        one = torch.ones(())
+        eight = torch._scaled_mm(x.float().to(torch.float8_e4m3fn), self.weight8.t(), one, one,
+                                 out_dtype=torch.float32)
+        return self.lin(x) + self.shift + eight  # (the boundary casts float64 outputs to fp32)
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
 @pytest.mark.parametrize("level", ["O2", "O5"])
-def test_a_float64_buffer_is_not_read_as_a_working_copy(level, backend):
-    """Until 2026-12-07 a float64 buffer was registered as a working-copy source like any
-    floating one: `t * freqs` stayed float64 but with freqs rounded to fp16/bf16 (1 + 1e-9 became
-    1, 1e-6 lost its digits), a precision loss neither fp32 training nor native autocast has."""
+def test_float64_and_float8_buffers_are_not_read_as_working_copies(level, backend):
+    """Until 2026-12-07 every floating buffer was registered as a working-copy source: `t * freqs`
+    of a float64 table stayed float64 but with freqs rounded to fp16/bf16 (1 + 1e-9 became 1,
+    1e-6 lost its digits), a precision loss neither fp32 training nor native autocast has, and
+    `_scaled_mm` refused a float8 weight's fp16 copy ("Expected mat2 to be Float8 matrix")."""
     net = _init(_Float64Table(), level)
     try:
         run = net if backend is None else torch.compile(net, backend=backend)
