@@ -1497,6 +1497,25 @@ def test_a_model_with_complex_weights_and_ffts_trains_at_every_level(fresh, leve
         assert torch.equal(before, after.detach())
 
 
+def _one_step_matches_fp32(model, level, x, y, **init_kw):
+    """One SGD step's loss and every gradient of ``model`` at ``level`` against an fp32 twin
+    (a deep copy taken first), within the level's training tolerance; the step not skipped."""
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    init(model, opt, level, **init_kw)
+    loss = F.mse_loss(model(x), y)
+    with optamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    assert not optamp.loss_scaler(0).last_step_skipped
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    row = train_row(level)
+    torch.testing.assert_close(loss.detach(), expected.detach(), **tol(row))
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, **tol(row), msg=name)
+    opt.step()
+
+
 @pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
 def test_a_state_space_model_makes_its_complex_values_in_complex64(fresh, level):
     # S4D-style layers keep complex parameters as real pairs and make them complex in the forward.
@@ -1509,23 +1528,10 @@ def test_a_state_space_model_makes_its_complex_values_in_complex64(fresh, level)
     # as under Apex's O3.)
     torch.manual_seed(0)
     model = DiagonalStateSpaceNet()
-    reference = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     # 2^16 overflows the one-output projection's weight gradient (48 positions summed in fp16)
-    init(model, opt, level, **({"loss_scale": "dynamic", "init_scale": 2.0**8}
-                               if level in ("O1", "O2") else {}))
-    x, y = torch.randn(3, 16), torch.randn(3, 16)
-    loss = F.mse_loss(model(x), y)
-    with optamp.scale_loss(loss, opt) as scaled:
-        scaled.backward()
-    assert not optamp.loss_scaler(0).last_step_skipped
-    expected = F.mse_loss(reference(x), y)
-    expected.backward()
-    row = train_row(level)
-    torch.testing.assert_close(loss.detach(), expected.detach(), **tol(row))
-    for name, param in model.named_parameters():
-        ref = dict(reference.named_parameters())[name]
-        torch.testing.assert_close(param.grad, ref.grad, **tol(row), msg=name)
+    _one_step_matches_fp32(model, level, torch.randn(3, 16), torch.randn(3, 16),
+                           **({"loss_scale": "dynamic", "init_scale": 2.0**8}
+                              if level in ("O1", "O2") else {}))
     # The state matrix's imaginary parts (multiples of pi) enter the kernel as the masters' values:
     # bf16 would round 3 * pi to 9.4375.
     with torch.enable_grad():
@@ -1542,23 +1548,7 @@ def test_a_linear_recurrent_unit_trains_in_complex64(fresh, level):
     # it makes complex64): the exp of it failed ("exp_vml_cpu" not implemented for 'ComplexHalf').
     # A promote call (Apex's lists) now widens fp16 meeting a complex value.
     torch.manual_seed(0)
-    model = LinearRecurrentNet()
-    reference = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    init(model, opt, level)
-    x, y = torch.randn(3, 8, 2), torch.randn(3, 8)
-    loss = F.mse_loss(model(x), y)
-    with optamp.scale_loss(loss, opt) as scaled:
-        scaled.backward()
-    assert not optamp.loss_scaler(0).last_step_skipped
-    expected = F.mse_loss(reference(x), y)
-    expected.backward()
-    row = train_row(level)
-    torch.testing.assert_close(loss.detach(), expected.detach(), **tol(row))
-    for name, param in model.named_parameters():
-        ref = dict(reference.named_parameters())[name]
-        torch.testing.assert_close(param.grad, ref.grad, **tol(row), msg=name)
-    opt.step()
+    _one_step_matches_fp32(LinearRecurrentNet(), level, torch.randn(3, 8, 2), torch.randn(3, 8))
 
 
 @pytest.mark.parametrize("level", LEVELS)
