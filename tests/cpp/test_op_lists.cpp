@@ -137,10 +137,18 @@ TEST(OpLists, CpuOnlyFp32AlwaysEntriesAreOpsWithoutReducedCpuKernels) {
     for (const auto& name : with_fp32_always({})) names.erase(name);
     return names;
   }();
-  EXPECT_EQ(cpu_only, (std::set<std::string>{"aten::_dirichlet_grad", "aten::_sample_dirichlet",
-                                             "aten::_standard_gamma", "aten::_standard_gamma_grad",
-                                             "aten::avg_pool3d", "aten::binomial", "aten::polar",
-                                             "aten::trace"}));
+  const std::set<std::string> apex_fp32_rows = {
+      "aten::avg_pool3d", "aten::_upsample_bilinear2d_aa", "aten::_upsample_bilinear2d_aa.vec",
+      "aten::_upsample_bicubic2d_aa", "aten::_upsample_bicubic2d_aa.vec"};
+  std::set<std::string> expected = {"aten::_dirichlet_grad",
+                                    "aten::_sample_dirichlet",
+                                    "aten::_standard_gamma",
+                                    "aten::_standard_gamma_grad",
+                                    "aten::binomial",
+                                    "aten::polar",
+                                    "aten::trace"};
+  expected.insert(apex_fp32_rows.begin(), apex_fp32_rows.end());
+  EXPECT_EQ(cpu_only, expected);
   for (const ListSet set : {ListSet::kApexCpu, ListSet::kTorchCpu}) {
     for (const auto& entry : detail::table_of(set)) {
       if (cpu_only.count(detail::qualified({entry.name, entry.overload}))) {
@@ -150,7 +158,8 @@ TEST(OpLists, CpuOnlyFp32AlwaysEntriesAreOpsWithoutReducedCpuKernels) {
   }
   for (const auto& entry : detail::table_of(ListSet::kApex)) {
     if (cpu_only.count(detail::qualified({entry.name, entry.overload}))) {
-      EXPECT_EQ(detail::qualified({entry.name, entry.overload}), "aten::avg_pool3d");
+      EXPECT_TRUE(apex_fp32_rows.count(detail::qualified({entry.name, entry.overload})))
+          << entry.name;
       EXPECT_EQ(entry.policy, CastPolicy::kFp32);
     }
   }
@@ -161,6 +170,14 @@ TEST(OpLists, CpuOnlyFp32AlwaysEntriesAreOpsWithoutReducedCpuKernels) {
         {"avg_pool3d",
          [&] {
            at::avg_pool3d(x, {2, 2, 2});
+         }},
+        {"_upsample_bilinear2d_aa",
+         [&] {
+           at::_upsample_bilinear2d_aa(x[0], {6, 6}, /*align_corners=*/false);
+         }},
+        {"_upsample_bicubic2d_aa",
+         [&] {
+           at::_upsample_bicubic2d_aa(x[0], {6, 6}, /*align_corners=*/false);
          }},
         {"trace", [&] { at::trace(m); }},
         {"polar", [&] { at::polar(m, m); }},

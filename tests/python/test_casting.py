@@ -81,19 +81,24 @@ def test_the_fp32_always_entries_are_ops_without_reduced_kernels(fresh):
 
 
 class _VolumeWithDistributions(torch.nn.Module):
-    """A 3-D CNN with an average pool, a Dirichlet, a Beta and a Gamma head (reparameterized
-    samples, their concentrations from linears) and a trace of a weight product: the ops the
-    CPU has no fp16/bf16 kernel for, where CUDA has one."""
+    """A 3-D CNN with an average pool, a learned grid resized with antialiasing (a ViT's
+    position embedding resized to the input), a Dirichlet, a Beta and a Gamma head
+    (reparameterized samples, their concentrations from linears) and a trace of a weight
+    product: the ops the CPU has no fp16/bf16 kernel for, where CUDA has one."""
 
     def __init__(self):
         super().__init__()
         self.conv = torch.nn.Conv3d(2, 4, 3, padding=1)
         self.pool = torch.nn.AvgPool3d(2)
+        self.grid = torch.nn.Parameter(torch.randn(1, 4, 3, 3) * 0.1)
         self.head = torch.nn.Linear(4 * 8, 3)
         self.concentration = torch.nn.Linear(4 * 8, 3)
 
     def forward(self, x):
-        h = self.pool(F.relu(self.conv(x))).flatten(1)
+        h = self.pool(F.relu(self.conv(x)))  # [batch, 4, 2, 2, 2]
+        for mode in ("bicubic", "bilinear"):
+            h = h + F.interpolate(self.grid, size=(2, 2), mode=mode, antialias=True)[:, :, None]
+        h = h.flatten(1)
         alpha = F.softplus(self.concentration(h)) + 0.5
         dist = torch.distributions
         samples = [dist.Dirichlet(alpha).rsample(), dist.Beta(alpha, alpha).rsample(),
@@ -104,12 +109,14 @@ class _VolumeWithDistributions(torch.nn.Module):
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O3", "O4", "O5"])
 def test_cpu_only_ops_without_reduced_kernels_train_at_every_level(fresh, level):
-    """avg_pool3d, the distributions' samplers and their gradients, and trace have no fp16/bf16
-    CPU kernel: on the CPU they run widened at every level (at O2/O3/O5, where Apex's lists
-    leave them alone, they failed until 2026-12-06: "avg_pool3d_out_frame" not implemented for
-    'BFloat16', "dirichlet" not implemented for 'Half'). Dirichlet's and Beta's samples are drawn
-    and differentiated inside a custom Function, without grad mode: the widening holds under the
-    no_grad gate too. Two steps, finite, no skip; every parameter gets a gradient."""
+    """avg_pool3d, the antialiased resizes, the distributions' samplers and their gradients,
+    and trace have no fp16/bf16 CPU kernel: on the CPU they run widened at every level (at
+    O2/O3/O5, where Apex's lists leave them alone, they failed until 2026-12-06:
+    "avg_pool3d_out_frame" not implemented for 'BFloat16', "dirichlet" not implemented for
+    'Half'; the resizes until 2026-12-07: "compute_index_ranges_weights" not implemented for
+    'Half'). Dirichlet's and Beta's samples are drawn and differentiated inside a custom
+    Function, without grad mode: the widening holds under the no_grad gate too. Two steps,
+    finite, no skip; every parameter gets a gradient."""
     torch.manual_seed(0)
     model = _VolumeWithDistributions()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

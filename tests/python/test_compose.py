@@ -488,8 +488,9 @@ def test_the_compile_modes_widened_functions_are_the_fp32_always_rows():
     everywhere, cpu_only = _compile._fp32_always_functions()
     assert {"view_as_complex", "complex", "fft_rfft", "stft", "linalg_slogdet",
             "cdist"} <= everywhere
-    assert cpu_only == {"avg_pool3d", "trace", "polar", "_standard_gamma", "_standard_gamma_grad",
-                        "_sample_dirichlet", "_dirichlet_grad", "binomial"}
+    assert cpu_only == {"avg_pool3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa", "trace",
+                        "polar", "_standard_gamma", "_standard_gamma_grad", "_sample_dirichlet",
+                        "_dirichlet_grad", "binomial"}
     assert not cpu_only & everywhere
 
 

@@ -276,13 +276,19 @@ constexpr OpName kFp32AlwaysOps[] = {
 
 // fp32 (always) on the CPU alone: ops ATen has no fp16/bf16 CPU kernel for, where CUDA has one
 // (so a GPU keeps running them reduced). A 3-D average pool (nn.AvgPool3d, lp_pool3d) of a video
-// or volume model at O2/O3/O5, where Apex's fp32 row for it does not apply; a trace; polar; the
+// or volume model at O2/O3/O5, where Apex's fp32 row for it does not apply; the antialiased
+// resizes (`interpolate(..., antialias=True)`: "compute_index_ranges_weights" not implemented
+// for 'Half'), a ViT's learned position grid resized to the input at O2/O5; a trace; polar; the
 // samplers behind torch.distributions' Gamma, Beta, Dirichlet and Binomial and their gradients,
 // given reduced parameters by a working copy or an activation ("gamma_cpu" not implemented for
 // 'BFloat16'; Dirichlet's backward meets its fp32 sample with the fp16 concentration). Ops that
 // write an argument are not listed: a widened copy would take the write.
 constexpr OpName kCpuFp32AlwaysOps[] = {
     {"aten::avg_pool3d", ""},
+    {"aten::_upsample_bilinear2d_aa", ""},
+    {"aten::_upsample_bilinear2d_aa", "vec"},
+    {"aten::_upsample_bicubic2d_aa", ""},
+    {"aten::_upsample_bicubic2d_aa", "vec"},
     {"aten::trace", ""},
     {"aten::polar", ""},
     {"aten::_standard_gamma", ""},
