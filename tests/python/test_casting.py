@@ -3,6 +3,7 @@ op_cases.py) through optamp.initialize on a tiny model and in an autocast region
 the rule sets and the policies they apply, the no_grad gate, what is never cast, Apex's fp32
 Python functions that have no aten op of their own (local_response_norm, normalize, softmin),
 the public Python paths, the per-thread guards, the cast cache and custom functions."""
+import copy
 import re
 import subprocess
 import sys
@@ -277,6 +278,40 @@ def test_rule_sets_and_policies_are_enums(fresh, level, rules):
     assert optamp.policy_applies(optamp.CastPolicy.LOWER, got) == (rules != "NONE")
     assert optamp.policy_applies(optamp.CastPolicy.FP32, got) == (rules == "FULL_LISTS")
     assert optamp.CastPolicy.FP32_LOSS.name == "FP32_LOSS"
+
+
+class _TokenMixer(torch.nn.Module):
+    """A learned token mixed into a linear's output by a mask, `torch.lerp(token, x, mask)`: at
+    O1/O4 an fp32 parameter beside fp16/bf16 activations; at O2/O5 the token's working copy
+    beside an fp32 weight made in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.token = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x, mask):
+        h = torch.lerp(self.token, self.lin(x), mask)
+        return torch.lerp(h, self.token, mask.float().mean() * torch.ones(4))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_lerp_of_mixed_widths_is_promoted(fresh, level):
+    """lerp and heaviside refuse mixed widths ("expected dtype c10::Half for `end` but got dtype
+    float"), under native autocast too; they are promote ops (Apex's lists) since 2026-12-07."""
+    torch.manual_seed(0)
+    model = _TokenMixer()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, level)
+    x, mask = torch.randn(3, 4), (torch.rand(3, 1) > 0.5).float()
+    loss = model(x, mask).float().square().mean()
+    with optamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    reference(x, mask).square().mean().backward()
+    torch.testing.assert_close(model.token.grad, reference.token.grad, **tol(train_row(level)))
+    with torch.enable_grad():
+        assert torch.heaviside(model.token, torch.tensor([0.5])).dtype == torch.float32
 
 
 @pytest.mark.parametrize("name", [n for n in NATIVE_PROMOTION if n != "operator*"])

@@ -360,16 +360,39 @@ constexpr OpName kCpuFp32AlwaysOps[] = {
     {"aten::binomial", ""},
 };
 
-// promote: Apex's CASTS.
+// promote: Apex's CASTS, and three of optamp's (below).
 constexpr OpName kPromoteOps[] = {
-    {"aten::addcdiv", ""},   {"aten::addcmul", ""},       {"aten::atan2", ""},
-    {"aten::cross", ""},     {"aten::linalg_cross", ""},  {"aten::bilinear", ""},
-    {"aten::dot", ""},       {"aten::vdot", ""},          {"aten::add", "Tensor"},
-    {"aten::sub", "Tensor"}, {"aten::mul", "Tensor"},     {"aten::div", "Tensor"},
-    {"aten::eq", "Tensor"},  {"aten::ne", "Tensor"},      {"aten::lt", "Tensor"},
-    {"aten::le", "Tensor"},  {"aten::gt", "Tensor"},      {"aten::ge", "Tensor"},
-    {"aten::cat", ""},       {"aten::stack", ""},         {"aten::index_put", ""},
-    {"aten::tensordot", ""}, {"aten::embedding_bag", ""}, {"aten::embedding_bag", "padding_idx"},
+    {"aten::addcdiv", ""},
+    {"aten::addcmul", ""},
+    {"aten::atan2", ""},
+    {"aten::cross", ""},
+    {"aten::linalg_cross", ""},
+    {"aten::bilinear", ""},
+    {"aten::dot", ""},
+    {"aten::vdot", ""},
+    {"aten::add", "Tensor"},
+    {"aten::sub", "Tensor"},
+    {"aten::mul", "Tensor"},
+    {"aten::div", "Tensor"},
+    {"aten::eq", "Tensor"},
+    {"aten::ne", "Tensor"},
+    {"aten::lt", "Tensor"},
+    {"aten::le", "Tensor"},
+    {"aten::gt", "Tensor"},
+    {"aten::ge", "Tensor"},
+    {"aten::cat", ""},
+    {"aten::stack", ""},
+    {"aten::index_put", ""},
+    {"aten::tensordot", ""},
+    {"aten::embedding_bag", ""},
+    {"aten::embedding_bag", "padding_idx"},
+    // optamp's: ops newer than Apex's lists that torch does not promote, which fail on the mixed
+    // widths casting makes ("expected dtype c10::Half for `end` but got dtype float"): a learned
+    // token mixed into fp16 activations by `torch.lerp(token, x, mask)` at O1/O4, a working copy
+    // beside an fp32 tensor at O2/O5.
+    {"aten::lerp", "Scalar"},
+    {"aten::lerp", "Tensor"},
+    {"aten::heaviside", ""},
 };
 
 // match self: in place (and out of place, for the same call written either way), the source must
