@@ -207,23 +207,6 @@ ParameterRecords parameter_records(const ModelTensors& model,
   return records;
 }
 
-// The tensors O2/O5 ops see as working copies: the model's fp32, fp16 and bf16 tensors. A float64
-// buffer is a precision someone chose (a frequency table, a noise schedule), which native
-// autocast never touches; its fp16/bf16 copy rounded `t * freqs` silently while the result stayed
-// float64. A float8 buffer is an operand of its own kernels (`_scaled_mm` takes float8 only).
-// Trainable parameters of other dtypes than fp32 are refused before (check_model_dtypes).
-std::vector<at::Tensor> working_copy_candidates(const std::vector<at::Tensor>& reduced) {
-  std::vector<at::Tensor> candidates;
-  candidates.reserve(reduced.size());
-  for (const auto& t : reduced) {
-    const at::ScalarType dtype = t.scalar_type();
-    if (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) {
-      candidates.push_back(t);
-    }
-  }
-  return candidates;
-}
-
 // The session initialize publishes. Called after O3's cast (the records hold the dtypes training
 // runs in); the scalers are made before anything changes, since making them validates.
 std::shared_ptr<Session> build_session(const ModelTensors& model,
@@ -234,8 +217,7 @@ std::shared_ptr<Session> build_session(const ModelTensors& model,
   session->initialized = true;
   session->rules = level_rules_for(p);
   if (p.enabled && p.model_cast() == ModelCast::kWorkingCopies) {
-    session->working_copy_sources =
-        make_working_copy_sources(working_copy_candidates(model.reduced), model.parameters);
+    session->working_copy_sources = make_working_copy_sources(model.reduced, model.parameters);
   }
   session->parameters = parameter_records(model, opts);
   session->loss_scalers = std::move(scalers);
@@ -310,6 +292,14 @@ void reset() {
 }
 
 bool is_initialized() { return current_session()->initialized; }
+
+std::vector<at::Tensor> working_copy_sources() {
+  std::vector<at::Tensor> tensors;
+  for (const auto& entry : current_session()->working_copy_sources) {
+    if (auto impl = entry.second.ref.lock()) tensors.emplace_back(std::move(impl));
+  }
+  return tensors;
+}
 
 ModelBoundary model_boundary(const void* model) {
   const auto session = current_session();

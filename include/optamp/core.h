@@ -50,6 +50,9 @@ OPTAMP_API Properties initialize(const ModelTensors& model,
 OPTAMP_API void reset();
 // Whether initialize ran since the last reset (amp::is_initialized, optamp.is_initialized).
 OPTAMP_API bool is_initialized();
+// The model tensors O2/O5 ops read as working copies (empty at other levels and after reset),
+// for a front end that restates substitution's rules (Python's torch.compile mode).
+OPTAMP_API std::vector<at::Tensor> working_copy_sources();
 [[deprecated("renamed amp::core::is_initialized, as amp::is_initialized")]] inline bool
 initialized() {
   return is_initialized();

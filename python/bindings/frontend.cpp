@@ -109,6 +109,8 @@ void bind_frontend(py::module_& m) {
       py::arg("output"), py::arg("dtype"),
       "A floating output of an initialized model cast to dtype, as the model boundary casts "
       "it; at O2/O5 the reduced output stays with its fp32 cast for a loss to read.");
+  m.def("_working_copy_sources", &core::working_copy_sources,
+        "The model tensors O2/O5 ops read as working copies now (empty otherwise).");
   m.def("_reset_core", &core::reset);
   m.def("is_initialized", &core::is_initialized);
 

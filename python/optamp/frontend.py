@@ -26,9 +26,6 @@ from ._optimizers import stepping_optimizer
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 OptimizerArg = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
 _T = TypeVar("_T")
-# The dtypes of the model tensors O2/O5 ops read as working copies (the core's
-# working_copy_candidates): float64 and float8 tensors keep theirs.
-_WORKING_COPY_SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class ModelCast(str, enum.Enum):
@@ -401,10 +398,7 @@ def initialize(
         _opacus.run_steps_uncast(opt_list)  # DP-SGD clips with grad mode on: not cast
     global _properties
     _properties = props
-    substituted = props.model_cast == ModelCast.WORKING_COPIES
-    # The working-copy sources as the core registers them: fp32, fp16 and bf16 tensors.
-    sources = [t for t in reduced if t.dtype in _WORKING_COPY_SOURCE_DTYPES]
-    _compile.on_initialize(props.casts, sources if substituted else [])
+    _compile.on_initialize(props.casts, _C._working_copy_sources())
     ab._precision.start(model_list)  # python -m optamp.ab --precision-steps: from here
 
     models_out = model_list if models_was_list else model_list[0]

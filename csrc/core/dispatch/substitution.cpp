@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cache/cast_cache.h"
+#include "common/dtypes.h"
 #include "dispatch/cast_decision.h"
 #include "dispatch/registration.h"
 #include "dispatch/substitution_call.h"
@@ -397,6 +398,18 @@ void remark_if_source(c10::TensorImpl* impl) {
   }
 }
 
+// fp32, fp16 and bf16 tensors get working copies. A float64 buffer is a precision someone chose
+// (a frequency table, a noise schedule), which native autocast never touches; its fp16/bf16 copy
+// rounded `t * freqs` silently while the result stayed float64. A float8 buffer is an operand of
+// its own kernels (`_scaled_mm` takes float8 only). Trainable parameters of other dtypes than
+// fp32 are refused before (initialize's check_model_dtypes).
+namespace {
+bool has_working_copy_dtype(const at::Tensor& t) {
+  const c10::ScalarType dtype = t.scalar_type();
+  return dtype == c10::ScalarType::Float || is_reduced_float(dtype);
+}
+}  // namespace
+
 WorkingCopySources make_working_copy_sources(const std::vector<at::Tensor>& tensors,
                                              const std::vector<at::Tensor>& parameters) {
   ensure_substitution_registered();
@@ -404,6 +417,7 @@ WorkingCopySources make_working_copy_sources(const std::vector<at::Tensor>& tens
   for (const auto& p : parameters) parameter_impls.insert(p.unsafeGetTensorImpl());
   WorkingCopySources sources;
   for (const auto& t : tensors) {
+    if (!has_working_copy_dtype(t)) continue;
     sources.emplace(
         t.unsafeGetTensorImpl(),
         WorkingCopySource{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),

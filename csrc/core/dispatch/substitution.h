@@ -19,8 +19,8 @@
 namespace amp::detail {
 
 // The model tensors ops should see as working copies (params and buffers minus batch-norm /
-// keep_in_fp32 ones), for the session initialize builds; those not among `parameters` are
-// buffers. Registers the key's kernels on first use.
+// keep_in_fp32 ones; of them the fp32, fp16 and bf16 ones), for the session initialize builds;
+// those not among `parameters` are buffers. Registers the key's kernels on first use.
 WorkingCopySources make_working_copy_sources(const std::vector<at::Tensor>& tensors,
                                              const std::vector<at::Tensor>& parameters);
 // After a session was published: the tensors of `from` (the replaced session's) lose the key,
