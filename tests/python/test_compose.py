@@ -1367,13 +1367,13 @@ def test_a_scripted_model_is_refused_where_the_model_is_cast_in_place(fresh):
     assert not optamp.is_initialized() and model[0].weight.dtype == torch.float32
 
 
-def _sgd_beside_fp32(model, level, lr):
+def _sgd_beside_fp32(model, level, lr, **init_kw):
     """SGD for ``model`` initialized at ``level``, and an fp32 twin (a deep copy taken first)
     with its own SGD: (opt, reference, ref_opt)."""
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
-    init(model, opt, level)
+    init(model, opt, level, **init_kw)
     return opt, reference, ref_opt
 
 
@@ -1501,9 +1501,7 @@ def test_a_model_with_complex_weights_and_ffts_trains_at_every_level(fresh, leve
 def _one_step_matches_fp32(model, level, x, y, **init_kw):
     """One SGD step's loss and every gradient of ``model`` at ``level`` against an fp32 twin
     (a deep copy taken first), within the level's training tolerance; the step not skipped."""
-    reference = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    init(model, opt, level, **init_kw)
+    opt, reference, _ = _sgd_beside_fp32(model, level, 0.05, **init_kw)
     loss = F.mse_loss(model(x), y)
     with optamp.scale_loss(loss, opt) as scaled:
         scaled.backward()
