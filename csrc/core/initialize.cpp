@@ -66,13 +66,17 @@ void check_model(const ModelTensors& model) {
 // trainable parameters, or the "fp32 master weights" are fp16 and nothing says so. A model cast
 // in place (O3), or whose dtypes the caller keeps (cast_model_type=False, what Apex's own tests
 // did with allow_incoming_model_not_fp32), takes any dtype; frozen parameters (requires_grad
-// false, e.g. an fp16 teacher) are not stepped and are not checked.
+// false, e.g. an fp16 teacher) are not stepped and are not checked. float64 parameters are taken
+// (Apex refused them, torch.amp takes them): a precision someone chose for a physical constant or
+// a scale, which ops read as they are (never cast, no working copy) and loss scaling unscales in
+// float64.
 void check_model_dtypes(const ModelTensors& model, const Properties& p, const Options& o) {
   const bool kept_as_is = o.cast_model_type && *o.cast_model_type == c10::ScalarType::Undefined;
   if (!p.casts() || p.model_cast() == ModelCast::kInPlace || kept_as_is) return;
   for (const auto i : c10::irange(model.parameters.size())) {
     const at::Tensor& t = model.parameters[i];
-    if (!t.is_floating_point() || !t.requires_grad() || t.scalar_type() == at::kFloat) continue;
+    const bool wide = t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble;
+    if (!t.is_floating_point() || !t.requires_grad() || wide) continue;
     TORCH_CHECK_VALUE(
         false, "models' trainable parameters must be torch.float32 at opt_level ",
         to_string(p.opt_level), ", got parameter ",

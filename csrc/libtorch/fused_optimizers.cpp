@@ -43,7 +43,7 @@ void check_fusable(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                         " needs dense gradients, got a sparse one for a parameter of shape ",
                         p.sizes());
       TORCH_CHECK_VALUE(!p.is_complex(), optimizer,
-                        " needs real parameters (float32, float16 or bfloat16), got ",
+                        " needs real parameters (float32, float16, bfloat16 or float64), got ",
                         p.scalar_type(), " for a parameter of shape ", p.sizes(),
                         "; step complex parameters with torch::optim's Adam, AdamW or SGD");
     }

@@ -182,6 +182,38 @@ TEST_F(DeviceSkip, FusedSGDStepsReducedPrecisionCpuParameters) {
   }
 }
 
+// A float64 parameter (taken at every level since 2026-12-07) steps in float64 through torch's
+// fused kernels as through torch::optim's loops.
+TEST_F(DeviceSkip, FusedOptimizersStepFloat64ParametersAsTorchOptimDoes) {
+  at::manual_seed(0);
+  const at::Tensor w0 = at::randn({40}, at::kDouble);
+  auto check = [&](auto& fused, auto& plain, at::Tensor& fused_w, at::Tensor& plain_w,
+                   const char* name) {
+    for (int i = 0; i < 3; ++i) {
+      const at::Tensor g = at::randn({40}, at::kDouble);
+      fused_w.mutable_grad() = g.clone();
+      plain_w.mutable_grad() = g.clone();
+      fused.step();
+      plain.step();
+    }
+    EXPECT_EQ(fused_w.scalar_type(), at::kDouble) << name;
+    EXPECT_FALSE(at::equal(fused_w, w0)) << "the parameters moved, " << name;
+    EXPECT_TRUE(at::allclose(fused_w, plain_w, 1e-12, 1e-14)) << name;
+  };
+  {
+    auto fw = w0.clone().requires_grad_(), pw = w0.clone().requires_grad_();
+    FusedAdam fused({fw}, torch::optim::AdamOptions(1e-2));
+    torch::optim::Adam plain({pw}, torch::optim::AdamOptions(1e-2));
+    check(fused, plain, fw, pw, "Adam");
+  }
+  {
+    auto fw = w0.clone().requires_grad_(), pw = w0.clone().requires_grad_();
+    FusedSGD fused({fw}, torch::optim::SGDOptions(1e-2).momentum(0.9));
+    torch::optim::SGD plain({pw}, torch::optim::SGDOptions(1e-2).momentum(0.9));
+    check(fused, plain, fw, pw, "SGD");
+  }
+}
+
 TEST_F(DeviceSkip, FusedSGDCheckpointsAreInterchangeableWithTorchSGD) {
   at::manual_seed(0);
   const at::Tensor w0 = at::randn({4, 3});

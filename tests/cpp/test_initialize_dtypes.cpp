@@ -4,6 +4,8 @@
 // keep_in_fp32 at O2.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
 
 #include <optional>
 #include <ostream>
@@ -125,6 +127,49 @@ TEST_F(Initialize, UserMarkedModulesKeepFp32AtO2) {
   EXPECT_EQ(at::add(net->fc1->weight, 1.0).scalar_type(), at::kFloat);  // kept
   EXPECT_EQ(at::add(net->bn->weight, 1.0).scalar_type(), at::kFloat);   // batch-norm
   EXPECT_EQ(at::add(net->fc2->weight, 1.0).scalar_type(), at::kHalf);   // working copy
+}
+
+// A trainable float64 parameter (a learned physical constant kept in double, which torch.amp
+// trains) is taken at every level that keeps fp32 weights: ops read it as it is (never cast, no
+// working copy at O2/O5), its gradient is unscaled in float64 bit for bit as an unscaled
+// backward's, and the step keeps it float64. Refused until 2026-12-07.
+struct WithConstantImpl : torch::nn::Module {
+  torch::nn::Linear fc{nullptr};
+  at::Tensor k;
+  WithConstantImpl()
+      : fc(register_module("fc", torch::nn::Linear(4, 3))),
+        k(register_parameter("k", at::tensor({0.5, 1.0 + 1e-12, 2.0}, at::kDouble))) {}
+  at::Tensor forward(const at::Tensor& x) { return fc(x).to(at::kDouble) * k; }
+};
+TORCH_MODULE(WithConstant);
+
+TEST_F(Initialize, Float64ParametersAreTakenAndStepInFloat64) {
+  for (const char* level : {"O1", "O2", "O4", "O5"}) {
+    at::manual_seed(0);
+    WithConstant net;
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.5));
+    initialize(net, opt, level, quiet());
+    const at::Tensor x = at::randn({8, 4});
+    auto loss_of = [&] { return net->forward(x).pow(2).mean(); };
+    // 1 + 1e-12 survives: k is read as it is, not through a reduced copy.
+    EXPECT_EQ((net->k * 1).scalar_type(), at::kDouble) << level;
+    EXPECT_EQ((net->k * 1)[1].item<double>(), 1.0 + 1e-12) << level;
+    loss_of().backward();
+    const at::Tensor reference = net->k.grad().clone();
+    opt.zero_grad();
+    {
+      auto scaled = scale_loss(loss_of(), opt);
+      scaled.backward();
+    }
+    ASSERT_FALSE(loss_scaler().last_step_skipped()) << level;
+    EXPECT_TRUE(at::equal(net->k.grad(), reference)) << level;  // a power-of-two scale: exact
+    const at::Tensor expected = net->k.detach() - 0.5 * reference;
+    opt.step();
+    EXPECT_EQ(net->k.scalar_type(), at::kDouble) << level;
+    EXPECT_TRUE(at::equal(net->k.detach(), expected)) << level;
+    EXPECT_EQ(net->fc->weight.scalar_type(), at::kFloat) << level;
+    reset();
+  }
 }
 
 }  // namespace

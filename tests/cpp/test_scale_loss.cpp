@@ -458,11 +458,46 @@ TEST_F(ScaleLossTest, ComplexGradientsAreUnscaledAndCheckedAsTheirFloatPairs) {
   at::view_as_real(base)[0][1].fill_(-kInf);  // through the view's memory
   scaler.unscale({conj_grad});
   EXPECT_TRUE(scaler.update());
-  // A double-precision complex parameter is refused, as a float64 one is.
-  auto d = at::randn({3}, at::kComplexDouble).requires_grad_();
-  torch::optim::SGD opt_d(std::vector<at::Tensor>{d}, torch::optim::SGDOptions(0.1));
-  OPTAMP_EXPECT_THROW_WITH(scale_loss(at::view_as_real(d).sum(), opt_d), c10::ValueError,
-                           "float32, float16, bfloat16, complex64 or complex32", "ComplexDouble");
+}
+
+// A float64 parameter (a physical constant someone keeps in double, which torch.amp trains) and
+// a complex128 one: their gradients come back unscaled in their own precision, bit for bit the
+// unscaled backward's, and an inf in either skips the step bitwise. Both were refused until
+// 2026-12-07.
+TEST_F(ScaleLossTest, Float64AndComplex128GradientsAreUnscaledInTheirOwnPrecision) {
+  core::configure_loss_scalers(props());
+  at::manual_seed(0);
+  for (const auto dtype : {at::kDouble, at::kComplexDouble}) {
+    const auto start = at::randn({4, 3}, dtype) * 1e-3;  // below fp32's resolution beside 1
+    const auto x = at::randn({5, 4}, dtype);
+    auto loss_of = [&x](const at::Tensor& w) {
+      const auto y = x.mm(w + 1);
+      return (y.is_complex() ? at::view_as_real(y) : y).pow(2).mean();
+    };
+    auto ref = start.clone().requires_grad_();
+    loss_of(ref).backward();
+    auto w = start.clone().requires_grad_();
+    torch::optim::SGD opt(std::vector<at::Tensor>{w}, torch::optim::SGDOptions(0.1));
+    {
+      auto scaled = scale_loss(loss_of(w), opt);
+      scaled.backward();
+    }
+    EXPECT_FALSE(loss_scaler().last_step_skipped()) << dtype;
+    EXPECT_EQ(w.grad().scalar_type(), dtype);
+    EXPECT_TRUE(at::equal(w.grad(), ref.grad())) << dtype;  // a power-of-two scale: exact
+    opt.step();
+    const auto stepped = w.detach().clone();
+    opt.zero_grad();
+    {
+      auto scaled = scale_loss(loss_of(w), opt);
+      scaled.backward();
+      const auto g = w.grad();
+      (g.is_complex() ? at::view_as_real(g) : g).view(-1)[7].fill_(kInf);
+    }
+    EXPECT_TRUE(loss_scaler().last_step_skipped()) << dtype;
+    opt.step();
+    EXPECT_TRUE(at::equal(w.detach(), stepped)) << dtype;
+  }
 }
 
 TEST_F(ScaleLossTest, BackwardOnTheLossInsteadOfTheScaledLossWarns) {

@@ -13,7 +13,8 @@
 namespace amp {
 namespace {
 
-const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kHalf, at::kBFloat16};
+// float64 runs torch's own ops in float64 (a parameter kept in double, as torch.amp takes them).
+const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble};
 const std::vector<int64_t> kSizes = {0, 1, 3, 17, (1 << 20) + 3};
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -29,9 +30,12 @@ std::vector<at::Tensor> make_list(at::ScalarType dtype, at::Device d) {
 at::Tensor flag(at::Device d) { return at::zeros({1}, on(d)); }
 at::Tensor scalar(float v, at::Device d) { return at::full({1}, v, on(d)); }
 
-// Reference: fp32 math, rounded back to the tensor's dtype.
+// The dtype the ops compute in: fp32, float64 for float64.
+at::ScalarType math_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// Reference: the math dtype's product, rounded back to the tensor's dtype.
 at::Tensor ref_unscale(const at::Tensor& t, float inv) {
-  return (t.to(at::kFloat) * inv).to(t.scalar_type());
+  return (t.to(math_dtype(t.scalar_type())) * inv).to(t.scalar_type());
 }
 
 void check_unscale_matches_reference(at::Device d) {
@@ -117,8 +121,8 @@ void check_axpby(at::Device d) {
     for (int64_t n : kSizes) {
       x.push_back(at::randn({n}, on(d)).to(dtype));
       y.push_back(at::randn({n}, on(d)).to(dtype));
-      expected.push_back(
-          (x.back().to(at::kFloat) * 0.25f + y.back().to(at::kFloat) * 2.0f).to(dtype));
+      const auto m = math_dtype(dtype);
+      expected.push_back((x.back().to(m) * 0.25f + y.back().to(m) * 2.0f).to(dtype));
     }
     auto found = flag(d);
     // out aliases x: the in-place accumulation the scaler uses.
@@ -139,7 +143,7 @@ void check_axpby(at::Device d) {
     auto xt = at::randn({16, 9}, on(d)).to(dtype).t();
     auto yc = at::randn({9, 16}, on(d)).to(dtype);
     auto out = at::empty({9, 16}, on(d)).to(dtype);
-    auto exp = (xt.to(at::kFloat) * 0.5f + yc.to(at::kFloat)).to(dtype);
+    auto exp = (xt.to(math_dtype(dtype)) * 0.5f + yc.to(math_dtype(dtype))).to(dtype);
     auto f = flag(d);
     ops::axpby_check_({out}, {xt}, {yc}, scalar(0.5f, d), 1.0, f);
     EXPECT_TRUE(at::equal(out, exp)) << dtype;
@@ -231,7 +235,7 @@ TEST(ScalerOps, ThreadSplitsLandAnywhereInsideTheTensorList) {
 TEST(ScalerOps, MixedDtypesInOneList) {
   at::manual_seed(4);
   std::vector<at::Tensor> list = {at::randn({5}), at::randn({7}).to(at::kHalf),
-                                  at::randn({9}).to(at::kBFloat16)};
+                                  at::randn({9}).to(at::kBFloat16), at::randn({3}, at::kDouble)};
   std::vector<at::Tensor> expected;
   for (auto& t : list) expected.push_back(ref_unscale(t, 0.5f));
   auto found = flag(at::kCPU);
@@ -245,8 +249,8 @@ TEST(ScalerOps, RejectsBadArgumentsWithValueErrors) {
       ops::unscale_check_({t}, at::zeros({1}, at::kDouble), scalar(1, at::kCPU)), c10::ValueError,
       "found_inf must be a one-element float32 tensor", "Double");
   OPTAMP_EXPECT_THROW_WITH(
-      ops::unscale_check_({t.to(at::kDouble)}, flag(at::kCPU), scalar(1, at::kCPU)),
-      c10::ValueError, "tensors[0] must be float32, float16 or bfloat16", "Double");
+      ops::unscale_check_({t.to(at::kInt)}, flag(at::kCPU), scalar(1, at::kCPU)),
+      c10::ValueError, "tensors[0] must be float32, float16, bfloat16 or float64", "Int");
   OPTAMP_EXPECT_THROW_WITH(
       ops::axpby_check_({t}, {t, t}, {t}, scalar(1, at::kCPU), 1.0, flag(at::kCPU)),
       c10::ValueError, "same length");
@@ -255,7 +259,7 @@ TEST(ScalerOps, RejectsBadArgumentsWithValueErrors) {
       c10::ValueError, "same shape");
   auto before = t.clone();
   OPTAMP_EXPECT_THROW_WITH(
-      ops::unscale_check_({t, t.to(at::kDouble)}, flag(at::kCPU), scalar(0.5, at::kCPU)),
+      ops::unscale_check_({t, t.to(at::kInt)}, flag(at::kCPU), scalar(0.5, at::kCPU)),
       c10::ValueError, "tensors[1]");
   EXPECT_TRUE(at::equal(t, before)) << "validation must precede any mutation";
 }

@@ -338,3 +338,20 @@ class NeuralOde(torch.nn.Module):
             y = y + dt * 0.5 * (k1 + k2)
             t = t + dt
         return self.head(y)
+
+
+class DecayNet(torch.nn.Module):
+    """A network that predicts amplitudes of an exponential decay whose rate is a learned
+    float64 parameter, over float64 sample times: a physical constant kept in double beside an
+    fp32 network, as scientific programs keep one (torch.amp trains it as it is)."""
+
+    def __init__(self, dim=6, modes=3, samples=5):
+        super().__init__()
+        self.rate = torch.nn.Parameter(torch.tensor([0.5, 1.0 + 1e-12, 2.0], dtype=torch.float64))
+        self.register_buffer("times", torch.linspace(0, 1, samples, dtype=torch.float64))
+        self.amplitudes = torch.nn.Sequential(torch.nn.Linear(dim, 16), torch.nn.Tanh(),
+                                              torch.nn.Linear(16, modes))
+
+    def forward(self, x):
+        decay = torch.exp(-self.rate[:, None] * self.times)  # (modes, samples)
+        return (self.amplitudes(x).double()[:, :, None] * decay).sum(1)

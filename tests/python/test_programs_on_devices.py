@@ -2,7 +2,7 @@
 visible (needs_cuda). Each program is the shape of a real one where a casting rule was found wanting
 on the CPU (mixture-of-experts routing, linear algebra and orthogonal parametrizations, fp32 tensors
 meeting reduced norm weights, complex weights and FFTs, custom fp32-only Functions, a neural ODE's
-fp64 time) or the everyday one (a GPT block, a small U-Net, an encoder-decoder Transformer, graph
+fp64 time, a learned float64 constant) or the everyday one (a GPT block, a small U-Net, an encoder-decoder Transformer, graph
 networks by scatter and by sparse matmul, a NeRF's volume rendering). A GPU's kernels accept and
 refuse other dtype mixes than the CPU's, so the CUDA runs check the same rules against them: each
 program trains a few steps of SGD with momentum (torch's fused kernel, which skips overflowing steps
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import optamp
 from common_utils import init, tol, train_row
 from op_cases import CPU_AND_CUDA
-from programs import (CustomFunctionNet, Experts, LinalgNet, MessagePassing, NeuralOde,
+from programs import (CustomFunctionNet, DecayNet, Experts, LinalgNet, MessagePassing, NeuralOde,
                       Seq2Seq, SinusoidalNet, SparseGcn, SpectralNet, TinyGpt, TinyNerf,
                       UNetLike, orthogonal_classifier)
 
@@ -101,6 +101,9 @@ PROGRAMS = {
         NeuralOde, lambda gen: (torch.randn(8, 4, generator=gen),
                                 torch.randint(0, 3, (8,), generator=gen)),
         lambda model, y, labels: F.cross_entropy(model(y).float(), labels), lr=0.1),
+    "float64_parameter": Program(
+        DecayNet, lambda gen: (torch.randn(8, 6, generator=gen), torch.randn(8, 5, generator=gen)),
+        lambda model, x, y: F.mse_loss(model(x).float(), y), lr=0.1),
 }
 
 

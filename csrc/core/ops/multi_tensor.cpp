@@ -17,7 +17,29 @@ bool supported_dtype(at::ScalarType t) {
   for (const at::ScalarType k : {OPTAMP_KERNEL_DTYPES}) {
     if (t == k) return true;
   }
-  return false;
+  return t == at::kDouble;
+}
+
+// float64 tensors (a parameter kept in double, which native autocast leaves alone) are unscaled
+// in their own precision by torch's GradScaler op, on every device: the backend kernels compute
+// in fp32, and a vector kernel of their own would serve a dtype few models train. The same flag,
+// the same no-sync contract (torch's op writes found_inf on the device).
+void unscale_check_double(const std::vector<at::Tensor>& tensors, const at::Tensor& found_inf,
+                          const at::Tensor& inv_scale) {
+  at::Tensor flag = found_inf;  // the same tensor: torch's signature takes a non-const handle
+  at::_amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv_scale);
+}
+
+// out = a*x + b*y in float64, checked on the result alone: a non-finite x makes a non-finite
+// result for any finite a and b (a*inf is inf or NaN), so the x check of the fp32 kernels adds
+// nothing here. Computed aside, since out may be x or y.
+void axpby_check_double(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& x,
+                        const std::vector<at::Tensor>& y, const at::Tensor& a, double b,
+                        const at::Tensor& found_inf) {
+  auto sums = at::_foreach_mul(x, a.reshape({}));
+  at::_foreach_add_(sums, y, b);
+  unscale_check_double(sums, found_inf, at::ones_like(found_inf));
+  at::_foreach_copy_(out, sums);
 }
 
 void check_flag(const at::Tensor& t, const char* name, const at::Tensor& ref) {
@@ -37,7 +59,7 @@ void check_list_tensor(const at::Tensor& t, const char* list, size_t i,
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, list, "[", i, "] must be a strided tensor, got ",
                     t.layout());
   TORCH_CHECK_VALUE(supported_dtype(t.scalar_type()), list, "[", i,
-                    "] must be float32, float16 or bfloat16, got ", t.scalar_type());
+                    "] must be float32, float16, bfloat16 or float64, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.device() == found_inf.device(), list, "[", i, "] must be on ",
                     found_inf.device(), " (found_inf's device; group tensors by device), got ",
                     t.device());
@@ -70,7 +92,13 @@ void unscale_check_impl(at::TensorList tensors, const at::Tensor& found_inf,
       groups[t.scalar_type()].push_back(copies.back().work);
     }
   }
-  for (const auto& [dtype, group] : groups) kernel(group, found_inf, inv_scale);
+  for (const auto& [dtype, group] : groups) {
+    if (dtype == at::kDouble) {
+      unscale_check_double(group, found_inf, inv_scale);
+    } else {
+      kernel(group, found_inf, inv_scale);
+    }
+  }
   for (auto& c : copies) c.original.copy_(c.work);
 }
 
@@ -114,8 +142,13 @@ void axpby_check_impl(at::TensorList out, at::TensorList x, at::TensorList y, co
       g.y.push_back(y[i].contiguous());
     }
   }
-  for (const auto& [dtype, g] : groups)
-    kernel(g.out, g.x, g.y, a, static_cast<float>(b), found_inf);
+  for (const auto& [dtype, g] : groups) {
+    if (dtype == at::kDouble) {
+      axpby_check_double(g.out, g.x, g.y, a, b, found_inf);
+    } else {
+      kernel(g.out, g.x, g.y, a, static_cast<float>(b), found_inf);
+    }
+  }
   for (auto& c : copies) c.original.copy_(c.work);
 }
 

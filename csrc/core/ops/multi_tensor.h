@@ -5,7 +5,7 @@
 //       t *= inv_scale for every t, in place; found_inf := 1.0 if any input element is inf/NaN.
 //   optamp::axpby_check_(Tensor(a!)[] out, Tensor[] x, Tensor[] y, Tensor a, float b,
 //                        Tensor(b!) found_inf) -> ()
-//       out = a*x + b*y (math in fp32); found_inf := 1.0 if any x or result element is inf/NaN.
+//       out = a*x + b*y (math in fp32, in float64 for float64); found_inf := 1.0 if any x or result element is inf/NaN.
 //       out[i] may be x[i] or y[i] (elementwise, same layout).
 //   optamp::update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker,
 //                         Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor,
@@ -15,8 +15,9 @@
 //
 // found_inf is never reset to 0 by the ops (as torch._amp_foreach_non_finite_check_and_unscale_),
 // so one flag can accumulate several calls. All tensors of one call live on found_inf's device;
-// callers group by device. Dtypes float32/float16/bfloat16 may be mixed within a list (the ops
-// group them); tensors that are not dense are processed through a contiguous copy.
+// callers group by device. Dtypes float32/float16/bfloat16/float64 may be mixed within a list (the
+// ops group them; float64 groups run torch's own ops, in float64); tensors that are not dense are
+// processed through a contiguous copy.
 //
 // The device-independent half (validation, dtype grouping, dense copies) is here and in
 // multi_tensor.cpp; a backend provides only the per-group kernels below.
