@@ -322,6 +322,38 @@ TEST_F(Casting, NoGradRunsInGivenDtypesUnlessInAnAutocastRegion) {
   EXPECT_EQ(at::mm(a, b).scalar_type(), at::kFloat);
 }
 
+// Under the gate the fp32 lists' rule still widens reduced input (a tensor made while autograd
+// recorded), as Apex and native autocast cast there: SwAV's Sinkhorn takes the exp of detached
+// fp16 scores over 0.05 under no_grad, which overflowed. fp32 input is left alone (nothing is
+// cast), and `lower` ops run as given.
+TEST_F(Casting, UnderTheGateTheFp32ListsWidenReducedInput) {
+  for (const char* level : {"O1", "O4"}) {
+    SCOPED_TRACE(level);
+    enable(level);
+    const ScalarType low = level[1] == '1' ? at::kHalf : at::kBFloat16;
+    const auto scores = at::full({2, 3}, 0.9).to(low);
+    c10::NoGradGuard no_grad;
+    auto before = cast_count();
+    const auto q = at::exp(scores / 0.05);
+    EXPECT_EQ(q.scalar_type(), at::kFloat);
+    EXPECT_TRUE(q.isfinite().all().item<bool>());                  // exp(18) overflows fp16
+    EXPECT_EQ(at::softmax(scores, -1).scalar_type(), at::kFloat);  // through its dtype argument
+    EXPECT_GT(cast_count(), before);
+    before = cast_count();
+    const auto f = randn({2, 3});
+    EXPECT_EQ(at::exp(f).scalar_type(), at::kFloat);
+    EXPECT_EQ(at::mm(f, f.t()).scalar_type(), at::kFloat);     // validation stays fp32
+    EXPECT_EQ(at::mm(scores, scores.t()).scalar_type(), low);  // lower: as given
+    EXPECT_EQ(cast_count(), before);
+  }
+  // At O2/O5 the fp32 list does not apply (Apex's O2 patches no functions); the fp32 losses do.
+  enable("O2");
+  const auto logits = randn({4, 3}).to(at::kHalf);
+  c10::NoGradGuard no_grad;
+  EXPECT_EQ(at::exp(logits).scalar_type(), at::kHalf);
+  EXPECT_EQ(at::cross_entropy_loss(logits, at::zeros({4}, at::kLong)).scalar_type(), at::kFloat);
+}
+
 // Under the gate a call runs in the dtypes it is given, except one that could not run them: a
 // listed op torch does not promote itself (lower, promote, fp32) given a reduced tensor made
 // while autograd recorded and an fp32 one (spectral_norm's power iteration at O2/O5).

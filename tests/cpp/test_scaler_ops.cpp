@@ -249,8 +249,8 @@ TEST(ScalerOps, RejectsBadArgumentsWithValueErrors) {
       ops::unscale_check_({t}, at::zeros({1}, at::kDouble), scalar(1, at::kCPU)), c10::ValueError,
       "found_inf must be a one-element float32 tensor", "Double");
   OPTAMP_EXPECT_THROW_WITH(
-      ops::unscale_check_({t.to(at::kInt)}, flag(at::kCPU), scalar(1, at::kCPU)),
-      c10::ValueError, "tensors[0] must be float32, float16, bfloat16 or float64", "Int");
+      ops::unscale_check_({t.to(at::kInt)}, flag(at::kCPU), scalar(1, at::kCPU)), c10::ValueError,
+      "tensors[0] must be float32, float16, bfloat16 or float64", "Int");
   OPTAMP_EXPECT_THROW_WITH(
       ops::axpby_check_({t}, {t, t}, {t}, scalar(1, at::kCPU), 1.0, flag(at::kCPU)),
       c10::ValueError, "same length");

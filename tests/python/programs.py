@@ -355,3 +355,48 @@ class DecayNet(torch.nn.Module):
     def forward(self, x):
         decay = torch.exp(-self.rate[:, None] * self.times)  # (modes, samples)
         return (self.amplitudes(x).double()[:, :, None] * decay).sum(1)
+
+
+class SwAV(torch.nn.Module):
+    """SwAV's backbone, normalized embedding and prototypes (facebookresearch/swav): its codes
+    come from a Sinkhorn-Knopp of the detached prototype scores under torch.no_grad
+    (``swav_codes``), which takes ``exp(scores / 0.05)``."""
+
+    def __init__(self, dim=16, prototypes=30):
+        super().__init__()
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(dim, 64), torch.nn.BatchNorm1d(64),
+                                            torch.nn.ReLU(), torch.nn.Linear(64, 32))
+        self.prototypes = torch.nn.Linear(32, prototypes, bias=False)
+
+    def forward(self, x):
+        return self.prototypes(F.normalize(self.backbone(x), dim=1, p=2))
+
+
+@torch.no_grad()
+def swav_codes(scores, epsilon=0.05, iterations=3):
+    """SwAV's ``distributed_sinkhorn`` on one process, in place as the original."""
+    q = torch.exp(scores / epsilon).t()
+    prototypes, batch = q.shape
+    q /= torch.sum(q)
+    for _ in range(iterations):
+        q /= torch.sum(q, dim=1, keepdim=True)
+        q /= prototypes
+        q /= torch.sum(q, dim=0, keepdim=True)
+        q /= batch
+    q *= batch
+    return q.t()
+
+
+def swav_loss(model, views, temperature=0.1):
+    """Two views: each view's codes are the targets of the other's prototype scores, after the
+    prototypes are normalized in place under no_grad (as SwAV's training loop does)."""
+    with torch.no_grad():
+        w = model.prototypes.weight.data.clone()
+        model.prototypes.weight.copy_(F.normalize(w, dim=1, p=2))
+    scores = model(views.flatten(0, 1)).unflatten(0, views.shape[:2])
+    loss = 0
+    for view in (0, 1):
+        codes = swav_codes(scores[view].detach())
+        log_p = F.log_softmax(scores[1 - view] / temperature, dim=1)
+        loss = loss - torch.mean(torch.sum(codes * log_p, dim=1))
+    return loss / 2

@@ -490,3 +490,41 @@ def test_a_two_step_optimizer_trains_and_skips_either_pass_bitwise(fresh, level)
         skipped = run({1: where}, level)
         assert all(torch.equal(a, b) for a, b in zip(skipped[1], skipped[0])), where
         assert all(torch.isfinite(t).all() for t in skipped[2]), where
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_swavs_sinkhorn_under_no_grad_trains_as_under_apex(fresh, level):
+    """SwAV (trained with Apex's O1) computes its codes by Sinkhorn-Knopp under torch.no_grad from
+    the detached prototype scores, fp16 at O1: exp(scores / 0.05) overflows fp16. The fp32 lists
+    widen reduced input under the no_grad gate too, as Apex and native autocast cast there, so
+    the codes are fp32 and training follows fp32's (until 2026-12-07 every O1 step was NaN and
+    skipped, the scale falling each step)."""
+    from programs import SwAV, swav_loss
+
+    def train(opt_level):
+        torch.manual_seed(0)
+        model = SwAV()
+        opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+        if opt_level:
+            init(model, opt, opt_level)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(4):
+            x = torch.randn(32, 16, generator=gen)
+            views = torch.stack([x + 0.1 * torch.randn(x.shape, generator=gen) for _ in range(2)])
+            opt.zero_grad()
+            loss = swav_loss(model, views)
+            if opt_level:
+                with optamp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+                assert not optamp.loss_scaler().last_step_skipped
+            else:
+                loss.backward()
+            opt.step()
+            losses.append(loss.detach().float())
+        return torch.stack(losses)
+
+    reference = train(None)
+    optamp.reset()
+    losses = train(level)
+    torch.testing.assert_close(losses, reference, **tol(train_row(level)))

@@ -5,6 +5,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <iostream>
 #include <mutex>
@@ -227,13 +228,33 @@ bool PromoteWidth::torch_agrees() const {
   return widest_dimensioned == widest || widest_dimensioned == ScalarType::Undefined;
 }
 
+namespace {
+
+// The policies whose rule applies under the no_grad gate (plan, below). fp32 (always) applies in
+// a backward pass too (its ops could only fail held back); the fp32 lists do not: a backward's
+// ops run in the dtypes the forward's casts recorded (an fp16 bias gradient's `sum` widened
+// would come back fp32 and be converted again), as under native autocast and Apex.
+bool widens_under_the_gate(std::optional<CastPolicy> policy) {
+  if (policy == CastPolicy::kFp32Always) return true;
+  const bool fp32_list = policy == CastPolicy::kFp32 || policy == CastPolicy::kFp32Loss;
+  return fp32_list && torch::autograd::get_current_graph_task_id() == -1;
+}
+
+}  // namespace
+
 CallPlan CastKernel::plan(std::optional<c10::DeviceType> device) const {
   CastDecision decision = device ? decide(*device) : CastDecision{};
   const std::optional<CastPolicy> listed = policy(decision.lists);
-  // An op that cannot run reduced input widens it under the no_grad gate too: held back, the
-  // call could only fail (a custom Function's forward or backward, a metric of an fp16 output
-  // under no_grad).
-  if (listed == CastPolicy::kFp32Always && decision.rules == RuleSet::kNone) {
+  // Ops whose rule only widens reduced input (the fp32 lists, fp32 (always)) apply it under the
+  // no_grad gate too, outside a backward pass (widens_under_the_gate). The gate keeps what runs in
+  // fp32 in fp32 (validation on the masters, EMA updates, optimizer steps), and these rules leave
+  // fp32 tensors alone; what they widen is an fp16/bf16 tensor made while autograd recorded: SwAV's
+  // Sinkhorn takes `exp(scores / 0.05)` of the detached fp16 prototype scores under no_grad, which
+  // overflowed to inf (Apex and native autocast cast there, and SwAV was trained with Apex's O1).
+  // An op without reduced kernels could only fail held back (a custom Function's forward or
+  // backward, a metric of an fp16 output).
+  if (decision.rules == RuleSet::kNone && decision.gated != RuleSet::kNone &&
+      widens_under_the_gate(listed)) {
     decision.rules = decision.gated;
   }
   CallPlan p;

@@ -5,8 +5,8 @@
 //       t *= inv_scale for every t, in place; found_inf := 1.0 if any input element is inf/NaN.
 //   optamp::axpby_check_(Tensor(a!)[] out, Tensor[] x, Tensor[] y, Tensor a, float b,
 //                        Tensor(b!) found_inf) -> ()
-//       out = a*x + b*y (math in fp32, in float64 for float64); found_inf := 1.0 if any x or result element is inf/NaN.
-//       out[i] may be x[i] or y[i] (elementwise, same layout).
+//       out = a*x + b*y (math in fp32, in float64 for float64); found_inf := 1.0 if any x or result
+//       element is inf/NaN. out[i] may be x[i] or y[i] (elementwise, same layout).
 //   optamp::update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker,
 //                         Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor,
 //                         float backoff_factor, int growth_interval, int hysteresis,
