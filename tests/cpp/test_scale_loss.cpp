@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -413,16 +414,12 @@ TEST_F(ScaleLossTest, SparseGradientsAreUnscaledAccumulatedAndSkippedLikeDenseOn
   EXPECT_TRUE(at::equal(table.detach(), start));
 }
 
-// A complex parameter (a spectral layer's weights) is unscaled and checked as the float pairs it
-// is made of: its gradient comes back exactly unscaled, an inf in an imaginary part alone skips
-// the step bitwise. torch's GradScaler refuses complex gradients ("not implemented for
-// 'ComplexFloat'").
-TEST_F(ScaleLossTest, ComplexGradientsAreUnscaledAndCheckedAsTheirFloatPairs) {
-  core::configure_loss_scalers(props());
-  at::manual_seed(0);
-  const auto start = at::randn({4, 3}, at::kComplexFloat);
-  const auto x = at::randn({5, 4}, at::kComplexFloat);
-  auto loss_of = [&x](const at::Tensor& w) { return at::view_as_real(x.mm(w)).pow(2).mean(); };
+// One SGD step from `start` through a guard: the gradient comes back unscaled bit for bit as an
+// unscaled backward's (a power-of-two scale); then a step whose gradient `poison` puts an inf
+// into inside the guard is skipped, the parameter unchanged bit for bit.
+void expect_exact_unscale_then_bitwise_skip(
+    const at::Tensor& start, const std::function<at::Tensor(const at::Tensor&)>& loss_of,
+    const std::function<void(const at::Tensor&)>& poison) {
   auto ref = start.clone().requires_grad_();
   loss_of(ref).backward();
   auto w = start.clone().requires_grad_();
@@ -432,20 +429,35 @@ TEST_F(ScaleLossTest, ComplexGradientsAreUnscaledAndCheckedAsTheirFloatPairs) {
     scaled.backward();
   }
   EXPECT_FALSE(loss_scaler().last_step_skipped());
-  EXPECT_TRUE(at::equal(w.grad(), ref.grad()));  // a power-of-two scale: exact
+  EXPECT_EQ(w.grad().scalar_type(), start.scalar_type());
+  EXPECT_TRUE(at::equal(w.grad(), ref.grad()));
   opt.step();
   const auto stepped = w.detach().clone();
-  EXPECT_TRUE(at::equal(stepped, start - 0.1 * ref.grad()));
+  EXPECT_TRUE(at::equal(stepped, start.add(ref.grad(), -0.1)));  // SGD's own update
   opt.zero_grad();
   {
     auto scaled = scale_loss(loss_of(w), opt);
     scaled.backward();
-    at::view_as_real(w.grad())[1][2][1].fill_(kInf);  // one imaginary part
+    poison(w.grad());
   }
   EXPECT_TRUE(loss_scaler().last_step_skipped());
   EXPECT_FALSE(w.grad().defined());
   opt.step();
   EXPECT_TRUE(at::equal(w.detach(), stepped));
+}
+
+// A complex parameter (a spectral layer's weights) is unscaled and checked as the float pairs it
+// is made of: its gradient comes back exactly unscaled, an inf in an imaginary part alone skips
+// the step bitwise. torch's GradScaler refuses complex gradients ("not implemented for
+// 'ComplexFloat'").
+TEST_F(ScaleLossTest, ComplexGradientsAreUnscaledAndCheckedAsTheirFloatPairs) {
+  core::configure_loss_scalers(props());
+  at::manual_seed(0);
+  const auto x = at::randn({5, 4}, at::kComplexFloat);
+  expect_exact_unscale_then_bitwise_skip(
+      at::randn({4, 3}, at::kComplexFloat),
+      [&x](const at::Tensor& w) { return at::view_as_real(x.mm(w)).pow(2).mean(); },
+      [](const at::Tensor& g) { at::view_as_real(g)[1][2][1].fill_(kInf); });  // one imaginary
   // A conjugate view (its conj bit set) is unscaled through the memory it shares, and checked.
   LossScaler scaler(props(), 0);
   const auto base = at::randn({3}, at::kComplexFloat) * 4;
@@ -461,42 +473,23 @@ TEST_F(ScaleLossTest, ComplexGradientsAreUnscaledAndCheckedAsTheirFloatPairs) {
 }
 
 // A float64 parameter (a physical constant someone keeps in double, which torch.amp trains) and
-// a complex128 one: their gradients come back unscaled in their own precision, bit for bit the
-// unscaled backward's, and an inf in either skips the step bitwise. Both were refused until
-// 2026-12-07.
+// a complex128 one: their gradients come back unscaled in their own precision, and an inf in
+// either skips the step bitwise. Both were refused until 2026-12-07.
 TEST_F(ScaleLossTest, Float64AndComplex128GradientsAreUnscaledInTheirOwnPrecision) {
   core::configure_loss_scalers(props());
   at::manual_seed(0);
   for (const auto dtype : {at::kDouble, at::kComplexDouble}) {
-    const auto start = at::randn({4, 3}, dtype) * 1e-3;  // below fp32's resolution beside 1
+    SCOPED_TRACE(c10::toString(dtype));
     const auto x = at::randn({5, 4}, dtype);
-    auto loss_of = [&x](const at::Tensor& w) {
-      const auto y = x.mm(w + 1);
-      return (y.is_complex() ? at::view_as_real(y) : y).pow(2).mean();
-    };
-    auto ref = start.clone().requires_grad_();
-    loss_of(ref).backward();
-    auto w = start.clone().requires_grad_();
-    torch::optim::SGD opt(std::vector<at::Tensor>{w}, torch::optim::SGDOptions(0.1));
-    {
-      auto scaled = scale_loss(loss_of(w), opt);
-      scaled.backward();
-    }
-    EXPECT_FALSE(loss_scaler().last_step_skipped()) << dtype;
-    EXPECT_EQ(w.grad().scalar_type(), dtype);
-    EXPECT_TRUE(at::equal(w.grad(), ref.grad())) << dtype;  // a power-of-two scale: exact
-    opt.step();
-    const auto stepped = w.detach().clone();
-    opt.zero_grad();
-    {
-      auto scaled = scale_loss(loss_of(w), opt);
-      scaled.backward();
-      const auto g = w.grad();
-      (g.is_complex() ? at::view_as_real(g) : g).view(-1)[7].fill_(kInf);
-    }
-    EXPECT_TRUE(loss_scaler().last_step_skipped()) << dtype;
-    opt.step();
-    EXPECT_TRUE(at::equal(w.detach(), stepped)) << dtype;
+    expect_exact_unscale_then_bitwise_skip(
+        at::randn({4, 3}, dtype) * 1e-3,  // below fp32's resolution beside the 1 added
+        [&x](const at::Tensor& w) {
+          const auto y = x.mm(w + 1);
+          return (y.is_complex() ? at::view_as_real(y) : y).pow(2).mean();
+        },
+        [](const at::Tensor& g) {
+          (g.is_complex() ? at::view_as_real(g) : g).view(-1)[7].fill_(kInf);
+        });
   }
 }
 
