@@ -354,6 +354,33 @@ TEST_F(Casting, UnderTheGateTheFp32ListsWidenReducedInput) {
   EXPECT_EQ(at::cross_entropy_loss(logits, at::zeros({4}, at::kLong)).scalar_type(), at::kFloat);
 }
 
+// Under the gate an in-place op that needs its source in the dtype of the tensor it writes (match
+// self) still gets it: a memory bank takes detached fp16 features into its fp32 rows by
+// `index_copy_` under no_grad, which torch refuses on the mix. Out of place the call is widened
+// instead, as before (match self would narrow an fp32 source).
+TEST_F(Casting, UnderTheGateInPlaceOpsTakeASourceOfAnotherWidth) {
+  for (const char* level : {"O1", "O4"}) {
+    SCOPED_TRACE(level);
+    enable(level);
+    const ScalarType low = level[1] == '1' ? at::kHalf : at::kBFloat16;
+    const auto features = randn({3, 4}).to(low);
+    const auto rows = at::tensor({0, 2, 5}, at::kLong);
+    c10::NoGradGuard no_grad;
+    const auto wide = features.to(at::kFloat);
+    auto bank = at::zeros({6, 4});
+    bank.index_copy_(0, rows, features);
+    EXPECT_TRUE(at::equal(bank, at::zeros({6, 4}).index_copy_(0, rows, wide)));
+    bank.index_add_(0, rows, features);
+    bank.index_put_({rows}, features, /*accumulate=*/true);
+    bank.scatter_add_(0, rows.unsqueeze(1).expand({3, 4}), features);
+    bank.lerp_(at::zeros({6, 4}).to(low), 0.5);
+    EXPECT_EQ(bank.scalar_type(), at::kFloat);
+    const auto out_of_place =
+        at::index_add(features, 0, at::tensor({0, 1}, at::kLong), randn({2, 4}));
+    EXPECT_EQ(out_of_place.scalar_type(), at::kFloat);  // widened, not narrowed
+  }
+}
+
 // Under the gate a call runs in the dtypes it is given, except one that could not run them: a
 // listed op torch does not promote itself (lower, promote, fp32) given a reduced tensor made
 // while autograd recorded and an fp32 one (spectral_norm's power iteration at O2/O5).

@@ -890,3 +890,23 @@ def test_an_op_with_its_own_autocast_kernel_runs_it_as_under_torch_autocast(fres
     assert "optamp_pytest::keep_top: own autocast" in optamp.policy_report()
     with torch.no_grad():  # the gate: the op runs as given, on the fp32 model
         assert model(x, anchors)[1].dtype == torch.int64
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_a_memory_bank_takes_reduced_features_under_no_grad(fresh, level):
+    """Instance discrimination keeps an fp32 memory bank of normalized features, written under
+    torch.no_grad from the detached features of the training forward (fp16/bf16 at O1/O4):
+    `index_copy_` and an in-place `lerp_` towards them refused the mix (as under native autocast)
+    while the gate held match self back. In place, the source is cast to the bank's dtype."""
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(8, 4)
+    bank = F.normalize(torch.randn(10, 4), dim=1)
+    init(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1), level)
+    idx = torch.tensor([1, 4, 7])
+    features = F.normalize(encoder(torch.randn(3, 8)), dim=1)
+    expected = bank.clone()
+    with torch.no_grad():
+        expected[idx] = expected[idx].lerp(features.float(), 0.5)
+        bank.index_copy_(0, idx, bank[idx].lerp_(features.detach(), 0.5))
+    assert bank.dtype == torch.float32
+    torch.testing.assert_close(bank, expected, **tol(features.dtype))

@@ -173,6 +173,7 @@ CastKernel::CastKernel(const c10::FunctionSchema& schema)
     const auto& arg = args[i];
     if (arg.name() == "self" && arg.type()->kind() == c10::TypeKind::TensorType) {
       self_index_ = static_cast<int>(i);
+      writes_self_ = arg.alias_info() && arg.alias_info()->isWrite();
     }
     if (arg.alias_info() && arg.alias_info()->isWrite()) continue;  // in-place / out=
     const c10::TypePtr& type = arg.type();
@@ -228,33 +229,35 @@ bool PromoteWidth::torch_agrees() const {
   return widest_dimensioned == widest || widest_dimensioned == ScalarType::Undefined;
 }
 
-namespace {
-
-// The policies whose rule applies under the no_grad gate (plan, below). fp32 (always) applies in
-// a backward pass too (its ops could only fail held back); the fp32 lists do not: a backward's
-// ops run in the dtypes the forward's casts recorded (an fp16 bias gradient's `sum` widened
-// would come back fp32 and be converted again), as under native autocast and Apex.
-bool widens_under_the_gate(std::optional<CastPolicy> policy) {
+// fp32 (always) and match self in place apply in a backward pass too: their ops could only fail
+// held back (no reduced kernel; a source of another width than the tensor it is written into,
+// which match self casts to that tensor's dtype: the values land in that dtype either way). Out
+// of place, match self would narrow an fp32 source to a reduced self's dtype: under the gate such
+// a call is widened instead (plan_mixed_widening). The fp32 lists apply outside a backward pass
+// only: a backward's ops run in the dtypes the forward's casts recorded (an fp16 bias gradient's
+// `sum` widened would come back fp32 and be converted again), as under native autocast and Apex.
+bool CastKernel::applies_under_the_gate(std::optional<CastPolicy> policy) const {
   if (policy == CastPolicy::kFp32Always) return true;
+  if (policy == CastPolicy::kMatchSelf) return writes_self_;
   const bool fp32_list = policy == CastPolicy::kFp32 || policy == CastPolicy::kFp32Loss;
   return fp32_list && torch::autograd::get_current_graph_task_id() == -1;
 }
 
-}  // namespace
-
 CallPlan CastKernel::plan(std::optional<c10::DeviceType> device) const {
   CastDecision decision = device ? decide(*device) : CastDecision{};
   const std::optional<CastPolicy> listed = policy(decision.lists);
-  // Ops whose rule only widens reduced input (the fp32 lists, fp32 (always)) apply it under the
-  // no_grad gate too, outside a backward pass (widens_under_the_gate). The gate keeps what runs in
-  // fp32 in fp32 (validation on the masters, EMA updates, optimizer steps), and these rules leave
-  // fp32 tensors alone; what they widen is an fp16/bf16 tensor made while autograd recorded: SwAV's
-  // Sinkhorn takes `exp(scores / 0.05)` of the detached fp16 prototype scores under no_grad, which
-  // overflowed to inf (Apex and native autocast cast there, and SwAV was trained with Apex's O1).
-  // An op without reduced kernels could only fail held back (a custom Function's forward or
-  // backward, a metric of an fp16 output).
+  // Ops whose rule only widens reduced input (the fp32 lists, fp32 (always)) or only makes a
+  // source match the tensor written (match self) apply it under the no_grad gate too
+  // (applies_under_the_gate). The gate keeps what runs in fp32 in fp32 (validation on the
+  // masters, EMA updates, optimizer steps), and these rules leave fp32 computations alone; what
+  // they cast is an fp16/bf16 tensor made while autograd recorded. SwAV's Sinkhorn takes
+  // `exp(scores / 0.05)` of the detached fp16 prototype scores under no_grad, which overflowed
+  // to inf (Apex and native autocast cast there; SwAV was trained with Apex's O1); a memory bank
+  // takes detached fp16 features into its fp32 rows by `index_copy_` under no_grad. An op
+  // without reduced kernels could only fail held back (a custom Function's forward or backward,
+  // a metric of an fp16 output).
   if (decision.rules == RuleSet::kNone && decision.gated != RuleSet::kNone &&
-      widens_under_the_gate(listed)) {
+      applies_under_the_gate(listed)) {
     decision.rules = decision.gated;
   }
   CallPlan p;

@@ -94,6 +94,8 @@ class CastKernel final : public c10::OperatorKernel {
   // added to a reduced one) meeting a layer norm's reduced weights, which torch.autocast's fp32
   // list and Apex's O1 run in fp32 (docs/casting.md).
   bool plan_mixed_widening(const PromoteWidth& width, CallPlan& plan) const;
+  // whether the policy's rule applies under the no_grad gate (it casts nothing fp32 can keep).
+  bool applies_under_the_gate(std::optional<CastPolicy> policy) const;
   // one argument under a casting plan: the cast tensor, or nullopt to keep it.
   std::optional<at::Tensor> cast_argument(const at::Tensor& t, const CallPlan& plan) const;
   // the verbosity-2 log line of a cast from `from` to the plan's target (made by cast_argument,
@@ -115,6 +117,7 @@ class CastKernel final : public c10::OperatorKernel {
   std::size_t num_arguments_;
   int dtype_index_ = -1;                        // the op's `ScalarType? dtype` argument, if any
   int self_index_ = -1;                         // its `self` tensor argument (kMatchSelf's target)
+  bool writes_self_ = false;                    // in place: `self` is written
   Fp32Replacement fp32_replacement_ = nullptr;  // the op's row in kFp32Replacements, if any
   bool promotes_natively_ = false;              // see promotes_natively() (policy_table.h)
   std::string name_;

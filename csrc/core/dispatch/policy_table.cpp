@@ -415,6 +415,10 @@ constexpr OpName kMatchSelfOps[] = {
     {"aten::index_reduce", ""},
     {"aten::put_", ""},
     {"aten::put", ""},
+    // optamp's, with lerp's promote rows: an fp32 average moved towards a reduced value in place
+    // (`ema.lerp_(x, 0.1)`), which torch refuses ("expected dtype float for `end`").
+    {"aten::lerp_", "Scalar"},
+    {"aten::lerp_", "Tensor"},
 };
 
 // The promote ops that do the promotion themselves, bit for bit as a cast would, gradients included
