@@ -55,12 +55,14 @@ at::Tensor batch(int seed) {
 
 std::vector<at::Tensor> clones(const std::vector<at::Tensor>& ts) {
   std::vector<at::Tensor> out;
+  out.reserve(ts.size());
   for (const auto& t : ts) out.push_back(t.defined() ? t.detach().clone() : at::Tensor());
   return out;
 }
 
 std::vector<at::Tensor> grads(const std::vector<at::Tensor>& ps) {
   std::vector<at::Tensor> out;
+  out.reserve(ps.size());
   for (const auto& p : ps) out.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
   return out;
 }
@@ -883,7 +885,7 @@ TEST_F(ScaleLossTest, ExceptionInsideTheGuardLeavesGradientsUnscaledAndDoesNotTh
   }
   const auto before = grads(m.params());
   try {  // before the backward: the gradients of entry, bit for bit (rescaled and back)
-    auto s = scale_loss(m.loss(batch(1)), opt);
+    [[maybe_unused]] auto s = scale_loss(m.loss(batch(1)), opt);
     throw std::runtime_error("user error");
   } catch (const std::runtime_error& e) {
     EXPECT_STREQ(e.what(), "user error");
@@ -977,7 +979,6 @@ TEST_F(ScaleLossTest, StateDictRoundTripsBitExactThroughTorchSave) {
   EXPECT_EQ(saved.at("loss_scaler0.hysteresis").item<int>(), 0);
 
   // Validation: nothing changes on error.
-  StateDict missing = saved;
   StateDict partial;
   for (const auto& [k, v] : saved.items())
     if (k != "loss_scaler1.growth_tracker") partial.insert(k, v);
