@@ -23,6 +23,7 @@ at::TensorOptions on(at::Device d) { return at::TensorOptions(at::kFloat).device
 
 std::vector<at::Tensor> make_list(at::ScalarType dtype, at::Device d) {
   std::vector<at::Tensor> out;
+  out.reserve(kSizes.size());
   for (int64_t n : kSizes) out.push_back(at::randn({n}, on(d)).to(dtype));
   return out;
 }
@@ -134,7 +135,7 @@ void check_axpby(at::Device d) {
     // inf in x, NaN in y (through the result) are both caught.
     for (int which = 0; which < 2; ++which) {
       auto xs = make_list(dtype, d), ys = make_list(dtype, d);
-      (which == 0 ? xs : ys).back()[12345] = which == 0 ? kInf : kNaN;
+      (which == 0 ? xs : ys).back()[12345] = static_cast<double>(which == 0 ? kInf : kNaN);
       auto f = flag(d);
       ops::axpby_check_(xs, xs, ys, scalar(1.0f, d), 1.0, f);
       EXPECT_EQ(f.item<float>(), 1.0f) << dtype << " which=" << which;
@@ -156,8 +157,8 @@ void check_update_scale(at::Device d) {
   auto hyst = at::full({}, 2, at::TensorOptions(at::kInt).device(d));
   auto step = [&](bool overflow) {
     auto f = at::full({1}, overflow ? 1.0f : 0.0f, on(d));
-    ops::update_scale_(scale, growth, hyst, f, 2.0, 0.5, /*interval=*/2, /*hysteresis=*/2,
-                       /*min=*/2.0, /*max=*/32.0);
+    ops::update_scale_(scale, growth, hyst, f, 2.0, 0.5, /*growth_interval=*/2, /*hysteresis=*/2,
+                       /*min_scale=*/2.0, /*max_scale=*/32.0);
     return scale.item<float>();
   };
   EXPECT_EQ(step(false), 8.0f);   // growth 1
@@ -237,6 +238,7 @@ TEST(ScalerOps, MixedDtypesInOneList) {
   std::vector<at::Tensor> list = {at::randn({5}), at::randn({7}).to(at::kHalf),
                                   at::randn({9}).to(at::kBFloat16), at::randn({3}, at::kDouble)};
   std::vector<at::Tensor> expected;
+  expected.reserve(list.size());
   for (auto& t : list) expected.push_back(ref_unscale(t, 0.5f));
   auto found = flag(at::kCPU);
   ops::unscale_check_(list, found, scalar(0.5f, at::kCPU));
