@@ -401,8 +401,8 @@ void remark_if_source(c10::TensorImpl* impl) {
 // fp32, fp16 and bf16 tensors get working copies. A float64 buffer is a precision someone chose
 // (a frequency table, a noise schedule), which native autocast never touches; its fp16/bf16 copy
 // rounded `t * freqs` silently while the result stayed float64. A float8 buffer is an operand of
-// its own kernels (`_scaled_mm` takes float8 only). Trainable parameters of other dtypes than
-// fp32 are refused before (initialize's check_model_dtypes).
+// its own kernels (`_scaled_mm` takes float8 only). A trainable float64 parameter (taken by
+// initialize's check_model_dtypes) is its own master alike: ops read it as it is.
 namespace {
 bool has_working_copy_dtype(const at::Tensor& t) {
   const c10::ScalarType dtype = t.scalar_type();
