@@ -198,8 +198,8 @@ ParameterRecords parameter_records(const ModelTensors& model,
   ParameterRecords records;
   auto record = [&records](const at::Tensor& p, std::string name, bool in_models) {
     records.emplace(p.unsafeGetTensorImpl(),
-                    ParameterRecord{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()),
-                                    p.scalar_type(), std::move(name), in_models});
+                    ParameterRecord{std::make_shared<TensorRef>(p), p.scalar_type(),
+                                    std::move(name), in_models});
   };
   const bool named = model.names.size() == model.parameters.size();
   for (const auto i : c10::irange(model.parameters.size())) {
@@ -300,7 +300,7 @@ bool is_initialized() { return current_session()->initialized; }
 std::vector<at::Tensor> working_copy_sources() {
   std::vector<at::Tensor> tensors;
   for (const auto& entry : current_session()->working_copy_sources) {
-    if (auto impl = entry.second.ref.lock()) tensors.emplace_back(std::move(impl));
+    if (auto impl = entry.second.ref->lock()) tensors.emplace_back(std::move(impl));
   }
   return tensors;
 }

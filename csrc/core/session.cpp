@@ -35,7 +35,7 @@ LevelRules level_rules_for(const Properties& p) {
 
 const ParameterRecord* Session::find_parameter(const at::Tensor& t) const {
   const auto it = parameters.find(t.unsafeGetTensorImpl());
-  if (it == parameters.end() || it->second.ref.lock().get() != t.unsafeGetTensorImpl()) {
+  if (it == parameters.end() || !it->second.ref->is(t.unsafeGetTensorImpl())) {
     return nullptr;
   }
   return &it->second;

@@ -39,9 +39,36 @@ struct LevelRules {
 // The rules of a resolved level (kNone at O0 or with enabled=false).
 LevelRules level_rules_for(const Properties& properties);
 
+// A weak reference to a model tensor's TensorImpl, shared by every copy of the session that
+// records the tensor: so a reused address is never mistaken for a dead tensor. Shared, and
+// released in place, because torch.utils.swap_tensors refuses a TensorImpl anything holds a weak
+// reference to, and a thread's snapshot of an earlier session (an autograd device thread's, until
+// its next call) outlives any edit of the published one (tensor_swap.cpp).
+class TensorRef {
+ public:
+  explicit TensorRef(const at::Tensor& t) : ref_(t.getIntrusivePtr()) {}
+  // The TensorImpl while it lives and the reference was not released, else null.
+  c10::intrusive_ptr<c10::TensorImpl> lock() const {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return ref_.lock();
+  }
+  // Whether this refers to `impl` (alive).
+  bool is(const c10::TensorImpl* impl) const { return lock().get() == impl; }
+  void release() {
+    c10::weak_intrusive_ptr<c10::TensorImpl> released(c10::intrusive_ptr<c10::TensorImpl>{});
+    std::lock_guard<std::mutex> guard(mutex_);
+    ref_.swap(released);
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  c10::weak_intrusive_ptr<c10::TensorImpl> ref_;
+};
+using SharedTensorRef = std::shared_ptr<TensorRef>;
+
 // A model tensor O2/O5 ops see as its working copy, with its dtype at initialize (the master's).
 struct WorkingCopySource {
-  c10::weak_intrusive_ptr<c10::TensorImpl> ref;
+  SharedTensorRef ref;
   c10::ScalarType dtype;
   bool buffer = false;  // a buffer, not a parameter: view ops hand it its own data
 };
@@ -69,7 +96,7 @@ inline constexpr char kOutsideModelsCastAfterInitialize[] =
 // and the model's name for it ("fc1.weight"; empty when the front gave none or it is in no
 // model), which error messages use.
 struct ParameterRecord {
-  c10::weak_intrusive_ptr<c10::TensorImpl> ref;  // so a reused address is not mistaken for it
+  SharedTensorRef ref;
   c10::ScalarType dtype;
   std::string name;
   bool in_models = true;  // false: an optimizer's parameter of no model passed (O1/O4)

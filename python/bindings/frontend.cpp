@@ -15,6 +15,7 @@
 #include "optamp/cast_cache.h"
 #include "optamp/core.h"
 #include "optamp/policy.h"
+#include "optamp/tensor_swap.h"
 
 namespace amp::python {
 namespace {
@@ -51,6 +52,10 @@ struct PyDisableCasts : PyGuard<amp::disable_casts> {};
 struct PyLiftNoGradGate : PyGuard<amp::lift_no_grad_gate> {};
 struct PyThreadStateGuard : PyGuard<amp::thread_state_guard> {
   amp::ThreadState state;
+};
+
+struct PySwapHold {
+  std::shared_ptr<amp::SwapHold> hold;
 };
 
 core::OptimizerTensors optimizer_from_py(const py::handle& d) {
@@ -253,6 +258,20 @@ void bind_frontend(py::module_& m) {
   m.def("_set_gradient_buckets", &amp::set_gradient_buckets, py::arg("enabled"),
         "Off: every gradient keeps its own conversion (initialize, for a sharded model); returns "
         "the previous setting.");
+  // torch.utils.swap_tensors' wrapper (_tensor_swap.py): the hold is opaque to Python.
+  py::class_<PySwapHold>(m, "_SwapHold");
+  m.def(
+      "_hold_records_for_swap",
+      [](const at::Tensor& a, const at::Tensor& b) {
+        return PySwapHold{amp::hold_records_for_swap(a, b)};
+      },
+      py::arg("a"), py::arg("b"));
+  m.def(
+      "_restore_records_after_swap",
+      [](PySwapHold& hold, const at::Tensor& a, const at::Tensor& b) {
+        amp::restore_records_after_swap(*hold.hold, a, b);
+      },
+      py::arg("hold"), py::arg("a"), py::arg("b"));
 }
 
 }  // namespace amp::python

@@ -53,7 +53,7 @@ from .functions import (
 from .scaler import load_state_dict, loss_scaler, scale_loss, state_dict
 from .precision import compare_with_fp32, precision_report
 from . import (_autocast_flag, _averaging, _checkpoint, _custom_functions, _data_loading,
-               _higher_order, _module_conversion, _native_regions, _pipelining, ab)
+               _higher_order, _module_conversion, _native_regions, _pipelining, _tensor_swap, ab)
 
 
 def rules_under_no_grad() -> lift_no_grad_gate:
@@ -76,6 +76,7 @@ _pipelining.install()  # pipeline stages: the same dtypes with grad mode on or o
 _averaging.install()  # local SGD's model averaging writes the fp32 masters at O2/O5
 _data_loading.install()  # a DataLoader's batches are fetched without optamp's rules, any process
 _module_conversion.install()  # model.to()/.float() hand the registered tensors back, as plain torch
+_tensor_swap.install()  # swap_tensors (conversions, loads under the swap flag) keeps the records
 
 from ._build_info import version as __version__  # set once: project() in CMakeLists.txt
 

@@ -70,6 +70,24 @@ def on_initialize(casting: bool, working_copy_sources: List[torch.Tensor]) -> No
         functorch_config.enable_autograd_cache = False
 
 
+def take_marks(*tensors: torch.Tensor) -> List[Optional[str]]:
+    """Takes the working-copy marks off ``tensors`` (and the weak references to them, which
+    ``torch.utils.swap_tensors`` refuses): each one's mark, or None (see _tensor_swap.py)."""
+    ids = {id(t) for t in tensors}
+    _marked[:] = [ref for ref in _marked if id(ref()) not in ids]
+    return [t.__dict__.get(_MARK) for t in tensors]
+
+
+def put_marks(marks: List[Optional[str]], *tensors: torch.Tensor) -> None:
+    """Puts the marks :func:`take_marks` returned back on ``tensors``, in the same order."""
+    for t, mark in zip(tensors, marks):
+        if mark is None:
+            t.__dict__.pop(_MARK, None)  # a swap hands the other tensor's attributes over
+        else:
+            setattr(t, _MARK, mark)
+            _marked.append(weakref.ref(t))
+
+
 def on_reset() -> None:
     """Called by reset."""
     global _saved_autograd_cache, _substituting

@@ -315,3 +315,102 @@ def test_module_conversions_after_initialize_keep_the_registered_tensors(level, 
         assert net.mask.dtype == torch.float32 and torch.isfinite(net.conv.weight).all()
     finally:
         optamp.reset()
+
+
+@pytest.fixture
+def swap_module_params():
+    """``torch.__future__.set_swap_module_params_on_conversion(True)``: ``Module.to()`` and
+    ``load_state_dict()`` exchange each parameter's TensorImpl through
+    ``torch.utils.swap_tensors`` (announced as a future default; DTensor parameters always)."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def _train_with_a_conversion_and_a_load(level, swap):
+    """Five fused-AdamW steps at ``level`` (the fourth overflows and is skipped), with
+    ``model.to("cpu")``, ``.float()`` (not at O3) and a ``load_state_dict`` of the model's own state
+    after the second."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(),
+                                  torch.nn.Linear(16, 4))
+        net.register_buffer("shift", torch.linspace(0, 1, 4))
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2, eps=1e-4, fused=True)
+        optamp.reset()
+        net, opt = optamp.initialize(net, opt, opt_level=level, verbosity=0)
+        losses = []
+        for step in range(5):
+            torch.manual_seed(step)
+            x = torch.randn(6, 8)
+            if step == 3:
+                x[0, 0] = float("inf")
+            opt.zero_grad()
+            loss = (net(x).float() + net.shift.float()).pow(2).mean()
+            with optamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            losses.append(loss.detach())
+            if step == 1:
+                state = {k: v.clone() for k, v in net.state_dict().items()}
+                net.to("cpu")
+                if level != "O3":
+                    net.float()
+                net.load_state_dict(state)
+        return (torch.stack(losses), [p.detach().clone() for p in net.parameters()],
+                optamp.state_dict(), [opt.state[p]["exp_avg"].clone() for p in net.parameters()])
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+        optamp.reset()
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3", "O4", "O5"])
+def test_swapping_conversions_and_loads_after_initialize_train_as_in_place_ones(level):
+    """Under the swap flag (or for DTensor parameters) ``Module.to()``, ``.float()`` and
+    ``load_state_dict()`` swap each parameter's TensorImpl, which torch refuses while anything
+    holds a weak reference to it; optamp's records did, so every such call after ``initialize``
+    failed at every level ("Expected no weakrefs to t1's Tensor object"), the Apex resume recipe
+    (initialize, then load the checkpoint) among them. The records now follow the parameter to its
+    new TensorImpl: the run equals the one whose conversions and load work in place, bit for bit,
+    an overflow skipped on both."""
+    expected = _train_with_a_conversion_and_a_load(level, swap=False)
+    got = _train_with_a_conversion_and_a_load(level, swap=True)
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0, equal_nan=True)
+    for a, b in zip(got[1] + got[3], expected[1] + expected[3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert got[2].keys() == expected[2].keys()
+    for key in got[2]:
+        assert torch.equal(got[2][key], expected[2][key]), key
+    assert int(got[2]["loss_scaler0.skipped"]) == 1, "the overflowing step was skipped"
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_refused_swap_leaves_the_records_as_they_were(level, swap_module_params):
+    """A swap torch refuses (here: the user holds a weak reference to the parameter) raises
+    torch's error and leaves optamp's records on the tensors they were on: the parameter still
+    carries the key (ops read its working copy) and trains."""
+    import weakref
+
+    optamp.reset()
+    net = _MaskedConv()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    optamp.initialize(net, opt, opt_level=level, verbosity=0)
+    low = torch.float16 if level == "O2" else torch.bfloat16
+    try:
+        ref = weakref.ref(net.conv.weight)
+        with pytest.raises(RuntimeError, match="Couldn't swap"):
+            net.to(torch.float32)
+        del ref
+        assert _KEY in _keys(net.conv.weight) and (net.conv.weight * 1).dtype == low
+        net.to(torch.float32)  # no weak reference now: swapped
+        assert _KEY in _keys(net.conv.weight) and (net.conv.weight * 1).dtype == low
+        assert (net.mask * 1).dtype == low, "a buffer is replaced, not swapped: still registered"
+        with optamp.scale_loss(net(torch.randn(2, 2, 3, 3)).float().sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert net.conv.weight.dtype == torch.float32 and torch.isfinite(net.conv.weight).all()
+    finally:
+        optamp.reset()

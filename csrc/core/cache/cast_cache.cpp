@@ -160,6 +160,21 @@ class CastCache {
     // deleters that must not re-enter the cache while it is locked.
   }
 
+  // Drops the entries of `source` (every dtype and grad mode), before torch.utils.swap_tensors
+  // hands its TensorImpl to another tensor (tensor_swap.h).
+  void forget(const c10::TensorImpl* source) {
+    std::vector<Entry> dropped;  // destroyed after the lock is released (see clear())
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      if (it->first.source != source) {
+        ++it;
+        continue;
+      }
+      dropped.push_back(std::move(it->second));
+      it = entries_.erase(it);
+    }
+  }
+
   // Entries that would be served now (those waiting for their re-cast are not).
   std::size_t size() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -366,6 +381,8 @@ void invalidate_cache() {
 }
 
 std::size_t cache_entries_waiting_for_recast() { return cache().waiting_for_recast(); }
+
+void forget_casts_of(const c10::TensorImpl* source) { cache().forget(source); }
 
 }  // namespace amp::detail
 

@@ -49,4 +49,7 @@ void invalidate_cache();
 // Entries waiting for their re-cast (tests).
 std::size_t cache_entries_waiting_for_recast();
 
+// Drops every cached copy of `source` (tensor_swap.h).
+void forget_casts_of(const c10::TensorImpl* source);
+
 }  // namespace amp::detail

@@ -61,7 +61,7 @@ void put_key(c10::TensorImpl* impl, bool on) {
 
 void put_key_on_all(const WorkingCopySources& sources, bool on) {
   for (const auto& entry : sources) {
-    if (auto impl = entry.second.ref.lock()) put_key(impl.get(), on);
+    if (auto impl = entry.second.ref->lock()) put_key(impl.get(), on);
   }
 }
 
@@ -327,7 +327,7 @@ const WorkingCopySource* viewed_buffer(const WorkingCopySources& sources, const 
   const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   for (const auto& entry : sources) {
     if (!entry.second.buffer) continue;
-    const auto buffer = entry.second.ref.lock();
+    const auto buffer = entry.second.ref->lock();
     if (buffer && buffer->has_storage() && buffer->storage().unsafeGetStorageImpl() == storage) {
       return &entry.second;
     }
@@ -392,6 +392,8 @@ bool carries_substitution_key(const at::Tensor& t) {
           kKeyBit) != 0;
 }
 
+void put_substitution_key(c10::TensorImpl* impl, bool on) { put_key(impl, on); }
+
 void remark_if_source(c10::TensorImpl* impl) {
   if (impl != nullptr && current_session()->working_copy_sources.count(impl) != 0) {
     put_key(impl, true);
@@ -418,10 +420,9 @@ WorkingCopySources make_working_copy_sources(const std::vector<at::Tensor>& tens
   WorkingCopySources sources;
   for (const auto& t : tensors) {
     if (!has_working_copy_dtype(t)) continue;
-    sources.emplace(
-        t.unsafeGetTensorImpl(),
-        WorkingCopySource{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
-                          t.scalar_type(), parameter_impls.count(t.unsafeGetTensorImpl()) == 0});
+    sources.emplace(t.unsafeGetTensorImpl(),
+                    WorkingCopySource{std::make_shared<TensorRef>(t), t.scalar_type(),
+                                      parameter_impls.count(t.unsafeGetTensorImpl()) == 0});
   }
   return sources;
 }

@@ -35,6 +35,9 @@ inline c10::DispatchKeySet below_substitution(c10::DispatchKeySet keys) {
 // Puts the key back on `impl` when it is a registered source (after set_data replaced its key
 // set).
 void remark_if_source(c10::TensorImpl* impl);
+// Puts the key on `impl` or takes it off (a registration moved to another TensorImpl:
+// tensor_swap.cpp).
+void put_substitution_key(c10::TensorImpl* impl, bool on);
 // Wraps autograd's VariableHooks so that every set_data calls remark_if_source (set_data_hook.cpp).
 void install_set_data_hook();
 

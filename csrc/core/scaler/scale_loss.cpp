@@ -119,6 +119,24 @@ std::optional<std::string> model_name(const at::Tensor& p) {
 
 }  // namespace
 
+ScaledGradMarks take_scaled_grad_marks(const c10::TensorImpl* impl) {
+  auto& b = book();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  auto* key = const_cast<c10::TensorImpl*>(impl);
+  ScaledGradMarks marks;
+  marks.pending = b.pending.erase(key) != 0;
+  marks.overflowed = b.overflowed.erase(key) != 0;
+  return marks;
+}
+
+void put_scaled_grad_marks(const at::Tensor& p, ScaledGradMarks marks) {
+  auto& b = book();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  const c10::weak_intrusive_ptr<c10::TensorImpl> ref(p.getIntrusivePtr());
+  if (marks.pending) b.pending.insert_or_assign(p.unsafeGetTensorImpl(), Pending{ref});
+  if (marks.overflowed) b.overflowed.insert_or_assign(p.unsafeGetTensorImpl(), ref);
+}
+
 struct ScaleLossState {
   std::shared_ptr<LossScaler> scaler;
   ScaleLossOptions options;
