@@ -1,6 +1,8 @@
 """A module-wide conversion (``model.to(device)``, ``model.float()``, ``model.cpu()``,
 ``model.to(memory_format=...)``, all through ``torch.nn.Module._apply``) after ``initialize``
-leaves the model's registered tensors registered, as ``Module::to`` does in C++.
+leaves the model's registered tensors registered, as ``Module::to`` does in C++; so does a
+parametrization registered after ``initialize`` (``register_parametrization``, with optamp's
+rules off: its checks compare the parametrized tensor's dtype with the original's).
 
 Until the ninth session of 2026-12-06 two things lost them:
 
@@ -61,3 +63,7 @@ def _keeping_registered_tensors(apply: Function) -> Function:
 def install() -> None:
     """Idempotent."""
     replace(torch.nn.Module, "_apply", _keeping_registered_tensors)
+    # A parametrization registered after initialize: its consistency checks (the parametrized
+    # tensor keeps the original's dtype) and right_inverse read the original as it is, the fp32
+    # master, not as O2/O5's working copy, which made the check refuse every one.
+    replace(torch.nn.utils.parametrize, "register_parametrization", rules_off)

@@ -2,7 +2,7 @@
 take one are substituted, `module.to()` / `p.data = x` keep it, and backward never reaches it."""
 import pytest
 import torch
-from common_utils import tol
+from common_utils import tol, train_row
 
 import optamp
 
@@ -414,3 +414,54 @@ def test_a_refused_swap_leaves_the_records_as_they_were(level, swap_module_param
         assert net.conv.weight.dtype == torch.float32 and torch.isfinite(net.conv.weight).all()
     finally:
         optamp.reset()
+
+
+class _Symmetric(torch.nn.Module):
+    def forward(self, x):
+        return x.triu() + x.triu(1).transpose(-1, -2)
+
+
+def _train_registering_parametrizations_after_the_first_step(level):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if level is not None:
+        optamp.reset()
+        net, opt = optamp.initialize(net, opt, opt_level=level, verbosity=0)
+    losses = []
+    for step in range(4):
+        torch.manual_seed(step)
+        loss = net(torch.randn(4, 6)).float().pow(2).mean()
+        if level is None:
+            loss.backward()
+        else:
+            with optamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        if step == 0:
+            torch.nn.utils.parametrize.register_parametrization(net[0], "weight", _Symmetric())
+            torch.nn.utils.parametrizations.weight_norm(net[2])
+            opt.add_param_group({"params": [net[2].parametrizations.weight.original0]})
+    return torch.stack(losses), net
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_parametrizations_registered_after_initialize_train(level):
+    """``register_parametrization`` checks that the parametrized tensor keeps the original's dtype
+    (and runs ``right_inverse``, here weight norm's split into g and v): at O2/O5 it read the
+    original as its working copy, so every parametrization registered after ``initialize``
+    failed ("Registering a parametrization may not change the dtype of the tensor"). It runs
+    with optamp's rules off now: the originals stay the fp32 parameters the optimizer steps, and
+    the forward reads them as before (at O2/O5 as working copies)."""
+    try:
+        got, net = _train_registering_parametrizations_after_the_first_step(level)
+        original = net[0].parametrizations.weight.original
+        assert original.dtype == torch.float32
+        if level in ("O2", "O5"):
+            assert _KEY in _keys(original), "the same parameter: still a working-copy source"
+    finally:
+        optamp.reset()
+    expected, _ = _train_registering_parametrizations_after_the_first_step(None)
+    torch.testing.assert_close(got, expected, **tol(train_row(level)))
