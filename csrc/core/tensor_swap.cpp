@@ -5,6 +5,8 @@
 #include <array>
 #include <optional>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "cache/cast_cache.h"
 #include "cache/companion_casts.h"
@@ -14,9 +16,8 @@
 
 namespace amp {
 
-// What one tensor had, without the weak references (which are what the swap refuses).
-struct HeldRecords {
-  const c10::TensorImpl* impl = nullptr;  // nullptr: the second tensor is the first one again
+// What one tensor had in the session, without the weak references (which the swap refuses).
+struct SessionRecords {
   struct Parameter {
     c10::ScalarType dtype;
     std::string name;
@@ -28,6 +29,12 @@ struct HeldRecords {
     bool buffer;
   };
   std::optional<Source> source;
+  bool empty() const { return !parameter && !source; }
+};
+
+struct HeldRecords {
+  const c10::TensorImpl* impl = nullptr;  // nullptr: the second tensor is the first one again
+  SessionRecords session;
   detail::ScaledGradMarks marks;
 };
 
@@ -39,40 +46,92 @@ class SwapHold {
 
 namespace {
 
-bool has_session_records(const detail::Session& s, const c10::TensorImpl* impl) {
-  return s.parameters.count(impl) != 0 || s.working_copy_sources.count(impl) != 0;
+// The session edits of this thread's swaps, published together: at the end of each restore, or
+// of the outermost SwapBatch (Module.to() and load_state_dict() swap every parameter one by one,
+// and a new session per swap made such a call quadratic in the parameters). Until then the
+// published session keeps the old TensorImpls' entries, their references released, and the new
+// TensorImpls carry the key without an entry: ops run on them as given, which is what the
+// conversions inside a batch do anyway (they run with optamp's rules off).
+struct PendingMoves {
+  int batch_depth = 0;
+  std::unordered_set<const c10::TensorImpl*> erased;  // entries to drop from the session
+  struct Moved {
+    SessionRecords records;
+    std::shared_ptr<detail::TensorRef> ref;
+  };
+  std::unordered_map<const c10::TensorImpl*, Moved> inserted;  // applied after the erasures
+};
+
+PendingMoves& pending() {
+  thread_local PendingMoves moves;
+  return moves;
 }
 
-// Moves `impl`'s session records into `held` (in the session being edited).
-void take_session_records(detail::Session& s, HeldRecords& held) {
-  if (auto it = s.parameters.find(held.impl); it != s.parameters.end()) {
-    const auto& r = it->second;
-    held.parameter = HeldRecords::Parameter{r.dtype, r.name, r.in_models};
-    r.ref->release();  // in every snapshot of the session that still holds the record
-    s.parameters.erase(it);
-  }
-  if (auto it = s.working_copy_sources.find(held.impl); it != s.working_copy_sources.end()) {
-    held.source = HeldRecords::Source{it->second.dtype, it->second.buffer};
+// Takes `impl`'s records: from a move not yet published, else from the published session (a live
+// entry only: a released one was taken before). Releases their references in every copy.
+SessionRecords take_session_records(const c10::TensorImpl* impl) {
+  SessionRecords records;
+  auto& moves = pending();
+  if (auto it = moves.inserted.find(impl); it != moves.inserted.end()) {
     it->second.ref->release();
-    detail::put_substitution_key(const_cast<c10::TensorImpl*>(held.impl), false);
-    s.working_copy_sources.erase(it);
+    records = std::move(it->second.records);
+    moves.inserted.erase(it);
+  } else {
+    // Both read before either reference is released: a moved parameter's two entries share one.
+    const auto session = detail::current_session();
+    const auto parameter = session->parameters.find(impl);
+    const auto source = session->working_copy_sources.find(impl);
+    const bool has_parameter =
+        parameter != session->parameters.end() && parameter->second.ref->is(impl);
+    const bool has_source =
+        source != session->working_copy_sources.end() && source->second.ref->is(impl);
+    if (has_parameter) {
+      const auto& r = parameter->second;
+      records.parameter = SessionRecords::Parameter{r.dtype, r.name, r.in_models};
+      r.ref->release();
+    }
+    if (has_source) {
+      records.source = SessionRecords::Source{source->second.dtype, source->second.buffer};
+      source->second.ref->release();
+    }
   }
+  if (records.empty()) return records;
+  moves.erased.insert(impl);
+  if (records.source) detail::put_substitution_key(const_cast<c10::TensorImpl*>(impl), false);
+  return records;
 }
 
-void put_session_records(detail::Session& s, const HeldRecords& held, const at::Tensor& now) {
-  const auto ref = std::make_shared<detail::TensorRef>(now);
-  if (held.parameter) {
-    s.parameters.insert_or_assign(
-        now.unsafeGetTensorImpl(),
-        detail::ParameterRecord{ref, held.parameter->dtype, held.parameter->name,
-                                held.parameter->in_models});
-  }
-  if (held.source) {
-    s.working_copy_sources.insert_or_assign(
-        now.unsafeGetTensorImpl(),
-        detail::WorkingCopySource{ref, held.source->dtype, held.source->buffer});
-    detail::put_substitution_key(now.unsafeGetTensorImpl(), true);
-  }
+void put_session_records(SessionRecords records, const at::Tensor& now) {
+  if (records.empty()) return;
+  if (records.source) detail::put_substitution_key(now.unsafeGetTensorImpl(), true);
+  pending().inserted.insert_or_assign(
+      now.unsafeGetTensorImpl(),
+      PendingMoves::Moved{std::move(records), std::make_shared<detail::TensorRef>(now)});
+}
+
+void publish_moves() {
+  auto& moves = pending();
+  if (moves.erased.empty() && moves.inserted.empty()) return;
+  detail::edit_session([&moves](detail::Session& s) {
+    for (const auto* impl : moves.erased) {
+      s.parameters.erase(impl);
+      s.working_copy_sources.erase(impl);
+    }
+    for (const auto& [impl, moved] : moves.inserted) {
+      const auto& r = moved.records;
+      if (r.parameter) {
+        s.parameters.insert_or_assign(
+            impl, detail::ParameterRecord{moved.ref, r.parameter->dtype, r.parameter->name,
+                                          r.parameter->in_models});
+      }
+      if (r.source) {
+        s.working_copy_sources.insert_or_assign(
+            impl, detail::WorkingCopySource{moved.ref, r.source->dtype, r.source->buffer});
+      }
+    }
+  });
+  moves.erased.clear();
+  moves.inserted.clear();
 }
 
 }  // namespace
@@ -84,22 +143,9 @@ std::shared_ptr<SwapHold> hold_records_for_swap(const at::Tensor& a, const at::T
   auto hold = std::make_shared<SwapHold>();
   hold->held[0].impl = a.unsafeGetTensorImpl();
   if (b.unsafeGetTensorImpl() != hold->held[0].impl) hold->held[1].impl = b.unsafeGetTensorImpl();
-  bool in_session = false;
-  {
-    const auto session = detail::current_session();
-    for (const auto& held : hold->held) {
-      in_session = in_session || (held.impl && has_session_records(*session, held.impl));
-    }
-  }
-  if (in_session) {
-    detail::edit_session([&hold](detail::Session& s) {
-      for (auto& held : hold->held) {
-        if (held.impl) take_session_records(s, held);
-      }
-    });
-  }
   for (auto& held : hold->held) {
     if (!held.impl) continue;
+    held.session = take_session_records(held.impl);
     detail::forget_casts_of(held.impl);
     held.marks = detail::take_scaled_grad_marks(held.impl);
   }
@@ -111,17 +157,22 @@ void restore_records_after_swap(SwapHold& hold, const at::Tensor& a, const at::T
   TORCH_CHECK(!hold.restored, "restore_records_after_swap: these records were restored already");
   hold.restored = true;
   const std::array<const at::Tensor*, 2> now{&a, &b};
-  bool in_session = false;
-  for (const auto& held : hold.held) in_session = in_session || held.parameter || held.source;
-  if (in_session) {
-    detail::edit_session([&hold, &now](detail::Session& s) {
-      for (std::size_t i = 0; i < hold.held.size(); ++i) {
-        if (hold.held[i].impl) put_session_records(s, hold.held[i], *now[i]);
-      }
-    });
-  }
   for (std::size_t i = 0; i < hold.held.size(); ++i) {
-    if (hold.held[i].impl) detail::put_scaled_grad_marks(*now[i], hold.held[i].marks);
+    if (!hold.held[i].impl) continue;
+    put_session_records(std::move(hold.held[i].session), *now[i]);
+    detail::put_scaled_grad_marks(*now[i], hold.held[i].marks);
+  }
+  if (pending().batch_depth == 0) publish_moves();
+}
+
+SwapBatch::SwapBatch() { ++pending().batch_depth; }
+
+SwapBatch::~SwapBatch() {
+  if (--pending().batch_depth != 0) return;
+  try {
+    publish_moves();
+  } catch (const std::exception& e) {  // only an allocation can fail here
+    TORCH_WARN("optamp: the records of swapped tensors were not published: ", e.what());
   }
 }
 

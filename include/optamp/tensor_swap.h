@@ -35,4 +35,16 @@ OPTAMP_API std::shared_ptr<SwapHold> hold_records_for_swap(const at::Tensor& a,
 OPTAMP_API void restore_records_after_swap(SwapHold& hold, const at::Tensor& a,
                                            const at::Tensor& b);
 
+// While one lives on this thread, the records restore_records_after_swap puts back are published
+// together when the outermost one ends (one new session, not one per swap: Module.to() and
+// load_state_dict() swap the parameters one by one). Inside it, swapped tensors are not yet
+// registered: only conversions and loads belong there.
+class OPTAMP_API SwapBatch {
+ public:
+  SwapBatch();
+  ~SwapBatch();
+  SwapBatch(const SwapBatch&) = delete;
+  SwapBatch& operator=(const SwapBatch&) = delete;
+};
+
 }  // namespace amp

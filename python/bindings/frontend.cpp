@@ -57,6 +57,7 @@ struct PyThreadStateGuard : PyGuard<amp::thread_state_guard> {
 struct PySwapHold {
   std::shared_ptr<amp::SwapHold> hold;
 };
+struct PySwapBatch : PyGuard<amp::SwapBatch> {};
 
 core::OptimizerTensors optimizer_from_py(const py::handle& d) {
   core::OptimizerTensors t;
@@ -272,6 +273,18 @@ void bind_frontend(py::module_& m) {
         amp::restore_records_after_swap(*hold.hold, a, b);
       },
       py::arg("hold"), py::arg("a"), py::arg("b"));
+  py::class_<PySwapBatch>(m, "_swap_batch")
+      .def(py::init<>(),
+           "Context manager: the records of the swaps inside are published together at its end.")
+      .def("__enter__",
+           [](PySwapBatch& self) -> PySwapBatch& {
+             self.enter();
+             return self;
+           })
+      .def("__exit__", [](PySwapBatch& self, const py::args&) {
+        self.exit();
+        return false;
+      });
 }
 
 }  // namespace amp::python

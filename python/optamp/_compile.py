@@ -37,7 +37,9 @@ _saved_autograd_cache: Optional[bool] = None
 
 _MARK = "_optamp_working_copy"  # "parameter" or "buffer" on every tensor O2/O5 substitutes
 _BUFFER_VIEW = "_optamp_buffer_view"  # on a view of a registered buffer, while Dynamo traces
-_marked: List["weakref.ref[torch.Tensor]"] = []
+# Keyed by id(): a swap takes one tensor's out in constant time (a dead entry's id may be reused:
+# it is then replaced, which is what a dead tensor's entry is worth).
+_marked: Dict[int, "weakref.ref[torch.Tensor]"] = {}
 _substituting = False  # initialized at O2/O5 (a plain flag: Dynamo reads it as a constant)
 # The fp32 (always) functions' names (policy_report's entries, overloads dropped), on every
 # device and on CPU tensors only, read at initialize: eager hands those ops the masters (the cast
@@ -62,7 +64,7 @@ def on_initialize(casting: bool, working_copy_sources: List[torch.Tensor]) -> No
         _widened_everywhere, _widened_on_cpu = _fp32_always_functions()
     for t in working_copy_sources:
         setattr(t, _MARK, "parameter" if isinstance(t, torch.nn.Parameter) else "buffer")
-        _marked.append(weakref.ref(t))
+        _marked[id(t)] = weakref.ref(t)
     if casting and _saved_autograd_cache is None:
         import torch._functorch.config as functorch_config
 
@@ -73,8 +75,10 @@ def on_initialize(casting: bool, working_copy_sources: List[torch.Tensor]) -> No
 def take_marks(*tensors: torch.Tensor) -> List[Optional[str]]:
     """Takes the working-copy marks off ``tensors`` (and the weak references to them, which
     ``torch.utils.swap_tensors`` refuses): each one's mark, or None (see _tensor_swap.py)."""
-    ids = {id(t) for t in tensors}
-    _marked[:] = [ref for ref in _marked if id(ref()) not in ids]
+    for t in tensors:
+        ref = _marked.get(id(t))
+        if ref is not None and ref() is t:
+            del _marked[id(t)]
     return [t.__dict__.get(_MARK) for t in tensors]
 
 
@@ -85,7 +89,7 @@ def put_marks(marks: List[Optional[str]], *tensors: torch.Tensor) -> None:
             t.__dict__.pop(_MARK, None)  # a swap hands the other tensor's attributes over
         else:
             setattr(t, _MARK, mark)
-            _marked.append(weakref.ref(t))
+            _marked[id(t)] = weakref.ref(t)
 
 
 def on_reset() -> None:
@@ -93,7 +97,7 @@ def on_reset() -> None:
     global _saved_autograd_cache, _substituting
     _reset_dynamo()
     _substituting = False
-    for ref in _marked:
+    for ref in _marked.values():
         t = ref()
         if t is not None and _MARK in t.__dict__:
             delattr(t, _MARK)

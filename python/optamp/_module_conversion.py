@@ -26,8 +26,9 @@ from typing import Any, Callable
 
 import torch
 
+from . import _C
 from ._compile import is_registered_buffer
-from ._wrapping import Function, replace, rules_off
+from ._wrapping import Function, marked, replace, rules_off
 
 
 _CONVERT = "_optamp_converts_buffers_in_place"
@@ -55,14 +56,25 @@ def _keeping_registered_tensors(apply: Function) -> Function:
     def apply_converting_buffers_in_place(module: torch.nn.Module,
                                           fn: Callable[[torch.Tensor], Any], *args: Any,
                                           **kwargs: Any) -> Any:
-        return apply(module, _converting_registered_buffers_in_place(fn), *args, **kwargs)
+        with _C._swap_batch():  # swapped parameters: one new session at the end (_tensor_swap.py)
+            return apply(module, _converting_registered_buffers_in_place(fn), *args, **kwargs)
 
     return rules_off(apply_converting_buffers_in_place)
+
+
+def _in_a_swap_batch(load: Function) -> Function:
+    @functools.wraps(load)
+    def load_state_dict(*args: Any, **kwargs: Any) -> Any:
+        with _C._swap_batch():
+            return load(*args, **kwargs)
+
+    return marked(load_state_dict)
 
 
 def install() -> None:
     """Idempotent."""
     replace(torch.nn.Module, "_apply", _keeping_registered_tensors)
+    replace(torch.nn.Module, "load_state_dict", _in_a_swap_batch)
     # A parametrization registered after initialize: its consistency checks (the parametrized
     # tensor keeps the original's dtype) and right_inverse read the original as it is, the fp32
     # master, not as O2/O5's working copy, which made the check refuse every one.

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "dispatch/substitution.h"
 #include "dispatch/substitution_call.h"
 #include "mlp_model.h"
 #include "optamp/cast_cache.h"
@@ -116,7 +117,21 @@ TEST_P(TensorSwap, RecordsFollowTheTensorThatHoldsTheOtherImplAfterTheSwap) {
   EXPECT_EQ(record->name, "fc2.weight");
   const bool substituted = GetParam() == "O2" || GetParam() == "O5";
   EXPECT_EQ(detail::carries_substitution_key(other), substituted);
+  EXPECT_EQ(detail::is_working_copy_source(other), substituted);
   EXPECT_FALSE(detail::carries_substitution_key(weight));
+  // And back, inside a batch (one session published at its end): a moved parameter's entries
+  // share one reference, and the second move must still find both.
+  {
+    SwapBatch batch;
+    auto back = hold_records_for_swap(other, weight);
+    restore_records_after_swap(*back, weight, other);
+    EXPECT_EQ(detail::current_session()->find_parameter(weight), nullptr) << "not yet published";
+  }
+  ASSERT_NE(detail::current_session()->find_parameter(weight), nullptr);
+  EXPECT_EQ(detail::current_session()->find_parameter(weight)->name, "fc2.weight");
+  EXPECT_EQ(detail::is_working_copy_source(weight), substituted);
+  EXPECT_EQ(detail::carries_substitution_key(weight), substituted);
+  EXPECT_FALSE(detail::is_working_copy_source(other));
 }
 
 TEST(TensorSwapErrors, UndefinedTensorsAreRefusedByName) {
