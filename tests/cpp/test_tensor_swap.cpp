@@ -147,7 +147,8 @@ TEST(TensorSwapErrors, UndefinedTensorsAreRefusedByName) {
       c10::ValueError);
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, TensorSwap, ::testing::Values("O0", "O1", "O2", "O4", "O5"));
+INSTANTIATE_TEST_SUITE_P(Levels, TensorSwap, ::testing::Values("O0", "O1", "O2", "O4", "O5"),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace amp
