@@ -28,7 +28,7 @@ import torch
 
 from . import _C
 from ._compile import is_registered_buffer
-from ._wrapping import Function, marked, replace, rules_off
+from ._wrapping import Function, inside, replace, rules_off
 
 
 _CONVERT = "_optamp_converts_buffers_in_place"
@@ -56,19 +56,15 @@ def _keeping_registered_tensors(apply: Function) -> Function:
     def apply_converting_buffers_in_place(module: torch.nn.Module,
                                           fn: Callable[[torch.Tensor], Any], *args: Any,
                                           **kwargs: Any) -> Any:
-        with _C._swap_batch():  # swapped parameters: one new session at the end (_tensor_swap.py)
-            return apply(module, _converting_registered_buffers_in_place(fn), *args, **kwargs)
+        return apply(module, _converting_registered_buffers_in_place(fn), *args, **kwargs)
 
-    return rules_off(apply_converting_buffers_in_place)
+    return rules_off(_in_a_swap_batch(apply_converting_buffers_in_place))
 
 
-def _in_a_swap_batch(load: Function) -> Function:
-    @functools.wraps(load)
-    def load_state_dict(*args: Any, **kwargs: Any) -> Any:
-        with _C._swap_batch():
-            return load(*args, **kwargs)
-
-    return marked(load_state_dict)
+def _in_a_swap_batch(function: Function) -> Function:
+    """``function`` with the parameters it swaps (``torch.utils.swap_tensors``) registered anew in
+    one session at its end, not one per swap (_tensor_swap.py)."""
+    return inside(_C._swap_batch, function)
 
 
 def install() -> None:
