@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "optamp/cast_cache.h"  // cast_count(), declared here before
 #include "optamp/export.h"
@@ -73,6 +74,26 @@ OPTAMP_API CastRules cast_rules_now(c10::DeviceType device);
 OPTAMP_API void register_half_op(std::string_view qualified_name);
 OPTAMP_API void register_float_op(std::string_view qualified_name);
 OPTAMP_API void register_promote_op(std::string_view qualified_name);
+
+// The tables a cast kernel follows: Apex's lists (op_lists "apex") for tensors on any device but
+// the CPU and for CPU tensors (where ATen has no fp16/bf16 CPU kernel an op is fp32 (always)),
+// and torch.autocast's lists (op_lists "torch") for CPU tensors and for the other devices.
+enum class PolicyList : std::uint8_t { kApex = 0, kTorchCpu = 1, kTorchOther = 2, kApexCpu = 3 };
+// "apex", "apex (CPU)", "torch (CPU)", "torch (CUDA and other devices)".
+OPTAMP_API const char* to_string(PolicyList list);
+
+// One operator overload's policy in one list: "aten::mm" (every overload) or "aten::add.Tensor".
+struct PolicyRow {
+  std::string op;
+  PolicyList list;
+  CastPolicy policy;
+};
+
+// The registered kernels' policies as data (what policy_report() prints), user registrations and
+// other libraries' own autocast kernels included: a row per op and list that gives it a policy,
+// ordered by op, then list. For programs that need the lists themselves (the Python front's
+// torch.compile mode reads the fp32 (always) rows) rather than a text for people.
+OPTAMP_API std::vector<PolicyRow> policy_rows();
 
 // Debug listing: every table entry with its policy, and the overloads this LibTorch lacks.
 OPTAMP_API std::string policy_report();

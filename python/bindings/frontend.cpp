@@ -150,6 +150,12 @@ void bind_frontend(py::module_& m) {
       .value("FP32_ALWAYS", CastPolicy::kFp32Always)
       .value("MATCH_SELF", CastPolicy::kMatchSelf)
       .value("OWN_AUTOCAST", CastPolicy::kOwnAutocast);
+  py::enum_<PolicyList>(m, "PolicyList",
+                        "A table a cast kernel follows: op_lists and the tensor's device.")
+      .value("APEX", PolicyList::kApex)
+      .value("APEX_CPU", PolicyList::kApexCpu)
+      .value("TORCH_CPU", PolicyList::kTorchCpu)
+      .value("TORCH_OTHER", PolicyList::kTorchOther);
   py::enum_<RuleSet>(m, "RuleSet", "Which policies apply (set by the level or a region).")
       .value("NONE", RuleSet::kNone)
       .value("FULL_LISTS", RuleSet::kFullLists)
@@ -250,6 +256,17 @@ void bind_frontend(py::module_& m) {
       "register_promote_op", [](const std::string& name) { amp::register_promote_op(name); },
       py::arg("qualified_name"));
   m.def("policy_report", &amp::policy_report);
+  m.def(
+      "policy_rows",
+      [] {
+        py::list rows;
+        for (const auto& row : amp::policy_rows()) {
+          rows.append(py::make_tuple(row.op, row.list, row.policy));
+        }
+        return rows;
+      },
+      "Every registered op's policy per list, as (op, PolicyList, CastPolicy) tuples ordered by "
+      "op, then list: the data policy_report() prints.");
   m.def("cast_count", &amp::cast_count);
   m.def("clear_cache", &amp::clear_cache);
   m.def("cache_size", &amp::cache_size);

@@ -114,14 +114,15 @@ def _fp32_always_functions() -> Tuple[FrozenSet[str], FrozenSet[str]]:
     ``linalg_slogdet``, ``view_as_complex``): on every device, and on CPU tensors only."""
     everywhere: Set[str] = set()
     cpu: Set[str] = set()
-    for line in _C.policy_report().splitlines():
-        if line.startswith("torch.autocast's lists"):
-            break  # Apex's table and its CPU rows (torch's tables hold the same fp32 (always) rows)
-        entry = line.strip()
-        if not entry.startswith("aten::") or ": fp32 (always)" not in entry:
+    # Apex's rows (torch's tables hold the same fp32 (always) rows); user registrations included.
+    for op, table, policy in _C.policy_rows():
+        if policy != _C.CastPolicy.FP32_ALWAYS or not op.startswith("aten::"):
             continue
-        name = entry[len("aten::"):entry.index(":", len("aten::"))].split(".")[0]
-        (cpu if entry.endswith(" on CPU") else everywhere).add(name)
+        name = op[len("aten::"):].split(".")[0]
+        if table == _C.PolicyList.APEX:
+            everywhere.add(name)
+        elif table == _C.PolicyList.APEX_CPU:
+            cpu.add(name)
     return frozenset(everywhere), frozenset(cpu - everywhere)
 
 

@@ -13,6 +13,8 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "casting_test.h"
 #include "dispatch/policy_table.h"
@@ -190,6 +192,38 @@ TEST_F(Casting, PolicyReportListsEntriesAndSkippedOverloads) {
   EXPECT_NE(report.find("aten::cat: promote"), std::string::npos);
   EXPECT_NE(report.find("aten::binary_cross_entropy: banned"), std::string::npos);
   EXPECT_NE(report.find("skipped (not in this LibTorch)"), std::string::npos);
+}
+
+// The rows are the report's data: programs read them instead of parsing the report's text.
+TEST_F(Casting, PolicyRowsHoldEachListsPolicyAsTheReportPrintsIt) {
+  register_float_op("optamp_test::twice");
+  const std::vector<PolicyRow> rows = policy_rows();
+  const auto policy_of = [&](const std::string& op, PolicyList list) -> std::optional<CastPolicy> {
+    for (const PolicyRow& row : rows) {
+      if (row.op == op && row.list == list) return row.policy;
+    }
+    return std::nullopt;
+  };
+  EXPECT_EQ(policy_of("aten::mm", PolicyList::kApex), CastPolicy::kLower);
+  EXPECT_EQ(policy_of("aten::mm", PolicyList::kTorchCpu), CastPolicy::kLower);
+  EXPECT_EQ(policy_of("aten::cat", PolicyList::kApex), CastPolicy::kPromote);
+  EXPECT_EQ(policy_of("aten::fft_rfft", PolicyList::kApex), CastPolicy::kFp32Always);
+  // No fp16/bf16 CPU kernel: fp32 (always) on CPU tensors only.
+  EXPECT_EQ(policy_of("aten::avg_pool3d", PolicyList::kApexCpu), CastPolicy::kFp32Always);
+  EXPECT_NE(policy_of("aten::avg_pool3d", PolicyList::kApex), CastPolicy::kFp32Always);
+  for (const PolicyList list :
+       {PolicyList::kApex, PolicyList::kApexCpu, PolicyList::kTorchCpu, PolicyList::kTorchOther}) {
+    EXPECT_EQ(policy_of("optamp_test::twice", list), CastPolicy::kFp32Always) << to_string(list);
+  }
+  const std::string report = policy_report();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (i > 0) {
+      EXPECT_LT(std::tie(rows[i - 1].op, rows[i - 1].list), std::tie(rows[i].op, rows[i].list));
+    }
+    if (rows[i].list != PolicyList::kApex) continue;
+    const std::string line = "  " + rows[i].op + ": " + to_string(rows[i].policy) + "\n";
+    EXPECT_NE(report.find(line), std::string::npos) << line << report;
+  }
 }
 
 TEST_F(Casting, EveryTableEntryIsRegisteredOnThisLibTorch) {

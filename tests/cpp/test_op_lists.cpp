@@ -99,7 +99,7 @@ TEST(OpLists, LossesAndSoftmaxesAreFp32LossInEveryTable) {
                         name.find("binary_cross_entropy") != std::string::npos;
       if (!loss) continue;
       EXPECT_TRUE(entry.policy == CastPolicy::kFp32Loss || entry.policy == CastPolicy::kBanned)
-          << name << " in " << detail::to_string(set) << " is " << to_string(entry.policy);
+          << name << " in " << amp::to_string(set) << " is " << to_string(entry.policy);
     }
   }
 }
@@ -121,9 +121,9 @@ TEST(OpLists, OpsWithoutReducedKernelsAreFp32AlwaysInEveryTable) {
       if (!always.count(name)) continue;
       found.insert(name);
       EXPECT_EQ(entry.policy, CastPolicy::kFp32Always)
-          << name << " in " << detail::to_string(set) << " is " << to_string(entry.policy);
+          << name << " in " << amp::to_string(set) << " is " << to_string(entry.policy);
     }
-    EXPECT_EQ(found, always) << detail::to_string(set);
+    EXPECT_EQ(found, always) << amp::to_string(set);
   }
 }
 
@@ -152,7 +152,7 @@ TEST(OpLists, CpuOnlyFp32AlwaysEntriesAreOpsWithoutReducedCpuKernels) {
   for (const ListSet set : {ListSet::kApexCpu, ListSet::kTorchCpu}) {
     for (const auto& entry : detail::table_of(set)) {
       if (cpu_only.count(detail::qualified({entry.name, entry.overload}))) {
-        EXPECT_EQ(entry.policy, CastPolicy::kFp32Always) << entry.name << detail::to_string(set);
+        EXPECT_EQ(entry.policy, CastPolicy::kFp32Always) << entry.name << amp::to_string(set);
       }
     }
   }

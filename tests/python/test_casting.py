@@ -41,6 +41,31 @@ def test_every_table_entry_has_a_python_case():
         assert set(table) == entries[category], (category, sorted(set(table) ^ entries[category]))
 
 
+def test_policy_rows_are_the_reports_rows():
+    """policy_rows() is the data policy_report() prints: Apex's section line for line, the CPU
+    section where CPU tensors differ, torch's as "<CPU> | <other devices>"."""
+    names = {p: p.name.lower().replace("_", " ") for p in optamp.CastPolicy.__members__.values()}
+    names.update({optamp.CastPolicy.FP32_LOSS: "fp32 (loss)",
+                  optamp.CastPolicy.FP32_ALWAYS: "fp32 (always)"})
+    table = {}
+    for op, lst, policy in optamp.policy_rows():
+        table.setdefault(op, {})[lst] = names[policy]
+    L = optamp.PolicyList
+    expected = []
+    for op, lists in sorted(table.items()):
+        if L.APEX in lists:
+            expected.append(f"  {op}: {lists[L.APEX]}")
+    for op, lists in sorted(table.items()):
+        if L.APEX_CPU in lists and lists[L.APEX_CPU] != lists.get(L.APEX):
+            expected.append(f"  {op}: {lists[L.APEX_CPU]} on CPU")
+    for op, lists in sorted(table.items()):
+        if L.TORCH_CPU in lists or L.TORCH_OTHER in lists:
+            expected.append(f"  {op}: {lists.get(L.TORCH_CPU, '-')} | {lists.get(L.TORCH_OTHER, '-')}")
+    lines = optamp.policy_report().split("skipped (not in this LibTorch)")[0].splitlines()
+    assert [line for line in lines if line.startswith("  ")] == expected
+    assert ("aten::fft_rfft", L.APEX, optamp.CastPolicy.FP32_ALWAYS) in optamp.policy_rows()
+
+
 def _top_level_ops(fn):
     with torch.autograd.profiler.profile() as prof:
         fn()

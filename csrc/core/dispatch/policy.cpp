@@ -2,10 +2,15 @@
 // user registrations and the policy report.
 #include "optamp/policy.h"
 
+#include <array>
+#include <map>
 #include <sstream>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "dispatch/cast_decision.h"
+#include "dispatch/policy_table.h"
 #include "dispatch/registration.h"
 
 namespace amp {
@@ -28,6 +33,20 @@ const char* to_string(CastPolicy policy) {
       return "match self";
     case CastPolicy::kOwnAutocast:
       return "own autocast";
+  }
+  return "?";
+}
+
+const char* to_string(PolicyList list) {
+  switch (list) {
+    case PolicyList::kApex:
+      return "apex";
+    case PolicyList::kTorchCpu:
+      return "torch (CPU)";
+    case PolicyList::kTorchOther:
+      return "torch (CUDA and other devices)";
+    case PolicyList::kApexCpu:
+      return "apex (CPU)";
   }
   return "?";
 }
@@ -79,21 +98,55 @@ void register_promote_op(std::string_view name) {
   detail::register_user_op(name, CastPolicy::kPromote);
 }
 
-std::string policy_report() {
-  const detail::PolicyRows rows = detail::policy_rows();
-  std::ostringstream out;
-  out << "optamp casting policies (" << rows.apex.size() << " operators; op_lists=\"apex\"):\n";
-  for (const auto& [name, policy] : rows.apex) out << "  " << name << ": " << policy << "\n";
-  out << "op_lists=\"apex\" on CPU tensors, where it differs (" << rows.apex_cpu.size()
-      << " operators; no fp16/bf16 CPU kernel):\n";
-  for (const auto& [name, policy] : rows.apex_cpu) {
-    out << "  " << name << ": " << policy << " on CPU\n";
+std::vector<PolicyRow> policy_rows() { return detail::registered_policies().rows; }
+
+namespace {
+
+// One op's policy in each list ("-" where a list has none), for the report's columns.
+using PoliciesByList = std::map<std::string, std::array<const char*, detail::kNumListSets>>;
+
+PoliciesByList by_op(const std::vector<PolicyRow>& rows) {
+  PoliciesByList ops;
+  for (const PolicyRow& row : rows) {
+    auto it = ops.try_emplace(row.op).first;
+    if (it->second[0] == nullptr) it->second.fill("-");
+    it->second[static_cast<int>(row.list)] = to_string(row.policy);
   }
-  out << "torch.autocast's lists (" << rows.torch.size()
-      << " operators; op_lists=\"torch\"), CPU | CUDA and other devices:\n";
-  for (const auto& [name, policies] : rows.torch) out << "  " << name << ": " << policies << "\n";
-  out << "skipped (not in this LibTorch): " << rows.skipped.size() << "\n";
-  for (const auto& name : rows.skipped) out << "  " << name << "\n";
+  return ops;
+}
+
+const char* in(const PoliciesByList::mapped_type& policies, PolicyList list) {
+  return policies[static_cast<int>(list)];
+}
+
+}  // namespace
+
+std::string policy_report() {
+  const detail::RegisteredPolicies registered = detail::registered_policies();
+  const PoliciesByList ops = by_op(registered.rows);
+  std::ostringstream apex, apex_cpu, torch;
+  int n_apex = 0, n_apex_cpu = 0, n_torch = 0;
+  for (const auto& [op, policies] : ops) {
+    const std::string_view on_apex = in(policies, PolicyList::kApex);
+    const std::string_view on_cpu = in(policies, PolicyList::kApexCpu);
+    if (on_apex != "-") ++n_apex, apex << "  " << op << ": " << on_apex << "\n";
+    if (on_cpu != "-" && on_cpu != on_apex) {
+      ++n_apex_cpu, apex_cpu << "  " << op << ": " << on_cpu << " on CPU\n";
+    }
+    const char* torch_cpu = in(policies, PolicyList::kTorchCpu);
+    const char* torch_other = in(policies, PolicyList::kTorchOther);
+    if (std::string_view(torch_cpu) != "-" || std::string_view(torch_other) != "-") {
+      ++n_torch, torch << "  " << op << ": " << torch_cpu << " | " << torch_other << "\n";
+    }
+  }
+  std::ostringstream out;
+  out << "optamp casting policies (" << n_apex << " operators; op_lists=\"apex\"):\n"
+      << apex.str() << "op_lists=\"apex\" on CPU tensors, where it differs (" << n_apex_cpu
+      << " operators; no fp16/bf16 CPU kernel):\n"
+      << apex_cpu.str() << "torch.autocast's lists (" << n_torch
+      << " operators; op_lists=\"torch\"), CPU | CUDA and other devices:\n"
+      << torch.str() << "skipped (not in this LibTorch): " << registered.skipped.size() << "\n";
+  for (const auto& name : registered.skipped) out << "  " << name << "\n";
   return out.str();
 }
 

@@ -722,20 +722,6 @@ ListSet list_set_for(OpLists lists, c10::DeviceType device) {
   return cpu ? ListSet::kTorchCpu : ListSet::kTorchOther;
 }
 
-const char* to_string(ListSet set) {
-  switch (set) {
-    case ListSet::kApex:
-      return "apex";
-    case ListSet::kTorchCpu:
-      return "torch (CPU)";
-    case ListSet::kTorchOther:
-      return "torch (CUDA and other devices)";
-    case ListSet::kApexCpu:
-      return "apex (CPU)";
-  }
-  return "?";
-}
-
 const std::vector<TableEntry>& table_of(ListSet set) {
   static const std::vector<TableEntry> tables[kNumListSets] = {
       make_apex_table(), make_torch_cpu_table(), make_torch_other_table(),

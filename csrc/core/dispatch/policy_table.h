@@ -21,10 +21,10 @@ struct TableEntry {
 // tensors of any other device (AutocastCUDA's, which XPU and the rest share). Apex's lists for
 // CPU tensors (kApexCpu) and torch's CPU table also put the ops ATen has no fp16/bf16 CPU kernel
 // for, where CUDA has one, in fp32 (always).
-enum class ListSet : std::uint8_t { kApex = 0, kTorchCpu = 1, kTorchOther = 2, kApexCpu = 3 };
+// (The public amp::PolicyList: policy_rows() names them.)
+using ListSet = PolicyList;
 constexpr int kNumListSets = 4;
 ListSet list_set_for(OpLists lists, c10::DeviceType device);
-const char* to_string(ListSet set);
 
 // Every entry of one table, in policy order (lower, fp32, fp32 (loss), promote, banned). In
 // torch's tables, losses and softmaxes (the ops Apex's table marks fp32 (loss)) are fp32 (loss)

@@ -8,11 +8,13 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 
 #include "dispatch/carried_state.h"
@@ -200,25 +202,23 @@ void register_user_op(std::string_view qualified_name, CastPolicy policy) {
   for (const auto& op : ops) kernel_locked(r, op).set_policy_everywhere(policy);
 }
 
-PolicyRows policy_rows() {
+RegisteredPolicies registered_policies() {
   ensure_registered();
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  PolicyRows rows;
+  RegisteredPolicies registered;
   for (const auto& [name, kernel] : r.kernels) {
-    const auto apex = kernel->policy(ListSet::kApex);
-    if (apex) rows.apex[qualified(name)] = to_string(*apex);
-    const auto apex_cpu = kernel->policy(ListSet::kApexCpu);
-    if (apex_cpu && apex_cpu != apex) rows.apex_cpu[qualified(name)] = to_string(*apex_cpu);
-    auto cpu = kernel->policy(ListSet::kTorchCpu);
-    auto other = kernel->policy(ListSet::kTorchOther);
-    if (cpu || other) {
-      rows.torch[qualified(name)] =
-          std::string(cpu ? to_string(*cpu) : "-") + " | " + (other ? to_string(*other) : "-");
+    const std::string op = qualified(name);
+    for (int i = 0; i < kNumListSets; ++i) {
+      const auto list = static_cast<ListSet>(i);
+      if (const auto policy = kernel->policy(list)) registered.rows.push_back({op, list, *policy});
     }
   }
-  rows.skipped.assign(r.skipped.begin(), r.skipped.end());
-  return rows;
+  std::sort(registered.rows.begin(), registered.rows.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.op, a.list) < std::tie(b.op, b.list);
+  });
+  registered.skipped.assign(r.skipped.begin(), r.skipped.end());
+  return registered;
 }
 
 }  // namespace amp::detail

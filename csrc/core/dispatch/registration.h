@@ -2,7 +2,6 @@
 // Registration of optamp's kernels on its dispatch key.
 #include <ATen/core/operator_name.h>
 
-#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -30,14 +29,12 @@ void activate_thread(bool on);
 // every table (validated first: an unknown op changes nothing).
 void register_user_op(std::string_view qualified_name, CastPolicy policy);
 
-// The registered kernels' policies, for amp::policy_report(): "name[.overload]" -> policy under
-// Apex's lists (with user registrations), the rows Apex's lists have otherwise for CPU tensors,
-// and "<CPU policy> | <other devices' policy>" under torch's ("-" where a table has no row); the
-// table ops this LibTorch lacks.
-struct PolicyRows {
-  std::map<std::string, std::string> apex, apex_cpu, torch;
+// The registered kernels' policies (amp::policy_rows(), ordered by op, then list) and the table
+// ops this LibTorch lacks, for amp::policy_report().
+struct RegisteredPolicies {
+  std::vector<PolicyRow> rows;
   std::vector<std::string> skipped;
 };
-PolicyRows policy_rows();
+RegisteredPolicies registered_policies();
 
 }  // namespace amp::detail
