@@ -305,6 +305,14 @@ std::vector<at::Tensor> working_copy_sources() {
   return tensors;
 }
 
+c10::ScalarType working_copy_dtype() {
+  const auto session = current_session();
+  if (!session->initialized || session->working_copy_sources.empty()) {
+    return c10::ScalarType::Undefined;
+  }
+  return working_copy_dtype_now(*session);
+}
+
 ModelBoundary model_boundary(const void* model) {
   const auto session = current_session();
   const auto& models = session->models;

@@ -53,6 +53,11 @@ OPTAMP_API bool is_initialized();
 // The model tensors O2/O5 ops read as working copies (empty at other levels and after reset),
 // for a front end that restates substitution's rules (Python's torch.compile mode).
 OPTAMP_API std::vector<at::Tensor> working_copy_sources();
+// The dtype ops see those tensors in on this thread now (the working copies' fp16/bf16 where the
+// level's rules apply: not under no_grad, not on another thread, not under disable_casts);
+// Undefined where ops see the fp32 masters, at other levels and when not initialized. Whatever
+// the boundary does with the inputs (cast_model_inputs=False leaves them as given).
+OPTAMP_API c10::ScalarType working_copy_dtype();
 [[deprecated("renamed amp::core::is_initialized, as amp::is_initialized")]] inline bool
 initialized() {
   return is_initialized();

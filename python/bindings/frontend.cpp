@@ -115,6 +115,10 @@ void bind_frontend(py::module_& m) {
       py::arg("output"), py::arg("dtype"),
       "A floating output of an initialized model cast to dtype, as the model boundary casts "
       "it; at O2/O5 the reduced output stays with its fp32 cast for a loss to read.");
+  m.def(
+      "_working_copy_dtype", [] { return dtype_to_py(core::working_copy_dtype()); },
+      "The dtype O2/O5 ops see the working copies' sources in on this thread now; None where "
+      "they see the fp32 masters (and at other levels).");
   m.def("_working_copy_sources", &core::working_copy_sources,
         "The model tensors O2/O5 ops read as working copies now (empty otherwise).");
   m.def("_reset_core", &core::reset);

@@ -126,10 +126,21 @@ def _fp32_always_functions() -> Tuple[FrozenSet[str], FrozenSet[str]]:
     return frozenset(everywhere), frozenset(cpu - everywhere)
 
 
-def _reads_the_masters(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+# The normalizations with running statistics, as torch functions are named.
+_NORMS_WITH_STATISTICS: FrozenSet[str] = frozenset({"batch_norm", "instance_norm"})
+
+
+def _reads_the_masters(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                       dtype: torch.dtype) -> bool:
     """Whether eager substitution leaves this call's registered tensors as they are: an fp32
-    (always) op (the cast kernel reads them past substitution), or a call with a complex
-    argument (substitution.cpp, has_complex_argument)."""
+    (always) op (the cast kernel reads them past substitution), a call with a complex argument
+    (substitution.cpp, has_complex_argument), or a batch or instance norm given an input wider
+    than the working copies (normalizes_a_wider_input)."""
+    if name in _NORMS_WITH_STATISTICS:
+        x = args[0] if args else kwargs.get("input")
+        if (isinstance(x, torch.Tensor) and x.is_floating_point()
+                and not is_working_copy_source(x) and x.itemsize > dtype.itemsize):
+            return True
     values = list(args) + list(kwargs.values())
     flat = [v for value in values
             for v in (value if isinstance(value, (list, tuple)) else (value,))]
@@ -158,11 +169,12 @@ def _is_buffer_or_its_view(t: Any) -> bool:
 
 
 def _working_dtype_now() -> Optional[torch.dtype]:
-    # At O2/O5 the boundary's input dtype is the working copies' dtype where ops see them, fp32
-    # elsewhere (docs/casting.md). A constant to Dynamo, as _boundary._dtypes_now is: what it
-    # depends on (grad mode, regions, disable_casts, the level) is guarded or resets Dynamo.
-    inputs = _C._model_boundary()[0]
-    return inputs if inputs in (torch.float16, torch.bfloat16) else None
+    # The working copies' dtype where ops see them, None elsewhere (docs/casting.md). A constant
+    # to Dynamo, as _boundary._dtypes_now is: what it depends on (grad mode, regions,
+    # disable_casts, the level) is guarded or resets Dynamo. Until 2026-12-07 this read the
+    # boundary's input dtype, which cast_model_inputs=False leaves unset: a compiled O2/O5 model
+    # then traced its forward on the fp32 masters (only the lists' casts reduced precision).
+    return _C._working_copy_dtype()
 
 
 _working_dtype_now._dynamo_marked_constant = True  # type: ignore[attr-defined]
@@ -299,7 +311,7 @@ class WorkingCopies(TorchFunctionMode):
             # state of the call too: docs/casting.md, "Activation checkpointing").
             return func(_entering(args[0], self.dtype), *args[1:], **kwargs)
         if (name in _OWN_DATA or _working_dtype_now() != self.dtype
-                or _reads_the_masters(name, args, kwargs)):
+                or _reads_the_masters(name, args, kwargs, self.dtype)):
             return func(*args, **kwargs)
         if name in _VIEWS and args and _is_buffer_or_its_view(args[0]):
             return _mark_buffer_views(func(*args, **kwargs))

@@ -24,6 +24,7 @@
 #include "cache/cast_cache.h"
 #include "initialize_test.h"
 #include "optamp/amp.h"
+#include "optamp/core.h"
 #include "optamp/fused_optimizers.h"
 #include "simulated_capture.h"
 #include "test_util.h"
@@ -505,6 +506,78 @@ TEST_P(InitializeOnDevice, O2O5RunningStatisticsOfRegisteredNormsFollowTraining)
     }
     reset();
   }
+}
+
+// The same norms given an fp32 input (an activation an fp32 tensor made in the forward promoted,
+// a model input left as given) read the fp32 masters: their kernels refuse fp32 input with
+// reduced weights ("mixed dtype (CPU): expect parameter to have scalar type of Float"), and fp32
+// is what the input asks for. The outputs and the statistics equal the fp32 run's bit for bit
+// (nothing is reduced on this path), and the gradients reach the fp32 masters.
+TEST_P(InitializeOnDevice, O2O5NormsGivenFp32InputReadTheMasters) {
+  for (const char* level : {"O2", "O5"}) {
+    at::manual_seed(0);
+    StatsNet reference;
+    StatsNet net;
+    reference->to(GetParam());
+    net->to(GetParam());
+    for (std::size_t i = 0; i < net->parameters().size(); ++i) {
+      c10::NoGradGuard no_grad;
+      net->parameters()[i].copy_(reference->parameters()[i]);
+    }
+    Options options = quiet();
+    options.keep_batchnorm_fp32 = false;
+    initialize(net, std::string(level), options);
+    for (int step = 0; step < 2; ++step) {
+      const auto h = at::randn({4, 6, 8}, at::TensorOptions(GetParam())) + 2.0 * step;
+      const at::Tensor expected = reference->bn->forward(h) + reference->in->forward(h);
+      const at::Tensor got = net->bn->forward(h) + net->in->forward(h);
+      EXPECT_EQ(got.scalar_type(), at::kFloat) << level;
+      EXPECT_TRUE(at::equal(got, expected)) << level << " step " << step;
+      got.sum().backward();
+    }
+    EXPECT_EQ(net->bn->weight.grad().scalar_type(), at::kFloat) << level;
+    c10::NoGradGuard no_grad;
+    const auto buffers = net->named_buffers();
+    const auto expected_buffers = reference->named_buffers();
+    for (const char* name :
+         {"in.running_mean", "in.running_var", "bn.running_mean", "bn.running_var"}) {
+      EXPECT_TRUE(at::equal(buffers[name], expected_buffers[name])) << level << " " << name;
+    }
+    c10::AutoGradMode grad_mode(true);  // after the comparison: this forward updates them too
+    const auto low = std::string(level) == "O2" ? at::kHalf : at::kBFloat16;
+    const auto reduced = at::randn({4, 6, 8}, at::TensorOptions(GetParam())).to(low);
+    EXPECT_EQ(net->bn->forward(reduced).scalar_type(), low)
+        << level << ": reduced input still meets the working copies";
+    reset();
+  }
+}
+
+// core::working_copy_dtype() is what the Python front's compile mode substitutes with: the dtype
+// ops see the registered tensors in, whether or not the boundary casts the inputs.
+TEST_F(Initialize, TheWorkingCopyDtypeFollowsTheGateNotTheInputCast) {
+  for (const bool cast_inputs : {true, false}) {
+    reset();
+    StatsNet net;
+    Options options = quiet();
+    options.cast_model_inputs = cast_inputs;
+    initialize(net, std::string("O5"), options);
+    EXPECT_EQ(core::working_copy_dtype(), at::kBFloat16) << cast_inputs;
+    EXPECT_EQ(core::model_boundary(nullptr).inputs,
+              cast_inputs ? at::kBFloat16 : at::ScalarType::Undefined);
+    {
+      c10::NoGradGuard no_grad;  // the gate: ops see the fp32 masters
+      EXPECT_EQ(core::working_copy_dtype(), at::ScalarType::Undefined) << cast_inputs;
+    }
+    {
+      disable_casts off;
+      EXPECT_EQ(core::working_copy_dtype(), at::ScalarType::Undefined) << cast_inputs;
+    }
+  }
+  reset();
+  EXPECT_EQ(core::working_copy_dtype(), at::ScalarType::Undefined);
+  StatsNet net;
+  initialize(net, std::string("O1"), quiet());
+  EXPECT_EQ(core::working_copy_dtype(), at::ScalarType::Undefined);  // no working copies
 }
 
 // View ops hand a registered buffer its own data: a write through the view reaches the buffer

@@ -310,15 +310,15 @@ class CNet(torch.nn.Module):
         return self.b(torch.relu(h))
 
 
-def _train(level, backend, mode=None, steps=4, compile_first=False):
+def _train(level, backend, mode=None, steps=4, compile_first=False, **init_kw):
     """Losses and the last output dtype of a few training steps, eager or compiled (after
-    initialize, or before it with ``compile_first``)."""
+    initialize, or before it with ``compile_first``); ``init_kw``: initialize's overrides."""
     torch.manual_seed(0)
     net = CNet(mode)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     if compile_first:
         net = torch.compile(net, backend=backend)
-    net, opt = init(net, opt, level)
+    net, opt = init(net, opt, level, **init_kw)
     run = net if backend is None or compile_first else torch.compile(net, backend=backend)
     gen = torch.Generator().manual_seed(1)
     losses = []
@@ -360,6 +360,18 @@ def test_the_compile_tests_model_tells_o2_from_o1():
     # pass the test above, as it did.
     assert _train("O2", None)[0] != _train("O1", None)[0]
     assert _train("O5", None)[0] != _train("O4", None)[0]
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_compiled_o2_o5_model_without_input_casts_trains_as_eager(level):
+    # Found 2026-12-07: the compile mode took the working copies' dtype from the boundary's input
+    # cast, which cast_model_inputs=False turns off: the compiled forward ran on the fp32 masters
+    # (O1's numerics in an O2 run, silently), where eager's ran on the working copies.
+    eager = _train(level, None, cast_model_inputs=False)
+    compiled = _train(level, "aot_eager", cast_model_inputs=False)
+    assert compiled[1] == eager[1]
+    torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=0)
+    assert eager[0] != _train("O1" if level == "O2" else "O4", None)[0]
 
 
 @pytest.mark.parametrize("level", ["O2", "O5"])
@@ -546,6 +558,81 @@ def test_running_statistics_follow_training_eager_and_compiled(level, keep_batch
     for a, b in zip(compiled[0] + compiled[2], eager[0] + eager[2]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for name in reference:
+        torch.testing.assert_close(compiled[1][name], eager[1][name], rtol=0, atol=0)
+
+
+class FunctionalBatchNorm(torch.nn.Module):
+    """A norm of the user's (not a torch.nn batch norm: initialize casts its parameters and
+    registers its buffers at O2/O5) that calls F.batch_norm with them."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(channels) + 0.5)
+        self.bias = torch.nn.Parameter(torch.randn(channels) * 0.1)
+        self.register_buffer("running_mean", torch.zeros(channels))
+        self.register_buffer("running_var", torch.ones(channels))
+
+    def forward(self, x):
+        return torch.nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight,
+                                              self.bias, self.training, 0.1, 1e-5)
+
+
+class NormsOfFp32Input(torch.nn.Module):
+    """fp32 tensors reaching norms whose weights are registered: the model input itself (under
+    cast_model_inputs=False), and an activation an fp32 tensor made in the forward promoted."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm_in = FunctionalBatchNorm(6)
+        self.fc = torch.nn.Linear(6, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.inorm = torch.nn.InstanceNorm1d(8, affine=True, track_running_stats=True)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.fc(self.norm_in(x))
+        h = h + torch.linspace(0.0, 1.0, h.shape[-1])  # fp32, made here: an fp32 sum
+        h = torch.relu(self.bn(h))
+        h = self.inorm(h.unsqueeze(-1).expand(-1, -1, 4)).mean(-1)
+        return self.out(h)
+
+
+def _fp32_input_norms(level, backend):
+    torch.manual_seed(0)
+    net = NormsOfFp32Input()
+    if level is not None:
+        net = init(net, None, level, keep_batchnorm_fp32=False, cast_model_inputs=False)
+    run = net if backend is None else torch.compile(net, backend=backend, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    outs = []
+    for step in range(3):
+        out = run(torch.randn(16, 6, generator=gen) + step)
+        out.float().sum().backward()
+        outs.append(out.detach().float())
+    stats = {k: v.clone() for k, v in net.state_dict().items() if "running" in k}
+    grads = [p.grad.float() for p in net.parameters()]
+    optamp.reset()
+    return outs, stats, grads
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_norms_given_fp32_input_read_the_masters_eager_and_compiled(level):
+    # Found 2026-12-07: a batch or instance norm whose weights are registered working copies
+    # (keep_batchnorm_fp32=False, or a norm of the user's calling F.batch_norm) failed when its
+    # input was fp32 ("mixed dtype (CPU): expect parameter to have scalar type of Float"), where
+    # fp32 training runs. They run in fp32 on the masters now and update the buffers themselves.
+    reference = _fp32_input_norms(None, None)
+    eager = _fp32_input_norms(level, None)
+    compiled = _fp32_input_norms(level, "aot_eager")
+    row = train_row(level)
+    for name, expected in reference[1].items():
+        assert eager[1][name].dtype == torch.float32, name
+        torch.testing.assert_close(eager[1][name], expected, **tol(row), msg=name)
+    for a, b in zip(eager[0] + eager[2], reference[0] + reference[2]):
+        torch.testing.assert_close(a, b, **tol(row))
+    for a, b in zip(compiled[0] + compiled[2], eager[0] + eager[2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for name in reference[1]:
         torch.testing.assert_close(compiled[1][name], eager[1][name], rtol=0, atol=0)
 
 

@@ -167,6 +167,26 @@ bool updates_running_statistics(const std::vector<c10::Argument>& args,
   return true;
 }
 
+// A normalization with running statistics (batch norm, instance norm) given an input wider than
+// the working copies reads the fp32 masters. Its kernels take reduced input with fp32 weights
+// (keep_batchnorm_fp32's case, the default) but not fp32 input with reduced weights ("mixed
+// dtype (CPU): expect parameter to have scalar type of Float"), and an fp32 input is what the
+// forward made or was given: an activation promoted by an fp32 tensor made in the forward, or a
+// model input under cast_model_inputs=False, reaching a batch norm kept in the working dtype
+// (keep_batchnorm_fp32=False) or a norm module of the user's that calls F.batch_norm with
+// parameters of its own. Those calls failed where fp32 training runs; now they run in fp32, as
+// the fp32 list's mixed calls do (layer_norm, group_norm), and update the buffers in place.
+bool normalizes_a_wider_input(const std::vector<c10::Argument>& args,
+                              const torch::jit::Stack& stack, std::size_t base,
+                              c10::ScalarType working) {
+  if (args.empty() || !std::any_of(args.begin(), args.end(), is_running_statistic)) return false;
+  const c10::IValue& input = stack[base];
+  if (!input.isTensor()) return false;
+  const at::Tensor& t = input.toTensor();
+  return t.defined() && t.is_floating_point() && !carries_substitution_key(t) &&
+         c10::elementSize(t.scalar_type()) > c10::elementSize(working);
+}
+
 // A view op (slice, select, narrow, split, as_strided, ...: a return aliasing an argument) hands
 // registered buffers their own data, so that a write through the view (`buffer[0] = x`,
 // `buffer[1:].copy_(y)`, `buffer[2].add_(1)`) reaches the buffer; it used to reach a view of the
@@ -201,7 +221,8 @@ void substitute_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys
   std::vector<std::pair<at::Tensor, at::Tensor>> updated_statistics;  // (fp32 buffer, its copy)
   const auto& args = op.schema().arguments();
   const std::size_t base = stack->size() - args.size();
-  if (call.active() && !has_complex_argument(*stack, base)) {
+  if (call.active() && !has_complex_argument(*stack, base) &&
+      !normalizes_a_wider_input(args, *stack, base, call.dtype())) {
     const bool updating = std::any_of(args.begin(), args.end(), is_running_statistic) &&
                           updates_running_statistics(args, *stack, base);
     const bool view = returns_a_view(op.schema());

@@ -69,6 +69,8 @@ class SubstitutionCall {
   // op's own inner calls see the working copies already, and the casts must not recurse).
   SubstitutionCall();
   bool active() const { return active_; }
+  // The working copies' dtype while active.
+  c10::ScalarType dtype() const { return dtype_; }
   // The working copy standing for `t`, or nullopt when `t` is not a registered source (or is
   // already in the working dtype). Throws when a source was cast after initialize.
   // A view of a registered buffer gets a cast of its own, made for this call.
