@@ -583,6 +583,12 @@ TEST_F(Casting, OpsThatNeedTheSourceInSelfsDtypeGetIt) {
     wide.scatter_add_(0, idx.unsqueeze(1).expand({3, 4}).contiguous(), src.to(low));
     EXPECT_EQ(wide.scalar_type(), at::kFloat);
     EXPECT_EQ(at::index_add(out, 0, idx, src).scalar_type(), low);  // out of place: self's too
+    const auto rows = at::tensor({0, 2}, at::kLong);
+    const auto copied = at::index_copy(at::zeros({3, 4}), 0, rows, src.slice(0, 0, 2).to(low));
+    EXPECT_EQ(copied.scalar_type(), at::kFloat);  // failed until 2026-12-07: "same dtype"
+    EXPECT_TRUE(at::equal(
+        copied, at::zeros({3, 4}).index_copy(0, rows, src.slice(0, 0, 2).to(low).to(at::kFloat))));
+    EXPECT_EQ(at::index_copy(out, 0, rows, src.slice(0, 0, 2)).scalar_type(), low);
     before = cast_count();
     out.index_add_(0, idx, src.to(low));  // one width: as given
     EXPECT_EQ(cast_count(), before);

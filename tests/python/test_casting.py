@@ -917,6 +917,46 @@ def test_an_op_with_its_own_autocast_kernel_runs_it_as_under_torch_autocast(fres
         assert model(x, anchors)[1].dtype == torch.int64
 
 
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_an_out_of_place_index_copy_takes_a_working_copy_into_fp32(fresh, level):
+    """Found 2026-12-07 by a scan of ops given an fp32 activation and a registered tensor at
+    O2/O5: out-of-place `index_copy` refused a parameter's working copy as the source of an fp32
+    tensor ("self and source expected to have the same dtype"), where fp32 training runs and
+    in-place `index_copy_` already matched self. The result is self's dtype, as index_add's, and
+    the source the fp32 master itself (a widening reads the master, not its rounded copy)."""
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.rows = torch.nn.Parameter(torch.randn(2, 4))
+    init(holder, None, level)
+    low = torch.float16 if level == "O2" else torch.bfloat16
+    x = torch.randn(5, 4, requires_grad=True)
+    idx = torch.tensor([1, 3])
+    out = x.index_copy(0, idx, holder.rows)
+    expected = x.detach().index_copy(0, idx, holder.rows.detach())
+    assert out.dtype == torch.float32 and (holder.rows * 1).dtype == low
+    torch.testing.assert_close(out.detach(), expected, rtol=0, atol=0)
+    out.sum().backward()
+    assert holder.rows.grad.dtype == torch.float32 and torch.equal(holder.rows.grad,
+                                                                  torch.ones(2, 4))
+
+
+def test_torchs_lists_keep_their_own_rows_for_match_self_ops(fresh):
+    """AutocastCPU promotes out-of-place index_copy: with op_lists="torch" it runs as native
+    autocast runs it (an fp16 self and an fp32 source give fp32), not by match self, which
+    applies where a table has no row of its own (Apex's lists: self's dtype)."""
+    x = torch.randn(5, 4).half().requires_grad_()
+    src, idx = torch.randn(2, 4), torch.tensor([0, 3])
+    with torch.autocast("cpu", dtype=torch.float16):
+        native = torch.index_copy(x, 0, idx, src)
+    init(torch.nn.Linear(2, 2), None, "O1", op_lists="torch")
+    ours = torch.index_copy(x, 0, idx, src)
+    assert ours.dtype == native.dtype == torch.float32
+    assert torch.equal(ours, native)
+    optamp.reset()
+    init(torch.nn.Linear(2, 2), None, "O1")
+    assert torch.index_copy(x, 0, idx, src).dtype == torch.float16
+
+
 @pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
 def test_a_memory_bank_takes_reduced_features_under_no_grad(fresh, level):
     """Instance discrimination keeps an fp32 memory bank of normalized features, written under

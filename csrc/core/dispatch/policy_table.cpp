@@ -401,6 +401,7 @@ constexpr OpName kMatchSelfOps[] = {
     {"aten::index_add_", ""},
     {"aten::index_add", ""},
     {"aten::index_copy_", ""},
+    {"aten::index_copy", ""},  // out of place too: found 2026-12-07 (an fp32 self, a working copy)
     {"aten::index_put_", ""},
     {"aten::scatter_", "src"},
     {"aten::scatter", "src"},

@@ -87,9 +87,16 @@ void register_builtin_tables_locked(Registry& r) {
       }
     }
   }
-  for (const TableEntry& entry : match_self_ops()) {  // with either lists
-    if (auto op = find_listed(r, entry, ""))
-      kernel_locked(r, *op).set_policy_everywhere(entry.policy);
+  // With either lists, where a table has no row of its own: AutocastCPU promotes index_copy, and
+  // op_lists="torch" runs it as native autocast does.
+  for (const TableEntry& entry : match_self_ops()) {
+    if (auto op = find_listed(r, entry, "")) {
+      CastKernel& kernel = kernel_locked(r, *op);
+      for (int i = 0; i < kNumListSets; ++i) {
+        const auto set = static_cast<ListSet>(i);
+        if (!kernel.policy(set)) kernel.set_policy(set, entry.policy);
+      }
+    }
   }
 }
 
