@@ -311,7 +311,8 @@ at::Tensor run_case(const OpCase& c, at::ScalarType t, at::Device device) {
     stack.push_back(std::move(*slots[k]));
   }
   op.callBoxed(&stack);
-  return stack.at(0).toTensor();
+  const c10::IValue& first = stack.at(0);
+  return first.isTensorList() ? first.toTensorList().get(0) : first.toTensor();  // meshgrid
 }
 
 }  // namespace amp::testing

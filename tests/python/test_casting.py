@@ -82,7 +82,7 @@ def test_the_fp32_always_entries_are_ops_without_reduced_kernels(fresh):
     and complex refuse bf16 and make complex32 of fp16, which the CPU cannot exponentiate."""
     report = _builtin_policy_report()
     always = {m.group(1) for m in re.finditer(r"  aten::(\S+): fp32 \(always\)\n", report)}
-    assert len(always) == 142, sorted(always)
+    assert len(always) == 146, sorted(always)
     complex_makers = {"view_as_complex", "complex"}
     for name in complex_makers:
         with pytest.raises(RuntimeError):
@@ -938,6 +938,47 @@ def test_an_out_of_place_index_copy_takes_a_working_copy_into_fp32(fresh, level)
     out.sum().backward()
     assert holder.rows.grad.dtype == torch.float32 and torch.equal(holder.rows.grad,
                                                                   torch.ones(2, 4))
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_matrix_norms_grids_and_vecdot_of_a_working_copy_read_the_master(fresh, level):
+    """Found 2026-12-07 by a scan of ATen's ops (OpInfo samples) with a registered parameter in
+    place of an input at O2/O5: a nuclear- or spectral-norm penalty on a weight ("Low precision
+    dtypes not supported"), a meshgrid of a parameter and fp32 coordinates ("meshgrid expects all
+    tensors to have the same dtype") and linalg.vecdot beside an fp32 tensor failed. They widen
+    now: a parameter itself is read as its fp32 master (the fp32 run's values exactly); a view
+    of it (`w[0]`) is a view of the working copy, as for every op, widened from there."""
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.w = torch.nn.Parameter(torch.randn(4, 4))
+    coords, y = torch.linspace(0, 1, 3), torch.randn(4, 4)
+
+    def penalties(w):
+        return (torch.linalg.matrix_norm(w, "nuc"), torch.linalg.matrix_norm(w, 2),
+                torch.norm(w, p="nuc"), torch.cartesian_prod(w[0], coords).sum(),
+                torch.meshgrid(w[1], coords, indexing="ij")[0].sum(),
+                torch.linalg.vecdot(w, y).sum())
+
+    expected = [p.detach() for p in penalties(holder.w)]  # with grad: svd takes another path
+    init(holder, None, level)
+    got = penalties(holder.w)
+    low = torch.float16 if level == "O2" else torch.bfloat16
+    for k, (a, b) in enumerate(zip(got, expected)):
+        assert a.dtype == torch.float32
+        exact = k not in (3, 4)  # the grids take views: w[0], w[1]
+        torch.testing.assert_close(a.detach(), b, **(dict(rtol=0, atol=0) if exact else tol(low)))
+    sum(got).backward()
+    assert holder.w.grad.dtype == torch.float32 and holder.w.grad.isfinite().all()
+
+
+def test_vecdot_of_a_reduced_activation_and_an_fp32_weight_is_promoted_at_o1(fresh):
+    init(torch.nn.Linear(4, 4), None, "O1")
+    x, w = torch.randn(3, 4), torch.randn(3, 4)
+    activation = torch.mm(x, torch.eye(4))  # fp16 at O1
+    assert activation.dtype == torch.float16
+    out = torch.linalg.vecdot(activation, w)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.linalg.vecdot(activation.float(), w), rtol=0, atol=0)
 
 
 def test_torchs_lists_keep_their_own_rows_for_match_self_ops(fresh):

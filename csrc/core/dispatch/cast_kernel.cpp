@@ -403,7 +403,11 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
       op.redispatchBoxed(below, stack);
       return;
     }
-  } else if (p.policy != CastPolicy::kLower && dtype_index_ >= 0) {
+  } else if (p.policy != CastPolicy::kLower && p.policy != CastPolicy::kFp32Always &&
+             dtype_index_ >= 0) {
+    // (fp32 (always) ops cast their inputs: the reduced ones are what they have no kernels for,
+    // and some check the input's dtype before the dtype argument's, linalg_matrix_norm's "Low
+    // precision dtypes not supported".)
     if (!(*stack)[base + dtype_index_].isNone()) {
       // The caller chose the result dtype: that is the precision asked for, and widening the
       // inputs would make ops that refuse to narrow (linalg_vector_norm, norm) fail. Native

@@ -228,6 +228,13 @@ constexpr OpName kFp32AlwaysOps[] = {
     {"aten::det", ""},
     {"aten::slogdet", ""},
     {"aten::logdet", ""},
+    // A nuclear- or spectral-norm penalty on a weight (low-rank and Lipschitz regularizers) at
+    // O2/O5, where the op sees the working copy: "linalg.matrix_norm: Low precision dtypes not
+    // supported" for every ord but the norms of entries. torch's CUDA lists make them fp32 too.
+    {"aten::linalg_matrix_norm", ""},
+    {"aten::linalg_matrix_norm", "str_ord"},
+    {"aten::nuclear_norm", ""},
+    {"aten::nuclear_norm", "dim"},
     {"aten::linalg_cond", ""},
     {"aten::linalg_cond", "p_str"},
     {"aten::linalg_matrix_rank", ""},
@@ -393,6 +400,12 @@ constexpr OpName kPromoteOps[] = {
     {"aten::lerp", "Scalar"},
     {"aten::lerp", "Tensor"},
     {"aten::heaviside", ""},
+    // Found 2026-12-07 by a scan of ATen's ops given a working copy beside an fp32 tensor: a
+    // grid of a parameter and fp32 coordinates (meshgrid, cartesian_prod), and linalg.vecdot,
+    // which torch's lists lower (dot and vdot, its relatives, are Apex's promote rows).
+    {"aten::meshgrid", ""},
+    {"aten::meshgrid", "indexing"},
+    {"aten::linalg_vecdot", ""},
 };
 
 // match self: in place (and out of place, for the same call written either way), the source must
@@ -406,6 +419,7 @@ constexpr OpName kMatchSelfOps[] = {
     {"aten::scatter_", "src"},
     {"aten::scatter", "src"},
     {"aten::scatter_", "reduce"},
+    {"aten::scatter", "reduce"},
     {"aten::scatter_add_", ""},
     {"aten::scatter_add", ""},
     {"aten::scatter_reduce_", "two"},
