@@ -176,10 +176,11 @@ bool updates_running_statistics(const std::vector<c10::Argument>& args,
 // (keep_batchnorm_fp32=False) or a norm module of the user's that calls F.batch_norm with
 // parameters of its own. Those calls failed where fp32 training runs; now they run in fp32, as
 // the fp32 list's mixed calls do (layer_norm, group_norm), and update the buffers in place.
-bool normalizes_a_wider_input(const std::vector<c10::Argument>& args,
-                              const torch::jit::Stack& stack, std::size_t base,
+// `has_statistics`: the op has running-statistic arguments (is_running_statistic), looked up once
+// per call by the fallback.
+bool normalizes_a_wider_input(bool has_statistics, const torch::jit::Stack& stack, std::size_t base,
                               c10::ScalarType working) {
-  if (args.empty() || !std::any_of(args.begin(), args.end(), is_running_statistic)) return false;
+  if (!has_statistics) return false;
   const c10::IValue& input = stack[base];
   if (!input.isTensor()) return false;
   const at::Tensor& t = input.toTensor();
@@ -221,10 +222,11 @@ void substitute_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys
   std::vector<std::pair<at::Tensor, at::Tensor>> updated_statistics;  // (fp32 buffer, its copy)
   const auto& args = op.schema().arguments();
   const std::size_t base = stack->size() - args.size();
+  const bool has_statistics =
+      call.active() && std::any_of(args.begin(), args.end(), is_running_statistic);
   if (call.active() && !has_complex_argument(*stack, base) &&
-      !normalizes_a_wider_input(args, *stack, base, call.dtype())) {
-    const bool updating = std::any_of(args.begin(), args.end(), is_running_statistic) &&
-                          updates_running_statistics(args, *stack, base);
+      !normalizes_a_wider_input(has_statistics, *stack, base, call.dtype())) {
+    const bool updating = has_statistics && updates_running_statistics(args, *stack, base);
     const bool view = returns_a_view(op.schema());
     auto working_copy = [&call, view](const at::Tensor& t) {
       return view ? call.view_working_copy(t) : call.working_copy(t);

@@ -1,0 +1,137 @@
+"""Scan ATen's ops for calls that fail under optamp where fp32 training runs them.
+
+For every op in torch's OpInfo database (``torch.testing._internal.common_methods_invocations``)
+that supports float32 on the CPU, the first samples are called twice with grad mode on: once in
+fp32, once under optamp at LEVEL. An op that runs in fp32 and fails under optamp is printed with
+its error. Modes:
+
+* ``input`` / ``arg`` (O2, O5): the sample's input / its first floating argument is a parameter
+  registered by ``initialize``, which ops see as its fp16/bf16 working copy, beside the sample's
+  other (fp32) tensors: what a model tensor meets beside fp32 activations.
+* ``activation`` (O1, O4): the input is a reduced activation beside the sample's fp32 tensors
+  (unregistered fp32 parameters at O1/O4); native autocast's verdict on the same call is printed
+  beside optamp's.
+
+    PYTHONPATH=python python scripts/opinfo_scan.py O2 input     # about 2 minutes on 2 cores
+
+Found with it on 2026-12-07 (docs/results.md): matrix and nuclear norms of a working copy, a
+meshgrid of one and fp32 coordinates, linalg.vecdot, out-of-place index_copy and scatter.reduce.
+What it still prints, knowingly: ATen-internal ops users do not call (``_softmax_backward_data``,
+``native_layer_norm``, ``grid_sampler_2d``: the public functions above them are listed), sparse
+ops, ``rrelu`` (no fp16 CPU kernel; its noise argument is written, so widening would lose it),
+``fractional_max_pool`` given explicit random samples, ``linalg.vander``, and comparisons
+(``isclose``, ``allclose``) that torch refuses across dtypes under native autocast too.
+"""
+import collections
+import sys
+import warnings
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+import optamp
+
+
+def _samples(op: Any) -> List[Any]:
+    try:
+        return list(op.sample_inputs("cpu", torch.float32, requires_grad=False))[:3]
+    except Exception:  # an OpInfo whose sample generator needs what this build lacks
+        return []
+
+
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _error(e: Exception) -> str:
+    text = str(e).splitlines()[0][:160] if str(e) else ""
+    return f"{type(e).__name__}: {text}"
+
+
+def _runs(call: Callable[[], Any], autocast: Optional[torch.dtype] = None) -> Optional[str]:
+    """None when the call runs, else its error."""
+    try:
+        with torch.enable_grad():
+            if autocast is None:
+                call()
+            else:
+                with torch.autocast("cpu", dtype=autocast):
+                    call()
+        return None
+    except Exception as e:  # the op's own error is the finding
+        return _error(e)
+
+
+def _registered_call(op: Any, sample: Any, level: Optional[str], mode: str) -> Callable[[], Any]:
+    def call() -> Any:
+        optamp.reset()
+        args = list(sample.args)
+        position = next((i for i, a in enumerate(args) if _floating(a)), None)
+        target = sample.input if mode == "input" else args[position]
+        holder = torch.nn.Module()
+        holder.p = torch.nn.Parameter(target.detach().clone())
+        if level is not None:
+            optamp.initialize(holder, opt_level=level, verbosity=0)
+        if mode == "input":
+            return op(holder.p, *args, **sample.kwargs)
+        args[position] = holder.p
+        return op(sample.input, *args, **sample.kwargs)
+    return call
+
+
+def scan(level: str, mode: str) -> Dict[str, str]:
+    low = torch.bfloat16 if level in ("O4", "O5") else torch.float16
+    found: Dict[str, str] = collections.OrderedDict()
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    for op in op_db:
+        if torch.float32 not in op.supported_dtypes("cpu"):
+            continue
+        name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+        for sample in _samples(op):
+            if not _floating(sample.input):
+                continue
+            others = list(sample.args) + list(sample.kwargs.values())
+            if mode == "arg" and not any(_floating(a) for a in sample.args):
+                continue
+            if mode == "activation":
+                if not any(_floating(a) for a in others):
+                    continue  # a mix needs a second floating tensor
+                x = sample.input.detach()
+                fp32 = lambda: op(x.clone().requires_grad_(), *sample.args, **sample.kwargs)
+                reduced = lambda: op(x.to(low).requires_grad_(), *sample.args, **sample.kwargs)
+                if _runs(fp32) is not None:
+                    continue
+                optamp.reset()
+                optamp.initialize(torch.nn.Linear(2, 2), opt_level=level, verbosity=0)
+                error = _runs(reduced)
+                optamp.reset()
+                if error is not None:
+                    native = "native fails" if _runs(reduced, low) else "native runs"
+                    found.setdefault(name, f"{native} | {error}")
+                continue
+            if _runs(_registered_call(op, sample, None, mode)) is not None:
+                continue
+            error = _runs(_registered_call(op, sample, level, mode))
+            if error is not None:
+                found.setdefault(name, error)
+    optamp.reset()
+    return found
+
+
+def main(argv: List[str]) -> int:
+    level = argv[1] if len(argv) > 1 else "O2"
+    mode = argv[2] if len(argv) > 2 else ("activation" if level in ("O1", "O4") else "input")
+    if mode not in ("input", "arg", "activation"):
+        print("usage: opinfo_scan.py LEVEL [input|arg|activation]", file=sys.stderr)
+        return 2
+    warnings.filterwarnings("ignore")
+    found = scan(level, mode)
+    for name, error in found.items():
+        print(f"{level} {mode} | {name} | {error}")
+    print(f"{len(found)} ops fail under optamp where fp32 runs them")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
