@@ -108,8 +108,8 @@ using PoliciesByList = std::map<std::string, std::array<const char*, detail::kNu
 PoliciesByList by_op(const std::vector<PolicyRow>& rows) {
   PoliciesByList ops;
   for (const PolicyRow& row : rows) {
-    auto it = ops.try_emplace(row.op).first;
-    if (it->second[0] == nullptr) it->second.fill("-");
+    auto [it, inserted] = ops.try_emplace(row.op);
+    if (inserted) it->second.fill("-");
     it->second[static_cast<int>(row.list)] = to_string(row.policy);
   }
   return ops;
@@ -129,14 +129,19 @@ std::string policy_report() {
   for (const auto& [op, policies] : ops) {
     const std::string_view on_apex = in(policies, PolicyList::kApex);
     const std::string_view on_cpu = in(policies, PolicyList::kApexCpu);
-    if (on_apex != "-") ++n_apex, apex << "  " << op << ": " << on_apex << "\n";
-    if (on_cpu != "-" && on_cpu != on_apex) {
-      ++n_apex_cpu, apex_cpu << "  " << op << ": " << on_cpu << " on CPU\n";
+    if (on_apex != "-") {
+      ++n_apex;
+      apex << "  " << op << ": " << on_apex << "\n";
     }
-    const char* torch_cpu = in(policies, PolicyList::kTorchCpu);
-    const char* torch_other = in(policies, PolicyList::kTorchOther);
-    if (std::string_view(torch_cpu) != "-" || std::string_view(torch_other) != "-") {
-      ++n_torch, torch << "  " << op << ": " << torch_cpu << " | " << torch_other << "\n";
+    if (on_cpu != "-" && on_cpu != on_apex) {
+      ++n_apex_cpu;
+      apex_cpu << "  " << op << ": " << on_cpu << " on CPU\n";
+    }
+    const std::string_view torch_cpu = in(policies, PolicyList::kTorchCpu);
+    const std::string_view torch_other = in(policies, PolicyList::kTorchOther);
+    if (torch_cpu != "-" || torch_other != "-") {
+      ++n_torch;
+      torch << "  " << op << ": " << torch_cpu << " | " << torch_other << "\n";
     }
   }
   std::ostringstream out;
