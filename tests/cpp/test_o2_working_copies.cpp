@@ -472,20 +472,24 @@ struct StatsNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(StatsNet);
 
+// A StatsNet in fp32 and its twin initialized at `level` with its norms registered
+// (keep_batchnorm_fp32=false), the same weights (seeded, as the other tests' twins).
+std::pair<StatsNet, StatsNet> stats_nets(const char* level, const at::Device& device) {
+  at::manual_seed(0);
+  StatsNet reference;
+  at::manual_seed(0);
+  StatsNet net;
+  reference->to(device);
+  net->to(device);
+  Options options = quiet();
+  options.keep_batchnorm_fp32 = false;
+  initialize(net, std::string(level), options);
+  return {reference, net};
+}
+
 TEST_P(InitializeOnDevice, O2O5RunningStatisticsOfRegisteredNormsFollowTraining) {
   for (const char* level : {"O2", "O5"}) {
-    at::manual_seed(0);
-    StatsNet reference;
-    StatsNet net;
-    reference->to(GetParam());
-    net->to(GetParam());
-    for (std::size_t i = 0; i < net->parameters().size(); ++i) {
-      c10::NoGradGuard no_grad;
-      net->parameters()[i].copy_(reference->parameters()[i]);
-    }
-    Options options = quiet();
-    options.keep_batchnorm_fp32 = false;
-    initialize(net, std::string(level), options);
+    auto [reference, net] = stats_nets(level, GetParam());
     for (int step = 0; step < 3; ++step) {
       const auto x = at::randn({4, 3, 8}, at::TensorOptions(GetParam())) + 2.0 * step;
       reference->forward(x);
@@ -515,18 +519,7 @@ TEST_P(InitializeOnDevice, O2O5RunningStatisticsOfRegisteredNormsFollowTraining)
 // (nothing is reduced on this path), and the gradients reach the fp32 masters.
 TEST_P(InitializeOnDevice, O2O5NormsGivenFp32InputReadTheMasters) {
   for (const char* level : {"O2", "O5"}) {
-    at::manual_seed(0);
-    StatsNet reference;
-    StatsNet net;
-    reference->to(GetParam());
-    net->to(GetParam());
-    for (std::size_t i = 0; i < net->parameters().size(); ++i) {
-      c10::NoGradGuard no_grad;
-      net->parameters()[i].copy_(reference->parameters()[i]);
-    }
-    Options options = quiet();
-    options.keep_batchnorm_fp32 = false;
-    initialize(net, std::string(level), options);
+    auto [reference, net] = stats_nets(level, GetParam());
     for (int step = 0; step < 2; ++step) {
       const auto h = at::randn({4, 6, 8}, at::TensorOptions(GetParam())) + 2.0 * step;
       const at::Tensor expected = reference->bn->forward(h) + reference->in->forward(h);
