@@ -524,22 +524,30 @@ class NormsWithStatistics(torch.nn.Module):
         return self.attn(t, t, t)[0].sum(1)
 
 
-def _norm_statistics(level, backend, keep_batchnorm_fp32):
+def _train_norms(net_class, input_shape, level, backend, **init_kw):
+    """Outputs (in fp32), running statistics and gradients of three forwards and backwards of a
+    seeded ``net_class()``: in fp32 (``level`` None) or initialized at ``level`` with
+    ``init_kw``, eager or compiled with ``backend``."""
     torch.manual_seed(0)
-    net = NormsWithStatistics()
+    net = net_class()
     if level is not None:
-        net = init(net, None, level, keep_batchnorm_fp32=keep_batchnorm_fp32)
+        net = init(net, None, level, **init_kw)
     run = net if backend is None else torch.compile(net, backend=backend, fullgraph=True)
     gen = torch.Generator().manual_seed(1)
     outs = []
     for step in range(3):
-        out = run(torch.randn(2, 3, 8, 8, generator=gen) + step)
+        out = run(torch.randn(*input_shape, generator=gen) + step)
         out.float().sum().backward()
-        outs.append(out.detach())
+        outs.append(out.detach().float())
     stats = {k: v.clone() for k, v in net.state_dict().items() if "running" in k}
-    grads = [p.grad.clone() for p in net.parameters()]
+    grads = [p.grad.float() for p in net.parameters()]
     optamp.reset()
     return outs, stats, grads
+
+
+def _norm_statistics(level, backend, keep_batchnorm_fp32):
+    return _train_norms(NormsWithStatistics, (2, 3, 8, 8), level, backend,
+                        keep_batchnorm_fp32=keep_batchnorm_fp32)
 
 
 @pytest.mark.parametrize("keep_batchnorm_fp32", [None, False])
@@ -598,21 +606,8 @@ class NormsOfFp32Input(torch.nn.Module):
 
 
 def _fp32_input_norms(level, backend):
-    torch.manual_seed(0)
-    net = NormsOfFp32Input()
-    if level is not None:
-        net = init(net, None, level, keep_batchnorm_fp32=False, cast_model_inputs=False)
-    run = net if backend is None else torch.compile(net, backend=backend, fullgraph=True)
-    gen = torch.Generator().manual_seed(1)
-    outs = []
-    for step in range(3):
-        out = run(torch.randn(16, 6, generator=gen) + step)
-        out.float().sum().backward()
-        outs.append(out.detach().float())
-    stats = {k: v.clone() for k, v in net.state_dict().items() if "running" in k}
-    grads = [p.grad.float() for p in net.parameters()]
-    optamp.reset()
-    return outs, stats, grads
+    return _train_norms(NormsOfFp32Input, (16, 6), level, backend, keep_batchnorm_fp32=False,
+                        cast_model_inputs=False)
 
 
 @pytest.mark.parametrize("level", ["O2", "O5"])
