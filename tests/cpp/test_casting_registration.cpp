@@ -211,8 +211,7 @@ TEST_F(Casting, PolicyRowsHoldEachListsPolicyAsTheReportPrintsIt) {
   // No fp16/bf16 CPU kernel: fp32 (always) on CPU tensors only.
   EXPECT_EQ(policy_of("aten::avg_pool3d", PolicyList::kApexCpu), CastPolicy::kFp32Always);
   EXPECT_NE(policy_of("aten::avg_pool3d", PolicyList::kApex), CastPolicy::kFp32Always);
-  for (const PolicyList list :
-       {PolicyList::kApex, PolicyList::kApexCpu, PolicyList::kTorchCpu, PolicyList::kTorchOther}) {
+  for (const PolicyList list : detail::kListSets) {
     EXPECT_EQ(policy_of("optamp_test::twice", list), CastPolicy::kFp32Always) << to_string(list);
   }
   const std::string report = policy_report();

@@ -24,6 +24,9 @@ struct TableEntry {
 // (The public amp::PolicyList: policy_rows() names them.)
 using ListSet = PolicyList;
 constexpr int kNumListSets = 4;
+// Every table, in the enum's order (its values index the per-table arrays).
+constexpr ListSet kListSets[kNumListSets] = {ListSet::kApex, ListSet::kTorchCpu,
+                                             ListSet::kTorchOther, ListSet::kApexCpu};
 ListSet list_set_for(OpLists lists, c10::DeviceType device);
 
 // Every entry of one table, in policy order (lower, fp32, fp32 (loss), promote, banned). In

@@ -78,8 +78,7 @@ std::optional<c10::OperatorHandle> find_listed(Registry& r, const TableEntry& en
 }
 
 void register_builtin_tables_locked(Registry& r) {
-  for (int i = 0; i < kNumListSets; ++i) {
-    const auto set = static_cast<ListSet>(i);
+  for (const ListSet set : kListSets) {
     for (const TableEntry& entry : table_of(set)) {
       const std::string where = std::string(" (") + to_string(set) + ")";
       if (auto op = find_listed(r, entry, where)) {
@@ -92,8 +91,7 @@ void register_builtin_tables_locked(Registry& r) {
   for (const TableEntry& entry : match_self_ops()) {
     if (auto op = find_listed(r, entry, "")) {
       CastKernel& kernel = kernel_locked(r, *op);
-      for (int i = 0; i < kNumListSets; ++i) {
-        const auto set = static_cast<ListSet>(i);
+      for (const ListSet set : kListSets) {
         if (!kernel.policy(set)) kernel.set_policy(set, entry.policy);
       }
     }
@@ -216,8 +214,7 @@ RegisteredPolicies registered_policies() {
   RegisteredPolicies registered;
   for (const auto& [name, kernel] : r.kernels) {
     const std::string op = qualified(name);
-    for (int i = 0; i < kNumListSets; ++i) {
-      const auto list = static_cast<ListSet>(i);
+    for (const ListSet list : kListSets) {
       if (const auto policy = kernel->policy(list)) registered.rows.push_back({op, list, *policy});
     }
   }
