@@ -11,16 +11,24 @@ its error. Modes:
 * ``activation`` (O1, O4): the input is a reduced activation beside the sample's fp32 tensors
   (unregistered fp32 parameters at O1/O4); native autocast's verdict on the same call is printed
   beside optamp's.
+* ``reduced`` (O1, O4): as ``activation``, for every sample, also those without a second
+  floating tensor: ops with no fp16/bf16 kernel at all.
 
-    PYTHONPATH=python python scripts/opinfo_scan.py O2 input     # about 2 minutes on 2 cores
+``--backward`` also back-propagates from the op's floating outputs, as a training step does:
+ops with reduced forward kernels but a float/double-only backward show only with it.
+
+    PYTHONPATH=python python scripts/opinfo_scan.py O2 input --backward  # under a minute, 2 cores
 
 Found with it on 2026-12-07 (docs/results.md): matrix and nuclear norms of a working copy, a
-meshgrid of one and fp32 coordinates, linalg.vecdot, out-of-place index_copy and scatter.reduce.
-What it still prints, knowingly: ATen-internal ops users do not call (``_softmax_backward_data``,
-``native_layer_norm``, ``grid_sampler_2d``: the public functions above them are listed), sparse
-ops, ``rrelu`` (no fp16 CPU kernel; its noise argument is written, so widening would lose it),
-``fractional_max_pool`` given explicit random samples, ``linalg.vander``, and comparisons
-(``isclose``, ``allclose``) that torch refuses across dtypes under native autocast too.
+meshgrid of one and fp32 coordinates, linalg.vecdot, out-of-place index_copy and scatter.reduce;
+with ``--backward``, ``special.i1``/``i1e`` (float/double-only backward); with ``reduced``,
+direct calls of ``grid_sampler_2d``/``3d`` and ``native_layer_norm``. What it still prints,
+knowingly: ATen-internal ops users do not call (``_softmax_backward_data``; ``_safe_softmax``,
+whose backward ignores its ``dtype`` argument, so the softmax fp32 rule its kernel meets breaks
+it, as native CUDA autocast's would), sparse ops and ``to_sparse``, ``rrelu`` (no fp16 CPU
+kernel; its noise argument is written, so widening would lose it), ``fractional_max_pool`` given
+explicit random samples, ``linalg.vander``, and comparisons (``isclose``, ``allclose``) that
+torch refuses across dtypes under native autocast too.
 """
 import collections
 import sys
@@ -48,15 +56,29 @@ def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+BACKWARD = False  # --backward: a training step also runs the op's backward
+
+
+def _backward(out: Any) -> None:
+    """Back-propagates from every floating output that needs a gradient, as a loss would."""
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    losses = [o.real.float().sum() if o.is_complex() else o.float().sum()
+              for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+    if losses:
+        torch.stack(losses).sum().backward()
+
+
 def _runs(call: Callable[[], Any], autocast: Optional[torch.dtype] = None) -> Optional[str]:
-    """None when the call runs, else its error."""
+    """None when the call (and, with --backward, its backward) runs, else its error."""
     try:
         with torch.enable_grad():
             if autocast is None:
-                call()
+                out = call()
             else:
                 with torch.autocast("cpu", dtype=autocast):
-                    call()
+                    out = call()
+            if BACKWARD:
+                _backward(out)
         return None
     except Exception as e:  # the op's own error is the finding
         return _error(e)
@@ -94,8 +116,8 @@ def scan(level: str, mode: str) -> Dict[str, str]:
             others = list(sample.args) + list(sample.kwargs.values())
             if mode == "arg" and not any(_floating(a) for a in sample.args):
                 continue
-            if mode == "activation":
-                if not any(_floating(a) for a in others):
+            if mode in ("activation", "reduced"):
+                if mode == "activation" and not any(_floating(a) for a in others):
                     continue  # a mix needs a second floating tensor
                 x = sample.input.detach()
                 fp32 = lambda: op(x.clone().requires_grad_(), *sample.args, **sample.kwargs)
@@ -120,10 +142,13 @@ def scan(level: str, mode: str) -> Dict[str, str]:
 
 
 def main(argv: List[str]) -> int:
+    global BACKWARD
+    BACKWARD = "--backward" in argv
+    argv = [a for a in argv if a != "--backward"]
     level = argv[1] if len(argv) > 1 else "O2"
     mode = argv[2] if len(argv) > 2 else ("activation" if level in ("O1", "O4") else "input")
-    if mode not in ("input", "arg", "activation"):
-        print("usage: opinfo_scan.py LEVEL [input|arg|activation]", file=sys.stderr)
+    if mode not in ("input", "arg", "activation", "reduced"):
+        print("usage: opinfo_scan.py LEVEL [input|arg|activation|reduced] [--backward]", file=sys.stderr)
         return 2
     warnings.filterwarnings("ignore")
     found = scan(level, mode)

@@ -97,6 +97,12 @@ constexpr OpName kFp32Ops[] = {
     {"aten::_upsample_bicubic2d_aa", ""},
     {"aten::_upsample_bicubic2d_aa", "vec"},
     {"aten::grid_sampler", ""},
+    // The ATen ops under F.grid_sample and F.layer_norm, public as torch.grid_sampler_2d/3d and
+    // torch.native_layer_norm: a direct call (or a decomposition that reaches one) with a reduced
+    // input and an fp32 grid or weight failed ("expected scalar type Half but found Float") where
+    // the function above them is widened.
+    {"aten::grid_sampler_2d", ""},
+    {"aten::grid_sampler_3d", ""},
     // Apex's local_response_norm: F.local_response_norm (and torch::nn::functional's) pools
     // the squared input with avg_pool3d for 4-D/5-D input (avg_pool2d for 3-D), and CPU has
     // no fp16/bf16 avg_pool3d kernel. avg_pool2d stays uncast: its result is raised to fp32 by
@@ -105,6 +111,7 @@ constexpr OpName kFp32Ops[] = {
     {"aten::softplus", ""},
     {"aten::gelu", ""},
     {"aten::layer_norm", ""},
+    {"aten::native_layer_norm", ""},
     {"aten::group_norm", ""},
     {"aten::cosine_similarity", ""},
     {"aten::acos", ""},
@@ -297,6 +304,10 @@ constexpr OpName kFp32AlwaysOps[] = {
     {"aten::special_scaled_modified_bessel_k1", ""},
     {"aten::special_spherical_bessel_j0", ""},
     {"aten::special_airy_ai", ""},
+    // fp16/bf16 forward kernels, but their backward is float/double only on every device
+    // ("i1_backward" not implemented for 'Half'): a von Mises-Fisher head trains in fp32 only.
+    {"aten::special_i1", ""},
+    {"aten::special_i1e", ""},
     {"aten::special_zeta", ""},
     {"aten::special_zeta", "self_scalar"},
     {"aten::special_zeta", "other_scalar"},
