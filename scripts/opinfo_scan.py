@@ -57,6 +57,8 @@ def _error(e: Exception) -> str:
 
 
 BACKWARD = False  # --backward: a training step also runs the op's backward
+GRAD = True  # --no-grad: an evaluation (the no_grad gate)
+OPTIONS: Dict[str, Any] = {"verbosity": 0}  # --lists=torch: op_lists="torch"
 
 
 def _backward(out: Any) -> None:
@@ -71,7 +73,7 @@ def _backward(out: Any) -> None:
 def _runs(call: Callable[[], Any], autocast: Optional[torch.dtype] = None) -> Optional[str]:
     """None when the call (and, with --backward, its backward) runs, else its error."""
     try:
-        with torch.enable_grad():
+        with torch.set_grad_enabled(GRAD):
             if autocast is None:
                 out = call()
             else:
@@ -93,7 +95,7 @@ def _registered_call(op: Any, sample: Any, level: Optional[str], mode: str) -> C
         holder = torch.nn.Module()
         holder.p = torch.nn.Parameter(target.detach().clone())
         if level is not None:
-            optamp.initialize(holder, opt_level=level, verbosity=0)
+            optamp.initialize(holder, opt_level=level, **OPTIONS)
         if mode == "input":
             return op(holder.p, *args, **sample.kwargs)
         args[position] = holder.p
@@ -107,6 +109,7 @@ def scan(level: str, mode: str) -> Dict[str, str]:
     from torch.testing._internal.common_methods_invocations import op_db
 
     for op in op_db:
+        torch.manual_seed(0)  # the samples are random: the same ones run after every change
         if torch.float32 not in op.supported_dtypes("cpu"):
             continue
         name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
@@ -125,7 +128,7 @@ def scan(level: str, mode: str) -> Dict[str, str]:
                 if _runs(fp32) is not None:
                     continue
                 optamp.reset()
-                optamp.initialize(torch.nn.Linear(2, 2), opt_level=level, verbosity=0)
+                optamp.initialize(torch.nn.Linear(2, 2), opt_level=level, **OPTIONS)
                 error = _runs(reduced)
                 optamp.reset()
                 if error is not None:
@@ -142,13 +145,16 @@ def scan(level: str, mode: str) -> Dict[str, str]:
 
 
 def main(argv: List[str]) -> int:
-    global BACKWARD
+    global BACKWARD, GRAD
     BACKWARD = "--backward" in argv
-    argv = [a for a in argv if a != "--backward"]
+    GRAD = "--no-grad" not in argv
+    if "--lists=torch" in argv:
+        OPTIONS["op_lists"] = "torch"
+    argv = [a for a in argv if not a.startswith("--")]
     level = argv[1] if len(argv) > 1 else "O2"
     mode = argv[2] if len(argv) > 2 else ("activation" if level in ("O1", "O4") else "input")
     if mode not in ("input", "arg", "activation", "reduced"):
-        print("usage: opinfo_scan.py LEVEL [input|arg|activation|reduced] [--backward]", file=sys.stderr)
+        print("usage: opinfo_scan.py LEVEL [input|arg|activation|reduced] [--backward] [--no-grad] [--lists=torch]", file=sys.stderr)
         return 2
     warnings.filterwarnings("ignore")
     found = scan(level, mode)

@@ -383,7 +383,8 @@ TEST_F(Casting, UnderTheGateInPlaceOpsTakeASourceOfAnotherWidth) {
 
 // Under the gate a call runs in the dtypes it is given, except one that could not run them: a
 // listed op torch does not promote itself (lower, promote, fp32) given a reduced tensor made
-// while autograd recorded and an fp32 one (spectral_norm's power iteration at O2/O5).
+// while autograd recorded and an fp32 one (spectral_norm's power iteration at O2/O5), or a 0-dim
+// fp32 one (a scalar slope, a scalar target).
 TEST_F(Casting, UnderTheGateMixedWidthsThatCannotRunAreWidened) {
   for (const char* level : {"O1", "O2", "O4", "O5"}) {
     SCOPED_TRACE(level);
@@ -407,9 +408,20 @@ TEST_F(Casting, UnderTheGateMixedWidthsThatCannotRunAreWidened) {
     EXPECT_EQ(at::add(a, b.t()).scalar_type(), at::kFloat);            // torch promotes it
     EXPECT_EQ(at::mul(a, at::scalar_tensor(2.0)).scalar_type(), low);  // a 0-dim fp32: torch's
     EXPECT_EQ(cast_count(), before);
+    // A 0-dim tensor of another width takes the dimensioned tensors' (torch's promotion's
+    // dtype) where the op does not promote: prelu refused "Type promoting" until 2026-12-07.
+    const auto slope = at::scalar_tensor(0.25);
+    const auto prelu = at::prelu(a, slope);
+    EXPECT_EQ(prelu.scalar_type(), low);
+    EXPECT_TRUE(at::equal(prelu, at::prelu(a, slope.to(low))));
+    EXPECT_EQ(cast_count(), before + 1);
+    // Among 0-dim tensors alone, the widest: a scalar prediction and its fp32 target.
+    const auto p = at::scalar_tensor(0.75).to(low);
+    EXPECT_EQ(at::binary_cross_entropy(p, at::scalar_tensor(1.0)).scalar_type(), at::kFloat);
     {
       disable_casts off;  // nothing at all
       EXPECT_THROW(at::mm(a, b), c10::Error);
+      EXPECT_THROW(at::prelu(a, slope), c10::Error);
     }
     TearDown();
   }

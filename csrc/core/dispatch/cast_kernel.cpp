@@ -314,12 +314,15 @@ bool CastKernel::plan_match_self(torch::jit::Stack& stack, std::size_t base, Cal
 
 // NOLINTNEXTLINE(readability-convert-member-functions-to-static): one of the kernel's plan steps
 bool CastKernel::plan_mixed_widening(const PromoteWidth& width, CallPlan& p) const {
-  // Mixed widths among 0-dim tensors alone are left to torch's promotion, which ranks them below
-  // the others: the call runs as given, as everything under the gate does.
-  if (!width.mixed_dimensioned) return false;
+  // A 0-dim tensor of another width than the tensors with dimensions takes theirs, the dtype
+  // torch's promotion would give the call (it ranks 0-dim tensors below the others); these ops
+  // do not promote by themselves ("prelu: Type promoting not supported": `F.prelu(x, a)` with a
+  // 0-dim fp32 slope, fp16 x, under no_grad). Among 0-dim tensors alone, the widest.
+  if (!width.mixed) return false;
   p.cast = true;
   p.policy = CastPolicy::kPromote;
-  p.target = width.widest_dimensioned;
+  const bool dimensioned = width.widest_dimensioned != ScalarType::Undefined;
+  p.target = dimensioned ? width.widest_dimensioned : width.widest;
   return true;
 }
 
