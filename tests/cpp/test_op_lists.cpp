@@ -90,7 +90,8 @@ TEST(OpLists, TorchOtherTableIsExactlyAutocastCudasKernels) {
 }
 
 TEST(OpLists, LossesAndSoftmaxesAreFp32LossInEveryTable) {
-  // So O2/O5 keep them fp32 whichever lists are chosen.
+  // So O2/O5 keep them fp32 whichever lists are chosen; fp32 (always), which O3 applies too, for
+  // those without fp16/bf16 kernels (CTC on every device, the margin losses on the CPU).
   for (const ListSet set : {ListSet::kApex, ListSet::kTorchCpu, ListSet::kTorchOther}) {
     for (const auto& entry : detail::table_of(set)) {
       const std::string name = entry.name;
@@ -98,7 +99,8 @@ TEST(OpLists, LossesAndSoftmaxesAreFp32LossInEveryTable) {
                         name == "aten::log_softmax" || name == "aten::kl_div" ||
                         name.find("binary_cross_entropy") != std::string::npos;
       if (!loss) continue;
-      EXPECT_TRUE(entry.policy == CastPolicy::kFp32Loss || entry.policy == CastPolicy::kBanned)
+      EXPECT_TRUE(entry.policy == CastPolicy::kFp32Loss || entry.policy == CastPolicy::kBanned ||
+                  entry.policy == CastPolicy::kFp32Always)
           << name << " in " << amp::to_string(set) << " is " << to_string(entry.policy);
     }
   }
@@ -108,7 +110,7 @@ TEST(OpLists, OpsWithoutReducedKernelsAreFp32AlwaysInEveryTable) {
   // So an FFT, a decomposition or a cdist of a reduced tensor runs widened at every level,
   // whichever lists are chosen.
   const std::set<std::string> always = with_fp32_always({});
-  EXPECT_EQ(always.size(), 148u);
+  EXPECT_EQ(always.size(), 150u);
   for (const char* op :
        {"aten::fft_rfft", "aten::stft.center", "aten::linalg_slogdet",
         "aten::linalg_householder_product", "aten::matrix_exp", "aten::cdist", "aten::quantile"}) {
@@ -140,6 +142,8 @@ TEST(OpLists, CpuOnlyFp32AlwaysEntriesAreOpsWithoutReducedCpuKernels) {
   const std::set<std::string> apex_fp32_rows = {
       "aten::avg_pool3d", "aten::_upsample_bilinear2d_aa", "aten::_upsample_bilinear2d_aa.vec",
       "aten::_upsample_bicubic2d_aa", "aten::_upsample_bicubic2d_aa.vec"};
+  const std::set<std::string> apex_loss_rows = {"aten::multi_margin_loss",
+                                                "aten::multilabel_margin_loss"};
   std::set<std::string> expected = {"aten::_dirichlet_grad",
                                     "aten::_sample_dirichlet",
                                     "aten::_standard_gamma",
@@ -148,6 +152,7 @@ TEST(OpLists, CpuOnlyFp32AlwaysEntriesAreOpsWithoutReducedCpuKernels) {
                                     "aten::polar",
                                     "aten::trace"};
   expected.insert(apex_fp32_rows.begin(), apex_fp32_rows.end());
+  expected.insert(apex_loss_rows.begin(), apex_loss_rows.end());
   EXPECT_EQ(cpu_only, expected);
   for (const ListSet set : {ListSet::kApexCpu, ListSet::kTorchCpu}) {
     for (const auto& entry : detail::table_of(set)) {
@@ -157,10 +162,11 @@ TEST(OpLists, CpuOnlyFp32AlwaysEntriesAreOpsWithoutReducedCpuKernels) {
     }
   }
   for (const auto& entry : detail::table_of(ListSet::kApex)) {
-    if (cpu_only.count(detail::qualified({entry.name, entry.overload}))) {
-      EXPECT_TRUE(apex_fp32_rows.count(detail::qualified({entry.name, entry.overload})))
-          << entry.name;
-      EXPECT_EQ(entry.policy, CastPolicy::kFp32);
+    const std::string name = detail::qualified({entry.name, entry.overload});
+    if (cpu_only.count(name)) {
+      EXPECT_TRUE(apex_fp32_rows.count(name) || apex_loss_rows.count(name)) << name;
+      EXPECT_EQ(entry.policy,
+                apex_loss_rows.count(name) ? CastPolicy::kFp32Loss : CastPolicy::kFp32);
     }
   }
   for (const auto low : {at::kHalf, at::kBFloat16}) {
@@ -186,6 +192,11 @@ TEST(OpLists, CpuOnlyFp32AlwaysEntriesAreOpsWithoutReducedCpuKernels) {
         {"_sample_dirichlet", [&] { at::_sample_dirichlet(m); }},
         {"_dirichlet_grad", [&] { at::_dirichlet_grad(m, m, m); }},
         {"binomial", [&] { at::binomial(m, m.div(4)); }},
+        {"multi_margin_loss", [&] { at::multi_margin_loss(m, at::arange(3)); }},
+        {"multilabel_margin_loss",
+         [&] {
+           at::multilabel_margin_loss(m, at::zeros({3, 3}, at::kLong));
+         }},
     };
     for (const auto& [name, call] : calls) {
       EXPECT_ANY_THROW(call()) << name << " runs " << c10::toString(low) << " on the CPU now";

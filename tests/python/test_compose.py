@@ -502,7 +502,8 @@ def test_the_compile_modes_widened_functions_are_the_fp32_always_rows():
             "cdist"} <= everywhere
     assert cpu_only == {"avg_pool3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa", "trace",
                         "polar", "_standard_gamma", "_standard_gamma_grad", "_sample_dirichlet",
-                        "_dirichlet_grad", "binomial"}
+                        "_dirichlet_grad", "binomial", "multi_margin_loss",
+                        "multilabel_margin_loss"}
     assert not cpu_only & everywhere
 
 

@@ -174,8 +174,6 @@ constexpr OpName kFp32LossOps[] = {
     {"aten::cosine_embedding_loss", ""},
     {"aten::poisson_nll_loss", ""},
     {"aten::triplet_margin_loss", ""},
-    {"aten::ctc_loss", "IntList"},
-    {"aten::ctc_loss", "Tensor"},
 };
 
 // fp32 (always): ops ATen has no fp16/bf16 kernel for, at every level that casts (O3 too), so a
@@ -352,6 +350,11 @@ constexpr OpName kFp32AlwaysOps[] = {
     {"aten::histogramdd", ""},
     {"aten::histogramdd", "int_bins"},
     {"aten::histogramdd", "TensorList_bins"},
+    // CTC has float/double kernels only, on every device ("ctc_loss_cuda" not implemented for
+    // 'Half'): Apex's fp32 loss row, made fp32 at O3 too, where an fp16 speech model's
+    // log-probabilities reached it and failed.
+    {"aten::ctc_loss", "IntList"},
+    {"aten::ctc_loss", "Tensor"},
 };
 
 // fp32 (always) on the CPU alone: ops ATen has no fp16/bf16 CPU kernel for, where CUDA has one
@@ -361,8 +364,10 @@ constexpr OpName kFp32AlwaysOps[] = {
 // for 'Half'), a ViT's learned position grid resized to the input at O2/O5; a trace; polar; the
 // samplers behind torch.distributions' Gamma, Beta, Dirichlet and Binomial and their gradients,
 // given reduced parameters by a working copy or an activation ("gamma_cpu" not implemented for
-// 'BFloat16'; Dirichlet's backward meets its fp32 sample with the fp16 concentration). Ops that
-// write an argument are not listed: a widened copy would take the write.
+// 'BFloat16'; Dirichlet's backward meets its fp32 sample with the fp16 concentration); the
+// multi-class and multi-label margin losses, fp32 losses elsewhere, at O3 (where the losses are
+// left as given) too. Ops that write an argument are not listed: a widened copy would take the
+// write.
 constexpr OpName kCpuFp32AlwaysOps[] = {
     {"aten::avg_pool3d", ""},
     {"aten::_upsample_bilinear2d_aa", ""},
@@ -376,6 +381,8 @@ constexpr OpName kCpuFp32AlwaysOps[] = {
     {"aten::_sample_dirichlet", ""},
     {"aten::_dirichlet_grad", ""},
     {"aten::binomial", ""},
+    {"aten::multi_margin_loss", ""},
+    {"aten::multilabel_margin_loss", ""},
 };
 
 // promote: Apex's CASTS, and three of optamp's (below).
