@@ -16,16 +16,20 @@ its error. Modes:
 
 ``--backward`` also back-propagates from the op's floating outputs, as a training step does:
 ops with reduced forward kernels but a float/double-only backward show only with it.
+``--no-grad`` calls the ops under ``torch.no_grad()`` (an evaluation: the no_grad gate);
+``--lists=torch`` initializes with ``op_lists="torch"``. LEVEL may be O3 too.
 
     PYTHONPATH=python python scripts/opinfo_scan.py O2 input --backward  # under a minute, 2 cores
 
 Found with it on 2026-12-07 (docs/results.md): matrix and nuclear norms of a working copy, a
 meshgrid of one and fp32 coordinates, linalg.vecdot, out-of-place index_copy and scatter.reduce;
 with ``--backward``, ``special.i1``/``i1e`` (float/double-only backward); with ``reduced``,
-direct calls of ``grid_sampler_2d``/``3d`` and ``native_layer_norm``. What it still prints,
-knowingly: ATen-internal ops users do not call (``_softmax_backward_data``; ``_safe_softmax``,
-whose backward ignores its ``dtype`` argument, so the softmax fp32 rule its kernel meets breaks
-it, as native CUDA autocast's would), sparse ops and ``to_sparse``, ``rrelu`` (no fp16 CPU
+direct calls of ``grid_sampler_2d``/``3d`` and ``native_layer_norm``; with ``--no-grad``, 0-dim
+fp32 tensors beside reduced ones in ops that do not promote (``prelu``); at O3, ``ctc_loss`` and
+the margin losses. What it still prints, knowingly: ATen-internal ops users do not call
+(``_softmax_backward_data``; ``_safe_softmax``, whose backward ignores its ``dtype`` argument,
+so the softmax fp32 rule its kernel meets breaks it, as native CUDA autocast's would; at O3
+``native_batch_norm`` and its siblings given fp32 input), sparse ops and ``to_sparse``, ``rrelu`` (no fp16 CPU
 kernel; its noise argument is written, so widening would lose it), ``fractional_max_pool`` given
 explicit random samples, ``linalg.vander``, and comparisons (``isclose``, ``allclose``) that
 torch refuses across dtypes under native autocast too.
