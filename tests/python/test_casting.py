@@ -172,11 +172,42 @@ def test_cpu_only_ops_without_reduced_kernels_train_at_every_level(fresh, level)
     assert torch.isfinite(loss)
 
 
+def _two_steps_as_fp32(make_model, level, *inputs):
+    """Two SGD steps of a seeded ``make_model()``, whose forward returns its loss, at ``level``
+    (through scale_loss, no step skipped): the losses within the training tolerance of the same
+    steps in fp32."""
+
+    def losses(level):
+        torch.manual_seed(0)
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if level is not None:
+            init(model, opt, level)
+        out = []
+        for _ in range(2):
+            opt.zero_grad()
+            loss = model(*inputs)
+            assert loss.dtype == torch.float32
+            if level is None:
+                loss.backward()
+            else:
+                with optamp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+                assert not optamp.loss_scaler().last_step_skipped
+            opt.step()
+            out.append(loss.detach())
+        return torch.stack(out)
+
+    reference = losses(None)
+    optamp.reset()
+    torch.testing.assert_close(losses(level), reference, **tol(train_row(level)))
+
+
 class _SampledVonMisesHead(torch.nn.Module):
     """A spatial transformer that samples the raw input through ATen's grid_sampler_2d and
     normalizes with native_layer_norm (the ops under F.grid_sample and F.layer_norm, called
-    directly), and a von Mises-Fisher head: its concentration's mean resultant length
-    A(kappa) = i1e(kappa) / i0e(kappa), a directional loss's term."""
+    directly), and a von Mises-Fisher head's loss: the log of its concentration's mean
+    resultant length A(kappa) = i1e(kappa) / i0e(kappa)."""
 
     def __init__(self):
         super().__init__()
@@ -191,7 +222,7 @@ class _SampledVonMisesHead(torch.nn.Module):
         h = torch.grid_sampler_2d(x, grid, 0, 0, False).flatten(1)
         h = torch.native_layer_norm(h, [16], self.norm_weight, self.norm_bias, 1e-5)[0]
         kappa = F.softplus(self.kappa(h)) + 1.0
-        return torch.special.i1e(kappa) / torch.special.i0e(kappa)
+        return -(torch.special.i1e(kappa) / torch.special.i0e(kappa)).float().log().mean()
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
@@ -199,33 +230,9 @@ def test_aten_grid_sampler_layer_norm_and_bessel_i1_train_at_every_level(fresh, 
     """grid_sampler_2d of an fp32 input and a reduced grid, native_layer_norm with a working
     copy's weights beside fp32 input, and i1e's backward (float/double only on every device)
     failed under optamp until 2026-12-07 (found by opinfo_scan.py with --backward). They are
-    widened now, as their public functions are: two steps train, no skip, the loss within the
-    training tolerance of fp32's."""
-
-    def run(level):
-        torch.manual_seed(0)
-        model = _SampledVonMisesHead()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        if level is not None:
-            init(model, opt, level)
-        x = torch.randn(4, 1, 4, 4, generator=torch.Generator().manual_seed(1))
-        losses = []
-        for _ in range(2):
-            opt.zero_grad()
-            loss = -model(x).float().log().mean()
-            if level is None:
-                loss.backward()
-            else:
-                with optamp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
-                assert not optamp.loss_scaler().last_step_skipped
-            opt.step()
-            losses.append(loss.detach())
-        return torch.stack(losses)
-
-    reference = run(None)
-    optamp.reset()
-    torch.testing.assert_close(run(level), reference, **tol(train_row(level)))
+    widened now, as their public functions are."""
+    x = torch.randn(4, 1, 4, 4, generator=torch.Generator().manual_seed(1))
+    _two_steps_as_fp32(_SampledVonMisesHead, level, x)
 
 
 class _CtcAndMarginHeads(torch.nn.Module):
@@ -249,37 +256,11 @@ class _CtcAndMarginHeads(torch.nn.Module):
 def test_ctc_and_margin_losses_train_at_every_level(fresh, level):
     """At O3, where the losses are left as given (Apex's pure fp16), an fp16 model's scores
     reached CTC and the margin losses, which have no fp16 kernel ("ctc_loss_cpu" not implemented
-    for 'Half'; CUDA's CTC neither), until 2026-12-07: they are fp32 (always) now. Two steps at
-    every level, the loss within the training tolerance of fp32's."""
-
-    def run(level):
-        torch.manual_seed(0)
-        model = _CtcAndMarginHeads()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        if level is not None:
-            init(model, opt, level)
-        gen = torch.Generator().manual_seed(1)
-        x = torch.randn(6, 2, 8, generator=gen)
-        targets, classes = torch.tensor([[1, 2], [3, 3]]), torch.tensor([0, 4])
-        labels = torch.tensor([[1, 3, -1, 0, 0], [2, -1, 0, 0, 0]])
-        losses = []
-        for _ in range(2):
-            opt.zero_grad()
-            loss = model(x.half() if level == "O3" else x, targets, classes, labels)
-            assert loss.dtype == torch.float32
-            if level is None:
-                loss.backward()
-            else:
-                with optamp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
-                assert not optamp.loss_scaler().last_step_skipped
-            opt.step()
-            losses.append(loss.detach())
-        return torch.stack(losses)
-
-    reference = run(None)
-    optamp.reset()
-    torch.testing.assert_close(run(level), reference, **tol(train_row(level)))
+    for 'Half'; CUDA's CTC neither), until 2026-12-07: they are fp32 (always) now."""
+    x = torch.randn(6, 2, 8, generator=torch.Generator().manual_seed(1))
+    targets, classes = torch.tensor([[1, 2], [3, 3]]), torch.tensor([0, 4])
+    labels = torch.tensor([[1, 3, -1, 0, 0], [2, -1, 0, 0, 0]])
+    _two_steps_as_fp32(_CtcAndMarginHeads, level, x, targets, classes, labels)
 
 
 class _ClassTokenNorm(torch.nn.Module):
