@@ -29,10 +29,10 @@ fp32 tensors beside reduced ones in ops that do not promote (``prelu``); at O3, 
 the margin losses. What it still prints, knowingly: ATen-internal ops users do not call
 (``_softmax_backward_data``; ``_safe_softmax``, whose backward ignores its ``dtype`` argument,
 so the softmax fp32 rule its kernel meets breaks it, as native CUDA autocast's would; at O3
-``native_batch_norm`` and its siblings given fp32 input), sparse ops and ``to_sparse``, ``rrelu`` (no fp16 CPU
-kernel; its noise argument is written, so widening would lose it), ``fractional_max_pool`` given
-explicit random samples, ``linalg.vander``, and comparisons (``isclose``, ``allclose``) that
-torch refuses across dtypes under native autocast too.
+``native_batch_norm`` and its siblings given fp32 input), sparse ops and ``to_sparse``,
+``rrelu`` (no fp16 CPU kernel; its noise argument is written, so widening would lose it),
+``fractional_max_pool`` given explicit random samples, ``linalg.vander``, and comparisons
+(``isclose``, ``allclose``) that torch refuses across dtypes under native autocast too.
 """
 import collections
 import sys
@@ -158,7 +158,8 @@ def main(argv: List[str]) -> int:
     level = argv[1] if len(argv) > 1 else "O2"
     mode = argv[2] if len(argv) > 2 else ("activation" if level in ("O1", "O4") else "input")
     if mode not in ("input", "arg", "activation", "reduced"):
-        print("usage: opinfo_scan.py LEVEL [input|arg|activation|reduced] [--backward] [--no-grad] [--lists=torch]", file=sys.stderr)
+        print("usage: opinfo_scan.py LEVEL [input|arg|activation|reduced] [--backward]"
+              " [--no-grad] [--lists=torch]", file=sys.stderr)
         return 2
     warnings.filterwarnings("ignore")
     found = scan(level, mode)
