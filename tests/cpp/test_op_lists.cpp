@@ -247,6 +247,28 @@ TEST_F(OpListsInUse, TheKernelFollowsTheChosenTableOnTheTensorsDevice) {
   EXPECT_EQ(detail::level_op_lists(), OpLists::kApex);  // back to the default
 }
 
+// At O2/O5 a working copy meets fp32 tensors whichever lists cast (a LayerNorm of embeddings plus
+// an fp32 positional encoding made in the forward): torch's lists have no row for layer_norm on
+// the CPU, and the call failed ("mixed dtype (CPU)") until 2026-12-07. It is widened, as under
+// Apex's lists; O4 keeps torch's lists' call as native autocast runs it.
+TEST_F(OpListsInUse, AtO2O5EitherListsWidenMixedCallsThatCannotRun) {
+  const auto x = at::randn({2, 3, 8});
+  for (const char* level : {"O2", "O5"}) {
+    const auto low = level[1] == '2' ? at::kHalf : at::kBFloat16;
+    const auto w = at::randn({8}).to(low);
+    const auto b = at::randn({8}).to(low);
+    for (const OpLists lists : {OpLists::kApex, OpLists::kTorch}) {
+      init(lists, level);
+      const auto out = at::layer_norm(x, {8}, w, b);
+      EXPECT_EQ(out.scalar_type(), at::kFloat) << level << to_string(lists);
+      EXPECT_TRUE(at::equal(out, at::layer_norm(x, {8}, w.to(at::kFloat), b.to(at::kFloat))));
+      reset();
+    }
+  }
+  init(OpLists::kTorch, "O4");
+  EXPECT_ANY_THROW(at::layer_norm(x, {8}, at::randn({8}).to(at::kBFloat16)));
+}
+
 TEST_F(OpListsInUse, UserRegistrationsApplyWithEitherLists) {
   register_float_op("aten::hardswish");
   const auto x = at::randn({4}, at::kBFloat16);
