@@ -31,7 +31,6 @@ the margin losses. What it still prints, knowingly: ATen-internal ops users do n
 so the softmax fp32 rule its kernel meets breaks it, as native CUDA autocast's would; at O3
 ``native_batch_norm`` and its siblings given fp32 input), sparse ops and ``to_sparse``,
 ``rrelu`` (no fp16 CPU kernel; its noise argument is written, so widening would lose it),
-``fractional_max_pool`` given explicit random samples at O1/O4 (native fails too),
 ``linalg.vander``, and comparisons
 (``isclose``, ``allclose``) that torch refuses across dtypes under native autocast too.
 """
