@@ -247,14 +247,17 @@ TEST_F(OpListsInUse, TheKernelFollowsTheChosenTableOnTheTensorsDevice) {
   EXPECT_EQ(detail::level_op_lists(), OpLists::kApex);  // back to the default
 }
 
-// At O2/O5 a working copy meets fp32 tensors whichever lists cast (a LayerNorm of embeddings plus
-// an fp32 positional encoding made in the forward): torch's lists have no row for layer_norm on
-// the CPU, and the call failed ("mixed dtype (CPU)") until 2026-12-07. It is widened, as under
-// Apex's lists; O4 keeps torch's lists' call as native autocast runs it.
-TEST_F(OpListsInUse, AtO2O5EitherListsWidenMixedCallsThatCannotRun) {
+// At O2/O3/O5 a reduced model tensor meets fp32 tensors whichever lists cast (a LayerNorm of
+// embeddings plus an fp32 positional encoding made in the forward): torch's lists have no row for
+// layer_norm on the CPU, and the call failed ("mixed dtype (CPU)") until 2026-12-07. It is
+// widened, as under Apex's lists; O4 keeps torch's lists' call as native autocast runs it.
+TEST_F(OpListsInUse, AtO2O3O5EitherListsWidenMixedCallsThatCannotRun) {
   const auto x = at::randn({2, 3, 8});
-  for (const char* level : {"O2", "O5"}) {
-    const auto low = level[1] == '2' ? at::kHalf : at::kBFloat16;
+  init(OpLists::kTorch, "O4");
+  EXPECT_ANY_THROW(at::layer_norm(x, {8}, at::randn({8}).to(at::kBFloat16)));
+  reset();
+  for (const char* level : {"O2", "O5", "O3"}) {  // O3 last: it casts the model in place
+    const auto low = level[1] == '5' ? at::kBFloat16 : at::kHalf;
     const auto w = at::randn({8}).to(low);
     const auto b = at::randn({8}).to(low);
     for (const OpLists lists : {OpLists::kApex, OpLists::kTorch}) {
@@ -265,8 +268,6 @@ TEST_F(OpListsInUse, AtO2O5EitherListsWidenMixedCallsThatCannotRun) {
       reset();
     }
   }
-  init(OpLists::kTorch, "O4");
-  EXPECT_ANY_THROW(at::layer_norm(x, {8}, at::randn({8}).to(at::kBFloat16)));
 }
 
 TEST_F(OpListsInUse, UserRegistrationsApplyWithEitherLists) {

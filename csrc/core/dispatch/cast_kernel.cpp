@@ -267,14 +267,16 @@ CallPlan CastKernel::plan(std::optional<c10::DeviceType> device) const {
     // A level casts on this thread, but not this call: the no_grad gate holds its rules back, or
     // they leave this policy out (the fp32 list at O2/O3/O5; promote and the fp32 losses at O3).
     // The call runs as given where it can.
-    // At O2/O5 an op some table lists (this kernel's) is widened too where the chosen lists
-    // leave it out: working copies meet fp32 tensors there whichever lists cast, and torch's
-    // lists have no promote rows for them (a LayerNorm of a sum with an fp32 positional encoding
-    // failed under op_lists="torch": "mixed dtype (CPU)"). O1/O4 keep the chosen lists' calls.
+    // Where the model's tensors are reduced (O2/O5's working copies, O3's model) an op some
+    // table lists (this kernel's) is widened too where the chosen lists leave it out: those
+    // tensors meet fp32 ones whichever lists cast, and torch's lists have no CPU row for
+    // layer_norm nor promote rows for dot, mv, ... (a LayerNorm of a sum with an fp32
+    // positional encoding failed under op_lists="torch": "mixed dtype (CPU)"). O1/O4 keep the
+    // chosen lists' calls.
     const bool level_casts = decision.rules != RuleSet::kNone || decision.gated != RuleSet::kNone;
-    const bool working_copies =
-        decision.rules == RuleSet::kMasterWeights || decision.gated == RuleSet::kMasterWeights;
-    p.widen_if_mixed = (listed || working_copies) && level_casts && !promotes_natively_;
+    const bool reduced_model =
+        decision.rules != RuleSet::kFullLists && decision.gated != RuleSet::kFullLists;
+    p.widen_if_mixed = (listed || reduced_model) && level_casts && !promotes_natively_;
     return p;
   }
   // NotImplementedError in Python, as Apex raised (a RuntimeError subclass, c10::Error in C++).
