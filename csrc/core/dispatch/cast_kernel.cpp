@@ -218,15 +218,11 @@ void PromoteWidth::add(const at::Tensor& t) {
   };
   mixed = mixed || (widest != ScalarType::Undefined && s != widest);
   widest = widen(widest, s);
-  if (t.dim() > 0) {
-    mixed_dimensioned = mixed_dimensioned ||
-                        (widest_dimensioned != ScalarType::Undefined && s != widest_dimensioned);
-    widest_dimensioned = widen(widest_dimensioned, s);
-  }
+  if (t.dim() > 0) widest_dimensioned = widen(widest_dimensioned, s);
 }
 
-bool PromoteWidth::torch_agrees() const {
-  return widest_dimensioned == widest || widest_dimensioned == ScalarType::Undefined;
+ScalarType PromoteWidth::torch_width() const {
+  return widest_dimensioned == ScalarType::Undefined ? widest : widest_dimensioned;
 }
 
 // fp32 (always) and match self in place apply in a backward pass too: their ops could only fail
@@ -329,8 +325,7 @@ bool CastKernel::plan_mixed_widening(const PromoteWidth& width, CallPlan& p) con
   if (!width.mixed) return false;
   p.cast = true;
   p.policy = CastPolicy::kPromote;
-  const bool dimensioned = width.widest_dimensioned != ScalarType::Undefined;
-  p.target = dimensioned ? width.widest_dimensioned : width.widest;
+  p.target = width.torch_width();
   return true;
 }
 

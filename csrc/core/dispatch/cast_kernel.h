@@ -13,20 +13,20 @@
 namespace amp::detail {
 
 // The widest floating width among a promote call's inputs (fp16 mixed with bf16 widens to fp32),
-// and whether torch's own promotion would pick the same: it ranks 0-dim tensors below the others,
-// so it agrees when the widest type is among the tensors with dimensions (or there are none).
+// and the width torch's own promotion would pick: it ranks 0-dim tensors below the others, so it
+// picks the widest among the tensors with dimensions (the widest of all when there are none).
 struct PromoteWidth {
   c10::ScalarType widest = c10::ScalarType::Undefined;
   c10::ScalarType widest_dimensioned = c10::ScalarType::Undefined;
   bool mixed = false;
-  bool mixed_dimensioned = false;  // among the tensors with dimensions alone
   // Complex arguments: torch makes complex32 of an fp16 tensor and a complex scalar (or a 0-dim
   // or complex32 tensor), where it makes complex64 of bf16 (there is no complex bf16).
   bool half = false;          // an fp16 tensor (as ops see it) among the arguments
   bool complex = false;       // a complex tensor or wrapped complex scalar
   bool complex_wide = false;  // a complex64/complex128 tensor with dimensions
   void add(const at::Tensor& t);
-  bool torch_agrees() const;
+  c10::ScalarType torch_width() const;
+  bool torch_agrees() const { return torch_width() == widest; }
   bool makes_complex32() const { return half && complex && !complex_wide; }
 };
 
