@@ -11,6 +11,7 @@
 
 #include "cache/autograd_cast.h"
 #include "cache/companion_casts.h"
+#include "dispatch/cast_kernel.h"
 #include "dispatch/registration.h"
 #include "dispatch/substitution.h"
 #include "dispatch/thread_frames.h"
@@ -311,6 +312,26 @@ c10::ScalarType working_copy_dtype() {
     return c10::ScalarType::Undefined;
   }
   return working_copy_dtype_now(*session);
+}
+
+bool call_reads_masters(const std::string& op, c10::DeviceType device,
+                        const std::vector<TracedTensor>& tensors,
+                        std::optional<c10::ScalarType> self, bool dtype_given) {
+  const c10::ScalarType working = working_copy_dtype();
+  if (working == c10::ScalarType::Undefined) return false;
+  const std::optional<detail::KernelOfCall> found = detail::kernel_of_call(op);
+  if (!found) return false;  // in no table: substitution hands the op working copies
+  std::vector<detail::DescribedTensor> described;
+  described.reserve(tensors.size());
+  for (const TracedTensor& t : tensors) {
+    described.push_back({t.dtype, t.model_tensor ? working : t.dtype, t.dimensioned});
+  }
+  try {
+    return detail::described_call_reads_masters(found->op, *found->kernel, device, described, self,
+                                                dtype_given);
+  } catch (const c10::NotImplementedError&) {
+    return false;  // a banned op: the call itself raises, as in eager
+  }
 }
 
 ModelBoundary model_boundary(const void* model) {

@@ -10,6 +10,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,22 @@ OPTAMP_API std::vector<at::Tensor> working_copy_sources();
 // Undefined where ops see the fp32 masters, at other levels and when not initialized. Whatever
 // the boundary does with the inputs (cast_model_inputs=False leaves them as given).
 OPTAMP_API c10::ScalarType working_copy_dtype();
+// A read-only floating argument (not fp64, not a Python number) of a call a front traces.
+struct OPTAMP_API TracedTensor {
+  c10::ScalarType dtype;  // its own
+  bool model_tensor;      // one of working_copy_sources() (or a view of such a buffer)
+  bool dimensioned;       // dim() > 0
+};
+// Whether ops see working copies now (working_copy_dtype()) and eager casting hands the model
+// tensors among a call's arguments their fp32 masters instead: where it casts the call to fp32
+// (an fp32 rule, a promotion or a widening of mixed widths to fp32) or runs the op's own
+// autocast kernel. `op`: "ns::op" (a torch function's name; the overload a call with tensors
+// most likely takes) or "ns::op.overload"; `device`: the first tensor's; `self`: self's dtype
+// where self is a floating tensor; `dtype_given`: the call passes a dtype. For a front that
+// restates substitution's rules (Python's torch.compile mode); false for an op in no table.
+OPTAMP_API bool call_reads_masters(const std::string& op, c10::DeviceType device,
+                                   const std::vector<TracedTensor>& tensors,
+                                   std::optional<c10::ScalarType> self, bool dtype_given);
 [[deprecated("renamed amp::core::is_initialized, as amp::is_initialized")]] inline bool
 initialized() {
   return is_initialized();

@@ -119,6 +119,27 @@ void bind_frontend(py::module_& m) {
       "_working_copy_dtype", [] { return dtype_to_py(core::working_copy_dtype()); },
       "The dtype O2/O5 ops see the working copies' sources in on this thread now; None where "
       "they see the fp32 masters (and at other levels).");
+  m.def(
+      "_call_reads_masters",
+      [](const std::string& op, const std::string& device, const py::sequence& tensors,
+         const py::object& self, bool dtype_given) {
+        std::vector<core::TracedTensor> traced;
+        for (const py::handle item : tensors) {
+          const auto t = item.cast<py::tuple>();
+          traced.push_back(
+              {dtype_from_py(t[0], "tensors' dtype"), t[1].cast<bool>(), t[2].cast<bool>()});
+        }
+        const c10::ScalarType self_dtype = dtype_from_py(self, "self");
+        return core::call_reads_masters(op, c10::Device(device).type(), traced,
+                                        self_dtype == c10::ScalarType::Undefined
+                                            ? std::nullopt
+                                            : std::optional<c10::ScalarType>(self_dtype),
+                                        dtype_given);
+      },
+      py::arg("op"), py::arg("device"), py::arg("tensors"), py::arg("self"), py::arg("dtype_given"),
+      "Whether eager O2/O5 casting hands the model tensors in a call of op ('aten::layer_norm') "
+      "their fp32 masters: tensors, the read-only floating ones as (dtype, is a model tensor, "
+      "has dimensions); self, self's dtype or None.");
   m.def("_working_copy_sources", &core::working_copy_sources,
         "The model tensors O2/O5 ops read as working copies now (empty otherwise).");
   m.def("_reset_core", &core::reset);

@@ -26,7 +26,7 @@ write-back). The casts are then ordinary graph nodes, which inductor fuses.
 """
 import sys
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -41,11 +41,6 @@ _BUFFER_VIEW = "_optamp_buffer_view"  # on a view of a registered buffer, while 
 # it is then replaced, which is what a dead tensor's entry is worth).
 _marked: Dict[int, "weakref.ref[torch.Tensor]"] = {}
 _substituting = False  # initialized at O2/O5 (a plain flag: Dynamo reads it as a constant)
-# The fp32 (always) functions' names (policy_report's entries, overloads dropped), on every
-# device and on CPU tensors only, read at initialize: eager hands those ops the masters (the cast
-# kernel widens reduced inputs and reads a registered tensor past substitution).
-_widened_everywhere: FrozenSet[str] = frozenset()
-_widened_on_cpu: FrozenSet[str] = frozenset()
 
 
 def _reset_dynamo() -> None:
@@ -57,11 +52,9 @@ def _reset_dynamo() -> None:
 def on_initialize(casting: bool, working_copy_sources: List[torch.Tensor]) -> None:
     """Called by initialize; ``casting``: the level casts (enabled, not O0);
     ``working_copy_sources``: the tensors ops see as working copies (O2/O5), else empty."""
-    global _saved_autograd_cache, _substituting, _widened_everywhere, _widened_on_cpu
+    global _saved_autograd_cache, _substituting
     _reset_dynamo()
     _substituting = bool(working_copy_sources)
-    if _substituting:
-        _widened_everywhere, _widened_on_cpu = _fp32_always_functions()
     for t in working_copy_sources:
         setattr(t, _MARK, "parameter" if isinstance(t, torch.nn.Parameter) else "buffer")
         _marked[id(t)] = weakref.ref(t)
@@ -109,48 +102,81 @@ def on_reset() -> None:
         _saved_autograd_cache = None
 
 
-def _fp32_always_functions() -> Tuple[FrozenSet[str], FrozenSet[str]]:
-    """The names of the fp32 (always) ops, as torch functions are named (``fft_rfft``,
-    ``linalg_slogdet``, ``view_as_complex``): on every device, and on CPU tensors only."""
-    everywhere: Set[str] = set()
-    cpu: Set[str] = set()
-    # Apex's rows (torch's tables hold the same fp32 (always) rows); user registrations included.
-    for op, table, policy in _C.policy_rows():
-        if policy != _C.CastPolicy.FP32_ALWAYS or not op.startswith("aten::"):
-            continue
-        name = op[len("aten::"):].split(".")[0]
-        if table == _C.PolicyList.APEX:
-            everywhere.add(name)
-        elif table == _C.PolicyList.APEX_CPU:
-            cpu.add(name)
-    return frozenset(everywhere), frozenset(cpu - everywhere)
-
-
 # The normalizations with running statistics, as torch functions are named.
 _NORMS_WITH_STATISTICS: FrozenSet[str] = frozenset({"batch_norm", "instance_norm"})
 
 
-def _reads_the_masters(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
-                       dtype: torch.dtype) -> bool:
-    """Whether eager substitution leaves this call's registered tensors as they are: an fp32
-    (always) op (the cast kernel reads them past substitution), a call with a complex argument
-    (substitution.cpp, has_complex_argument), or a batch or instance norm given an input wider
-    than the working copies (normalizes_a_wider_input)."""
+# Torch functions a forward calls whose operator has another name (the mode sees the Python
+# function, not the operators it calls), and the operators' dunders.
+_OPERATOR_NAMES: Dict[str, str] = {
+    "cross_entropy": "cross_entropy_loss", "nll_loss": "nll_loss_nd", "grid_sample": "grid_sampler",
+    "__add__": "add", "__radd__": "add", "__sub__": "sub", "__rsub__": "rsub", "__mul__": "mul",
+    "__rmul__": "mul", "__truediv__": "div", "__rtruediv__": "div", "__matmul__": "matmul",
+    "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow",
+}
+
+
+def _operator_of(func: Any) -> str:
+    # A dispatcher op's qualified name, read outside the trace as _written_by_op reads schemas.
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return str(func._qualified_op_name)
+    schema = func._schema
+    return str(schema.name) + ("." + schema.overload_name if schema.overload_name else "")
+
+
+_operator_of._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _eager_reads_masters(op: str, device: str, tensors: Tuple[Tuple[torch.dtype, bool, bool], ...],
+                         self_dtype: Optional[torch.dtype], dtype_given: bool) -> bool:
+    # The casting kernel's own plan for such a call (a constant to Dynamo: what it depends on,
+    # the level, regions and grad mode, is guarded or resets Dynamo, as _working_dtype_now).
+    return _C._call_reads_masters(op, device, tensors, self_dtype, dtype_given)
+
+
+_eager_reads_masters._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _reads_the_masters(func: Any, name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                       dtype: torch.dtype, written: Tuple[int, ...],
+                       written_names: Tuple[str, ...]) -> bool:
+    """Whether eager substitution leaves this call's registered tensors as they are: a call with
+    a complex argument (substitution.cpp, has_complex_argument), a batch or instance norm given an
+    input wider than the working copies (normalizes_a_wider_input), or a call the casting kernel
+    casts to fp32 (an fp32 (always) op; an fp32 rule that applies, such as the fp32 losses'; a
+    promotion or a widening of mixed widths to fp32: a layer norm of an fp32 sum; cast_kernel.cpp
+    reads the masters past substitution) or runs through the op's own autocast kernel. Until
+    2026-12-08 only the fp32 (always) ops were known here: a layer norm given an fp32 input, or a
+    cross entropy with a registered class-weight buffer, read the working copies widened compiled
+    (gradients rounded through fp16) where eager read the masters."""
     if name in _NORMS_WITH_STATISTICS:
         x = args[0] if args else kwargs.get("input")
         if (isinstance(x, torch.Tensor) and x.is_floating_point()
                 and not is_working_copy_source(x) and x.itemsize > dtype.itemsize):
             return True
     values = list(args) + list(kwargs.values())
-    flat = [v for value in values
-            for v in (value if isinstance(value, (list, tuple)) else (value,))]
     if any(isinstance(v, complex) or (isinstance(v, torch.Tensor) and v.is_complex())
-           for v in flat):
+           for value in values for v in (value if isinstance(value, (list, tuple)) else (value,))):
         return True
-    if name in _widened_everywhere:
-        return True
-    return name in _widened_on_cpu and any(
-        isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in flat)
+    read = [a for i, a in enumerate(args) if i not in written]
+    read += [v for k, v in kwargs.items() if k != "out" and k not in written_names]
+    tensors = [v for value in read for v in (value if isinstance(value, (list, tuple)) else (value,))
+               if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return False
+    floating = tuple((t.dtype, is_working_copy_source(t) or getattr(t, _BUFFER_VIEW, False) is True,
+                      t.dim() > 0)
+                     for t in tensors if t.is_floating_point() and t.dtype != torch.float64)
+    first = args[0] if args else None
+    self_dtype = (first.dtype if isinstance(first, torch.Tensor) and first.is_floating_point()
+                  else None)
+    dtype_given = (kwargs.get("dtype") is not None
+                   or any(isinstance(a, torch.dtype) for a in args))
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        op = _operator_of(func)
+    else:
+        op = "aten::" + _OPERATOR_NAMES.get(name, name)
+    return _eager_reads_masters(op, tensors[0].device.type, floating, self_dtype, dtype_given)
 
 
 def is_working_copy_source(t: torch.Tensor) -> bool:
@@ -310,12 +336,13 @@ class WorkingCopies(TorchFunctionMode):
             # body's ops, so the body enters it itself (eager checkpoints run the body under the
             # state of the call too: docs/casting.md, "Activation checkpointing").
             return func(_entering(args[0], self.dtype), *args[1:], **kwargs)
-        if (name in _OWN_DATA or _working_dtype_now() != self.dtype
-                or _reads_the_masters(name, args, kwargs, self.dtype)):
+        if name in _OWN_DATA or _working_dtype_now() != self.dtype:
+            return func(*args, **kwargs)
+        written, written_names = _written_arguments(func, name)
+        if _reads_the_masters(func, name, args, kwargs, self.dtype, written, written_names):
             return func(*args, **kwargs)
         if name in _VIEWS and args and _is_buffer_or_its_view(args[0]):
             return _mark_buffer_views(func(*args, **kwargs))
-        written, written_names = _written_arguments(func, name)
         updated = _updated_statistics(func, args, kwargs)
         # A norm's updated statistics get a copy of their own, copied back after the call, as
         # eager substitution does (csrc/core/dispatch/substitution.cpp).

@@ -11,6 +11,7 @@
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/instancenorm.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 #include <torch/optim/sgd.h>
 
 #include <cstddef>
@@ -571,6 +572,56 @@ TEST_F(Initialize, TheWorkingCopyDtypeFollowsTheGateNotTheInputCast) {
   StatsNet net;
   initialize(net, std::string("O1"), quiet());
   EXPECT_EQ(core::working_copy_dtype(), at::ScalarType::Undefined);  // no working copies
+}
+
+// core::call_reads_masters (the compile mode's question) answers from the casting kernel's own
+// plan: a layer norm given an fp32 input beside O2's fp16 weights is widened and reads the
+// masters, as the eager call shows; given fp16 input it runs on the working copies.
+struct NormNetImpl : torch::nn::Module {
+  NormNetImpl()
+      : norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({4})))) {
+    at::NoGradGuard no_grad;
+    norm->weight.fill_(1.0 / 3.0);  // not exact in fp16
+    norm->bias.fill_(0.1);
+  }
+  torch::nn::LayerNorm norm;
+};
+TORCH_MODULE(NormNet);
+
+TEST_F(Initialize, CallsTheKernelWidensToFp32ReadTheMastersAsTheirDescriptionsSay) {
+  NormNet net;
+  initialize(net, std::string("O2"), quiet());
+  const at::Tensor& weight = net->norm->weight;
+  const at::Tensor& bias = net->norm->bias;
+  const auto x = at::randn({2, 4});
+  const at::Tensor eager = at::layer_norm(x, {4}, weight, bias);
+  at::Tensor masters;
+  {
+    disable_casts off;
+    masters = at::layer_norm(x, {4}, weight, bias);
+  }
+  EXPECT_EQ(eager.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(eager, masters)) << "the fp32 masters' values, not fp16's 1/3";
+  using core::TracedTensor;
+  const TracedTensor model{at::kFloat, true, true};
+  EXPECT_TRUE(core::call_reads_masters("aten::layer_norm", c10::DeviceType::CPU,
+                                       {{at::kFloat, false, true}, model, model}, at::kFloat,
+                                       false));
+  EXPECT_FALSE(core::call_reads_masters("aten::layer_norm", c10::DeviceType::CPU,
+                                        {{at::kHalf, false, true}, model, model}, at::kHalf,
+                                        false));
+  EXPECT_FALSE(core::call_reads_masters("aten::linear", c10::DeviceType::CPU,
+                                        {{at::kFloat, false, true}, model, model}, at::kFloat,
+                                        false))
+      << "lower: the working copies";
+  EXPECT_FALSE(
+      core::call_reads_masters("aten::relu", c10::DeviceType::CPU, {model}, at::kFloat, false))
+      << "in no table";
+  reset();
+  EXPECT_FALSE(core::call_reads_masters("aten::layer_norm", c10::DeviceType::CPU,
+                                        {{at::kFloat, false, true}, model, model}, at::kFloat,
+                                        false))
+      << "not initialized: no working copies";
 }
 
 // View ops hand a registered buffer its own data: a write through the view reaches the buffer

@@ -494,17 +494,98 @@ def test_compiled_o2_o5_complex_values_and_widened_ops_read_the_masters_as_eager
     assert torch.equal(losses[1], losses[0])
 
 
-def test_the_compile_modes_widened_functions_are_the_fp32_always_rows():
-    from optamp import _compile
+class WeightedLoss(torch.nn.Module):
+    """A linear whose forward ends in a cross entropy weighted by a registered buffer of class
+    weights that fp16 does not hold exactly."""
 
-    everywhere, cpu_only = _compile._fp32_always_functions()
-    assert {"view_as_complex", "complex", "fft_rfft", "stft", "linalg_slogdet",
-            "cdist"} <= everywhere
-    assert cpu_only == {"avg_pool3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa", "trace",
-                        "polar", "_standard_gamma", "_standard_gamma_grad", "_sample_dirichlet",
-                        "_dirichlet_grad", "binomial", "multi_margin_loss",
-                        "multilabel_margin_loss"}
-    assert not cpu_only & everywhere
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 5)
+        self.register_buffer("class_weight", torch.tensor([1 / 3, 0.7, 1.1, 2 / 3, 0.1]))
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.fc(x).float(), y, weight=self.class_weight)
+
+
+def _sinusoidal_step(run, gen):
+    idx = torch.randint(0, 50, (4, 12), generator=gen)
+    return F.cross_entropy(run(idx).float().flatten(0, 1), idx.flatten())
+
+
+def _weighted_loss_step(run, gen):
+    return run(torch.randn(8, 16, generator=gen), torch.randint(0, 5, (8,), generator=gen))
+
+
+@pytest.mark.parametrize("op_lists", ["apex", "torch"])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("program", ["sinusoidal", "weighted_loss"])
+def test_compiled_o2_o5_calls_widened_to_fp32_read_the_masters_as_eager(level, op_lists, program):
+    # Eager casting hands a call it casts to fp32 the fp32 masters: a layer norm of fp16
+    # embeddings plus an fp32 positional encoding (widened: mixed widths), a cross entropy's
+    # class-weight buffer (O2/O5's fp32 losses). The compiled forward's mode knew only the fp32
+    # (always) ops: it handed both the working copies, widened in the graph, so the weights'
+    # gradients were rounded through fp16 (LayerNorm 1.2e-4 off eager's at O2, 9.8e-4 at O5;
+    # the weighted loss 2.4e-4 and 2e-3).
+    cls, step = {"sinusoidal": (SinusoidalNet, _sinusoidal_step),
+                 "weighted_loss": (WeightedLoss, _weighted_loss_step)}[program]
+    runs = []
+    for backend in [None, "aot_eager"]:
+        torch.manual_seed(0)
+        model = cls()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        init(model, opt, level, op_lists=op_lists)
+        run = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
+        gen = torch.Generator().manual_seed(3)
+        grads = []
+        for _ in range(2):
+            opt.zero_grad()
+            loss = step(run, gen)
+            with optamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+        runs.append((loss.detach(), grads))
+        optamp.reset()
+    (eager_loss, eager_grads), (loss, grads) = runs
+    torch.testing.assert_close(loss, eager_loss, rtol=0, atol=0)
+    torch.testing.assert_close(grads, eager_grads, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op_lists", ["apex", "torch"])
+def test_the_compile_mode_asks_the_casting_kernels_plan_which_calls_read_the_masters(
+        fresh, op_lists):
+    # Eager O2 hands a call's model tensors their fp32 masters where the casting kernel casts the
+    # call to fp32; the compiled forward's mode asks the kernel's own plan (until 2026-12-08 it
+    # knew only the fp32 (always) rows by name).
+    init(torch.nn.Linear(2, 2), None, "O2", op_lists=op_lists)
+    f16, f32 = torch.float16, torch.float32
+    weight, bias = (f32, True, True), (f32, True, True)  # model tensors, seen fp16
+
+    def reads(op, tensors, device="cpu", self_dtype=None, dtype_given=False):
+        return optamp._C._call_reads_masters(op, device, tensors, self_dtype, dtype_given)
+
+    # fp32 (always), everywhere and on the CPU only (avg_pool3d has no reduced CPU kernel)
+    assert reads("aten::linalg_slogdet", [weight], self_dtype=f32)
+    assert reads("aten::avg_pool3d", [weight], self_dtype=f32)
+    assert not reads("aten::avg_pool3d", [weight], device="cuda", self_dtype=f32)
+    # a layer norm: fp32 input beside reduced weights is widened; a reduced input is not
+    assert reads("aten::layer_norm", [(f32, False, True), weight, bias], self_dtype=f32)
+    assert not reads("aten::layer_norm", [(f16, False, True), weight, bias], self_dtype=f16)
+    # O2's fp32 losses: a registered class-weight buffer is read in fp32
+    assert reads("aten::cross_entropy_loss", [(f16, False, True), weight], self_dtype=f16)
+    # lower: the working copies' dtype; promote where torch agrees: the op promotes itself
+    assert not reads("aten::linear", [(f32, False, True), weight, bias], self_dtype=f32)
+    assert not reads("aten::add", [(f32, False, True), weight], self_dtype=f32)
+    # a 0-dim fp32 tensor: torch would pick fp16, Apex's promote rule fp32 (torch's lists have
+    # no promote row for add: as native)
+    zero_dim = [(f32, False, False), weight]
+    assert reads("aten::add", zero_dim, self_dtype=f32) == (op_lists == "apex")
+    assert reads("aten::add.Tensor", zero_dim, self_dtype=f32) == (op_lists == "apex")
+    assert not reads("aten::add.Scalar", [weight], self_dtype=f32), "add.Scalar is in no table"
+    # an op in no table, and a complex-free relu
+    assert not reads("aten::relu", [weight], self_dtype=f32)
+    with torch.no_grad():  # the gate: ops see the masters, nothing to decide
+        assert not reads("aten::layer_norm", [(f32, False, True), weight, bias], self_dtype=f32)
 
 
 class NormsWithStatistics(torch.nn.Module):

@@ -7,6 +7,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <algorithm>
 #include <iostream>
 #include <mutex>
 #include <optional>
@@ -28,12 +29,6 @@ using c10::ScalarType;
 // A Python/C++ number passed where a Tensor is expected (`x + 0.5`): it has no width of its
 // own in type promotion, so it is neither cast nor counted when promoting.
 bool is_wrapped_number(const at::Tensor& t) { return t.unsafeGetTensorImpl()->is_wrapped_number(); }
-
-// Floating, not float64 (Apex never touches doubles), not a wrapped number.
-bool is_castable(const at::Tensor& t) {
-  return t.defined() && t.is_floating_point() && t.scalar_type() != ScalarType::Double &&
-         !is_wrapped_number(t);
-}
 
 // verbosity=2: each distinct (from, to, op) cast is logged once.
 void log_cast_once(ScalarType from, ScalarType to, const std::string& op) {
@@ -140,6 +135,11 @@ bool is_scalar_type_arg(const c10::Argument& arg) {
 
 }  // namespace
 
+bool is_castable(const at::Tensor& t) {
+  return t.defined() && t.is_floating_point() && t.scalar_type() != ScalarType::Double &&
+         !is_wrapped_number(t);
+}
+
 void CastKernel::set_policy(ListSet set, CastPolicy policy, const char* banned_message) {
   if (banned_message != nullptr) banned_message_.store(banned_message);
   policies_[static_cast<int>(set)].store(static_cast<std::uint8_t>(policy));
@@ -208,8 +208,10 @@ void PromoteWidth::add(const at::Tensor& t) {
     complex_wide = complex_wide || (t.dim() > 0 && t.scalar_type() != ScalarType::ComplexHalf);
     return;
   }
-  if (!is_castable(t)) return;
-  const ScalarType s = dtype_ops_see(t);  // a model tensor at O2/O5: its working copy's
+  if (is_castable(t)) add_castable(dtype_ops_see(t), t.dim() > 0);
+}
+
+void PromoteWidth::add_castable(ScalarType s, bool dimensioned) {
   half = half || s == ScalarType::Half;
   auto widen = [](ScalarType a, ScalarType b) {
     if (a == ScalarType::Undefined || a == b) return b;
@@ -218,7 +220,7 @@ void PromoteWidth::add(const at::Tensor& t) {
   };
   mixed = mixed || (widest != ScalarType::Undefined && s != widest);
   widest = widen(widest, s);
-  if (t.dim() > 0) widest_dimensioned = widen(widest_dimensioned, s);
+  if (dimensioned) widest_dimensioned = widen(widest_dimensioned, s);
 }
 
 ScalarType PromoteWidth::torch_width() const {
@@ -303,19 +305,6 @@ bool CastKernel::plan_promotion(const PromoteWidth& width, CallPlan& p) const {
   return true;
 }
 
-bool CastKernel::plan_match_self(torch::jit::Stack& stack, std::size_t base, CallPlan& p) const {
-  if (self_index_ < 0) return false;
-  const at::Tensor& self = stack[base + self_index_].toTensor();
-  if (!self.defined() || !self.is_floating_point()) return false;
-  p.target = self.scalar_type();
-  bool differs = false;
-  rewrite_tensors(slots_, stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
-    differs = differs || (is_castable(t) && dtype_ops_see(t) != p.target);  // O2/O5: its copy's
-    return std::nullopt;
-  });
-  return differs;
-}
-
 // NOLINTNEXTLINE(readability-convert-member-functions-to-static): one of the kernel's plan steps
 bool CastKernel::plan_mixed_widening(const PromoteWidth& width, CallPlan& p) const {
   // A 0-dim tensor of another width than the tensors with dimensions takes theirs, the dtype
@@ -352,28 +341,113 @@ void CastKernel::log_cast(ScalarType from, const CallPlan& p) const {
   if (verbosity() >= 2) log_cast_once(from, p.target, name_);
 }
 
+// route's view of a boxed call: the read-only tensor slots of the stack.
+class CastKernel::StackArguments {
+ public:
+  StackArguments(const CastKernel& kernel, torch::jit::Stack& stack, std::size_t base)
+      : kernel_(kernel), stack_(stack), base_(base) {}
+  PromoteWidth width() const {
+    PromoteWidth width;
+    visit([&](const at::Tensor& t) { width.add(t); });
+    return width;
+  }
+  std::optional<ScalarType> self_dtype() const {
+    const at::Tensor& self = stack_[base_ + kernel_.self_index_].toTensor();
+    if (!self.defined() || !self.is_floating_point()) return std::nullopt;
+    return self.scalar_type();
+  }
+  bool seen_other_than(ScalarType dtype) const {
+    bool other = false;  // a model tensor at O2/O5: its working copy's dtype
+    visit([&](const at::Tensor& t) {
+      other = other || (is_castable(t) && dtype_ops_see(t) != dtype);
+    });
+    return other;
+  }
+  bool dtype_given() const { return !stack_[base_ + kernel_.dtype_index_].isNone(); }
+  bool any_reduced() const {
+    bool reduced = false;
+    visit([&](const at::Tensor& t) {
+      reduced = reduced || (t.defined() && is_reduced_float(t.scalar_type()));
+    });
+    return reduced;
+  }
+  std::optional<c10::DeviceType> device() const {
+    std::optional<c10::DeviceType> device;
+    visit([&](const at::Tensor& t) {
+      if (!device && t.defined()) device = t.device().type();
+    });
+    return device;
+  }
+  template <typename Fn>  // `fn(tensor) -> optional<replacement>` on every read-only tensor
+  void rewrite(Fn&& fn) const {
+    rewrite_tensors(kernel_.slots_, stack_, base_, fn);
+  }
+
+ private:
+  template <typename Fn>
+  void visit(Fn&& fn) const {
+    rewrite([&](const at::Tensor& t) -> std::optional<at::Tensor> {
+      fn(t);
+      return std::nullopt;
+    });
+  }
+  const CastKernel& kernel_;
+  torch::jit::Stack& stack_;
+  std::size_t base_;
+};
+
+namespace {
+
+// route's view of a described call (DescribedTensor).
+struct DescribedArguments {
+  const std::vector<DescribedTensor>& tensors;
+  std::optional<ScalarType> self;
+  bool given;
+  PromoteWidth width() const {
+    PromoteWidth width;
+    for (const auto& t : tensors) width.add_castable(t.seen, t.dimensioned);
+    return width;
+  }
+  std::optional<ScalarType> self_dtype() const { return self; }
+  bool seen_other_than(ScalarType dtype) const {
+    return std::any_of(tensors.begin(), tensors.end(),
+                       [dtype](const DescribedTensor& t) { return t.seen != dtype; });
+  }
+  bool dtype_given() const { return given; }
+};
+
+}  // namespace
+
+CallRoute CastKernel::route_described(c10::DeviceType device,
+                                      const std::vector<DescribedTensor>& tensors,
+                                      std::optional<ScalarType> self, bool dtype_given,
+                                      CallPlan& plan) const {
+  return route(device, DescribedArguments{tensors, self, dtype_given}, plan);
+}
+
+bool described_call_reads_masters(const c10::OperatorHandle& op, const CastKernel& kernel,
+                                  c10::DeviceType device,
+                                  const std::vector<DescribedTensor>& tensors,
+                                  std::optional<ScalarType> self, bool dtype_given) {
+  CallPlan p;
+  switch (kernel.route_described(device, tensors, self, dtype_given, p)) {
+    case CallRoute::kOwnAutocast:
+      return own_autocast_key(op, device).has_value();
+    case CallRoute::kCastArguments:
+      return p.target == ScalarType::Float;  // cast_argument: a master in its own dtype
+    default:
+      return false;
+  }
+}
+
 void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                             torch::jit::Stack* stack) {
   const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kCastKey);
-  const std::size_t base = stack->size() - num_arguments_;
-
-  // The device decides whether native autocast owns this call.
-  std::optional<c10::DeviceType> device;
-  rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
-    if (!device && t.defined()) device = t.device().type();
-    return std::nullopt;
-  });
-  auto width_of_call = [&] {  // a mixed widening's or a promote call's, once per call
-    PromoteWidth width;
-    rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
-      width.add(t);
-      return std::nullopt;
-    });
-    return width;
-  };
-  CallPlan p = plan(device);
-  if (p.widen_if_mixed) plan_mixed_widening(width_of_call(), p);
-  if (!p.cast) {
+  const StackArguments args(*this, *stack, stack->size() - num_arguments_);
+  const std::optional<c10::DeviceType> device = args.device();  // native autocast's, or not
+  CallPlan p;
+  const CallRoute route_taken = route(device, args, p);
+  if (route_taken == CallRoute::kAsGiven) {
     std::optional<c10::impl::ExcludeDispatchKeyGuard> stay_out;
     if (p.native_owns) stay_out.emplace(kCastKey);
     op.redispatchBoxed(below, stack);
@@ -381,64 +455,50 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
   }
   // Casts must not come back into optamp's kernels (nor should composite ops' inner calls).
   c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);
-  if (p.policy == CastPolicy::kOwnAutocast) {
-    const std::optional<c10::DispatchKey> key = own_autocast_key(op, *device);
-    if (!key) {
-      op.redispatchBoxed(below, stack);  // none for this device: as native autocast runs it
+  switch (route_taken) {
+    case CallRoute::kOwnAutocast:
+      run_own_autocast_call(op, below, stack, args, *device, p.target);
       return;
-    }
-    // Model tensors at O2/O5 go in as their masters (an alias past substitution), to be cast by
-    // the kernel like the other inputs: its inner call would otherwise meet substitution, which
-    // hands the op a working copy beside the inputs the kernel widened.
-    rewrite_tensors(slots_, *stack, base, [](const at::Tensor& t) -> std::optional<at::Tensor> {
-      if (!t.defined() || dtype_ops_see(t) == t.scalar_type()) return std::nullopt;
-      return own_data_past_substitution(t);
-    });
-    run_own_autocast(op, *key, below, stack, *device, p.target);
+    case CallRoute::kDtypeArgument:
+      run_with_fp32_dtype(op, below, stack, args);
+      return;
+    default:
+      args.rewrite([&](const at::Tensor& t) { return cast_argument(t, p); });
+      op.redispatchBoxed(below, stack);
+  }
+}
+
+void CastKernel::run_own_autocast_call(const c10::OperatorHandle& op, c10::DispatchKeySet below,
+                                       torch::jit::Stack* stack, const StackArguments& args,
+                                       c10::DeviceType device, ScalarType low) const {
+  const std::optional<c10::DispatchKey> key = own_autocast_key(op, device);
+  if (!key) {
+    op.redispatchBoxed(below, stack);  // none for this device: as native autocast runs it
     return;
   }
-  if (p.widen_if_mixed) {
-    // a mixed widening: its width is planned (plan_mixed_widening)
-  } else if (p.policy == CastPolicy::kPromote) {
-    if (!plan_promotion(width_of_call(), p)) {
-      op.redispatchBoxed(below, stack);
+  // Model tensors at O2/O5 go in as their masters (an alias past substitution), to be cast by
+  // the kernel like the other inputs: its inner call would otherwise meet substitution, which
+  // hands the op a working copy beside the inputs the kernel widened.
+  args.rewrite([](const at::Tensor& t) -> std::optional<at::Tensor> {
+    if (!t.defined() || dtype_ops_see(t) == t.scalar_type()) return std::nullopt;
+    return own_data_past_substitution(t);
+  });
+  run_own_autocast(op, *key, below, stack, device, low);
+}
+
+void CastKernel::run_with_fp32_dtype(const c10::OperatorHandle& op, c10::DispatchKeySet below,
+                                     torch::jit::Stack* stack, const StackArguments& args) const {
+  // Ops with a dtype argument compute in fp32 without a separate input cast.
+  const std::size_t base = stack->size() - num_arguments_;
+  const bool any_reduced = args.any_reduced();
+  if (any_reduced && fp32_replacement_ != nullptr) {
+    if (auto result = fp32_replacement_(*stack, base)) {  // no cast: none to log or count
+      torch::jit::drop(*stack, num_arguments_);
+      torch::jit::push(*stack, *std::move(result));
       return;
     }
-  } else if (p.policy == CastPolicy::kMatchSelf) {
-    if (!plan_match_self(*stack, base, p)) {
-      op.redispatchBoxed(below, stack);
-      return;
-    }
-  } else if (p.policy != CastPolicy::kLower && p.policy != CastPolicy::kFp32Always &&
-             dtype_index_ >= 0) {
-    // (fp32 (always) ops cast their inputs: the reduced ones are what they have no kernels for,
-    // and some check the input's dtype before the dtype argument's, linalg_matrix_norm's "Low
-    // precision dtypes not supported".)
-    if (!(*stack)[base + dtype_index_].isNone()) {
-      // The caller chose the result dtype: that is the precision asked for, and widening the
-      // inputs would make ops that refuse to narrow (linalg_vector_norm, norm) fail. Native
-      // autocast's fp32_set_opt_dtype leaves such calls alone too.
-      op.redispatchBoxed(below, stack);
-      return;
-    }
-    // Ops with a dtype argument compute in fp32 without a separate input cast.
-    bool any_reduced = false;
-    rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) -> std::optional<at::Tensor> {
-      any_reduced = any_reduced || (t.defined() && is_reduced_float(t.scalar_type()));
-      return std::nullopt;
-    });
-    if (any_reduced && fp32_replacement_ != nullptr) {
-      if (auto result = fp32_replacement_(*stack, base)) {  // no cast: none to log or count
-        torch::jit::drop(*stack, num_arguments_);
-        torch::jit::push(*stack, *std::move(result));
-        return;
-      }
-    }
-    if (any_reduced) (*stack)[base + dtype_index_] = c10::IValue(ScalarType::Float);
-    op.redispatchBoxed(below, stack);
-    return;
   }
-  rewrite_tensors(slots_, *stack, base, [&](const at::Tensor& t) { return cast_argument(t, p); });
+  if (any_reduced) (*stack)[base + dtype_index_] = c10::IValue(ScalarType::Float);
   op.redispatchBoxed(below, stack);
 }
 

@@ -12,6 +12,11 @@
 
 namespace amp::detail {
 
+// Whether the casting kernels cast or weigh `t`: floating, not float64 (Apex never touches
+// doubles), not a wrapped number (a Python/C++ number passed where a Tensor is expected, `x + 0.5`,
+// has no width of its own in type promotion).
+bool is_castable(const at::Tensor& t);
+
 // The widest floating width among a promote call's inputs (fp16 mixed with bf16 widens to fp32),
 // and the width torch's own promotion would pick: it ranks 0-dim tensors below the others, so it
 // picks the widest among the tensors with dimensions (the widest of all when there are none).
@@ -25,6 +30,8 @@ struct PromoteWidth {
   bool complex = false;       // a complex tensor or wrapped complex scalar
   bool complex_wide = false;  // a complex64/complex128 tensor with dimensions
   void add(const at::Tensor& t);
+  // A castable tensor's width: `seen`, the dtype ops see it in; `dimensioned`: dim() > 0.
+  void add_castable(c10::ScalarType seen, bool dimensioned);
   c10::ScalarType torch_width() const;
   bool torch_agrees() const { return torch_width() == widest; }
   bool makes_complex32() const { return half && complex && !complex_wide; }
@@ -39,6 +46,23 @@ struct CallPlan {
   // (when not casting) a listed op that cannot run mixed widths, whose policy the no_grad gate
   // holds back or the level's rules leave out: plan_mixed_widening looks at its inputs.
   bool widen_if_mixed = false;
+};
+
+// What a planned call does with its arguments (CastKernel::route).
+enum class CallRoute : std::uint8_t {
+  kAsGiven,        // redispatched as they came (plan.native_owns: native autocast owns the call)
+  kOwnAutocast,    // through the op's own autocast kernel, told the level's low dtype
+  kDtypeArgument,  // an fp32-list op with a dtype argument left None: asked for an fp32 result
+  kCastArguments,  // its read-only floating tensors cast to plan.target (cast_argument)
+};
+
+// A read-only floating argument (not fp64, not a wrapped number) of a call described without a
+// stack: torch.compile's working-copy mode describes the calls it traces so (core.h,
+// call_reads_masters).
+struct DescribedTensor {
+  c10::ScalarType own;   // its dtype
+  c10::ScalarType seen;  // the dtype ops see it in (an O2/O5 model tensor: its working copy's)
+  bool dimensioned;      // dim() > 0
 };
 
 // For an op with a dtype argument: computes its fp32 result from the reduced inputs at
@@ -80,10 +104,20 @@ class CastKernel final : public c10::OperatorKernel {
   // the gate, the table and the banned check for a call whose first tensor is on `device`
   // (throws for a banned op);
   CallPlan plan(std::optional<c10::DeviceType> device) const;
+  // then the arguments' part, into `plan`: what the call does with them. `args` is read only where
+  // the plan needs it, through width() (a PromoteWidth over the read-only tensors), self_dtype()
+  // (self's dtype where self is a floating tensor, else nullopt), seen_other_than(dtype) (a
+  // castable read-only tensor ops see in another dtype) and dtype_given() (the op's dtype
+  // argument is not None). The boxed kernel, the unboxed ones and described calls route alike.
+  template <typename Args>
+  CallRoute route(std::optional<c10::DeviceType> device, const Args& args, CallPlan& plan) const;
+  // A call described without a stack (DescribedTensor): its route; `self`, self's dtype where
+  // self is a floating tensor.
+  CallRoute route_described(c10::DeviceType device, const std::vector<DescribedTensor>& tensors,
+                            std::optional<c10::ScalarType> self, bool dtype_given,
+                            CallPlan& plan) const;
   // a promote call whose width is known: whether to cast, to what (plan.target);
   bool plan_promotion(const PromoteWidth& width, CallPlan& plan) const;
-  // a match-self call: whether its other floating inputs need self's dtype (plan.target);
-  bool plan_match_self(torch::jit::Stack& stack, std::size_t base, CallPlan& plan) const;
   // a call left uncast (plan.widen_if_mixed) whose width is known: whether to widen its inputs
   // after all (they mix widths among its tensors with dimensions), to what. Why: such calls run
   // in the dtypes they are given, but a listed op that torch does not promote by itself (mm,
@@ -104,6 +138,13 @@ class CastKernel final : public c10::OperatorKernel {
   bool has_dtype_argument() const { return dtype_index_ >= 0; }
 
  private:
+  class StackArguments;  // route's view of a boxed stack (cast_kernel.cpp)
+  // The boxed kernel's CallRoute::kOwnAutocast and kDtypeArgument calls.
+  void run_own_autocast_call(const c10::OperatorHandle& op, c10::DispatchKeySet below,
+                             torch::jit::Stack* stack, const StackArguments& args,
+                             c10::DeviceType device, c10::ScalarType low) const;
+  void run_with_fp32_dtype(const c10::OperatorHandle& op, c10::DispatchKeySet below,
+                           torch::jit::Stack* stack, const StackArguments& args) const;
   enum class SlotKind : std::uint8_t { kTensor, kOptionalTensor, kTensorList, kOptionalTensorList };
   struct Slot {
     std::size_t index;
@@ -122,5 +163,46 @@ class CastKernel final : public c10::OperatorKernel {
   bool promotes_natively_ = false;              // see promotes_natively() (policy_table.h)
   std::string name_;
 };
+
+// Whether eager hands the O2/O5 model tensors in a call of `op` (whose kernel is `kernel`) with
+// the described arguments their fp32 masters: where the kernel casts the call to fp32 (an fp32
+// rule that applies, a promotion or mixed widening to fp32), or runs the op's own autocast
+// kernel. Elsewhere substitution hands them their working copies. torch.compile's working-copy
+// mode asks (core::call_reads_masters).
+bool described_call_reads_masters(const c10::OperatorHandle& op, const CastKernel& kernel,
+                                  c10::DeviceType device,
+                                  const std::vector<DescribedTensor>& tensors,
+                                  std::optional<c10::ScalarType> self, bool dtype_given);
+
+template <typename Args>
+CallRoute CastKernel::route(std::optional<c10::DeviceType> device, const Args& args,
+                            CallPlan& p) const {
+  p = plan(device);
+  if (p.widen_if_mixed) plan_mixed_widening(args.width(), p);
+  if (!p.cast) return CallRoute::kAsGiven;
+  if (p.policy == CastPolicy::kOwnAutocast) return CallRoute::kOwnAutocast;
+  if (p.widen_if_mixed) return CallRoute::kCastArguments;  // its width is planned
+  if (p.policy == CastPolicy::kPromote) {
+    return plan_promotion(args.width(), p) ? CallRoute::kCastArguments : CallRoute::kAsGiven;
+  }
+  if (p.policy == CastPolicy::kMatchSelf) {
+    // The other floating inputs take self's dtype, where some has another.
+    const std::optional<c10::ScalarType> self =
+        self_index_ >= 0 ? args.self_dtype() : std::optional<c10::ScalarType>();
+    if (!self || !args.seen_other_than(*self)) return CallRoute::kAsGiven;
+    p.target = *self;
+    return CallRoute::kCastArguments;
+  }
+  if (p.policy != CastPolicy::kLower && p.policy != CastPolicy::kFp32Always && dtype_index_ >= 0) {
+    // (fp32 (always) ops cast their inputs: the reduced ones are what they have no kernels for,
+    // and some check the input's dtype before the dtype argument's, linalg_matrix_norm's "Low
+    // precision dtypes not supported".) The caller chose the result dtype: that is the precision
+    // asked for, and widening the inputs would make ops that refuse to narrow
+    // (linalg_vector_norm, norm) fail. Native autocast's fp32_set_opt_dtype leaves such calls
+    // alone too.
+    return args.dtype_given() ? CallRoute::kAsGiven : CallRoute::kDtypeArgument;
+  }
+  return CallRoute::kCastArguments;
+}
 
 }  // namespace amp::detail

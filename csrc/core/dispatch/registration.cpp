@@ -207,6 +207,36 @@ void register_user_op(std::string_view qualified_name, CastPolicy policy) {
   for (const auto& op : ops) kernel_locked(r, op).set_policy_everywhere(policy);
 }
 
+std::optional<KernelOfCall> kernel_of_call(const std::string& qualified_name) {
+  ensure_registered();
+  const auto dot = qualified_name.find('.', qualified_name.find("::"));
+  const std::string base = qualified_name.substr(0, dot);
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const CastKernel* found = nullptr;
+  c10::OperatorName found_name{"", ""};
+  auto rank = [](const c10::OperatorName& name, const CastKernel& kernel) {
+    if (!kernel.listed()) return 3;
+    return name.overload_name == "Tensor" ? 0 : name.overload_name.empty() ? 1 : 2;
+  };
+  for (const auto& [name, kernel] : r.kernels) {
+    if (name.name != base) continue;
+    if (dot != std::string::npos) {
+      if (name.overload_name != qualified_name.substr(dot + 1)) continue;
+    } else if (found != nullptr &&
+               std::make_tuple(rank(found_name, *found), found_name.overload_name) <=
+                   std::make_tuple(rank(name, *kernel), name.overload_name)) {
+      continue;
+    }
+    found = kernel;
+    found_name = name;
+  }
+  if (found == nullptr) return std::nullopt;
+  auto op = c10::Dispatcher::singleton().findSchema(found_name);
+  if (!op) return std::nullopt;
+  return KernelOfCall{*op, found};
+}
+
 RegisteredPolicies registered_policies() {
   ensure_registered();
   auto& r = registry();

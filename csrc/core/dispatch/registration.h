@@ -1,7 +1,9 @@
 #pragma once
 // Registration of optamp's kernels on its dispatch key.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/operator_name.h>
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -28,6 +30,18 @@ void activate_thread(bool on);
 // amp::register_{half,float,promote}_op: the policy for every overload `qualified_name` names, in
 // every table (validated first: an unknown op changes nothing).
 void register_user_op(std::string_view qualified_name, CastPolicy policy);
+
+// The kernel a call of `qualified_name` reaches, with its operator: "ns::op.overload" names one
+// overload; "ns::op" (a torch function's name: torch.compile's working-copy mode asks by name,
+// python/optamp/_compile.py) the overload a call with tensors most likely takes, of those with a
+// kernel: a listed one, ".Tensor" (add, mul, ...) before the default before the others by name.
+// nullopt where none has a kernel (the op is in no table).
+class CastKernel;
+struct KernelOfCall {
+  c10::OperatorHandle op;
+  const CastKernel* kernel;
+};
+std::optional<KernelOfCall> kernel_of_call(const std::string& qualified_name);
 
 // The registered kernels' policies (amp::policy_rows(), ordered by op, then list) and the table
 // ops this LibTorch lacks, for amp::policy_report().

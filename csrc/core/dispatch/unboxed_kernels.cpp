@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -15,6 +16,7 @@
 #include "cache/companion_casts.h"
 #include "common/dtypes.h"
 #include "dispatch/carried_state.h"
+#include "dispatch/substitution.h"
 #include "dispatch/tensor_args.h"
 #include "ops/fused_cross_entropy.h"
 #include "ops/widened_gelu.h"
@@ -107,34 +109,64 @@ struct Fused<at::_ops::cross_entropy_loss> {
 template <typename Op, typename Signature = typename Op::schema>
 struct Unboxed;
 
+// CastKernel::route's view of an unboxed call's arguments. The hot ops have no dtype argument
+// (register_unboxed checks) and their self, where they have one, comes first.
+template <typename... Args>
+struct UnboxedArguments {
+  std::tuple<const Args&...> args;
+  template <typename Fn>
+  void visit(Fn&& fn) const {
+    std::apply([&](const auto&... arg) { (visit_tensor_arg(arg, fn), ...); }, args);
+  }
+  PromoteWidth width() const {
+    PromoteWidth width;
+    visit([&width](const at::Tensor& t) { width.add(t); });
+    return width;
+  }
+  std::optional<c10::ScalarType> self_dtype() const {
+    std::optional<c10::ScalarType> self;
+    bool first = true;
+    visit([&](const at::Tensor& t) {
+      if (first && t.defined() && t.is_floating_point()) self = t.scalar_type();
+      first = false;
+    });
+    return self;
+  }
+  bool seen_other_than(c10::ScalarType dtype) const {
+    bool other = false;
+    visit([&](const at::Tensor& t) {
+      other = other || (is_castable(t) && dtype_ops_see(t) != dtype);
+    });
+    return other;
+  }
+  bool dtype_given() const { return false; }
+  std::optional<c10::DeviceType> device() const {
+    std::optional<c10::DeviceType> device;
+    visit([&device](const at::Tensor& t) {
+      if (!device && t.defined()) device = t.device().type();
+    });
+    return device;
+  }
+};
+
 template <typename Op, typename Ret, typename... Args>
 struct Unboxed<Op, Ret(Args...)> {
   static Ret call(const CastKernel& k, c10::DispatchKeySet keys, Args... args) {
     const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kCastKey);
-    std::optional<c10::DeviceType> device;
-    auto first_device = [&device](const at::Tensor& t) {
-      if (!device && t.defined()) device = t.device().type();
-    };
-    (visit_tensor_arg(args, first_device), ...);
-    auto width_of_call = [&] {  // a mixed widening's or a promote call's, once per call
-      PromoteWidth width;
-      (visit_tensor_arg(args, [&width](const at::Tensor& t) { width.add(t); }), ...);
-      return width;
-    };
-    CallPlan p = k.plan(device);
-    if (p.widen_if_mixed) k.plan_mixed_widening(width_of_call(), p);
-    if (!p.cast) {
+    const UnboxedArguments<Args...> described{std::forward_as_tuple(args...)};
+    CallPlan p;
+    const CallRoute route = k.route(described.device(), described, p);
+    if (route == CallRoute::kAsGiven) {
       std::optional<c10::impl::ExcludeDispatchKeyGuard> stay_out;
       if (p.native_owns) stay_out.emplace(kCastKey);
       return Op::redispatch(below, args...);
     }
+    // Aten's hot ops have no own autocast kernel of a library and no dtype argument.
+    TORCH_INTERNAL_ASSERT(route == CallRoute::kCastArguments, Op::name);
     c10::impl::ExcludeDispatchKeyGuard no_recursion(kCastKey);
-    if (!p.widen_if_mixed) {  // (a mixed widening has its width planned)
-      if constexpr (std::is_same_v<Ret, at::Tensor>) {
+    if constexpr (std::is_same_v<Ret, at::Tensor>) {
+      if (!p.widen_if_mixed) {  // (a mixed widening keeps the op's own kernel)
         if (auto fused = Fused<Op>::call(k, p, args...)) return *std::move(fused);
-      }
-      if (p.policy == CastPolicy::kPromote && !k.plan_promotion(width_of_call(), p)) {
-        return Op::redispatch(below, args...);
       }
     }
     auto cast = [&k, &p](const at::Tensor& t) { return k.cast_argument(t, p); };

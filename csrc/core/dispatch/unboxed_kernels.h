@@ -3,7 +3,7 @@
 // binary arithmetic ops, layer_norm, gelu, attention). The boxed CastKernel serves any schema,
 // but every call pays for boxing its arguments into a stack and unboxing them again below; these
 // take the arguments as they are and redispatch through at::_ops, as native autocast's kernels
-// do. Same policy, same steps (CastKernel::plan / plan_promotion / cast_argument): only the
+// do. Same policy, same steps (CastKernel::plan / route / cast_argument): only the
 // argument handling differs.
 
 #include <ATen/core/operator_name.h>
