@@ -20,9 +20,9 @@ parameters, O1's numerics in an O2 run. So while Dynamo traces an initialized mo
 the model boundary enters :class:`WorkingCopies`, a ``TorchFunctionMode`` that Dynamo traces
 into the graph: each function the forward calls sees a registered tensor as ``t.to(dtype)``,
 on the same terms as eager substitution (where the rules apply, read-only arguments only, not
-in the "own data" functions; view functions hand a buffer its own data and mark the view, which
-later calls read as the working dtype; a norm's updated running statistics by copy and
-write-back). The casts are then ordinary graph nodes, which inductor fuses.
+in the "own data" functions nor in the calls the casting kernel casts to fp32, whose plan it
+asks; view functions hand a buffer its own data and mark the view, which later calls read as
+the working dtype; a norm's updated running statistics by copy and write-back). The casts are then ordinary graph nodes, which inductor fuses.
 """
 import sys
 import weakref
@@ -160,7 +160,8 @@ def _reads_the_masters(func: Any, name: str, args: Tuple[Any, ...], kwargs: Dict
         return True
     read = [a for i, a in enumerate(args) if i not in written]
     read += [v for k, v in kwargs.items() if k != "out" and k not in written_names]
-    tensors = [v for value in read for v in (value if isinstance(value, (list, tuple)) else (value,))
+    tensors = [v for value in read
+               for v in (value if isinstance(value, (list, tuple)) else (value,))
                if isinstance(v, torch.Tensor)]
     if not tensors:
         return False

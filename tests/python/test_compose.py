@@ -1596,6 +1596,30 @@ def test_a_working_copy_model_runs_its_norms_in_an_autocast_region(fresh, level,
         "train_float16" if level == "O2" else "train_bfloat16"))
 
 
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_compiled_working_copy_model_reads_its_norms_masters_in_an_autocast_region(level):
+    # Where a region applies the fp32 list, eager reads the norms' fp32 masters; the compiled
+    # forward's mode handed them the rounded working copies until 2026-12-08 (outputs 8.8e-4 off
+    # eager's at O2, 1.1e-2 at O5; gradients 2.4e-3 and 3.1e-2). It asks the kernel's plan now.
+    runs = []
+    for backend in [None, "aot_eager"]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16),
+                                    torch.nn.GELU(), torch.nn.Linear(16, 16),
+                                    torch.nn.GroupNorm(4, 16))
+        with torch.no_grad():
+            model[1].weight.fill_(1 / 3)  # not exact in fp16 or bf16
+        init(model, torch.optim.SGD(model.parameters(), lr=0.1), level)
+        run = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
+        low = torch.float16 if level == "O2" else torch.bfloat16
+        with optamp.autocast(dtype=low):
+            out = run(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)))
+        out.float().sum().backward()
+        runs.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
+        optamp.reset()
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
+
+
 class _WeightedClassifier(torch.nn.Module):
     def __init__(self):
         super().__init__()
