@@ -470,7 +470,7 @@ void CastKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet k
 
 void CastKernel::run_own_autocast_call(const c10::OperatorHandle& op, c10::DispatchKeySet below,
                                        torch::jit::Stack* stack, const StackArguments& args,
-                                       c10::DeviceType device, ScalarType low) const {
+                                       c10::DeviceType device, ScalarType low) {
   const std::optional<c10::DispatchKey> key = own_autocast_key(op, device);
   if (!key) {
     op.redispatchBoxed(below, stack);  // none for this device: as native autocast runs it

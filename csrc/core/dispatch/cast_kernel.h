@@ -140,9 +140,9 @@ class CastKernel final : public c10::OperatorKernel {
  private:
   class StackArguments;  // route's view of a boxed stack (cast_kernel.cpp)
   // The boxed kernel's CallRoute::kOwnAutocast and kDtypeArgument calls.
-  void run_own_autocast_call(const c10::OperatorHandle& op, c10::DispatchKeySet below,
-                             torch::jit::Stack* stack, const StackArguments& args,
-                             c10::DeviceType device, c10::ScalarType low) const;
+  static void run_own_autocast_call(const c10::OperatorHandle& op, c10::DispatchKeySet below,
+                                    torch::jit::Stack* stack, const StackArguments& args,
+                                    c10::DeviceType device, c10::ScalarType low);
   void run_with_fp32_dtype(const c10::OperatorHandle& op, c10::DispatchKeySet below,
                            torch::jit::Stack* stack, const StackArguments& args) const;
   enum class SlotKind : std::uint8_t { kTensor, kOptionalTensor, kTensorList, kOptionalTensorList };
