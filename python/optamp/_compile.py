@@ -310,6 +310,15 @@ def _substituted(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+def _any_substitutable(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """Whether a call has a tensor substitution replaces (most calls have none: activations only;
+    Dynamo traces this mode for every call, so those leave at once)."""
+    return any(isinstance(v, torch.Tensor)
+               and (is_working_copy_source(v) or getattr(v, _BUFFER_VIEW, False) is True)
+               for value in (*args, *kwargs.values())
+               for v in (value if isinstance(value, (list, tuple)) else (value,)))
+
+
 def _entering(body: Callable[..., Any], dtype: torch.dtype) -> Callable[..., Any]:
     def body_with_working_copies(*args: Any, **kwargs: Any) -> Any:
         with WorkingCopies(dtype):
@@ -337,7 +346,8 @@ class WorkingCopies(TorchFunctionMode):
             # body's ops, so the body enters it itself (eager checkpoints run the body under the
             # state of the call too: docs/casting.md, "Activation checkpointing").
             return func(_entering(args[0], self.dtype), *args[1:], **kwargs)
-        if name in _OWN_DATA or _working_dtype_now() != self.dtype:
+        if (name in _OWN_DATA or _working_dtype_now() != self.dtype
+                or not _any_substitutable(args, kwargs)):
             return func(*args, **kwargs)
         written, written_names = _written_arguments(func, name)
         if _reads_the_masters(func, name, args, kwargs, self.dtype, written, written_names):
