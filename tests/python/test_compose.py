@@ -582,8 +582,17 @@ def test_the_compile_mode_asks_the_casting_kernels_plan_which_calls_read_the_mas
     assert reads("aten::add", zero_dim, self_dtype=f32) == (op_lists == "apex")
     assert reads("aten::add.Tensor", zero_dim, self_dtype=f32) == (op_lists == "apex")
     assert not reads("aten::add.Scalar", [weight], self_dtype=f32), "add.Scalar is in no table"
-    # an op in no table, and a complex-free relu
+    # an op in no table
     assert not reads("aten::relu", [weight], self_dtype=f32)
+    # match self: a working copy written into an fp32 activation is its master, widened
+    assert reads("aten::index_add", [(f32, False, True), weight], self_dtype=f32)
+    assert not reads("aten::index_add", [(f16, False, True), weight], self_dtype=f16)
+    with optamp.autocast(dtype=f16):  # a region applies the fp32 list at O2
+        # (torch's CPU list has no layer_norm row: as native autocast, fp16 throughout)
+        norm = [(f16, False, True), weight, bias]
+        assert reads("aten::layer_norm", norm, self_dtype=f16) == (op_lists == "apex")
+        # an fp32-list op with a dtype argument is asked for fp32 results, reading the copies
+        assert not reads("aten::softmax", [weight], self_dtype=f32)
     with torch.no_grad():  # the gate: ops see the masters, nothing to decide
         assert not reads("aten::layer_norm", [(f32, False, True), weight, bias], self_dtype=f32)
 
