@@ -22,7 +22,8 @@ into the graph: each function the forward calls sees a registered tensor as ``t.
 on the same terms as eager substitution (where the rules apply, read-only arguments only, not
 in the "own data" functions nor in the calls the casting kernel casts to fp32, whose plan it
 asks; view functions hand a buffer its own data and mark the view, which later calls read as
-the working dtype; a norm's updated running statistics by copy and write-back). The casts are then ordinary graph nodes, which inductor fuses.
+the working dtype; a norm's updated running statistics by copy and write-back). The casts are
+then ordinary graph nodes, which inductor fuses.
 """
 import sys
 import weakref
