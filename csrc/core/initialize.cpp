@@ -324,7 +324,7 @@ bool call_reads_masters(const std::string& op, c10::DeviceType device,
   std::vector<detail::DescribedTensor> described;
   described.reserve(tensors.size());
   for (const TracedTensor& t : tensors) {
-    described.push_back({t.dtype, t.model_tensor ? working : t.dtype, t.dimensioned});
+    described.push_back({t.model_tensor ? working : t.dtype, t.dimensioned});
   }
   try {
     return detail::described_call_reads_masters(found->op, *found->kernel, device, described, self,

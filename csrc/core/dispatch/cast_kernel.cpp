@@ -140,6 +140,10 @@ bool is_castable(const at::Tensor& t) {
          !is_wrapped_number(t);
 }
 
+bool seen_in_another_dtype(const at::Tensor& t, ScalarType dtype) {
+  return is_castable(t) && dtype_ops_see(t) != dtype;
+}
+
 void CastKernel::set_policy(ListSet set, CastPolicy policy, const char* banned_message) {
   if (banned_message != nullptr) banned_message_.store(banned_message);
   policies_[static_cast<int>(set)].store(static_cast<std::uint8_t>(policy));
@@ -342,26 +346,15 @@ void CastKernel::log_cast(ScalarType from, const CallPlan& p) const {
 }
 
 // route's view of a boxed call: the read-only tensor slots of the stack.
-class CastKernel::StackArguments {
+class CastKernel::StackArguments : public VisitedArguments<StackArguments> {
  public:
   StackArguments(const CastKernel& kernel, torch::jit::Stack& stack, std::size_t base)
       : kernel_(kernel), stack_(stack), base_(base) {}
-  PromoteWidth width() const {
-    PromoteWidth width;
-    visit([&](const at::Tensor& t) { width.add(t); });
-    return width;
-  }
+  std::size_t base() const { return base_; }
   std::optional<ScalarType> self_dtype() const {
     const at::Tensor& self = stack_[base_ + kernel_.self_index_].toTensor();
     if (!self.defined() || !self.is_floating_point()) return std::nullopt;
     return self.scalar_type();
-  }
-  bool seen_other_than(ScalarType dtype) const {
-    bool other = false;  // a model tensor at O2/O5: its working copy's dtype
-    visit([&](const at::Tensor& t) {
-      other = other || (is_castable(t) && dtype_ops_see(t) != dtype);
-    });
-    return other;
   }
   bool dtype_given() const { return !stack_[base_ + kernel_.dtype_index_].isNone(); }
   bool any_reduced() const {
@@ -371,26 +364,19 @@ class CastKernel::StackArguments {
     });
     return reduced;
   }
-  std::optional<c10::DeviceType> device() const {
-    std::optional<c10::DeviceType> device;
-    visit([&](const at::Tensor& t) {
-      if (!device && t.defined()) device = t.device().type();
-    });
-    return device;
-  }
   template <typename Fn>  // `fn(tensor) -> optional<replacement>` on every read-only tensor
   void rewrite(Fn&& fn) const {
     rewrite_tensors(kernel_.slots_, stack_, base_, fn);
   }
-
- private:
-  template <typename Fn>
+  template <typename Fn>  // `fn(tensor)` on every read-only tensor
   void visit(Fn&& fn) const {
     rewrite([&](const at::Tensor& t) -> std::optional<at::Tensor> {
       fn(t);
       return std::nullopt;
     });
   }
+
+ private:
   const CastKernel& kernel_;
   torch::jit::Stack& stack_;
   std::size_t base_;
@@ -418,19 +404,12 @@ struct DescribedArguments {
 
 }  // namespace
 
-CallRoute CastKernel::route_described(c10::DeviceType device,
-                                      const std::vector<DescribedTensor>& tensors,
-                                      std::optional<ScalarType> self, bool dtype_given,
-                                      CallPlan& plan) const {
-  return route(device, DescribedArguments{tensors, self, dtype_given}, plan);
-}
-
 bool described_call_reads_masters(const c10::OperatorHandle& op, const CastKernel& kernel,
                                   c10::DeviceType device,
                                   const std::vector<DescribedTensor>& tensors,
                                   std::optional<ScalarType> self, bool dtype_given) {
   CallPlan p;
-  switch (kernel.route_described(device, tensors, self, dtype_given, p)) {
+  switch (kernel.route(device, DescribedArguments{tensors, self, dtype_given}, p)) {
     case CallRoute::kOwnAutocast:
       return own_autocast_key(op, device).has_value();
     case CallRoute::kCastArguments:
@@ -489,7 +468,7 @@ void CastKernel::run_own_autocast_call(const c10::OperatorHandle& op, c10::Dispa
 void CastKernel::run_with_fp32_dtype(const c10::OperatorHandle& op, c10::DispatchKeySet below,
                                      torch::jit::Stack* stack, const StackArguments& args) const {
   // Ops with a dtype argument compute in fp32 without a separate input cast.
-  const std::size_t base = stack->size() - num_arguments_;
+  const std::size_t base = args.base();
   const bool any_reduced = args.any_reduced();
   if (any_reduced && fp32_replacement_ != nullptr) {
     if (auto result = fp32_replacement_(*stack, base)) {  // no cast: none to log or count

@@ -60,9 +60,41 @@ enum class CallRoute : std::uint8_t {
 // stack: torch.compile's working-copy mode describes the calls it traces so (core.h,
 // call_reads_masters).
 struct DescribedTensor {
-  c10::ScalarType own;   // its dtype
   c10::ScalarType seen;  // the dtype ops see it in (an O2/O5 model tensor: its working copy's)
   bool dimensioned;      // dim() > 0
+};
+
+// Whether `t` is castable and ops see it in another dtype than `dtype` (an O2/O5 model tensor:
+// its working copy's).
+bool seen_in_another_dtype(const at::Tensor& t, c10::ScalarType dtype);
+
+// What CastKernel::route reads of a call's read-only tensors, from `Derived::visit(fn)` (`fn`
+// on each of them): the boxed kernel's view of its stack and the unboxed kernels' view of their
+// arguments share it. Derived adds self_dtype() and dtype_given().
+template <typename Derived>
+class VisitedArguments {
+ public:
+  PromoteWidth width() const {
+    PromoteWidth width;
+    derived().visit([&width](const at::Tensor& t) { width.add(t); });
+    return width;
+  }
+  bool seen_other_than(c10::ScalarType dtype) const {
+    bool other = false;
+    derived().visit([&](const at::Tensor& t) { other = other || seen_in_another_dtype(t, dtype); });
+    return other;
+  }
+  // The first defined tensor's device: it decides whether native autocast owns the call.
+  std::optional<c10::DeviceType> device() const {
+    std::optional<c10::DeviceType> device;
+    derived().visit([&device](const at::Tensor& t) {
+      if (!device && t.defined()) device = t.device().type();
+    });
+    return device;
+  }
+
+ private:
+  const Derived& derived() const { return static_cast<const Derived&>(*this); }
 };
 
 // For an op with a dtype argument: computes its fp32 result from the reduced inputs at
@@ -111,11 +143,6 @@ class CastKernel final : public c10::OperatorKernel {
   // argument is not None). The boxed kernel, the unboxed ones and described calls route alike.
   template <typename Args>
   CallRoute route(std::optional<c10::DeviceType> device, const Args& args, CallPlan& plan) const;
-  // A call described without a stack (DescribedTensor): its route; `self`, self's dtype where
-  // self is a floating tensor.
-  CallRoute route_described(c10::DeviceType device, const std::vector<DescribedTensor>& tensors,
-                            std::optional<c10::ScalarType> self, bool dtype_given,
-                            CallPlan& plan) const;
   // a promote call whose width is known: whether to cast, to what (plan.target);
   bool plan_promotion(const PromoteWidth& width, CallPlan& plan) const;
   // a call left uncast (plan.widen_if_mixed) whose width is known: whether to widen its inputs

@@ -211,6 +211,8 @@ std::optional<KernelOfCall> kernel_of_call(const std::string& qualified_name) {
   ensure_registered();
   const auto dot = qualified_name.find('.', qualified_name.find("::"));
   const std::string base = qualified_name.substr(0, dot);
+  const std::optional<std::string> overload =
+      dot == std::string::npos ? std::nullopt : std::optional(qualified_name.substr(dot + 1));
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   const CastKernel* found = nullptr;
@@ -221,8 +223,8 @@ std::optional<KernelOfCall> kernel_of_call(const std::string& qualified_name) {
   };
   for (const auto& [name, kernel] : r.kernels) {
     if (name.name != base) continue;
-    if (dot != std::string::npos) {
-      if (name.overload_name != qualified_name.substr(dot + 1)) continue;
+    if (overload) {
+      if (name.overload_name != *overload) continue;
     } else if (found != nullptr &&
                std::make_tuple(rank(found_name, *found), found_name.overload_name) <=
                    std::make_tuple(rank(name, *kernel), name.overload_name)) {

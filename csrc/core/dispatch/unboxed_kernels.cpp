@@ -16,7 +16,6 @@
 #include "cache/companion_casts.h"
 #include "common/dtypes.h"
 #include "dispatch/carried_state.h"
-#include "dispatch/substitution.h"
 #include "dispatch/tensor_args.h"
 #include "ops/fused_cross_entropy.h"
 #include "ops/widened_gelu.h"
@@ -112,16 +111,12 @@ struct Unboxed;
 // CastKernel::route's view of an unboxed call's arguments. The hot ops have no dtype argument
 // (register_unboxed checks) and their self, where they have one, comes first.
 template <typename... Args>
-struct UnboxedArguments {
+struct UnboxedArguments : VisitedArguments<UnboxedArguments<Args...>> {
+  explicit UnboxedArguments(const Args&... a) : args(a...) {}
   std::tuple<const Args&...> args;
   template <typename Fn>
   void visit(Fn&& fn) const {
     std::apply([&](const auto&... arg) { (visit_tensor_arg(arg, fn), ...); }, args);
-  }
-  PromoteWidth width() const {
-    PromoteWidth width;
-    visit([&width](const at::Tensor& t) { width.add(t); });
-    return width;
   }
   std::optional<c10::ScalarType> self_dtype() const {
     std::optional<c10::ScalarType> self;
@@ -132,28 +127,14 @@ struct UnboxedArguments {
     });
     return self;
   }
-  bool seen_other_than(c10::ScalarType dtype) const {
-    bool other = false;
-    visit([&](const at::Tensor& t) {
-      other = other || (is_castable(t) && dtype_ops_see(t) != dtype);
-    });
-    return other;
-  }
   bool dtype_given() const { return false; }
-  std::optional<c10::DeviceType> device() const {
-    std::optional<c10::DeviceType> device;
-    visit([&device](const at::Tensor& t) {
-      if (!device && t.defined()) device = t.device().type();
-    });
-    return device;
-  }
 };
 
 template <typename Op, typename Ret, typename... Args>
 struct Unboxed<Op, Ret(Args...)> {
   static Ret call(const CastKernel& k, c10::DispatchKeySet keys, Args... args) {
     const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kCastKey);
-    const UnboxedArguments<Args...> described{std::forward_as_tuple(args...)};
+    const UnboxedArguments<Args...> described(args...);
     CallPlan p;
     const CallRoute route = k.route(described.device(), described, p);
     if (route == CallRoute::kAsGiven) {
