@@ -27,7 +27,7 @@ then ordinary graph nodes, which inductor fuses.
 """
 import sys
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -107,6 +107,12 @@ def on_reset() -> None:
 _NORMS_WITH_STATISTICS: FrozenSet[str] = frozenset({"batch_norm", "instance_norm"})
 
 
+def _flat(values: Iterable[Any]) -> List[Any]:
+    """``values`` with the lists and tuples among them opened, one level (ops take Tensor[])."""
+    return [v for value in values
+            for v in (value if isinstance(value, (list, tuple)) else (value,))]
+
+
 # Torch functions a forward calls whose operator has another name (the mode sees the Python
 # function, not the operators it calls), and the operators' dunders.
 _OPERATOR_NAMES: Dict[str, str] = {
@@ -155,15 +161,12 @@ def _reads_the_masters(func: Any, name: str, args: Tuple[Any, ...], kwargs: Dict
         if (isinstance(x, torch.Tensor) and x.is_floating_point()
                 and not is_working_copy_source(x) and x.itemsize > dtype.itemsize):
             return True
-    values = list(args) + list(kwargs.values())
     if any(isinstance(v, complex) or (isinstance(v, torch.Tensor) and v.is_complex())
-           for value in values for v in (value if isinstance(value, (list, tuple)) else (value,))):
+           for v in _flat((*args, *kwargs.values()))):
         return True
     read = [a for i, a in enumerate(args) if i not in written]
     read += [v for k, v in kwargs.items() if k != "out" and k not in written_names]
-    tensors = [v for value in read
-               for v in (value if isinstance(value, (list, tuple)) else (value,))
-               if isinstance(v, torch.Tensor)]
+    tensors = [v for v in _flat(read) if isinstance(v, torch.Tensor)]
     if not tensors:
         return False
     floating = tuple((t.dtype, is_working_copy_source(t) or getattr(t, _BUFFER_VIEW, False) is True,
@@ -316,8 +319,7 @@ def _any_substitutable(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
     Dynamo traces this mode for every call, so those leave at once)."""
     return any(isinstance(v, torch.Tensor)
                and (is_working_copy_source(v) or getattr(v, _BUFFER_VIEW, False) is True)
-               for value in (*args, *kwargs.values())
-               for v in (value if isinstance(value, (list, tuple)) else (value,)))
+               for v in _flat((*args, *kwargs.values())))
 
 
 def _entering(body: Callable[..., Any], dtype: torch.dtype) -> Callable[..., Any]:

@@ -45,6 +45,29 @@ def init(model, optimizer=None, opt_level="O1", **kw):
     return optamp.initialize(model, optimizer, opt_level=opt_level, **kw)
 
 
+def two_steps(make, step, level, backend=None, lr=0.1, fullgraph=False, **init_kw):
+    """Losses and gradients of two SGD steps of a seeded ``make()`` initialized at ``level``
+    (``init_kw``: initialize's overrides), eager (``backend`` None) or compiled with ``backend``;
+    ``step(run, gen)`` makes a step's loss from the model (or its compiled form) and a seeded
+    generator. Resets optamp afterwards."""
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    init(model, opt, level, **init_kw)
+    run = model if backend is None else torch.compile(model, backend=backend, fullgraph=fullgraph)
+    gen = torch.Generator().manual_seed(3)
+    steps = []
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)  # each step's gradients are new tensors
+        loss = step(run, gen)
+        with optamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        steps.append((loss.detach(), [p.grad for p in model.parameters()]))
+        opt.step()
+    optamp.reset()
+    return steps
+
+
 # ---- tolerances (tests/tolerances.txt, read by the C++ tests too) ----------------------------
 
 

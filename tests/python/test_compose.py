@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint  # imported before initialize, as users do
 
 import optamp
-from common_utils import init, tol, train_row
+from common_utils import init, tol, train_row, two_steps
 from programs import (DiagonalStateSpaceNet, LinalgNet, LinearRecurrentNet, SinusoidalNet,
                       SpectralNet, orthogonal_classifier)
 
@@ -526,29 +526,11 @@ def test_compiled_o2_o5_calls_widened_to_fp32_read_the_masters_as_eager(level, o
     # (always) ops: it handed both the working copies, widened in the graph, so the weights'
     # gradients were rounded through fp16 (LayerNorm 1.2e-4 off eager's at O2, 9.8e-4 at O5;
     # the weighted loss 2.4e-4 and 2e-3).
-    cls, step = {"sinusoidal": (SinusoidalNet, _sinusoidal_step),
-                 "weighted_loss": (WeightedLoss, _weighted_loss_step)}[program]
-    runs = []
-    for backend in [None, "aot_eager"]:
-        torch.manual_seed(0)
-        model = cls()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        init(model, opt, level, op_lists=op_lists)
-        run = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
-        gen = torch.Generator().manual_seed(3)
-        grads = []
-        for _ in range(2):
-            opt.zero_grad()
-            loss = step(run, gen)
-            with optamp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-            opt.step()
-        runs.append((loss.detach(), grads))
-        optamp.reset()
-    (eager_loss, eager_grads), (loss, grads) = runs
-    torch.testing.assert_close(loss, eager_loss, rtol=0, atol=0)
-    torch.testing.assert_close(grads, eager_grads, rtol=0, atol=0)
+    make, step = {"sinusoidal": (SinusoidalNet, _sinusoidal_step),
+                  "weighted_loss": (WeightedLoss, _weighted_loss_step)}[program]
+    eager = two_steps(make, step, level, op_lists=op_lists)
+    compiled = two_steps(make, step, level, "aot_eager", fullgraph=True, op_lists=op_lists)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("op_lists", ["apex", "torch"])

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import optamp
-from common_utils import init, tol, train_row
+from common_utils import init, tol, train_row, two_steps
 from op_cases import CPU_AND_CUDA
 from programs import (CustomFunctionNet, DecayNet, Experts, LinalgNet, MessagePassing, NeuralOde,
                       Seq2Seq, SinusoidalNet, SparseGcn, SpectralNet, TinyGpt, TinyNerf,
@@ -235,28 +235,6 @@ COMPILED_AS_EAGER = ["gpt_block", "unet", "experts", "sinusoidal", "seq2seq", "m
                      "spectral"]
 
 
-def _compiled_steps(program, level, backend):
-    """Losses and gradients of two steps of ``program`` at ``level``, compiled with ``backend``
-    (None: eager)."""
-    torch.manual_seed(0)
-    model = program.make()
-    opt = torch.optim.SGD(model.parameters(), lr=program.lr)
-    init(model, opt, level)
-    run = model if backend is None else torch.compile(model, backend=backend)
-    gen = torch.Generator().manual_seed(3)
-    steps = []
-    for _ in range(2):
-        batch = program.batch(gen)
-        opt.zero_grad(set_to_none=True)  # each step's gradients are new tensors
-        loss = program.loss(run, *batch)
-        with optamp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        steps.append((loss.detach(), [p.grad for p in model.parameters()]))
-        opt.step()
-    optamp.reset()
-    return steps
-
-
 @pytest.mark.parametrize("level", ["O2", "O5"])
 @pytest.mark.parametrize("name", COMPILED_AS_EAGER)
 def test_a_compiled_program_trains_as_eager(fresh, name, level):
@@ -264,6 +242,10 @@ def test_a_compiled_program_trains_as_eager(fresh, name, level):
     # 2026-12-08 "sinusoidal" (a layer norm of an fp32 sum, widened to the masters in eager)
     # came out 1.2e-4 (O2) and 9.8e-4 (O5) off eager's gradients.
     program = PROGRAMS[name]
-    eager = _compiled_steps(program, level, None)
-    compiled = _compiled_steps(program, level, "aot_eager")
+
+    def step(run, gen):
+        return program.loss(run, *program.batch(gen))
+
+    eager = two_steps(program.make, step, level, lr=program.lr)
+    compiled = two_steps(program.make, step, level, "aot_eager", lr=program.lr)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
