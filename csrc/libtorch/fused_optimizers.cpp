@@ -96,6 +96,15 @@ at::Tensor& device_step(detail::DeviceSteps& steps, const at::Tensor& p, int64_t
   return t;
 }
 
+// torch's _fused_adam(w)_ and _fused_sgd_ write the parameters without bumping their version
+// counters (torch 2.11), as every other in-place write does: bumped here, so that autograd sees a
+// saved parameter changed and a step inside a scale_loss guard is seen at the guard's end.
+void bump_versions(const std::vector<at::Tensor>& params) {
+  for (const auto& p : params) {
+    if (!p.is_inference()) p.unsafeGetTensorImpl()->bump_version();
+  }
+}
+
 template <typename Options, typename State>
 void fused_step(std::vector<torch::optim::OptimizerParamGroup>& groups, StateMap& state,
                 detail::DeviceSteps& steps, const at::Tensor& found_inf, bool decoupled) {
@@ -129,6 +138,7 @@ void fused_step(std::vector<torch::optim::OptimizerParamGroup>& groups, StateMap
       }
       // A skipped step does not count (the kernel left everything else as it was).
       if (found) at::_foreach_add_(b.steps, *found, -1);
+      bump_versions(b.params);
     }
   }
 }
@@ -311,6 +321,7 @@ void fused_sgd_step(std::vector<torch::optim::OptimizerParamGroup>& groups, Stat
       at::_fused_sgd_(b.params, b.grads, b.buffers, o.weight_decay(), o.momentum(), o.lr(),
                       o.dampening(), o.nesterov(), /*maximize=*/false, /*is_first_step=*/b.first,
                       /*grad_scale=*/std::nullopt, found);
+      bump_versions(b.params);
     }
   }
 }

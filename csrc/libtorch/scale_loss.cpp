@@ -4,6 +4,7 @@
 #include "optamp/scale_loss.h"
 
 #include <torch/optim/optimizer.h>
+#include <torch/optim/sgd.h>
 
 #include <string>
 #include <vector>
@@ -64,6 +65,46 @@ core::DeviceSkip device_skip_of(const std::vector<torch::optim::Optimizer*>& opt
   };
 }
 
+// torch::optim::SGD writes its parameters through p.data(), which leaves their version counters
+// alone, so the guard sees its step inside it only through its state: momentum buffers made (a
+// first step) or updated in place. Without momentum it keeps none, and such a step stays unseen.
+// amp::FusedSGD needs no witness (its step bumps the parameters' counters).
+core::StepWitness sgd_momentum_witness(const std::vector<torch::optim::Optimizer*>& optimizers) {
+  struct Watched {
+    size_t optimizer;
+    const torch::optim::Optimizer* sgd;
+    size_t states;
+    std::vector<std::pair<at::Tensor, int64_t>> buffers;  // each with its version at entry
+  };
+  std::vector<Watched> watched;
+  for (size_t k = 0; k < optimizers.size(); ++k) {
+    const auto* o = optimizers[k];
+    if (dynamic_cast<const torch::optim::SGD*>(o) == nullptr ||
+        dynamic_cast<const DeviceSkippingOptimizer*>(o) != nullptr) {
+      continue;
+    }
+    Watched w{k, o, o->state().size(), {}};
+    for (const auto& entry : o->state()) {
+      const at::Tensor& buffer =
+          static_cast<const torch::optim::SGDParamState&>(*entry.second).momentum_buffer();
+      if (buffer.defined()) w.buffers.emplace_back(buffer, buffer._version());
+    }
+    watched.push_back(std::move(w));
+  }
+  if (watched.empty()) return {};
+  return [watched = std::move(watched)]() -> std::optional<std::string> {
+    for (const auto& w : watched) {
+      bool changed = w.sgd->state().size() != w.states;
+      for (const auto& [buffer, version] : w.buffers) changed |= buffer._version() != version;
+      if (changed) {
+        return "optimizer " + std::to_string(w.optimizer) +
+               " (torch::optim::SGD) made or updated momentum buffers, so it stepped,";
+      }
+    }
+    return std::nullopt;
+  };
+}
+
 }  // namespace
 
 ScaledLoss scale_loss(const at::Tensor& loss,
@@ -79,9 +120,9 @@ ScaledLoss scale_loss(const at::Tensor& loss,
                                                   : "optimizers[" + std::to_string(k) + "]");
   }
   core::check_optimizers_allowed(identities, descriptions);
-  return core::scale_loss(loss, std::move(params),
-                          core::optimizer_param_labels(std::move(group_sizes)), options,
-                          "optimizer", device_skip_of(optimizers));
+  return core::scale_loss(
+      loss, std::move(params), core::optimizer_param_labels(std::move(group_sizes)), options,
+      "optimizer", device_skip_of(optimizers), sgd_momentum_witness(optimizers));
 }
 
 namespace {

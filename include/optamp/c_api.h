@@ -200,7 +200,8 @@ OPTAMP_C_API optamp_status optamp_scale_loss_begin(
 /* Ends the guard: unscales the gradients in one fused pass, checks them for inf/NaN and updates
  * the scale (nothing with delay_unscale). *skipped_out (may be NULL) is 1 when this step
  * overflowed: its gradients were reset. Frees the guard, also on error; on error *skipped_out
- * is 1 (do not step). */
+ * is 1 (do not step). An error too when a trainable parameter changed in place since begin (the
+ * optimizer stepped between begin and finish, with scaled gradients). */
 OPTAMP_C_API optamp_status optamp_scale_loss_finish(optamp_scaled_loss* guard, int* skipped_out);
 /* Ends the guard on an error path (an exception in your backward): nothing is checked, gradients
  * that appeared inside the guard are dropped, earlier micro-batches' gradients are divided by the

@@ -115,6 +115,12 @@ OPTAMP_API void check_optimizers_allowed(const std::vector<const void*>& identit
 // scale's device. Called once per non-delayed finish of a scaler that checks for overflow.
 using DeviceSkip = std::function<void(const at::Tensor& found_inf)>;
 
+// Evidence, other than the parameters' version counters, that an optimizer stepped since the
+// guard began (LibTorch's SGD writes its parameters through p.data(), which leaves them alone):
+// returns what changed ("optimizer 0 (SGD) made or updated momentum buffers"), or nothing.
+// Called once, at a guard's normal end.
+using StepWitness = std::function<std::optional<std::string>()>;
+
 // Names the i-th parameter of a scale_loss call in error messages; called only when a message is
 // built (a step formats no strings).
 using ParamLabeler = std::function<std::string(size_t index)>;
@@ -126,11 +132,14 @@ OPTAMP_API ParamLabeler optimizer_param_labels(std::vector<std::vector<size_t>> 
 // (empty: "param <i>"); owner_kind says what the parameters came from ("optimizer").
 // With `device_skip`, finishing waits for nothing and resets no gradient: the flag goes to
 // device_skip and the optimizer skips on the device. Without it, finishing waits for the flag
-// (one device->host sync) and resets the gradients after an overflow.
+// (one device->host sync) and resets the gradients after an overflow. A trainable parameter
+// changed in place inside the guard, or `step_witness`'s evidence, makes its end throw instead
+// (a step with scaled gradients): gradients made inside it dropped, the scale unchanged.
 // Throws on bad input with nothing changed.
 OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
                                  ParamLabeler labels, ScaleLossOptions options,
-                                 const char* owner_kind, DeviceSkip device_skip = {});
+                                 const char* owner_kind, DeviceSkip device_skip = {},
+                                 StepWitness step_witness = {});
 // The same with the labels spelled out (labels[i] names params[i]; may be empty).
 OPTAMP_API ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
                                  std::vector<std::string> labels, ScaleLossOptions options,

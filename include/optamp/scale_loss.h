@@ -11,8 +11,11 @@
 // unscaled in one fused pass, checked for inf/NaN, and the scale is updated. On overflow those
 // grads are reset to undefined, so the plain optimizer.step() skips every parameter. The braces
 // matter: without them the guard lives to the end of the enclosing scope, past the step, which
-// then steps with gradients still multiplied by the scale and unchecked (amp::step refuses that;
-// LibTorch's optimizers have no hooks through which a plain step() could be refused).
+// then steps with gradients still multiplied by the scale and unchecked. amp::step refuses that
+// before it runs; a plain step() (LibTorch's optimizers have no hooks) is seen at the guard's end,
+// whose destructor then throws (a trainable parameter changed in place inside the guard, or SGD's
+// momentum buffers), except torch::optim::SGD's without momentum, which writes through p.data()
+// and keeps no state: it leaves no trace.
 //
 // Several guards before one step (several losses, or accumulation without delay_unscale): a
 // plain optimizer.step() only sees the overflow of the LAST guard, because an earlier guard's

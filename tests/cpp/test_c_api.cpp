@@ -670,6 +670,33 @@ TEST_F(CApi, AbandonRestoresTheGradientsFromBefore) {
   EXPECT_EQ(skip, 0);
 }
 
+// A binding that steps its optimizer between begin and finish updates with scaled gradients:
+// finish names it (an error, *skipped_out 1, the guard freed and its gradients dropped).
+TEST_F(CApi, FinishRefusesAGuardInsideWhichTheOptimizerStepped) {
+  Binding binding{};
+  auto& [net, opt, model, optimizer] = binding;
+  binding.initialize("O1");
+  const auto b = make_batches(1)[0];
+  at::Tensor loss = at::cross_entropy_loss(net->forward(b.x, b.tag), b.y);
+  optamp_scaled_loss* guard = nullptr;
+  optamp_tensor* scaled = nullptr;
+  C_OK(optamp_scale_loss_begin(handle(loss), optimizer.identity(), 1, optimizer.params(),
+                               optimizer.num_params(), 0, 0, &guard, &scaled));
+  tensor(scaled).backward();
+  optamp_tensor_free(scaled);
+  opt->step();
+  int skipped = -1;
+  const Failure f = failure(optamp_scale_loss_finish(guard, &skipped));
+  EXPECT_EQ(f.status, OPTAMP_ERROR_RUNTIME);
+  EXPECT_NE(f.message.find("were changed in place inside the scale_loss guard"), std::string::npos)
+      << f.message;
+  EXPECT_EQ(skipped, 1);
+  for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+  int skip = -1;  // the parameters are free again
+  C_OK(optamp_step_should_skip(optimizer.params(), optimizer.num_params(), &skip));
+  EXPECT_EQ(skip, 0);
+}
+
 TEST_F(CApi, RegionsCastAndExitRestoresFp32) {
   const at::Tensor a = at::randn({4, 4});
   const at::Tensor b = at::randn({4, 4});

@@ -529,6 +529,90 @@ TEST_F(ScaleLossTest, BackwardOnTheLossInsteadOfTheScaledLossWarns) {
   EXPECT_EQ(err.find("without a backward"), std::string::npos) << err;
 }
 
+// The braces of the header's recipe left out: the guard lives past the step, which updates with
+// gradients still multiplied by the scale and unchecked. Training went on silently with updates
+// 65536 times too large; the guard's end now names it (the update cannot be undone).
+constexpr const char* kAllThreeChanged =
+    "(optimizer 0 param_groups[0].params[0], shape [6, 8]) and 2 more parameters were changed in "
+    "place inside the scale_loss guard (loss_id 0)";
+
+void expect_a_step_inside_the_guard_refused(torch::optim::Optimizer& opt, Model& m,
+                                            const char* name, const char* seen = kAllThreeChanged) {
+  core::reset_loss_scalers();
+  core::configure_loss_scalers(props());
+  opt.zero_grad();
+  const auto no_braces = [&] {
+    auto scaled = scale_loss(m.loss(batch(0)), opt);
+    scaled.backward();
+    opt.step();
+  };
+  OPTAMP_EXPECT_THROW_WITH(no_braces(), c10::Error, seen, "still multiplied by the loss scale",
+                           "{ auto scaled = amp::scale_loss(loss, optimizer); scaled.backward(); } "
+                           "optimizer.step();");
+  for (const auto& p : m.params()) EXPECT_FALSE(p.grad().defined()) << name << ": grads dropped";
+  EXPECT_EQ(loss_scaler().loss_scale(), 65536.0) << name;
+  EXPECT_EQ(loss_scaler().growth_tracker().item<int>(), 0) << name << ": no scale update";
+  {  // the guard was released, and the recipe with its braces steps as before
+    auto scaled = scale_loss(m.loss(batch(1)), opt);
+    scaled.backward();
+  }
+  EXPECT_TRUE(step(opt)) << name;
+  EXPECT_EQ(loss_scaler().growth_tracker().item<int>(), 1) << name;
+}
+
+// Seen through the parameters' version counters: LibTorch's Adam, AdamW, RMSprop and Adagrad
+// bump them, as optamp's fused optimizers do. Its SGD writes through p.data(), which does not:
+// with momentum its step is seen from the buffers it makes or updates; without, it is not seen.
+TEST_F(ScaleLossTest, AStepInsideTheGuardIsAnErrorAtItsEnd) {
+  Model m;
+  torch::optim::Adam adam(m.params(), torch::optim::AdamOptions(1e-3));
+  expect_a_step_inside_the_guard_refused(adam, m, "Adam");
+  torch::optim::AdamW adamw(m.params(), torch::optim::AdamWOptions(1e-3));
+  expect_a_step_inside_the_guard_refused(adamw, m, "AdamW");
+  torch::optim::RMSprop rmsprop(m.params(), torch::optim::RMSpropOptions(1e-3));
+  expect_a_step_inside_the_guard_refused(rmsprop, m, "RMSprop");
+  torch::optim::Adagrad adagrad(m.params(), torch::optim::AdagradOptions(1e-3));
+  expect_a_step_inside_the_guard_refused(adagrad, m, "Adagrad");
+  FusedAdam fused_adam(m.params(), torch::optim::AdamOptions(1e-3));
+  expect_a_step_inside_the_guard_refused(fused_adam, m, "FusedAdam");
+  FusedAdamW fused_adamw(m.params(), torch::optim::AdamWOptions(1e-3));
+  expect_a_step_inside_the_guard_refused(fused_adamw, m, "FusedAdamW");
+  FusedSGD fused_sgd(m.params(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  expect_a_step_inside_the_guard_refused(fused_sgd, m, "FusedSGD");
+  torch::optim::SGD momentum(m.params(), torch::optim::SGDOptions(0.01).momentum(0.5));
+  const char* buffers_seen =
+      "optimizer 0 (torch::optim::SGD) made or updated momentum buffers, so it stepped, inside "
+      "the scale_loss guard (loss_id 0)";
+  expect_a_step_inside_the_guard_refused(momentum, m, "SGD, buffers made", buffers_seen);
+  expect_a_step_inside_the_guard_refused(momentum, m, "SGD, buffers updated", buffers_seen);
+  torch::optim::SGD sgd(m.params(), torch::optim::SGDOptions(0.1));
+
+  // One parameter written inside the guard by hand is named alone.
+  {
+    auto scaled = scale_loss(m.loss(batch(2)), sgd);
+    scaled.backward();
+    at::NoGradGuard no_grad;
+    m.b1.add_(1.0);
+    OPTAMP_EXPECT_THROW_WITH(core::finish(scaled, /*unwinding=*/false), c10::Error,
+                             "(optimizer 0 param_groups[0].params[1], shape [8]) was changed "
+                             "in place");
+  }
+  // Frozen parameters are no step's: one written inside the guard (an EMA held as a parameter)
+  // is left alone, and the guard ends as usual.
+  sgd.zero_grad();
+  Model frozen(3);
+  frozen.w2.requires_grad_(false);
+  torch::optim::SGD with_frozen(frozen.params(), torch::optim::SGDOptions(0.1));
+  {
+    auto scaled = scale_loss(frozen.loss(batch(3)), with_frozen);
+    scaled.backward();
+    at::NoGradGuard no_grad;
+    frozen.w2.mul_(0.5);
+  }
+  EXPECT_TRUE(frozen.w1.grad().defined());
+  EXPECT_TRUE(step(with_frozen));
+}
+
 TEST_F(ScaleLossTest, AScaledLossThatReachesNoneOfTheOptimizersParametersWarns) {
   // An optimizer over other tensors than the forward used (built before FSDP2's fully_shard
   // replaced the model's parameters) stepped nothing, every step, and nothing said so; torch's

@@ -319,6 +319,57 @@ def test_a_step_inside_the_with_block_is_refused_and_changes_nothing(level, fuse
     assert not all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_optimizer_stepped_from_a_gradient_hook_inside_the_block_raises_at_its_end(level):
+    """torch's "optimizer in the backward" recipe steps each parameter from its
+    post-accumulate-grad hook, during the block's backward: with gradients still multiplied by the
+    scale, which no pre-hook of the guard's optimizer sees. The block's end names it (the update
+    is done; the gradients made inside the block are dropped, the scale is unchanged)."""
+    torch.manual_seed(0)
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, opt_level=level)
+    per_param = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    handles = [p.register_post_accumulate_grad_hook(lambda q: per_param[q].step())
+               for p in model.parameters()]
+    scale = optamp.loss_scaler().loss_scale()
+    weights = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match=r"fc1.weight \(optimizer 0 param_groups\[0\]"
+                       r".params\[0\], shape \[8, 4\]\) and \d+ more parameters were changed "
+                       r"in place inside the scale_loss guard \(loss_id 0\)"):
+        with optamp.scale_loss(model(torch.randn(4, 4)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert optamp.loss_scaler().loss_scale() == scale
+    for h in handles:
+        h.remove()
+    model.load_state_dict(weights)  # the update with scaled gradients was applied
+    with optamp.scale_loss(model(torch.randn(4, 4)).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()  # the guard was released; the recipe without the hooks steps
+    opt.step()
+    assert not optamp.loss_scaler().last_step_skipped
+
+
+def test_a_parameter_updated_by_hand_inside_the_block_raises_at_its_end():
+    """A hand-written update (``p -= lr * p.grad`` under no_grad) indented into the block uses
+    the scaled gradients too; a frozen parameter written there (an EMA kept as a parameter) is no
+    step, and the block ends as usual."""
+    model, opt = _initialized()
+    weights = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match=r"fc2.bias .* was changed in place inside"):
+        with optamp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+            scaled.backward()
+            with torch.no_grad():
+                model.fc2.bias -= 0.1 * model.fc2.bias.grad
+    model.load_state_dict(weights)  # the bias took a step 65536 times too large
+    model.fc2.bias.requires_grad_(False)
+    with optamp.scale_loss(model(torch.randn(2, 4)).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+        with torch.no_grad():
+            model.fc2.bias.mul_(0.5)
+    assert model.fc1.weight.grad is not None and not optamp.loss_scaler().last_step_skipped
+
+
 def _overflowed(model, opt):
     """A guard that overflowed: the next optimizer.step() is to be skipped."""
     opt.zero_grad()

@@ -112,6 +112,7 @@ class CastCache {
     at::Tensor cast = cast_for_autograd(source, dtype, key.grad_mode);
     ++made_in_generation_;
     const bool in_working_set = made_in_generation_ <= 2 * working_set_ + kWorkingSetFloor;
+    dtypes_cast_to_ |= std::uint64_t{1} << static_cast<int>(dtype);
     entries_.insert_or_assign(
         key,
         Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()), source._version(),
@@ -162,16 +163,19 @@ class CastCache {
 
   // Drops the entries of `source` (every dtype and grad mode), before torch.utils.swap_tensors
   // hands its TensorImpl to another tensor (tensor_swap.h).
+  // Looked up by key, not scanned: torch swaps a module's parameters one at a time, so a scan
+  // made Module.to() and load_state_dict() of a model quadratic in its parameters.
   void forget(const c10::TensorImpl* source) {
     std::vector<Entry> dropped;  // destroyed after the lock is released (see clear())
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto it = entries_.begin(); it != entries_.end();) {
-      if (it->first.source != source) {
-        ++it;
-        continue;
+    for (int t = 0; t < kDtypeCount; ++t) {
+      if ((dtypes_cast_to_ >> t & 1) == 0) continue;
+      for (const bool grad_mode : {false, true}) {
+        const auto it = entries_.find(Key{source, static_cast<c10::ScalarType>(t), grad_mode});
+        if (it == entries_.end()) continue;
+        dropped.push_back(std::move(it->second));
+        entries_.erase(it);
       }
-      dropped.push_back(std::move(it->second));
-      it = entries_.erase(it);
     }
   }
 
@@ -334,6 +338,10 @@ class CastCache {
 
   std::mutex mutex_;
   std::unordered_map<Key, Entry, KeyHash> entries_;
+  // Every dtype an entry was ever made for, one bit each (forget's keys).
+  static constexpr int kDtypeCount = static_cast<int>(c10::ScalarType::NumOptions);
+  static_assert(kDtypeCount <= 64, "dtypes_cast_to_ holds one bit per ScalarType");
+  std::uint64_t dtypes_cast_to_ = 0;
   std::size_t live_after_sweep_ = 0;
   std::uint64_t generation_ = 0;
   std::uint64_t next_order_ = 0;  // Entry::order

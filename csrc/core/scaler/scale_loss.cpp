@@ -140,7 +140,8 @@ void put_scaled_grad_marks(const at::Tensor& p, ScaledGradMarks marks) {
 struct ScaleLossState {
   std::shared_ptr<LossScaler> scaler;
   ScaleLossOptions options;
-  core::DeviceSkip device_skip;  // set: the optimizers skip on the device
+  core::DeviceSkip device_skip;    // set: the optimizers skip on the device
+  core::StepWitness step_witness;  // set: the front watches its optimizers' state too
   at::Tensor scaled_loss;
   at::Tensor inv_scale;  // 1/scale the loss was multiplied by (unscaling uses this, see below)
   // False once the guard has finished: a backward through scaled_loss then raises (its
@@ -170,6 +171,10 @@ struct ScaleLossState {
   };
   std::vector<Rescaled> rescaled;
   std::vector<at::Tensor> carried;  // the rescale's non-finite flags (LossScaler::rescale)
+  // Each trainable parameter's version counter at entry (kUntracked for the others): one that
+  // moved by the guard's end was changed in place inside it (a step on the scaled gradients).
+  static constexpr int64_t kUntracked = -1;
+  std::vector<int64_t> versions_at_entry;
   int uncaught_at_entry = 0;
   bool finished = false;
   bool skipped = false;  // this guard's own step overflowed (not another thread's)
@@ -434,6 +439,50 @@ void rescale_accumulated(ScaleLossState& s) {
   }
 }
 
+// An optimizer stepped inside the guard: C++'s `auto scaled = amp::scale_loss(...);
+// scaled.backward(); optimizer.step();` without braces around the first two (the guard then
+// lives past the step), a step from a post-accumulate-grad hook during the backward, or a
+// hand-written update inside the block. The step used gradients still multiplied by the scale
+// and not checked for inf/NaN, which the guard can no longer undo; training on would go on
+// silently with updates thousands of times too large. Seen, after the fact, as a trainable
+// parameter whose version counter moved (every in-place write bumps it; the forward, the
+// backward and the guard's own unscale write only gradients), or from the front's step witness
+// (what a write through p.data() leaves: LibTorch SGD's momentum buffers). Python refuses a step
+// of the guard's optimizers before it runs (a step pre-hook); LibTorch's optimizers have no hooks.
+std::optional<std::string> parameters_changed_inside(const ScaleLossState& s) {
+  size_t changed = 0;
+  std::optional<size_t> first;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    const int64_t at_entry = s.versions_at_entry[i];
+    if (at_entry == ScaleLossState::kUntracked || s.params[i]._version() == at_entry) continue;
+    if (!first) first = i;
+    ++changed;
+  }
+  if (!first) return std::nullopt;
+  std::ostringstream what;
+  what << describe_param(s, *first);
+  if (changed > 1) what << " and " << changed - 1 << " more parameters";
+  what << (changed > 1 ? " were" : " was") << " changed in place";
+  return what.str();
+}
+
+std::optional<std::string> stepped_inside(const ScaleLossState& s) {
+  std::optional<std::string> what = parameters_changed_inside(s);
+  if (!what && s.step_witness) what = s.step_witness();
+  if (!what) return std::nullopt;
+  std::ostringstream msg;
+  msg << "amp: " << *what << " inside the scale_loss guard "
+      << "(loss_id " << s.options.loss_id << "): an optimizer step inside the guard updates "
+      << "with gradients still multiplied by the loss scale and not checked for inf/NaN. Step "
+      << "after the guard has finished: C++ `{ auto scaled = amp::scale_loss(loss, optimizer); "
+      << "scaled.backward(); } optimizer.step();` (the braces end the guard; without them it "
+      << "lives past the step), Python `optimizer.step()` after the `with amp.scale_loss(...)` "
+      << "block, no optimizer stepped from a gradient hook during the backward. That update has "
+      << "already been applied; the gradients made inside the guard were dropped and the loss "
+      << "scale is unchanged.";
+  return msg.str();
+}
+
 void finish(ScaleLossState& s, bool unwinding) {
   if (s.finished) return;
   s.finished = true;
@@ -445,6 +494,10 @@ void finish(ScaleLossState& s, bool unwinding) {
   if (unwinding) {
     restore(s);
     return;
+  }
+  if (auto stepped = stepped_inside(s)) {
+    restore(s);  // as an unwinding guard: no check, no scale update
+    TORCH_CHECK(false, *stepped);
   }
   warn_if_the_scaled_loss_was_bypassed(s);
   warn_if_no_parameter_got_a_gradient(s);
@@ -533,7 +586,8 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params,
 }
 
 ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, ParamLabeler labels,
-                      ScaleLossOptions options, const char* owner_kind, DeviceSkip device_skip) {
+                      ScaleLossOptions options, const char* owner_kind, DeviceSkip device_skip,
+                      StepWitness step_witness) {
   std::shared_ptr<LossScaler> scaler_ptr = loss_scaler_ptr(options.loss_id);  // configured? id?
   TORCH_CHECK_VALUE(loss.defined(), "loss must be a defined tensor, got an undefined tensor");
   // Any shape, as Apex's `loss.float() * scale` and GradScaler.scale take: per-sample losses
@@ -597,6 +651,7 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
   s->scaler = scaler_ptr;
   s->options = options;
   s->device_skip = std::move(device_skip);
+  s->step_witness = std::move(step_witness);
   s->uncaught_at_entry = std::uncaught_exceptions();
 
   auto& b = book();
@@ -613,6 +668,13 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<at::Tensor> params, Pa
       s->live, s->backpropagated, s->accumulated, options.loss_id));
 
   s->fresh.assign(s->params.size(), false);
+  s->versions_at_entry.reserve(s->params.size());
+  for (const at::Tensor& p : s->params) {
+    // Frozen parameters are left out (an EMA codebook held as a parameter may be written in a
+    // forward run inside the guard; no step writes one), and inference tensors have no counter.
+    const bool tracked = p.requires_grad() && !p.is_inference();
+    s->versions_at_entry.push_back(tracked ? p._version() : ScaleLossState::kUntracked);
+  }
   {
     std::lock_guard<std::mutex> lock(b.mutex);
     refuse_live_params(b, *s, owner_kind);  // again: another thread's guard may have begun since
