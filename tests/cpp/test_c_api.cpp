@@ -145,6 +145,21 @@ struct Binding {
   OptimizerShim optimizer;
 };
 
+// A guard opened over one batch's loss (loss_id, no delay) with its backward run: what a binding
+// does between optamp_scale_loss_begin and optamp_scale_loss_finish.
+optamp_scaled_loss* backward_in_guard(Binding& binding, int loss_id = 0) {
+  const auto b = make_batches(1)[0];
+  at::Tensor loss = at::cross_entropy_loss(binding.net->forward(b.x, b.tag), b.y);
+  optamp_scaled_loss* guard = nullptr;
+  optamp_tensor* scaled = nullptr;
+  C_OK(optamp_scale_loss_begin(handle(loss), binding.optimizer.identity(), 1,
+                               binding.optimizer.params(), binding.optimizer.num_params(), loss_id,
+                               0, &guard, &scaled));
+  tensor(scaled).backward();
+  optamp_tensor_free(scaled);
+  return guard;
+}
+
 optamp_properties properties_struct() {
   optamp_properties p{};
   p.struct_size = sizeof(p);
@@ -647,20 +662,12 @@ TEST_F(CApi, AbandonRestoresTheGradientsFromBefore) {
   Binding binding{};
   auto& [net, opt, model, optimizer] = binding;
   binding.initialize("O1");
-  const auto b = make_batches(1)[0];
   std::vector<at::Tensor> before;
   for (auto& p : net->parameters()) {
     p.mutable_grad() = at::full_like(p, 0.25);
     before.push_back(p.grad());
   }
-  at::Tensor loss = at::cross_entropy_loss(net->forward(b.x, b.tag), b.y);
-  optamp_scaled_loss* guard = nullptr;
-  optamp_tensor* scaled = nullptr;
-  C_OK(optamp_scale_loss_begin(handle(loss), optimizer.identity(), 1, optimizer.params(),
-                               optimizer.num_params(), 0, 0, &guard, &scaled));
-  tensor(scaled).backward();
-  optamp_tensor_free(scaled);
-  C_OK(optamp_scale_loss_abandon(guard));
+  C_OK(optamp_scale_loss_abandon(backward_in_guard(binding)));
   const auto params = net->parameters();
   for (size_t i = 0; i < params.size(); ++i) {
     EXPECT_TRUE(params[i].grad().is_same(before[i])) << i;
@@ -676,14 +683,7 @@ TEST_F(CApi, FinishRefusesAGuardInsideWhichTheOptimizerStepped) {
   Binding binding{};
   auto& [net, opt, model, optimizer] = binding;
   binding.initialize("O1");
-  const auto b = make_batches(1)[0];
-  at::Tensor loss = at::cross_entropy_loss(net->forward(b.x, b.tag), b.y);
-  optamp_scaled_loss* guard = nullptr;
-  optamp_tensor* scaled = nullptr;
-  C_OK(optamp_scale_loss_begin(handle(loss), optimizer.identity(), 1, optimizer.params(),
-                               optimizer.num_params(), 0, 0, &guard, &scaled));
-  tensor(scaled).backward();
-  optamp_tensor_free(scaled);
+  optamp_scaled_loss* guard = backward_in_guard(binding);
   opt->step();
   int skipped = -1;
   const Failure f = failure(optamp_scale_loss_finish(guard, &skipped));
@@ -840,14 +840,7 @@ TEST_F(CApi, StateBytesRoundTripBitExactly) {
   const char* values[] = {"0", "2"};
   C_OK(optamp_initialize(model.get(), optimizer.get(), 1, "O1", keys, values, 2, nullptr));
   // Move the state off its start: an overflow on loss 1.
-  const auto b = make_batches(1)[0];
-  at::Tensor loss = at::cross_entropy_loss(net->forward(b.x, b.tag), b.y);
-  optamp_scaled_loss* guard = nullptr;
-  optamp_tensor* scaled = nullptr;
-  C_OK(optamp_scale_loss_begin(handle(loss), optimizer.identity(), 1, optimizer.params(),
-                               optimizer.num_params(), 1, 0, &guard, &scaled));
-  tensor(scaled).backward();
-  optamp_tensor_free(scaled);
+  optamp_scaled_loss* guard = backward_in_guard(binding, /*loss_id=*/1);
   net->parameters()[1].mutable_grad()[0] = std::numeric_limits<float>::quiet_NaN();
   C_OK(optamp_scale_loss_finish(guard, nullptr));
 
