@@ -85,9 +85,10 @@ core::StepWitness sgd_momentum_witness(const std::vector<torch::optim::Optimizer
     }
     Watched w{k, o, o->state().size(), {}};
     for (const auto& entry : o->state()) {
-      const at::Tensor& buffer =
-          static_cast<const torch::optim::SGDParamState&>(*entry.second).momentum_buffer();
-      if (buffer.defined()) w.buffers.emplace_back(buffer, buffer._version());
+      // dynamic_cast: a subclass of SGD may keep a state of its own.
+      const auto* state = dynamic_cast<const torch::optim::SGDParamState*>(entry.second.get());
+      if (state == nullptr || !state->momentum_buffer().defined()) continue;
+      w.buffers.emplace_back(state->momentum_buffer(), state->momentum_buffer()._version());
     }
     watched.push_back(std::move(w));
   }
