@@ -7,6 +7,7 @@
 #include <torch/optim/sgd.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "optamp/core.h"
@@ -65,6 +66,20 @@ core::DeviceSkip device_skip_of(const std::vector<torch::optim::Optimizer*>& opt
   };
 }
 
+// How many state entries an SGD holds and the sum of its momentum buffers' version counters:
+// either changes when it steps (a first step makes buffers, a later one updates them in place).
+std::pair<size_t, int64_t> sgd_state_stamp(const torch::optim::Optimizer& sgd) {
+  int64_t versions = 0;
+  for (const auto& entry : sgd.state()) {
+    // dynamic_cast: a subclass of SGD may keep a state of its own.
+    const auto* state = dynamic_cast<const torch::optim::SGDParamState*>(entry.second.get());
+    if (state != nullptr && state->momentum_buffer().defined()) {
+      versions += state->momentum_buffer()._version();
+    }
+  }
+  return {sgd.state().size(), versions};
+}
+
 // torch::optim::SGD writes its parameters through p.data(), which leaves their version counters
 // alone, so the guard sees its step inside it only through its state: momentum buffers made (a
 // first step) or updated in place. Without momentum it keeps none, and such a step stays unseen.
@@ -73,31 +88,20 @@ core::StepWitness sgd_momentum_witness(const std::vector<torch::optim::Optimizer
   struct Watched {
     size_t optimizer;
     const torch::optim::Optimizer* sgd;
-    size_t states;
-    std::vector<std::pair<at::Tensor, int64_t>> buffers;  // each with its version at entry
+    std::pair<size_t, int64_t> at_entry;
   };
   std::vector<Watched> watched;
   for (size_t k = 0; k < optimizers.size(); ++k) {
     const auto* o = optimizers[k];
-    if (dynamic_cast<const torch::optim::SGD*>(o) == nullptr ||
-        dynamic_cast<const DeviceSkippingOptimizer*>(o) != nullptr) {
-      continue;
+    if (dynamic_cast<const torch::optim::SGD*>(o) != nullptr &&
+        dynamic_cast<const DeviceSkippingOptimizer*>(o) == nullptr) {
+      watched.push_back({k, o, sgd_state_stamp(*o)});
     }
-    Watched w{k, o, o->state().size(), {}};
-    for (const auto& entry : o->state()) {
-      // dynamic_cast: a subclass of SGD may keep a state of its own.
-      const auto* state = dynamic_cast<const torch::optim::SGDParamState*>(entry.second.get());
-      if (state == nullptr || !state->momentum_buffer().defined()) continue;
-      w.buffers.emplace_back(state->momentum_buffer(), state->momentum_buffer()._version());
-    }
-    watched.push_back(std::move(w));
   }
   if (watched.empty()) return {};
   return [watched = std::move(watched)]() -> std::optional<std::string> {
     for (const auto& w : watched) {
-      bool changed = w.sgd->state().size() != w.states;
-      for (const auto& [buffer, version] : w.buffers) changed |= buffer._version() != version;
-      if (changed) {
+      if (sgd_state_stamp(*w.sgd) != w.at_entry) {
         return "optimizer " + std::to_string(w.optimizer) +
                " (torch::optim::SGD) made or updated momentum buffers, so it stepped,";
       }
